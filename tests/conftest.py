@@ -1,0 +1,9 @@
+"""Test configuration: strict dtype promotion and several fake CPU devices (set before any backend starts)."""
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 4)
+jax.config.update("jax_numpy_dtype_promotion", "strict")
