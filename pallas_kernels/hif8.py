@@ -1,0 +1,127 @@
+"""Fused scaled HiF8 fake-quant in one pass over `x`: Pallas twin of ``jaxlowfp.qat.scaled_round``.
+
+In float32, with one IEEE scalar division outside the kernel::
+
+    inv = 1 / scale
+    xs  = f32(x) * inv
+    y   = dtype_x( hif8.round(clip(xs, -c, c)) * scale )
+    amax = max |x|                 (NaN if any x is NaN)
+    saturated = #{ |xs| > c }      (+-Inf count, NaN does not)
+    nonfinite = #{ x is NaN or +-Inf }
+
+Each grid step handles ``block_size`` contiguous elements of the flattened `x`, writes its slice of `y`, and one
+partial amax / count per output; a tiny XLA reduction over the ``cdiv(n, block_size)`` partials finishes the job.
+The rounding is ``jaxlowfp.hif8.round`` itself (pure uint32 bit math, which lowers to Triton).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jaxlowfp import hif8
+from jaxlowfp._checks import float_input
+from pallas_kernels._common import (
+    MAX_BLOCK_ELEMENTS,
+    check_pow2,
+    compiler_params,
+    resolve_interpret,
+    valid_mask,
+)
+
+__all__ = ["scaled_fake_quant", "KERNEL", "DEFAULT_BLOCK", "DEFAULT_WARPS"]
+
+KERNEL = "hif8.scaled_fake_quant"
+DEFAULT_BLOCK = 8192  # elements per program on a GPU (bench/gpu_kernels.py sweeps this)
+DEFAULT_WARPS = 8
+
+
+def _clip(xs: jnp.ndarray, c: float) -> jnp.ndarray:
+    # Not jnp.clip: Triton's min/max are NaN-ignoring (clip(NaN) would give c); comparisons keep NaN as XLA does.
+    return jnp.where(xs > c, c, jnp.where(xs < -c, -c, xs))
+
+
+def _kernel(p_ref, x_ref, y_ref, amax_ref, sat_ref, nonfinite_ref, nan_ref, *, n: int, block: int, clip: float):
+    inv, scale = p_ref[0], p_ref[1]
+    x = x_ref[...].astype(jnp.float32)
+    xs = x * inv
+    y_ref[...] = (hif8.round(_clip(xs, clip)) * scale).astype(y_ref.dtype)
+    valid = valid_mask((block,), 0, block, n)  # the ragged last block holds padding (NaN in interpret mode)
+    nan = jnp.isnan(x)
+    # max over non-NaN values only (Triton's max ignores NaN anyway); NaN is re-inserted from the count outside.
+    amax_ref[...] = jnp.max(jnp.where(valid & ~nan, jnp.abs(x), 0.0)).reshape(1)
+    sat_ref[...] = jnp.sum((valid & (jnp.abs(xs) > clip)).astype(jnp.int32)).reshape(1)
+    nonfinite_ref[...] = jnp.sum((valid & ~jnp.isfinite(x)).astype(jnp.int32)).reshape(1)
+    nan_ref[...] = jnp.sum((valid & nan).astype(jnp.int32)).reshape(1)
+
+
+@functools.partial(jax.jit, static_argnames=("clip", "interpret", "block", "num_warps"))
+def _scaled_fake_quant(x, scale, *, clip: float, interpret: bool, block: int, num_warps: int):
+    n = x.size
+    grid = pl.cdiv(n, block)
+    params = jnp.stack([1.0 / scale, scale])  # the one IEEE division, in XLA (Triton's f32 `/` is approximate)
+    part = lambda dtype: jax.ShapeDtypeStruct((grid,), dtype)  # noqa: E731
+    part_spec = pl.BlockSpec((1,), lambda i: (i,))
+    y, amax, sat, nonfinite, nan = pl.pallas_call(
+        functools.partial(_kernel, n=n, block=block, clip=clip),
+        grid=(grid,),
+        in_specs=[pl.BlockSpec((2,), lambda i: (0,)), pl.BlockSpec((block,), lambda i: (i,))],
+        out_specs=[pl.BlockSpec((block,), lambda i: (i,))] + [part_spec] * 4,
+        out_shape=[jax.ShapeDtypeStruct((n,), x.dtype), part(jnp.float32)] + [part(jnp.int32)] * 3,
+        interpret=interpret,
+        compiler_params=compiler_params(interpret, num_warps),
+        name="hif8_scaled_fake_quant",
+    )(params, x.reshape(n))
+    amax = jnp.where(jnp.sum(nan) > 0, jnp.float32(jnp.nan), jnp.max(amax))
+    return y.reshape(x.shape), amax, jnp.sum(sat), jnp.sum(nonfinite)
+
+
+def scaled_fake_quant(
+    x,
+    scale,
+    clip: float = 15.0,
+    *,
+    interpret: bool | None = None,
+    block_size: int | None = None,
+    num_warps: int | None = None,
+):
+    """Scaled HiF8 quantize-dequantize of `x` with its amax and counters, in one pass (Pallas).
+
+    Args:
+      x: float32/bfloat16/float16 array of any shape (fewer than 2^31 elements).
+      scale: float32 scalar (decode scale, ``amax_estimate / target_max``); a Python float is taken as float32.
+      clip: the clip bound ``c`` applied to ``x / scale`` before rounding (``target_max``), a positive finite float.
+      interpret: True runs Pallas interpret mode (any backend), False the compiled Triton kernel; None picks
+        interpret mode when ``JAXLOWFP_PALLAS_INTERPRET=1``, else the compiled kernel on a supporting GPU, else
+        raises ``jaxlowfp.dispatch.PallasUnavailableError``.
+      block_size: elements per program, a power of two <= 2^20 (default 8192 compiled; interpret mode uses one
+        block up to 2^20 elements, since its cost grows with the number of grid steps).
+      num_warps: Triton warps per program (default 8; ignored in interpret mode).
+
+    Returns:
+      ``(y, amax, saturated_count, nonfinite_count)``: `y` in `x`'s dtype and shape, `amax` float32 (NaN if `x`
+      has a NaN), the counts int32.
+    """
+    x = float_input(x, "x")
+    if x.size == 0:
+        raise ValueError(f"x must have at least one element; got shape {x.shape}")
+    if x.size >= 2**31:
+        raise ValueError(f"x has {x.size} elements; the kernel indexes with int32 and supports fewer than 2^31")
+    if isinstance(scale, float):
+        scale = jnp.float32(scale)
+    scale = jnp.asarray(scale)
+    if scale.dtype != jnp.float32 or scale.size != 1:
+        raise TypeError(f"scale must be a float32 scalar; got dtype {scale.dtype} and shape {scale.shape}")
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not (0 < clip < math.inf):
+        raise ValueError(f"clip must be a positive finite number; got {clip!r}")
+    interpret = resolve_interpret(interpret, kernel=KERNEL)
+    if block_size is None:
+        block_size = min(pl.next_power_of_2(x.size), MAX_BLOCK_ELEMENTS) if interpret else DEFAULT_BLOCK
+    check_pow2(block_size, "block_size")
+    num_warps = DEFAULT_WARPS if num_warps is None else num_warps
+    return _scaled_fake_quant(
+        x, scale.reshape(()), clip=float(clip), interpret=interpret, block=block_size, num_warps=num_warps
+    )
