@@ -41,6 +41,7 @@ _SIGN = 0x80000000
 _ABS = 0x7FFFFFFF
 _BITS_49152 = (127 + 15) << 23 | 0x400000  # 1.5 * 2^15: first magnitude past the finite range
 _BITS_32768 = (127 + 15) << 23
+_BITS_40960 = (127 + 15) << 23 | 0x200000
 _BITS_2M22 = (127 - 22) << 23
 _BITS_INF = 0x7F800000
 _BITS_NAN = 0x7FC00000
@@ -72,17 +73,20 @@ def _round_ta_bits(mag: jnp.ndarray) -> jnp.ndarray:
 
 def _round_hybrid_bits(mag: jnp.ndarray) -> jnp.ndarray:
     """Hybrid ("HR", CAST_HYBRID) rounding of float32 magnitude bits: TA for |E| < 4, else the deterministic
-    pseudo-stochastic "SSR" that rounds up iff the top 14 discarded bits >= the low 14 bits (specs/hif8.md 6.2)."""
+    pseudo-stochastic "SSR" that rounds up iff the top 14 discarded bits >= the low 14 bits (specs/hif8.md 6.2).
+    Values with no discarded bits are exact and kept."""
     e = (mag >> 23).astype(jnp.int32) - 127
     frac = mag & _u32(0x7FFFFF)
     sh = (23 - _mantissa_bits(e)).astype(jnp.uint32)  # discarded bits: 21 / 22 / 23
     rem = frac & ((_u32(1) << sh) - _u32(1))
     f14 = rem >> (sh - _u32(14))
     t14 = rem & _u32(0x3FFF)
-    up = (f14 >= t14).astype(jnp.uint32)
+    # Read literally, "f14 >= t14" would also move exact values (rem == 0) up a code; nothing is discarded
+    # there, so they are kept as they are (no hardware trace was available to confirm either reading).
+    up = ((f14 >= t14) & (rem != _u32(0))).astype(jnp.uint32)
     ssr = (mag & ~((_u32(1) << sh) - _u32(1))) + (up << sh)  # a carry out of `keep` moves to the next binade
     # E = -23: keep is empty; the value rounds to 2^-22 or to zero.
-    up23 = ((frac >> _u32(10)) + _u32(8192)) >= (frac & _u32(0x3FFF))
+    up23 = ((frac >> _u32(10)) + _u32(8192)) >= (frac & _u32(0x3FFF))  # never exact: 2^-23 is not a code
     ssr = jnp.where(e == -23, jnp.where(up23, _u32(_BITS_2M22), _u32(0)), ssr)
     ssr = jnp.where(e < -23, _u32(0), ssr)
     return jnp.where(jnp.abs(e) < 4, _round_ta_bits(mag), ssr)
@@ -96,7 +100,8 @@ def _rounded_parts(x: jnp.ndarray, rounding: str):
     is_nan = mag > _u32(_BITS_INF)
     rounded = _round_hybrid_bits(mag) if rounding == "hybrid" else _round_ta_bits(mag)
     e = (mag >> 23).astype(jnp.int32) - 127
-    overflow = (e > 15) | (rounded >= _u32(_BITS_49152))  # includes +-Inf inputs
+    # |x| >= 40960 overflows in both modes (TA: it rounds to 49152, the Inf code's value); includes +-Inf inputs
+    overflow = (e > 15) | (rounded >= _u32(_BITS_49152)) | (mag >= _u32(_BITS_40960))
     return sign, rounded, is_nan, overflow
 
 
