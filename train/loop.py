@@ -1,0 +1,329 @@
+"""The training loop: one jit-compiled functional step, optax AdamW, QAT warmup, non-finite skipping, metrics.
+
+The NNX model is split once into ``graphdef`` and state pytrees (`split_model`)::
+
+    params  nnx.Param                    differentiated, updated by optax
+    qstate  jaxlowfp.nnx.AmaxState       amax histories of the quantized layers (delayed scaling)
+    rest    everything else              last QuantStats, observe-only flags, ...
+
+and the step is a pure function ``(TrainState, batch) -> (TrainState, metrics)``: it merges the model inside,
+switches the quantized layers to observe-only while ``warmup.observe_only(step)`` (a traced bool, so crossing the
+warmup boundary does not retrace), takes the loss and its gradient with respect to ``params`` only, applies the
+optax update and returns the new amax state. When the loss or any gradient is non-finite the step is skipped inside
+jit (`jnp.where`): params, optimizer state and amax state stay as they were and ``skipped`` counts it, so a NaN is
+never written to the state or to a checkpoint.
+
+`train(...)` drives the step: data stream, device mesh, checkpoints (`train.checkpoint`), ``metrics.jsonl``
+(one row a step) and a tqdm progress bar with loss, tokens/s and the largest saturated fraction.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from train import mesh as mesh_lib
+from train.checkpoint import Checkpointer
+
+__all__ = [
+    "TrainState",
+    "RunResult",
+    "StopTraining",
+    "split_model",
+    "make_schedule",
+    "make_optimizer",
+    "init_state",
+    "make_train_step",
+    "shard_state",
+    "train",
+]
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[[nnx.Module, jax.Array], tuple[jax.Array, Any]]
+
+
+class TrainState(NamedTuple):
+    """The functional training state (a pytree; the data position is kept beside it by `train`)."""
+
+    params: nnx.State  # nnx.Param leaves
+    qstate: nnx.State  # AmaxState leaves (amax histories)
+    rest: nnx.State  # the rest of the model state
+    opt_state: optax.OptState
+    step: jax.Array  # int32 []: batches consumed
+    skipped: jax.Array  # int32 []: non-finite steps skipped
+    rng: jax.Array  # uint32 [2]: PRNG key, split once a step
+
+
+class RunResult(NamedTuple):
+    """What `train` returns besides updating the model in place."""
+
+    state: TrainState
+    data_state: Any
+    losses: list[float]  # one per step run in this call (NaN for skipped steps)
+    wall_s: float  # wall time of this call, compile included
+    resumed_from: int | None  # checkpoint step this call started from
+    rows: list[dict[str, Any]]  # metrics rows written in this call
+
+
+class StopTraining(Exception):
+    """Raise from an `on_step` callback to stop cleanly (the state is not checkpointed)."""
+
+
+def _amax_filter() -> Any:
+    from jaxlowfp.nnx import AmaxState
+
+    return AmaxState
+
+
+def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State, nnx.State]:
+    """``(graphdef, params, qstate, rest)`` = ``nnx.split(model, nnx.Param, AmaxState, ...)``."""
+    return nnx.split(model, nnx.Param, _amax_filter(), ...)
+
+
+def make_schedule(lr: float, *, kind: str = "constant", total_steps: int = 1, warmup_steps: int = 0) -> optax.Schedule:
+    """``constant``: lr throughout (the paper's low LR for continued pretraining); ``cosine``: linear warmup over
+    `warmup_steps` to lr, then cosine decay to lr / 10 at `total_steps`."""
+    if kind == "constant":
+        return optax.constant_schedule(lr)
+    if kind == "cosine":
+        warm = min(warmup_steps, max(total_steps - 1, 0))
+        return optax.warmup_cosine_decay_schedule(0.0, lr, warm, max(total_steps, warm + 1), end_value=lr / 10)
+    raise ValueError(f"schedule kind={kind!r} is not supported; allowed: 'constant', 'cosine'")
+
+
+def make_optimizer(schedule: optax.Schedule, *, weight_decay: float = 0.1, grad_clip: float = 1.0,
+                   b1: float = 0.9, b2: float = 0.95) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW; weight decay on matrices only (not norms or biases)."""
+    parts = [optax.clip_by_global_norm(grad_clip)] if grad_clip > 0 else []
+    parts.append(optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay,
+                             mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
+    return optax.chain(*parts)
+
+
+def init_state(model: nnx.Module, tx: optax.GradientTransformation, *, seed: int = 0
+               ) -> tuple[nnx.GraphDef, TrainState]:
+    graphdef, params, qstate, rest = split_model(model)
+    return graphdef, TrainState(params=params, qstate=qstate, rest=rest, opt_state=tx.init(params),
+                                step=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32),
+                                rng=jax.random.PRNGKey(seed))
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *, loss_fn: LossFn,
+                    schedule: optax.Schedule, warmup: Any = None, stats_layer: str | None = None,
+                    ) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
+    """The pure step ``(state, batch) -> (state', metrics)`` (not jitted: `train` jits it).
+
+    `warmup` is a `jaxlowfp.qat.Warmup` (None: quantize from step 0). Metrics: loss, lr, observe_only, skipped,
+    finite, the max and mean saturated fraction over the quantized layers and, for `stats_layer`, its observed
+    amax and the amax estimate its scale came from.
+    """
+    amax_filter = _amax_filter()
+    from jaxlowfp.nnx import set_observe_only
+
+    def step_fn(state: TrainState, batch: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
+        observe = warmup.observe_only(state.step) if warmup is not None else jnp.bool_(False)
+
+        def loss_of(params: nnx.State) -> tuple[jax.Array, tuple[nnx.State, nnx.State]]:
+            model = nnx.merge(graphdef, params, state.qstate, state.rest)
+            set_observe_only(model, observe)
+            loss, _ = loss_fn(model, batch)
+            _, _, qstate, rest = nnx.split(model, nnx.Param, amax_filter, ...)
+            return loss, (qstate, rest)
+
+        (loss, (qstate, rest)), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        ok = jnp.isfinite(loss) & _all_finite(grads)
+
+        def pick(new: Any, old: Any) -> Any:
+            return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+        applied = state.step - state.skipped  # optax's own count: skipped steps do not advance the schedule
+        new = TrainState(
+            params=pick(params, state.params),
+            qstate=pick(qstate, state.qstate),
+            rest=pick(rest, state.rest),
+            opt_state=pick(opt_state, state.opt_state),
+            step=state.step + 1,
+            skipped=state.skipped + jnp.where(ok, 0, 1).astype(jnp.int32),
+            rng=jax.random.split(state.rng)[0],
+        )
+        metrics = {"loss": loss, "lr": jnp.asarray(schedule(applied), jnp.float32), "observe_only": observe,
+                   "skipped": new.skipped, "finite": ok}
+        metrics.update(quant_metrics(rest, stats_layer))
+        return new, metrics
+
+    return step_fn
+
+
+def quant_metrics(rest: nnx.State, layer: str | None) -> dict[str, jax.Array]:
+    """Saturation over all quantized layers and the amax telemetry of `layer`, from their last QuantStats."""
+    from jaxlowfp.nnx import QuantStatsState
+
+    sat, found = [], {}
+    for path, var in _iter_vars(rest, QuantStatsState):
+        stats = var.value if hasattr(var, "value") else var
+        for kind, s in _named_stats(stats):
+            sat.append(jnp.asarray(s.saturated_fraction, jnp.float32).reshape(()))
+            if layer is not None and path == layer and kind in ("x", "input", "act", "activation"):
+                found = {"amax": jnp.asarray(s.amax, jnp.float32).reshape(()),
+                         "amax_estimate": _estimate(s)}
+    out = {"max_saturated_fraction": jnp.max(jnp.stack(sat)) if sat else jnp.float32(0.0),
+           "mean_saturated_fraction": jnp.mean(jnp.stack(sat)) if sat else jnp.float32(0.0)}
+    out.update(found)
+    return out
+
+
+def _iter_vars(state: nnx.State, var_type: type) -> list[tuple[str, Any]]:
+    flat = nnx.to_flat_state(state) if hasattr(nnx, "to_flat_state") else state.flat_state()
+    return [("/".join(map(str, path[:-1])), v) for path, v in flat if isinstance(v, var_type)]
+
+
+def _named_stats(stats: Any) -> list[tuple[str, Any]]:
+    if hasattr(stats, "saturated_fraction"):
+        return [("x", stats)]
+    if isinstance(stats, dict):
+        return [(k, v) for k, v in stats.items() if hasattr(v, "saturated_fraction")]
+    if hasattr(stats, "_fields"):
+        return [(k, getattr(stats, k)) for k in stats._fields if hasattr(getattr(stats, k), "saturated_fraction")]
+    return []
+
+
+def _estimate(s: Any) -> jax.Array:
+    if hasattr(s, "amax_estimate"):
+        return jnp.asarray(s.amax_estimate, jnp.float32).reshape(())
+    return jnp.asarray(s.scale * s.target_max, jnp.float32).reshape(())
+
+
+def shard_state(state: TrainState, mesh: Mesh) -> TrainState:
+    """Params and optimizer moments over fsdp (where divisible), everything else replicated."""
+    rep = mesh_lib.replicated(mesh)
+    return TrainState(
+        params=mesh_lib.shard(state.params, mesh_lib.param_shardings(state.params, mesh)),
+        qstate=mesh_lib.shard(state.qstate, rep),
+        rest=mesh_lib.shard(state.rest, rep),
+        opt_state=mesh_lib.shard(state.opt_state, mesh_lib.param_shardings(state.opt_state, mesh)),
+        step=mesh_lib.shard(state.step, rep),
+        skipped=mesh_lib.shard(state.skipped, rep),
+        rng=mesh_lib.shard(state.rng, rep),
+    )
+
+
+def _rewrite_metrics(path: Path, keep_up_to: int | None) -> None:
+    """Drop rows logged after the checkpoint we resume from (they are redone), or all rows on a fresh run."""
+    if not path.exists():
+        return
+    rows = []
+    if keep_up_to is not None:
+        for line in path.read_text().splitlines():
+            if line.strip() and json.loads(line)["step"] <= keep_up_to:
+                rows.append(line)
+    path.write_text("".join(r + "\n" for r in rows))
+
+
+def _to_host(m: dict[str, jax.Array]) -> dict[str, Any]:
+    out = {}
+    for k, v in jax.device_get(m).items():
+        v = np.asarray(v)
+        out[k] = bool(v) if v.dtype == np.bool_ else (int(v) if np.issubdtype(v.dtype, np.integer) else float(v))
+    return out
+
+
+def train(model: nnx.Module, stream: Any, *, steps: int, tx: optax.GradientTransformation,
+          schedule: optax.Schedule, loss_fn: LossFn, out_dir: str | Path, warmup: Any = None,
+          stats_layer: str | None = None, mesh: Mesh | None = None, checkpoint_every: int = 50,
+          resume: bool = False, seed: int = 0, progress: bool = True, desc: str = "train",
+          on_step: Callable[[int, dict[str, Any]], None] | None = None, meta: dict[str, Any] | None = None,
+          ) -> RunResult:
+    """Train `model` (updated in place) for `steps` steps of `stream`, checkpointing to ``<out_dir>/ckpt``.
+
+    `stream` has ``init() -> data_state`` and ``next(data_state) -> (batch [B, T+1] int32, data_state)``.
+    ``resume=True`` continues from the latest checkpoint in `out_dir` (bit-identical to an uninterrupted run);
+    otherwise earlier checkpoints and metrics in `out_dir` are discarded. Rows go to ``<out_dir>/metrics.jsonl``.
+    """
+    t_start = time.perf_counter()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_dir, metrics_path = out_dir / "ckpt", out_dir / "metrics.jsonl"
+    if not resume and ckpt_dir.exists():
+        shutil.rmtree(ckpt_dir)
+    mesh = mesh if mesh is not None else mesh_lib.make_mesh(None)
+
+    graphdef, state = init_state(model, tx, seed=seed)
+    state = shard_state(state, mesh)
+    data_state = stream.init()
+    resumed_from = None
+    with Checkpointer(ckpt_dir) as ckpt:
+        if resume and ckpt.latest_step() is not None:
+            restored, _ = ckpt.restore({"train": state, "data": data_state})
+            state, data_state = restored["train"], restored["data"]
+            resumed_from = int(state.step)
+        _rewrite_metrics(metrics_path, resumed_from)
+
+        step_fn = jax.jit(make_train_step(graphdef, tx, loss_fn=loss_fn, schedule=schedule, warmup=warmup,
+                                          stats_layer=stats_layer), donate_argnums=0)
+        start = int(state.step)
+        losses: list[float] = []
+        rows: list[dict[str, Any]] = []
+        bar = _progress(progress, total=steps, initial=start, desc=desc)
+        try:
+            with metrics_path.open("a") as f:
+                t_last = time.perf_counter()
+                for step in range(start, steps):
+                    batch_np, data_state = stream.next(data_state)
+                    tokens = int(np.prod(np.shape(batch_np)[:1])) * (int(np.shape(batch_np)[1]) - 1)
+                    state, m = step_fn(state, mesh_lib.global_batch(np.asarray(batch_np), mesh))
+                    row = _to_host(m)
+                    now = time.perf_counter()
+                    row = {"step": step + 1, **row, "tokens_per_s": tokens / max(now - t_last, 1e-9),
+                           "time_s": now - t_start}
+                    t_last = now
+                    losses.append(row["loss"] if row["finite"] else float("nan"))
+                    rows.append(row)
+                    f.write(json.dumps(row) + "\n")
+                    f.flush()
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
+                                        sat=f"{row['max_saturated_fraction']:.2e}", refresh=False)
+                    if not row["finite"]:
+                        log.warning("step %d: non-finite loss or gradients, step skipped (%d so far)",
+                                    step + 1, row["skipped"])
+                    if on_step is not None:
+                        on_step(step + 1, row)
+                    if (step + 1) % checkpoint_every == 0 or step + 1 == steps:
+                        ckpt.save(step + 1, {"train": state, "data": data_state},
+                                  {"step": step + 1, "skipped": row["skipped"], **(meta or {})})
+        except StopTraining:
+            pass
+        finally:
+            if bar is not None:
+                bar.close()
+            nnx.update(model, state.params, state.qstate, state.rest)  # its old buffers were donated
+    return RunResult(state=state, data_state=data_state, losses=losses, wall_s=time.perf_counter() - t_start,
+                     resumed_from=resumed_from, rows=rows)
+
+
+def _progress(enabled: bool, **kw: Any) -> Any:
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(dynamic_ncols=True, leave=True, **kw)
