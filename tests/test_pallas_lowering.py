@@ -1,0 +1,114 @@
+"""Every Pallas kernel cross-lowers to a Triton call for sm_90 and sm_100 from this CPU; dispatch rules.
+
+Lowering needs no GPU and no data (``jax.ShapeDtypeStruct`` inputs at realistic sizes): the Pallas -> Triton
+lowering is told the target through an AbstractDevice (specs/pallas.md section 2). It catches unsupported
+primitives, non-power-of-two blocks and per-architecture limits; it does not run ptxas.
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxlowfp import dispatch
+from jaxlowfp.dispatch import INTERPRET_ENV, PallasUnavailableError
+from pallas_kernels import _common
+from pallas_kernels import hif8 as phif8
+
+SHAPES = [((8192, 8192), jnp.float32), ((8192, 8192), jnp.bfloat16), ((4096, 5120), jnp.bfloat16), ((4095, 5120), jnp.float32)]
+TARGETS = ["sm_90 (H100)", "sm_90 (H200)", "sm_100 (B200)"]
+_SCALAR = jax.ShapeDtypeStruct((), jnp.float32)
+
+
+def _hif8(shape, dtype):
+    fn = lambda x, s: phif8.scaled_fake_quant(x, s, 15.0, interpret=False)  # noqa: E731
+    n = shape[0] * shape[1]
+    return fn, (jax.ShapeDtypeStruct(shape, dtype), _SCALAR), -(-n // phif8.DEFAULT_BLOCK)
+
+
+KERNELS = {"hif8.scaled_fake_quant": _hif8}
+
+
+def _lower(kernel, shape, dtype, target):
+    fn, args, grid = KERNELS[kernel](shape, dtype)
+    try:
+        text = _common.lower_for_gpu(fn, *args, target=target)
+    except Exception as e:  # noqa: BLE001 - re-raised with the kernel and target named
+        pytest.fail(f"{kernel} failed to lower for {target} at {shape} {jnp.dtype(dtype).name}: {type(e).__name__}: {e}")
+    return text, grid
+
+
+def test_every_registered_kernel_has_a_lowering_case():
+    assert set(KERNELS) == set(dispatch.KERNELS), "add a lowering case for each kernel in jaxlowfp.dispatch.KERNELS"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("shape,dtype", SHAPES, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else None)
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_lowers_to_one_triton_call(kernel, shape, dtype, target):
+    text, grid = _lower(kernel, shape, dtype, target)
+    calls = text.count(_common.TRITON_CALL)
+    assert calls == 1, f"{kernel} for {target} at {shape}: expected 1 Triton call, found {calls}"
+    got_grid = re.search(r"grid_x = (\d+)", text)
+    assert got_grid and int(got_grid.group(1)) == grid, f"{kernel} for {target}: grid {got_grid and got_grid.group(1)}"
+
+
+def test_unknown_target_is_an_error():
+    with pytest.raises(ValueError, match="target='sm_75'.*allowed"):
+        _common.lower_for_gpu(lambda x: x, _SCALAR, target="sm_75")
+
+
+# ---- dispatch --------------------------------------------------------------------------------------------------
+
+
+def test_resolve_impl_on_cpu(monkeypatch):
+    monkeypatch.delenv(INTERPRET_ENV, raising=False)
+    k = "hif8.scaled_fake_quant"
+    assert dispatch.resolve_impl("xla", kernel=k) == "xla"
+    assert dispatch.resolve_impl("auto", kernel=k) == "xla"  # no GPU here: auto never picks interpret mode
+    assert dispatch.resolve_impl("pallas", kernel=k, interpret=True) == "pallas"
+    with pytest.raises(PallasUnavailableError, match=r"impl='pallas'.*hif8\.scaled_fake_quant.*'cpu'.*interpret"):
+        dispatch.resolve_impl("pallas", kernel=k)
+    monkeypatch.setenv(INTERPRET_ENV, "1")
+    assert dispatch.resolve_impl("pallas", kernel=k) == "pallas"
+    assert dispatch.resolve_interpret(None, kernel=k) is True
+    assert dispatch.resolve_impl("auto", kernel=k) == "xla"
+
+
+def test_resolve_impl_bad_arguments():
+    with pytest.raises(ValueError, match=r"impl='triton'.*allowed: 'auto', 'xla', 'pallas'"):
+        dispatch.resolve_impl("triton", kernel="hif8.scaled_fake_quant")
+    with pytest.raises(ValueError, match=r"kernel='nope'.*known kernels"):
+        dispatch.resolve_impl("xla", kernel="nope")
+    with pytest.raises(TypeError, match="interpret must be"):
+        dispatch.resolve_impl("pallas", kernel="hif8.scaled_fake_quant", interpret=1)
+
+
+class _FakeGpu:
+    platform = "gpu"
+
+    def __init__(self, kind, cc):
+        self.device_kind, self.compute_capability = kind, cc
+
+
+@pytest.mark.parametrize(
+    "kind,cc,ok,match",
+    [
+        ("NVIDIA H100 80GB HBM3", "9.0", True, "compute capability 9.0"),
+        ("NVIDIA B200", "10.0", True, "compute capability 10.0"),
+        ("Tesla V100-SXM2-16GB", "7.0", False, r"needs >= 8\.0"),
+        ("AMD Instinct MI300X", "gfx942", False, "NVIDIA only"),
+    ],
+)
+def test_capability_reasons(kind, cc, ok, match):
+    got_ok, reason = dispatch.pallas_capability("hif8.scaled_fake_quant", _FakeGpu(kind, cc))
+    assert got_ok is ok and re.search(match, reason), reason
+    cpu_ok, cpu_reason = dispatch.pallas_capability("hif8.scaled_fake_quant", jax.devices("cpu")[0])
+    assert not cpu_ok and "'cpu'" in cpu_reason
+
+
+def test_kernel_requirements_validated():
+    with pytest.raises(ValueError, match="min_compute_capability"):
+        dispatch.KernelRequirements(min_compute_capability=8.9, why="x")
