@@ -105,8 +105,9 @@ def test_batches_are_windows_of_a_per_epoch_permutation():
         batch, state = s.next(state)
         assert batch.shape == (4, L) and batch.dtype == np.int32
         for row in batch:  # each row is a contiguous slice of the token stream
-            st = int(np.flatnonzero(np.all(np.lib.stride_tricks.sliding_window_view(TOKENS, L) == row, axis=1))[0])
-            starts.append(st)
+            hits = np.flatnonzero(np.all(np.lib.stride_tricks.sliding_window_view(TOKENS, L) == row, axis=1))
+            assert hits.size == 1
+            starts.append(int(hits[0]))
     assert (int(state.epoch), int(state.index)) == (1, 0)
     offset = starts[0] % L
     # one epoch: distinct, non-overlapping windows at offset + k*L, in a shuffled (not sorted) order
