@@ -7,9 +7,11 @@ primitives, non-power-of-two blocks and per-architecture limits; it does not run
 from __future__ import annotations
 
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxlowfp import dispatch
@@ -112,3 +114,43 @@ def test_capability_reasons(kind, cc, ok, match):
 def test_kernel_requirements_validated():
     with pytest.raises(ValueError, match="min_compute_capability"):
         dispatch.KernelRequirements(min_compute_capability=8.9, why="x")
+
+
+# ---- bench/gpu_kernels.py: importable, refuses to fake numbers, its exactness check runs in interpret mode -------
+
+
+def _bench_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "gpu_kernels.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_check_exact_in_interpret_mode():
+    bench = _bench_module()
+    x = bench.make_input((24, 320), jnp.bfloat16)
+    cases = bench.all_cases(quick=True)
+    assert {c.kernel for c in cases} == set(dispatch.KERNELS)
+    for case in cases:
+        cfg = dict(case.configs[0])
+        if "block_size" in cfg:
+            cfg["block_size"] = 2048  # a few grid steps, not one per GPU-sized block
+        assert case.bytes_moved(x) > 0
+        mismatches, ties = bench.check_exact(case, x, cfg, interpret=True)
+        assert mismatches == 0, f"{case.name}: {mismatches} mismatches ({ties} near-ties) in interpret mode"
+    y = np.asarray(jnp.arange(6, dtype=jnp.float32))
+    assert bench.count_mismatches([y], [y]) == 0 and bench.count_mismatches([y], [y + 1]) == 6
+
+
+def test_bench_refuses_without_gpu(capsys):
+    bench = _bench_module()
+    results = bench.Path(bench.__file__).with_name("RESULTS.md")
+    before = results.read_text() if results.exists() else None
+    assert bench.main([]) == 2
+    assert "needs a GPU" in capsys.readouterr().err
+    assert (results.read_text() if results.exists() else None) == before
