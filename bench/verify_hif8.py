@@ -20,6 +20,7 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
+from _results import machine, write_section
 from jaxlowfp import hif8
 
 CHUNK = 1 << 24
@@ -59,7 +60,13 @@ def main() -> int:
         checked += x.size
     total += f32_bad
     print(f"float32: {checked} of {1 << 32} patterns checked, {f32_bad} mismatches")
-    print(f"TOTAL mismatches: {total}  ({time.time() - t0:.0f} s, jax {jax.__version__}, en_dtypes 0.0.4)")
+    summary = f"TOTAL mismatches: {total}  ({time.time() - t0:.0f} s, jax {jax.__version__}, en_dtypes 0.0.4)"
+    print(summary)
+    if checked == 1 << 32:
+        write_section("HiF8 exhaustive verification", (
+            f"`.venv/bin/python bench/verify_hif8.py` on {machine()}: `jaxlowfp.hif8.encode` (jit, saturate off) vs "
+            f"`en_dtypes.hifloat8` astype.\n\n- float32: all {checked} bit patterns, {f32_bad} mismatches\n"
+            f"- float16 and bfloat16: all 65536 patterns each, {total - f32_bad} mismatches\n- {summary}"))
     return 1 if total else 0
 
 
