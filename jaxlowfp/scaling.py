@@ -1,0 +1,395 @@
+"""Per-tensor scale estimation as explicit functional state, in the style of optax.
+
+A scaling object is static, hashable configuration; its state is an :class:`AmaxHistory` pytree that goes into and
+comes out of every training step. At step ``t`` with tensor amax ``a_t``::
+
+    est_t   = algorithm(a_0 .. a_{t-1}) * 2**margin      # only amaxes recorded *before* t (one-step delay)
+    est_t   = a_t * 2**margin                            # ... while nothing has been recorded yet
+    scale_t = est_t / target_max                         # dequant multiplier (x ~= q * scale); 1 if est_t is 0/NaN/Inf
+    state'  = record(state, a_t)                         # after use; a non-finite a_t is counted, not recorded
+
+Algorithms (``DelayedScaling.algorithm``), over the recorded amaxes ``a_0 .. a_{c-1}``:
+
+- ``"most_recent"``: ``a_{c-1}``. Clips whenever the amax grows from one step to the next.
+- ``"max_window"``: ``max(a_{c-L} .. a_{c-1})`` with ``L = history_len`` (the Max-Window paper: L = 64). Transformer
+  Engine and Flax call this "max" over their ``amax_history_len`` buffer.
+- ``"max"``: ``max(a_0 .. a_{c-1})``, everything ever recorded (an unbounded window). Never clips a value seen
+  before, but one early spike pins the scale for the rest of training and pushes small values into underflow.
+- ``"ema"``: ``e_0 = a_0``, ``e_k = d * e_{k-1} + (1 - d) * a_k`` with ``d = ema_decay``. Lags both ways, so a
+  non-monotonic amax is clipped on every rise.
+
+``CurrentScaling`` estimates from the tensor itself (``est_t = a_t``): no delay, no clipping by the scale, but the
+scale moves with every batch and costs a reduction over the tensor before quantizing.
+
+:func:`merge` combines the states of microbatches or replicas that ran the same step from the same state: slot by
+slot maximum of the ring buffers, so the merged history is what one step over the whole batch would have recorded.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxlowfp._checks import one_of
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "ALGORITHMS",
+    "AmaxHistory",
+    "DelayedScaling",
+    "CurrentScaling",
+    "Scaling",
+    "merge",
+    "merge_across",
+    "check_version",
+    "ieee_div",
+]
+
+SCHEMA_VERSION = 1
+ALGORITHMS = ("most_recent", "max_window", "max", "ema")
+Algorithm = Literal["most_recent", "max_window", "max", "ema"]
+
+
+class AmaxHistory(NamedTuple):
+    """Scale state of one tensor (an ordinary pytree; orbax saves it as is).
+
+    Attributes:
+      history: f32[history_len] ring buffer of recorded amaxes; the amax recorded as the k-th (0-based) sits in
+        slot ``k % history_len``. Slots not yet written hold 0.
+      count: i32[] number of amaxes recorded so far.
+      estimate: f32[] the amax estimate used by the last step (margin included); 0 before the first step.
+      nonfinite: i32[] number of steps whose amax was NaN or +-Inf (those are not recorded).
+      version: i32[] schema version, :data:`SCHEMA_VERSION`.
+      peak: f32[] maximum of every amax ever recorded (the ``"max"`` algorithm).
+      ema: f32[] exponential moving average of the recorded amaxes (the ``"ema"`` algorithm).
+    """
+
+    history: jax.Array
+    count: jax.Array
+    estimate: jax.Array
+    nonfinite: jax.Array
+    version: jax.Array
+    peak: jax.Array
+    ema: jax.Array
+
+
+def _init_state(history_len: int) -> AmaxHistory:
+    zero = jnp.zeros((), jnp.float32)
+    return AmaxHistory(
+        history=jnp.zeros((history_len,), jnp.float32),
+        count=jnp.zeros((), jnp.int32),
+        estimate=zero,
+        nonfinite=jnp.zeros((), jnp.int32),
+        version=jnp.asarray(SCHEMA_VERSION, jnp.int32),
+        peak=zero,
+        ema=zero,
+    )
+
+
+def _as_amax(x_amax: Any) -> jax.Array:
+    a = jnp.asarray(x_amax)
+    if a.shape != ():
+        raise ValueError(f"x_amax must be a scalar (the tensor's max |x|); got shape {a.shape}")
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+        raise TypeError(f"x_amax must be a floating scalar; got dtype {a.dtype}")
+    return a.astype(jnp.float32)
+
+
+def _check_state(state: AmaxHistory, history_len: int, owner: str) -> None:
+    if not isinstance(state, AmaxHistory):
+        raise TypeError(f"state must be an AmaxHistory (from {owner}.init()); got {type(state).__name__}")
+    if state.history.shape != (history_len,):
+        raise ValueError(
+            f"state.history has shape {state.history.shape}, but {owner} has history_len={history_len}; "
+            f"build the state with this object's init()"
+        )
+
+
+def _record(state: AmaxHistory, a: jax.Array, estimate: jax.Array, ema_decay: float) -> AmaxHistory:
+    """Record amax `a` (skipped and counted if non-finite) and remember `estimate` as the one used."""
+    finite = jnp.isfinite(a)
+    n = state.history.shape[0]
+    written = lax.dynamic_update_index_in_dim(state.history, a, state.count % n, 0)
+    first = state.count == 0
+    ema = jnp.where(first, a, ema_decay * state.ema + (1.0 - ema_decay) * a)
+    return AmaxHistory(
+        history=jnp.where(finite, written, state.history),
+        count=state.count + finite.astype(jnp.int32),
+        estimate=estimate,
+        nonfinite=state.nonfinite + (~finite).astype(jnp.int32),
+        version=state.version,
+        peak=jnp.where(finite, jnp.maximum(state.peak, a), state.peak),
+        ema=jnp.where(finite, ema, state.ema),
+    )
+
+
+@jax.custom_batching.custom_vmap
+def _div_barrier(a: jax.Array, b: jax.Array) -> jax.Array:
+    a, b = jnp.broadcast_arrays(a, b)
+    return a / lax.optimization_barrier(b)
+
+
+@_div_barrier.def_vmap
+def _div_barrier_vmap(axis_size, in_batched, a, b):
+    a_batched, b_batched = in_batched
+    if not a_batched:
+        a = jnp.broadcast_to(a, (axis_size,) + a.shape)
+    if not b_batched:
+        b = jnp.broadcast_to(b, (axis_size,) + b.shape)
+    return _div_barrier(a, b), True
+
+
+def ieee_div(a: Any, b: Any) -> jax.Array:
+    """Correctly rounded float32 ``a / b`` under ``jit`` and ``vmap`` (no gradient).
+
+    XLA rewrites division by a constant (or a broadcast value) into multiplication by its reciprocal, which differs
+    from IEEE division in the last bit for ~1/3 of inputs (specs/nvfp4.md section 8). The divisor is hidden behind
+    an ``optimization_barrier`` at its full, batched shape, which blocks the rewrite.
+    """
+    a = lax.stop_gradient(jnp.asarray(a, jnp.float32))
+    b = lax.stop_gradient(jnp.asarray(b, jnp.float32))
+    return _div_barrier(a, b)
+
+
+def _positive_finite(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{what} must be a positive finite number; got {value!r} ({type(value).__name__})")
+    if not (0 < float(value) < math.inf):
+        raise ValueError(f"{what} must be a positive finite number; got {value!r}")
+    return float(value)
+
+
+def _guarded_scale(amax_est: Any, target_max: float) -> jax.Array:
+    est = jnp.asarray(amax_est).astype(jnp.float32)
+    ok = jnp.isfinite(est) & (est > 0)
+    # The divisor of the guarded-out branch is irrelevant; keep it finite so no NaN is ever computed.
+    return jnp.where(ok, ieee_div(jnp.where(ok, est, 1.0), target_max), jnp.float32(1.0))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DelayedScaling:
+    """Delayed per-tensor scaling: the scale of step t comes from amaxes recorded at steps < t.
+
+    Attributes:
+      algorithm: "most_recent", "max_window", "max" or "ema" (see the module docstring).
+      history_len: ring-buffer length L (the window of "max_window"; "max" and "ema" keep their own running
+        value and use the buffer only for telemetry). Default 64, the Max-Window paper's.
+      target_max: the value the estimate maps to: ``scale = estimate / target_max`` (15 for HiF8 activations).
+      margin: the estimate is multiplied by ``2**margin`` (>= 0; headroom against growth).
+      ema_decay: d in (0, 1) for "ema".
+
+    >>> s = DelayedScaling(algorithm="max_window", history_len=2, target_max=15.0)
+    >>> st = s.init()
+    >>> for a in (1.0, 4.0, 2.0):
+    ...     st = s.update(st, a)
+    >>> float(s.amax_estimate(st, 3.0))  # max of the last two recorded: 4 and 2
+    4.0
+    """
+
+    algorithm: Algorithm = "max_window"
+    history_len: int = 64
+    target_max: float
+    margin: float = 0.0
+    ema_decay: float = 0.9
+
+    def __post_init__(self) -> None:
+        one_of(self.algorithm, ALGORITHMS, "algorithm")
+        if isinstance(self.history_len, bool) or not isinstance(self.history_len, (int, np.integer)):
+            raise TypeError(f"history_len must be an int >= 1; got {self.history_len!r}")
+        if self.history_len < 1:
+            raise ValueError(f"history_len must be >= 1; got {self.history_len}")
+        object.__setattr__(self, "history_len", int(self.history_len))
+        object.__setattr__(self, "target_max", _positive_finite(self.target_max, "target_max"))
+        if isinstance(self.margin, bool) or not isinstance(self.margin, (int, float, np.integer, np.floating)):
+            raise TypeError(f"margin must be a number >= 0; got {self.margin!r}")
+        if not (0 <= float(self.margin) < math.inf):
+            raise ValueError(f"margin must be finite and >= 0 (the estimate is multiplied by 2**margin); got "
+                             f"{self.margin!r}")
+        object.__setattr__(self, "margin", float(self.margin))
+        if isinstance(self.ema_decay, bool) or not isinstance(self.ema_decay, (int, float, np.floating)):
+            raise TypeError(f"ema_decay must be a number in (0, 1); got {self.ema_decay!r}")
+        if not (0.0 < float(self.ema_decay) < 1.0):
+            raise ValueError(f"ema_decay must be in the open interval (0, 1); got {self.ema_decay!r}")
+        object.__setattr__(self, "ema_decay", float(self.ema_decay))
+
+    def init(self) -> AmaxHistory:
+        """Empty state: nothing recorded, so the first step falls back to the current amax."""
+        return _init_state(self.history_len)
+
+    def amax_estimate(self, state: AmaxHistory, x_amax: Any) -> jax.Array:
+        """f32[] estimate for this step from amaxes recorded before it; `x_amax` (this step's) if none yet."""
+        _check_state(state, self.history_len, "DelayedScaling")
+        a = _as_amax(x_amax)
+        c, n = state.count, self.history_len
+        if self.algorithm == "most_recent":
+            est = state.history[(c - 1) % n]
+        elif self.algorithm == "max_window":
+            est = jnp.max(jnp.where(jnp.arange(n) < c, state.history, -jnp.inf))
+        elif self.algorithm == "max":
+            est = state.peak
+        else:
+            est = state.ema
+        est = jnp.where(c > 0, est, a)
+        return est * (2.0**self.margin) if self.margin else est
+
+    def update(self, state: AmaxHistory, x_amax: Any) -> AmaxHistory:
+        """Record this step's amax (after use). A NaN/Inf amax is not recorded; ``nonfinite`` counts it."""
+        est = self.amax_estimate(state, x_amax)
+        return _record(state, _as_amax(x_amax), est, self.ema_decay)
+
+    def scale(self, amax_est: Any) -> jax.Array:
+        """Dequant multiplier ``amax_est / target_max`` (IEEE division); 1 when the estimate is 0, NaN or Inf."""
+        return _guarded_scale(amax_est, self.target_max)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CurrentScaling:
+    """Current (just-in-time) scaling: the estimate is the amax of the tensor being quantized.
+
+    The state keeps the last finite amax (``history_len`` 1), the step count and the non-finite count, so the
+    same telemetry and :func:`merge` work as for :class:`DelayedScaling`.
+    """
+
+    target_max: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_max", _positive_finite(self.target_max, "target_max"))
+
+    @property
+    def history_len(self) -> int:
+        return 1
+
+    def init(self) -> AmaxHistory:
+        return _init_state(1)
+
+    def amax_estimate(self, state: AmaxHistory, x_amax: Any) -> jax.Array:
+        """`x_amax` itself (as float32)."""
+        _check_state(state, 1, "CurrentScaling")
+        return _as_amax(x_amax)
+
+    def update(self, state: AmaxHistory, x_amax: Any) -> AmaxHistory:
+        a = _as_amax(x_amax)
+        _check_state(state, 1, "CurrentScaling")
+        return _record(state, a, a, 0.0)
+
+    def scale(self, amax_est: Any) -> jax.Array:
+        """Dequant multiplier ``amax_est / target_max`` (IEEE division); 1 when the estimate is 0, NaN or Inf."""
+        return _guarded_scale(amax_est, self.target_max)
+
+
+Scaling = DelayedScaling | CurrentScaling
+
+
+def _is_history(x: Any) -> bool:
+    return isinstance(x, AmaxHistory)
+
+
+def _merge_stacked(s: AmaxHistory) -> AmaxHistory:
+    """Merge one AmaxHistory whose leaves carry a leading replica axis R."""
+    if s.count.ndim != 1 or s.history.ndim != 2:
+        raise ValueError(
+            f"merge expects states stacked along a leading axis (history [R, L], count [R]); got history "
+            f"{s.history.shape} and count {s.count.shape}"
+        )
+    n = s.history.shape[1]
+    c_max = jnp.max(s.count)
+    # Slot k of replica r holds recorded index j = the largest j < count_r with j = k (mod n). A replica that
+    # recorded fewer steps (a non-finite amax) still holds index j - n there, older than the merged window
+    # [c_max - n, c_max): mask it, so it cannot leak into the merged window.
+    k = jnp.arange(n, dtype=jnp.int32)
+    c = s.count[:, None]
+    j = c - 1 - jnp.mod(c - 1 - k[None, :], n)
+    valid = (j >= 0) & (j >= c_max - n)
+    history = jnp.max(jnp.where(valid, s.history, 0.0), axis=0)
+    latest = s.count == c_max  # replicas that recorded the newest step carry the up-to-date EMA
+    return AmaxHistory(
+        history=history,
+        count=c_max,
+        estimate=jnp.max(s.estimate),
+        nonfinite=jnp.max(s.nonfinite),
+        version=jnp.max(s.version),
+        peak=jnp.max(s.peak),
+        ema=jnp.max(jnp.where(latest, s.ema, -jnp.inf)),
+    )
+
+
+def merge(states: Sequence[Any] | Any) -> Any:
+    """Combine the scale states of microbatches or replicas that each ran the same step from the same state.
+
+    `states` is a list/tuple of identical pytrees (an :class:`AmaxHistory`, a ``RecipeState``, a model's whole
+    state; ``None`` leaves stay ``None``), or one such pytree whose array leaves carry a leading replica axis (the
+    output of ``vmap``/``lax.scan``). Every :class:`AmaxHistory` in it merges by maximum:
+
+    - ``history``: slot by slot max of the aligned ring buffers; a replica that skipped a non-finite amax (so
+      recorded fewer steps) contributes only the slots it actually wrote inside the merged window;
+    - ``count``: the max (replicas that recorded the step all have count + 1);
+    - ``peak``, ``estimate``: the max; ``ema``: the max over the replicas with the highest count (since the EMA is
+      increasing in the new amax, that is the EMA of the max amax);
+    - ``nonfinite``: the max (> 0 iff some replica saw a non-finite amax; a lower bound on the steps that did).
+
+    Merging is idempotent: ``merge([s, s]) == s``.
+    """
+    if isinstance(states, list) or type(states) is tuple:
+        if not states:
+            raise ValueError("merge needs at least one state; got an empty sequence")
+        struct = jax.tree.structure(states[0], is_leaf=_is_history)
+        for i, s in enumerate(states[1:], 1):
+            if jax.tree.structure(s, is_leaf=_is_history) != struct:
+                raise ValueError(f"merge: state {i} has a different pytree structure from state 0")
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+    else:
+        stacked = states
+
+    def one(s):
+        return _merge_stacked(s) if isinstance(s, AmaxHistory) else s
+
+    return jax.tree.map(one, stacked, is_leaf=_is_history)
+
+
+def merge_across(states: Any, axis_name: Any) -> Any:
+    """:func:`merge` over a named mapped axis (inside ``shard_map``/``pmap``/``vmap`` with ``axis_name``).
+
+    Every replica gets the merged state; same rules as :func:`merge`.
+    """
+
+    def one(s):
+        if not isinstance(s, AmaxHistory):
+            return s
+        n = s.history.shape[-1]
+        c_max = lax.pmax(s.count, axis_name)
+        k = jnp.arange(n, dtype=jnp.int32)
+        j = s.count - 1 - jnp.mod(s.count - 1 - k, n)
+        valid = (j >= 0) & (j >= c_max - n)
+        return AmaxHistory(
+            history=lax.pmax(jnp.where(valid, s.history, 0.0), axis_name),
+            count=c_max,
+            estimate=lax.pmax(s.estimate, axis_name),
+            nonfinite=lax.pmax(s.nonfinite, axis_name),
+            version=lax.pmax(s.version, axis_name),
+            peak=lax.pmax(s.peak, axis_name),
+            ema=lax.pmax(jnp.where(s.count == c_max, s.ema, -jnp.inf), axis_name),
+        )
+
+    return jax.tree.map(one, states, is_leaf=_is_history)
+
+
+def check_version(states: Any) -> Any:
+    """Raise ValueError if any (concrete) :class:`AmaxHistory` in `states` has another schema version.
+
+    Call it on a restored checkpoint; returns `states` unchanged.
+    """
+    for s in jax.tree.leaves(states, is_leaf=_is_history):
+        if isinstance(s, AmaxHistory):
+            v = np.asarray(s.version)
+            if np.any(v != SCHEMA_VERSION):
+                raise ValueError(
+                    f"AmaxHistory schema version {np.unique(v).tolist()} found; this jaxlowfp reads version "
+                    f"{SCHEMA_VERSION}"
+                )
+    return states
