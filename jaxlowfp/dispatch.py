@@ -61,6 +61,8 @@ class KernelRequirements:
 _TRITON_MIN = KernelRequirements(min_compute_capability=80, why="Pallas-Triton needs compute capability >= 8.0")
 KERNELS: dict[str, KernelRequirements] = {
     "hif8.scaled_fake_quant": _TRITON_MIN,
+    "nvfp4.quantize": _TRITON_MIN,
+    "nvfp4.fake_quantize": _TRITON_MIN,
 }
 
 

@@ -31,6 +31,7 @@ MAX_BLOCK_ELEMENTS = 1 << 20  # Triton's cap on the element count of one tensor
 
 # Targets for cross-lowering from a host without a GPU: name -> (device_kind, SM count).
 GPU_TARGETS: dict[str, tuple[str, int]] = {
+    "sm_80 (A100)": ("NVIDIA A100-SXM4-80GB", 108),
     "sm_90 (H100)": ("NVIDIA H100 80GB HBM3", 132),
     "sm_90 (H200)": ("NVIDIA H200", 132),
     "sm_100 (B200)": ("NVIDIA B200", 148),
