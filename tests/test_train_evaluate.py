@@ -80,8 +80,13 @@ def test_loss_ape_by_hand():
     assert loss_ape([2.5], [2.5]) == 0.0
     with pytest.raises(ValueError, match="aligned"):
         loss_ape([1.0, 2.0], [1.0])
-    with pytest.raises(ValueError, match="finite"):
-        loss_ape([float("nan")], [1.0])
+    with pytest.raises(ValueError, match=r"1 non-finite step\(s\); pass nonfinite='skip'"):
+        loss_ape([float("nan"), 1.0], [1.0, 1.0])
+    assert loss_ape([float("nan"), 1.5, 2.0], [1.0, 1.0, float("inf")], nonfinite="skip") == pytest.approx(50.0)
+    with pytest.raises(ValueError, match="no step where both"):
+        loss_ape([float("nan")], [1.0], nonfinite="skip")
+    with pytest.raises(ValueError, match="nonfinite='drop' is not supported"):
+        loss_ape([1.0], [1.0], nonfinite="drop")
     with pytest.raises(ValueError, match="baseline loss is 0"):
         loss_ape([1.0], [0.0])
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxlowfp._checks import one_of
 from train.data import DOC_SEP, eval_batches
 from train.model import token_log_likelihood
 
@@ -172,18 +173,34 @@ def score_choices(model: nnx.Module, task: ChoiceTask, *, batch_size: int = 64) 
     return {"acc": float(acc), "acc_norm": float(acc_norm)}
 
 
-def loss_ape(qat_losses: Sequence[float] | np.ndarray, baseline_losses: Sequence[float] | np.ndarray) -> float:
+def loss_ape(
+    qat_losses: Sequence[float] | np.ndarray,
+    baseline_losses: Sequence[float] | np.ndarray,
+    *,
+    nonfinite: str = "raise",
+) -> float:
     """Loss APE in percent: the mean absolute percentage error of a QAT loss curve against its baseline.
 
     ``APE = 100 / T * sum_t |L_qat(t) - L_base(t)| / |L_base(t)|`` over the T aligned steps
     (same data order, so step t saw the same batch in both runs).
+
+    ``nonfinite="raise"`` refuses curves with NaN/Inf (a skipped step); ``"skip"`` leaves out the steps where
+    either curve is non-finite (report how many were skipped next to the number).
     """
+    one_of(nonfinite, ("raise", "skip"), "nonfinite")
     q = np.asarray(qat_losses, np.float64)
     b = np.asarray(baseline_losses, np.float64)
     if q.ndim != 1 or b.ndim != 1 or q.shape != b.shape or q.size == 0:
         raise ValueError(f"loss curves must be non-empty 1-D and aligned; got shapes {q.shape} and {b.shape}")
-    if not (np.isfinite(q).all() and np.isfinite(b).all()):
-        raise ValueError("loss curves must be finite; drop or report non-finite steps before computing APE")
+    ok = np.isfinite(q) & np.isfinite(b)
+    if not ok.all():
+        if nonfinite == "raise":
+            raise ValueError(
+                f"loss curves have {int((~ok).sum())} non-finite step(s); pass nonfinite='skip' to leave them out"
+            )
+        if not ok.any():
+            raise ValueError("loss curves have no step where both losses are finite")
+        q, b = q[ok], b[ok]
     if np.any(b == 0):
         raise ValueError("baseline loss is 0 at some step; APE is undefined there")
     return float(100.0 * np.mean(np.abs(q - b) / np.abs(b)))
