@@ -1,0 +1,479 @@
+"""jaxlowfp.qat: fake-quant against independent casts (en_dtypes, ml_dtypes), STE gradients, telemetry, recipes,
+quantized matmuls (forward, backward, gradient quantization, NVFP4 re-quantization), warmup."""
+import dataclasses
+
+import chex
+import en_dtypes
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+from jax import lax
+
+from jaxlowfp import nvfp4, qat, scaling
+from jaxlowfp.qat import QuantSpec, Recipe
+from jaxlowfp.scaling import CurrentScaling, DelayedScaling
+
+CAST = {"hif8": en_dtypes.hifloat8, "e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
+FMT_MAX = {"hif8": 32768.0, "e4m3": 448.0, "e5m2": 57344.0}
+NP_DTYPE = {jnp.float32: np.float32, jnp.bfloat16: ml_dtypes.bfloat16, jnp.float16: np.float16}
+LINEAR = (((1,), (0,)), ((), ()))
+
+
+def ref_scaled_round(x, scale, clip, fmt):
+    """Independent numpy float32 reference of the fixed form, rounding by the oracle casts."""
+    x = np.asarray(x)
+    scale = np.float32(scale)
+    xs = x.astype(np.float32) * (np.float32(1.0) / scale)
+    q = np.clip(xs, -clip, clip).astype(CAST[fmt]).astype(np.float32)
+    with np.errstate(over="ignore"):  # float16 overflows to Inf, as the code under test does
+        y = (q * scale).astype(x.dtype)
+    return y, int(np.sum(np.abs(xs) > clip))
+
+
+def bits(a):
+    a = np.asarray(a)
+    return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def heavy_tailed(seed, shape, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_t(3, shape).astype(np.float32) * 3.0
+    return jnp.asarray(x).astype(dtype)
+
+
+def ref_quantize_current(x, spec):
+    """Per-tensor current-scaling quantization of a numpy array, written from the spec."""
+    amax = np.float32(np.max(np.abs(np.asarray(x, np.float32))))
+    scale = amax / np.float32(spec.scaling.target_max) if amax > 0 else np.float32(1)
+    return ref_scaled_round(x, scale, spec.clip_bound, spec.format)[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# scaled_round and fake_quant values
+
+
+@pytest.mark.parametrize("fmt", ["hif8", "e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_scaled_round_matches_oracle_casts_under_jit(fmt, dtype):
+    x = heavy_tailed(0, (2048,), dtype)
+    specials = jnp.array([0.0, -0.0, 1e-7, -3e-6, 60.0, -1000.0, np.nan, np.inf, -np.inf], dtype)
+    x = jnp.concatenate([x, specials])
+    for est, clip in ((17.3, 15.0), (50.0, FMT_MAX[fmt]), (0.37, 15.0)):
+        scale = np.float32(est) / np.float32(15.0)
+        y, n_sat = jax.jit(qat.scaled_round, static_argnums=(2, 3))(x, jnp.float32(scale), clip, fmt)
+        y_ref, n_ref = ref_scaled_round(x, scale, clip, fmt)
+        assert y.dtype == x.dtype
+        np.testing.assert_array_equal(bits(y), bits(y_ref))
+        assert int(n_sat) == n_ref
+        y_eager, _ = qat.scaled_round(x, jnp.float32(scale), clip, fmt)
+        np.testing.assert_array_equal(bits(y_eager), bits(y_ref))
+
+
+def test_fake_quant_uses_delayed_estimate_and_records_after_use():
+    spec = QuantSpec(format="hif8", scaling=DelayedScaling(algorithm="max_window", history_len=4, target_max=15.0))
+    st = spec.init()
+    x0 = heavy_tailed(1, (512,))
+    y0, st, s0 = jax.jit(qat.fake_quant, static_argnums=2)(x0, st, spec)
+    amax0 = np.float32(np.max(np.abs(np.asarray(x0))))
+    assert float(s0.amax) == float(s0.amax_estimate) == amax0  # first step: falls back to its own amax
+    x1 = x0 * 3.0
+    y1, st, s1 = jax.jit(qat.fake_quant, static_argnums=2)(x1, st, spec)
+    scale = amax0 / np.float32(15.0)  # the scale comes from step 0, not from x1
+    assert float(s1.scale) == scale and float(s1.amax_estimate) == amax0
+    y_ref, n_sat = ref_scaled_round(x1, scale, 15.0, "hif8")
+    np.testing.assert_array_equal(bits(y1), bits(y_ref))
+    assert float(s1.saturated_fraction) == np.float32(n_sat) / np.float32(512) and n_sat > 0
+    assert int(st.count) == 2 and float(st.history[1]) == float(3.0 * amax0)
+
+
+def test_saturated_and_underflow_fractions_equal_hand_count():
+    # est 30 -> scale 30 / 15 = 2 exactly. |x| / 2 > 15 for 31, -40, 1e3 and +Inf (NaN is not counted): 4 of 12.
+    # Nonzero values that round to 0: 1e-7 / 2 = 5e-8 < 2^-23 (HiF8's smallest nonzero result is 2^-22): 2 of 12.
+    x = jnp.array([31.0, -40.0, 1e3, np.inf, np.nan, 30.0, -30.0, 0.0, 1e-7, -1e-7, 1.0, 2.5], jnp.float32)
+    spec = QuantSpec(format="hif8", scaling=DelayedScaling(target_max=15.0))
+    st = spec.scaling.update(spec.init(), jnp.float32(30.0))
+    fq = jax.jit(qat.fake_quant, static_argnums=2)
+    y, st2, stats = fq(x, st, spec)
+    assert float(stats.scale) == 2.0
+    assert float(stats.saturated_fraction) == np.float32(4) / np.float32(12)
+    assert float(stats.underflow_fraction) == np.float32(2) / np.float32(12)
+    assert int(stats.nonfinite_count) == 2
+    assert np.isnan(float(stats.amax))
+    np.testing.assert_array_equal(np.asarray(y)[[0, 1, 2, 3, 5, 6]], [30.0, -30.0, 30.0, 30.0, 30.0, -30.0])
+    # The NaN amax is counted, not recorded.
+    assert int(st2.nonfinite) == 1 and int(st2.count) == 1
+    # clip="format": clipped at 32768 instead, so only +Inf saturates.
+    fspec = dataclasses.replace(spec, clip="format")
+    _, _, fstats = fq(x, st, fspec)
+    assert float(fstats.saturated_fraction) == np.float32(1) / np.float32(12)
+
+
+def test_gradient_is_identity_or_clip_mask():
+    x = jnp.array([-40.0, -15.5, -2.0, 0.0, 3.0, 14.0, 16.0, 100.0], jnp.float32)
+    st = DelayedScaling(target_max=15.0).update(DelayedScaling(target_max=15.0).init(), jnp.float32(15.0))
+    ident = QuantSpec(format="hif8", scaling=DelayedScaling(target_max=15.0))
+    masked = dataclasses.replace(ident, ste="masked")
+    ct = jnp.arange(1.0, 9.0, dtype=jnp.float32)
+
+    def grad(spec, obs=False):
+        return jax.grad(lambda v: jnp.sum(qat.fake_quant(v, st, spec, observe_only=obs)[0] * ct))(x)
+
+    np.testing.assert_array_equal(np.asarray(grad(ident)), np.asarray(ct))
+    np.testing.assert_array_equal(np.asarray(jax.jit(grad, static_argnums=0)(masked)), [0, 0, 3, 4, 5, 6, 0, 0])
+    # While observing, nothing is clipped, so the masked STE passes everything.
+    np.testing.assert_array_equal(np.asarray(grad(masked, True)), np.asarray(ct))
+    np.testing.assert_array_equal(np.asarray(grad(masked, jnp.bool_(True))), np.asarray(ct))
+    np.testing.assert_array_equal(np.asarray(grad(masked, jnp.bool_(False))), [0, 0, 3, 4, 5, 6, 0, 0])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_observe_only_is_bitwise_identity_and_still_updates(dtype):
+    x = heavy_tailed(2, (300,), dtype)
+    raw = np.asarray(x).copy()
+    raw[[3, 7]] = np.array([np.nan, -np.nan], NP_DTYPE[dtype])
+    x = jnp.asarray(raw)
+    spec = qat.hif8_w8a8().activation
+    st = spec.init()
+    f = jax.jit(qat.fake_quant, static_argnums=2)
+    for obs in (True, jnp.bool_(True)):
+        y, st2, stats = (qat.fake_quant(x, st, spec, observe_only=True) if obs is True
+                         else f(x, st, spec, observe_only=obs))
+        np.testing.assert_array_equal(bits(y), bits(x))
+        assert int(st2.nonfinite) == 1  # the NaN amax was seen (and not recorded)
+        assert int(stats.nonfinite_count) == 2
+    y, _, _ = f(x * 0 + 1, st, spec, observe_only=jnp.bool_(False))
+    assert y.dtype == dtype
+
+
+def test_bad_fake_quant_inputs_raise():
+    spec = QuantSpec()
+    st = spec.init()
+    with pytest.raises(TypeError, match="float64"):
+        qat.fake_quant(np.ones(3), st, spec)
+    with pytest.raises(TypeError, match="observe_only"):
+        qat.fake_quant(jnp.ones(3), st, spec, observe_only=jnp.int32(1))
+    with pytest.raises(TypeError, match="QuantSpec"):
+        qat.fake_quant(jnp.ones(3), st, qat.hif8_w8a8())
+    with pytest.raises(ValueError, match="empty"):
+        qat.fake_quant(jnp.ones((0,)), st, spec)
+    with pytest.raises(ValueError, match="history_len"):
+        qat.fake_quant(jnp.ones(3), DelayedScaling(target_max=15.0).init(), spec)
+    with pytest.raises(ValueError, match="clip"):
+        qat.scaled_round(jnp.ones(3), jnp.float32(1.0), 500.0, "e4m3")
+    with pytest.raises(TypeError, match="scale"):
+        qat.scaled_round(jnp.ones(3), jnp.ones(2), 15.0, "hif8")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# jit, vmap, scan, retracing
+
+
+def test_vmap_over_tensors_and_no_retrace():
+    spec = qat.hif8_w8a8(history_len=8).activation
+    xs = heavy_tailed(3, (3, 64))
+    states = jax.vmap(lambda _: spec.init())(jnp.arange(3))
+    ys, new, stats = jax.jit(jax.vmap(lambda x, s: qat.fake_quant(x, s, spec)))(xs, states)
+    one = jax.jit(lambda x: qat.fake_quant(x, spec.init(), spec))
+    for i in range(3):
+        y_i, s_i, _ = one(xs[i])
+        np.testing.assert_array_equal(np.asarray(ys[i]), np.asarray(y_i))
+        chex.assert_trees_all_equal(jax.tree.map(lambda a: a[i], new), s_i)
+
+    chex.clear_trace_counter()
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(x, st, obs):
+        return qat.fake_quant(x, st, spec, observe_only=obs)
+
+    st = spec.init()
+    for t in range(4):
+        _, st, _ = step(xs[0] * (t + 1.0), st, jnp.asarray(t < 2))
+    assert int(st.count) == 4
+
+
+def test_scan_over_microbatches_with_merge():
+    """Each microbatch quantizes with the step's state; merged, the history equals one step over the batch."""
+    spec = qat.hif8_w8a8(history_len=4).activation
+    micro = heavy_tailed(4, (5, 3, 32))  # 5 steps x 3 microbatches
+
+    def step(st, xs):
+        _, states, stats = jax.vmap(lambda x: qat.fake_quant(x, st, spec))(xs)
+        return scaling.merge(states), stats.saturated_fraction
+
+    merged, _ = jax.jit(lambda s, m: lax.scan(step, s, m))(spec.init(), micro)
+    big, one = spec.init(), jax.jit(qat.fake_quant, static_argnums=2)
+    for t in range(5):
+        _, big, _ = one(micro[t].reshape(-1), big, spec)
+    chex.assert_trees_all_equal(merged, big)
+
+
+def test_most_recent_saturates_where_max_window_does_not():
+    """The Max-Window paper's mechanism on synthetic data: the amax grows irregularly during an observe-only
+    warmup, then moves up and down below that peak. most_recent clips on every rise; max_window (64) never does."""
+    rng = np.random.default_rng(7)
+    warm, steps = 40, 100
+    grow = 1.0 + np.cumsum(rng.uniform(0.0, 0.25, warm))  # irregular growth, ~1 -> ~6
+    later = grow.max() * rng.uniform(0.55, 0.97, steps - warm)  # non-monotonic, below the peak
+    amax = np.concatenate([grow, later]).astype(np.float32)
+    z = rng.standard_normal((steps, 1024)).astype(np.float32)
+    x = jnp.asarray(z / np.abs(z).max(axis=1, keepdims=True) * amax[:, None])
+    warmup = qat.Warmup(steps=warm)
+
+    def run(algorithm):
+        spec = qat.hif8_w8a8(algorithm=algorithm).activation
+
+        def body(st, inp):
+            t, xt = inp
+            _, st, stats = qat.fake_quant(xt, st, spec, observe_only=warmup.observe_only(t))
+            return st, stats.saturated_fraction
+
+        _, sat = jax.jit(lambda x: lax.scan(body, spec.init(), (jnp.arange(steps), x)))(x)
+        return np.asarray(sat)[warm:]
+
+    sat_recent, sat_window = run("most_recent"), run("max_window")
+    rises = np.sum(later[1:] > later[:-1])
+    assert np.count_nonzero(sat_recent) >= rises > 10  # every rise clips (and steps right after the warmup)
+    assert sat_recent.max() > 0.001
+    assert np.all(sat_window == 0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Configuration
+
+
+def test_presets():
+    r = qat.hif8_w8a8()
+    assert r.grad is None and r.weight == r.activation and r.name == "hif8_w8a8"
+    s = r.activation
+    assert (s.format, s.clip, s.ste, s.target_max, s.clip_bound) == ("hif8", "target", "identity", 15.0, 15.0)
+    assert s.scaling == DelayedScaling(algorithm="max_window", history_len=64, target_max=15.0, margin=0.0)
+    t = qat.nvfp4_training()
+    assert t.weight.block_shape == (16, 16) and t.activation.block_shape == (1, 16)
+    assert t.grad.rounding == "stochastic" and t.grad.hadamard and t.grad.rule == "mse"
+    assert qat.nvfp4_w4a4(rule="static_6").weight.rule == "static_6"
+    assert hash(qat.hif8_w8a8()) == hash(r)  # static, so jit caches on it
+    st = r.init()
+    assert isinstance(st, qat.RecipeState) and st.weight.history.shape == (64,)
+
+
+E4 = dict(format="e4m3")
+CUR = CurrentScaling(target_max=15.0)
+
+
+@pytest.mark.parametrize(
+    "make, exc, match",
+    [
+        (lambda: QuantSpec(format="fp8"), ValueError, "format"),
+        (lambda: QuantSpec(clip="none"), ValueError, "clip"),
+        (lambda: QuantSpec(ste="tanh"), ValueError, "ste"),
+        (lambda: QuantSpec(target_max=40000.0), ValueError, "target_max"),
+        (lambda: QuantSpec(**E4, scaling=DelayedScaling(target_max=500.0)), ValueError, "exceeds"),
+        (lambda: QuantSpec(**E4, target_max=0.0), ValueError, "target_max"),
+        (lambda: QuantSpec(scaling="delayed"), TypeError, "scaling"),
+        (lambda: QuantSpec(rule="mse"), ValueError, "nvfp4"),
+        (lambda: QuantSpec(block_shape=(1, 16)), ValueError, "nvfp4"),
+        (lambda: QuantSpec(rounding="stochastic"), ValueError, "stochastic"),
+        (lambda: QuantSpec(format="nvfp4", rule="best"), ValueError, "rule"),
+        (lambda: QuantSpec(format="nvfp4", block_shape=(32, 1)), ValueError, "block_shape"),
+        (lambda: QuantSpec(hadamard=1), TypeError, "hadamard"),
+        (lambda: QuantSpec(15.0), TypeError, "positional"),
+        (lambda: Recipe(), ValueError, "high precision"),
+        (lambda: Recipe(grad=QuantSpec(scaling=DelayedScaling(target_max=15.0))), ValueError, "CurrentScaling"),
+        (lambda: Recipe(weight=QuantSpec(hadamard=True)), ValueError, "hadamard"),
+        (lambda: Recipe(weight="hif8"), TypeError, "QuantSpec"),
+        (lambda: qat.hif8_w8a8(algorithm="median"), ValueError, "algorithm"),
+        (lambda: qat.hif8_w8a8(history_len=0), ValueError, "history_len"),
+        (lambda: qat.hif8_w8a8(target_max=1e6), ValueError, "exceeds"),
+        (lambda: qat.nvfp4_training(rule="l3"), ValueError, "rule"),
+        (lambda: qat.Warmup(steps=-1), ValueError, "steps"),
+        (lambda: qat.Warmup(steps=2.5), TypeError, "steps"),
+    ],
+)
+def test_bad_configuration_raises_at_construction(make, exc, match):
+    with pytest.raises(exc, match=match):
+        make()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Quantized matmul
+
+
+def _operands(seed=5, n=32, k=48, m=16):
+    x = heavy_tailed(seed, (n, k))
+    w = heavy_tailed(seed + 1, (k, m)) * 0.1
+    return x, w
+
+
+def test_linear_forward_and_straight_through_backward():
+    r = qat.hif8_w8a8(history_len=4)
+    x, w = _operands()
+    st = r.init()
+    # Step 0 records amaxes; step 1 quantizes with them (delayed).
+    lin = jax.jit(lambda a, b, s: qat.linear(a, b, recipe=r, state=s))
+    _, st, _ = lin(x, w, st)
+    x1, w1 = x * 1.5, w * 0.5
+    out, st2, stats = lin(x1, w1, st)
+    sx = np.float32(np.abs(np.asarray(x)).max()) / np.float32(15)
+    sw = np.float32(np.abs(np.asarray(w)).max()) / np.float32(15)
+    xq, _ = ref_scaled_round(x1, sx, 15.0, "hif8")
+    wq, _ = ref_scaled_round(w1, sw, 15.0, "hif8")
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(lax.dot_general(xq, wq, LINEAR)))
+    assert float(stats.activation.scale) == sx and float(stats.weight.scale) == sw
+    assert float(stats.activation.saturated_fraction) > 0 and float(stats.weight.saturated_fraction) == 0
+    assert int(st2.activation.count) == 2 and int(st2.weight.count) == 2
+    # STE: the gradient is that of a plain matmul of the quantized operands.
+    g = heavy_tailed(9, out.shape)
+    dx, dw = jax.jit(jax.grad(lambda a, b: jnp.sum(qat.linear(a, b, recipe=r, state=st)[0] * g),
+                              argnums=(0, 1)))(x1, w1)
+    _, vjp = jax.vjp(lambda a, b: lax.dot_general(a, b, LINEAR), jnp.asarray(xq), jnp.asarray(wq))
+    rx, rw = vjp(g)
+    np.testing.assert_array_equal(np.asarray(dx), np.asarray(rx))
+    np.testing.assert_array_equal(np.asarray(dw), np.asarray(rw))
+    # Masked STE zeroes the rows of dx where x was clipped.
+    masked = dataclasses.replace(r, activation=dataclasses.replace(r.activation, ste="masked"))
+    dxm = jax.jit(jax.grad(lambda a: jnp.sum(qat.linear(a, w1, recipe=masked, state=st)[0] * g)))(x1)
+    clipped = np.abs(np.asarray(x1, np.float32) * (np.float32(1) / sx)) > 15
+    np.testing.assert_array_equal(np.asarray(dxm), np.where(clipped, 0, np.asarray(rx)))
+
+
+def test_dot_general_with_batch_dims_per_tensor():
+    r = qat.hif8_w8a8()
+    a = heavy_tailed(11, (2, 8, 24))
+    b = heavy_tailed(12, (2, 24, 4))
+    dn = (((2,), (1,)), ((0,), (0,)))
+    out, _, _ = jax.jit(lambda u, v: qat.dot_general(u, v, dn, recipe=r, state=r.init(),
+                                                      preferred_element_type=jnp.float32))(a, b)
+    sa = np.float32(np.abs(np.asarray(a)).max()) / np.float32(15)
+    sb = np.float32(np.abs(np.asarray(b)).max()) / np.float32(15)
+    ref = lax.dot_general(ref_scaled_round(a, sa, 15.0, "hif8")[0], ref_scaled_round(b, sb, 15.0, "hif8")[0], dn)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+    with pytest.raises(NotImplementedError, match="linear layout"):
+        rn = qat.nvfp4_w4a4()
+        qat.dot_general(a, b, dn, recipe=rn, state=rn.init())
+
+
+GRAD_HIF8 = QuantSpec(format="hif8", scaling=CurrentScaling(target_max=224.0))
+
+
+def test_gradient_quantization_per_tensor():
+    """dgrad = Q_g(g) . Q_w(w)^T and wgrad = Q_a(x)^T . Q_g(g), with Q_g current-scaled (HiF8, 224)."""
+    base = qat.hif8_w8a8()
+    r = dataclasses.replace(base, grad=GRAD_HIF8)
+    x, w = _operands()
+    g = heavy_tailed(13, (x.shape[0], w.shape[1]))
+    dx, dw = jax.jit(jax.grad(lambda a, b: jnp.sum(qat.linear(a, b, recipe=r, state=r.init())[0] * g),
+                              argnums=(0, 1)))(x, w)
+    xq, wq = ref_quantize_current(x, base.activation), ref_quantize_current(w, base.weight)
+    gq = ref_quantize_current(g, GRAD_HIF8)
+    _, vjp = jax.vjp(lambda a, b: lax.dot_general(a, b, LINEAR), jnp.asarray(xq), jnp.asarray(wq))
+    rx, rw = vjp(jnp.asarray(gq))
+    np.testing.assert_array_equal(np.asarray(dx), np.asarray(rx))
+    np.testing.assert_array_equal(np.asarray(dw), np.asarray(rw))
+
+
+def test_observe_only_matmul_is_the_plain_one_forward_and_backward():
+    r = dataclasses.replace(qat.hif8_w8a8(), grad=GRAD_HIF8)
+    x = heavy_tailed(14, (4, 8, 48))
+    _, w = _operands()
+    dn = (((2,), (0,)), ((), ()))
+
+    def loss(f, a, b):
+        return jnp.sum(f(a, b) ** 2)
+
+    plain = jax.jit(jax.value_and_grad(lambda a, b: loss(lambda u, v: lax.dot_general(u, v, dn), a, b), (0, 1)))
+    quant = jax.jit(jax.value_and_grad(
+        lambda a, b, obs: loss(lambda u, v: qat.linear(u, v, recipe=r, state=r.init(), observe_only=obs)[0], a, b),
+        (0, 1)))
+    chex.assert_trees_all_equal(quant(x, w, jnp.bool_(True)), plain(x, w))
+    v_q, _ = quant(x, w, jnp.bool_(False))
+    assert float(v_q) != float(plain(x, w)[0])
+
+
+def test_hadamard_on_wgrad_operands():
+    """grad.hadamard: wgrad = Q_a(H x)^T . Q_g(H g) along the token axis (H orthogonal, so it cancels in exact
+    arithmetic); the re-quantized activation uses current scaling after the transform."""
+    base = qat.hif8_w8a8()
+    gspec = dataclasses.replace(GRAD_HIF8, hadamard=True)
+    r = dataclasses.replace(base, grad=gspec)
+    x, w = _operands()
+    g = heavy_tailed(15, (x.shape[0], w.shape[1]))
+    dx, dw = jax.jit(jax.grad(lambda a, b: jnp.sum(qat.linear(a, b, recipe=r, state=r.init())[0] * g),
+                              argnums=(0, 1)))(x, w)
+    hx, hg = nvfp4.hadamard16(x, axis=0), nvfp4.hadamard16(g, axis=0)
+    _, vjp = jax.vjp(lambda b: lax.dot_general(jnp.asarray(ref_quantize_current(hx, base.activation)), b, LINEAR),
+                     w)
+    (rw,) = vjp(jnp.asarray(ref_quantize_current(hg, GRAD_HIF8)))
+    np.testing.assert_array_equal(np.asarray(dw), np.asarray(rw))
+    # dgrad is untouched by the transform.
+    wq = ref_quantize_current(w, base.weight)
+    _, vjp = jax.vjp(lambda a: lax.dot_general(a, jnp.asarray(wq), LINEAR), x)
+    np.testing.assert_array_equal(np.asarray(dx), np.asarray(vjp(jnp.asarray(ref_quantize_current(g, GRAD_HIF8)))[0]))
+    # And the transform itself cancels: with nothing quantized but the (huge-range) gradient, dw ~ x^T g.
+    exact = np.asarray(x).T @ np.asarray(g)
+    assert np.max(np.abs(np.asarray(dw) - exact)) / np.max(np.abs(exact)) < 0.1
+
+
+def test_nvfp4_backward_requantizes_along_the_contraction_axis():
+    """NVFP4 W4A4 with NVFP4 gradients (round to nearest, no Hadamard): every backward operand is quantized from
+    high precision with its 16-blocks along the axis its GEMM contracts (jaxlowfp.nvfp4 is the reference)."""
+    base = qat.nvfp4_w4a4(rule="static_6")  # the rule does not matter here; static_6 compiles fastest
+    r = dataclasses.replace(base, grad=QuantSpec(format="nvfp4", rule="static_6"))
+    x, w = _operands()
+    g = heavy_tailed(16, (x.shape[0], w.shape[1]))
+
+    @jax.jit
+    def ours(a, b):
+        f = lambda u, v: jnp.sum(qat.linear(u, v, recipe=r, state=r.init())[0] * g)  # noqa: E731
+        return qat.linear(a, b, recipe=r, state=r.init())[0], jax.grad(f, argnums=(0, 1))(a, b)
+
+    @jax.jit
+    def reference(x, w, g):
+        fq = lambda t: nvfp4.fake_quantize(t, rule="static_6", block_shape=(1, 16))  # noqa: E731 (blocks: last axis)
+        mm = lambda a, b: jnp.matmul(a, b, precision=lax.Precision.HIGHEST)  # noqa: E731
+        return (mm(fq(x), fq(w.T).T), mm(fq(g), fq(w).T), mm(fq(x.T), fq(g.T).T),
+                mm(fq(x).T, fq(g.T).T))  # the last: wgrad reusing the forward's K-blocked x (wrong)
+
+    out, (dx, dw) = ours(x, w)
+    r_out, r_dx, r_dw, wrong = reference(x, w, g)
+    for a, b in ((out, r_out), (dx, r_dx), (dw, r_dw)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(np.asarray(dw), np.asarray(wrong), rtol=1e-5)
+
+
+def test_nvfp4_training_needs_a_key_and_is_reproducible():
+    r = qat.nvfp4_training(rule="static_6")
+    x, w = _operands()
+
+    def grads(key):
+        return jax.grad(lambda a, b: jnp.sum(qat.linear(a, b, recipe=r, state=r.init(), key=key)[0] ** 2),
+                        argnums=(0, 1))(x, w)
+
+    with pytest.raises(ValueError, match="key"):
+        grads(None)
+    grads = jax.jit(grads)
+    g1, g2, g3 = grads(jax.random.key(0)), grads(jax.random.key(0)), grads(jax.random.key(1))
+    chex.assert_trees_all_equal(g1, g2)
+    assert not np.array_equal(np.asarray(g1[1]), np.asarray(g3[1]))
+    exact = jax.grad(lambda a, b: jnp.sum((a @ b) ** 2), argnums=(0, 1))(x, w)
+    for a, b in zip(g1, exact):  # 4-bit gradients: a loose sanity bound on the relative error
+        assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 0.35
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Warmup
+
+
+def test_warmup_flags_and_lr_schedule():
+    w = qat.Warmup(steps=3)
+    assert [bool(w.observe_only(t)) for t in range(5)] == [True, True, True, False, False]
+    assert [bool(w.quantize(t)) for t in range(5)] == [False, False, False, True, True]
+    assert jax.jit(w.observe_only)(jnp.int32(2)).dtype == jnp.bool_
+    sched = w.lr_schedule(1e-4, optax.linear_schedule(1e-5, 0.0, 10))
+    np.testing.assert_allclose([float(sched(t)) for t in (0, 2, 3, 8, 13)], [1e-4, 1e-4, 1e-5, 5e-6, 0.0], rtol=1e-6)
+    assert not bool(qat.Warmup(steps=0).observe_only(0))
+    with pytest.raises(TypeError, match="schedules"):
+        w.lr_schedule("fast", 1e-5)
