@@ -28,8 +28,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import machine, markdown_table, write_section  # noqa: E402
 
-from jaxlowfp import dispatch, hif8  # noqa: E402
+from jaxlowfp import dispatch, hif8, nvfp4  # noqa: E402
 from pallas_kernels import hif8 as phif8  # noqa: E402
+from pallas_kernels import nvfp4 as pnvfp4  # noqa: E402
 
 SECTION = "GPU kernels"
 
@@ -105,8 +106,52 @@ def hif8_case(quick: bool) -> Case:
     )
 
 
+def _nvfp4_leaves(out) -> list:
+    if isinstance(out, nvfp4.NVFP4Array):
+        return [out.codes, out.scales, out.global_scale]
+    return [out]
+
+
+def _nvfp4_compare(rule: str):
+    """Exact rules: every differing element is a mismatch. mse/mae: blocks whose scale byte differs are counted as
+    near-tie decisions (the 4-vs-6 error sums may round differently), the rest must match."""
+
+    def compare(want, got) -> tuple[int, int]:
+        want, got = _nvfp4_leaves(want), _nvfp4_leaves(got)
+        if rule not in ("mse", "mae") or len(want) == 1:
+            return count_mismatches(want, got), 0
+        ties = count_mismatches([want[1]], [got[1]])
+        return count_mismatches([want[0], want[2]], [got[0], got[2]]) if ties == 0 else 0, ties
+
+    return compare
+
+
+def nvfp4_cases(quick: bool) -> list[Case]:
+    tiles = ((16, 512), (8, 1024)) if quick else ((8, 256), (16, 256), (16, 512), (32, 512), (8, 1024), (16, 1024))
+    warps = (4,) if quick else (4, 8)
+    configs = tuple(dict(tile_shape=t, num_warps=w) for t in tiles for w in warps)
+    amax = jnp.float32(40.0)  # a delayed / supplied amax: the kernel alone, no extra XLA reduction pass
+    cases = []
+    for entry, twin, label in ((pnvfp4.quantize, nvfp4.quantize, "quantize"),
+                               (pnvfp4.fake_quantize, nvfp4.fake_quantize, "fake-quant")):
+        for rule in (("static_6", "mse") if quick else ("static_6", "static_4", "abs_max", "mae", "mse")):
+            fake = entry is pnvfp4.fake_quantize
+            cases.append(Case(
+                name=f"NVFP4 {label} {rule} 1x16",
+                kernel=pnvfp4.KERNEL_FAKE_QUANTIZE if fake else pnvfp4.KERNEL_QUANTIZE,
+                xla=lambda x, twin=twin, rule=rule: twin(x, rule=rule, global_amax=amax),
+                pallas=lambda x, cfg, interpret, entry=entry, rule=rule: entry(
+                    x, rule=rule, global_amax=amax, interpret=interpret, **cfg),
+                configs=configs,
+                bytes_moved=(lambda x: 2 * x.size * x.dtype.itemsize) if fake else (
+                    lambda x: x.size * x.dtype.itemsize + x.size // 2 + x.size // 16),
+                compare=_nvfp4_compare(rule),
+            ))
+    return cases
+
+
 def all_cases(quick: bool) -> list[Case]:
-    return [hif8_case(quick)]
+    return [hif8_case(quick), *nvfp4_cases(quick)]
 
 
 # ---- measurement -----------------------------------------------------------------------------------------------

@@ -18,28 +18,56 @@ from jaxlowfp import dispatch
 from jaxlowfp.dispatch import INTERPRET_ENV, PallasUnavailableError
 from pallas_kernels import _common
 from pallas_kernels import hif8 as phif8
+from pallas_kernels import nvfp4 as pnvfp4
 
 SHAPES = [((8192, 8192), jnp.float32), ((8192, 8192), jnp.bfloat16), ((4096, 5120), jnp.bfloat16), ((4095, 5120), jnp.float32)]
 TARGETS = ["sm_90 (H100)", "sm_90 (H200)", "sm_100 (B200)"]
 _SCALAR = jax.ShapeDtypeStruct((), jnp.float32)
 
 
-def _hif8(shape, dtype):
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _hif8(shape, dtype, **_):
     fn = lambda x, s: phif8.scaled_fake_quant(x, s, 15.0, interpret=False)  # noqa: E731
     n = shape[0] * shape[1]
-    return fn, (jax.ShapeDtypeStruct(shape, dtype), _SCALAR), -(-n // phif8.DEFAULT_BLOCK)
+    return fn, (jax.ShapeDtypeStruct(shape, dtype), _SCALAR), _cdiv(n, phif8.DEFAULT_BLOCK)
 
 
-KERNELS = {"hif8.scaled_fake_quant": _hif8}
+def _nvfp4(entry):
+    def case(shape, dtype, rule="mse", block_shape=(1, 16)):
+        fn = lambda x: entry(x, rule=rule, block_shape=block_shape, interpret=False)  # noqa: E731
+        bm, bn = pnvfp4.DEFAULT_TILE
+        return fn, (jax.ShapeDtypeStruct(shape, dtype),), _cdiv(shape[0], bm) * _cdiv(shape[1], bn)
+
+    return case
 
 
-def _lower(kernel, shape, dtype, target):
-    fn, args, grid = KERNELS[kernel](shape, dtype)
+KERNELS = {
+    "hif8.scaled_fake_quant": _hif8,
+    "nvfp4.quantize": _nvfp4(pnvfp4.quantize),
+    "nvfp4.fake_quantize": _nvfp4(pnvfp4.fake_quantize),
+}
+
+
+def _lower(kernel, shape, dtype, target, **options):
+    fn, args, grid = KERNELS[kernel](shape, dtype, **options)
     try:
         text = _common.lower_for_gpu(fn, *args, target=target)
     except Exception as e:  # noqa: BLE001 - re-raised with the kernel and target named
-        pytest.fail(f"{kernel} failed to lower for {target} at {shape} {jnp.dtype(dtype).name}: {type(e).__name__}: {e}")
+        pytest.fail(
+            f"{kernel} {options or ''} failed to lower for {target} at {shape} {jnp.dtype(dtype).name}: "
+            f"{type(e).__name__}: {e}"
+        )
     return text, grid
+
+
+def _check_one_triton_call(text: str, grid: int, what: str):
+    calls = text.count(_common.TRITON_CALL)
+    assert calls == 1, f"{what}: expected 1 Triton call, found {calls}"
+    dims = [int(re.search(rf"grid_{a} = (\d+)", text).group(1)) for a in "xyz"]
+    assert dims[0] * dims[1] * dims[2] == grid, f"{what}: Triton grid {dims}, expected {grid} programs"
 
 
 def test_every_registered_kernel_has_a_lowering_case():
@@ -51,10 +79,23 @@ def test_every_registered_kernel_has_a_lowering_case():
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_lowers_to_one_triton_call(kernel, shape, dtype, target):
     text, grid = _lower(kernel, shape, dtype, target)
-    calls = text.count(_common.TRITON_CALL)
-    assert calls == 1, f"{kernel} for {target} at {shape}: expected 1 Triton call, found {calls}"
-    got_grid = re.search(r"grid_x = (\d+)", text)
-    assert got_grid and int(got_grid.group(1)) == grid, f"{kernel} for {target}: grid {got_grid and got_grid.group(1)}"
+    _check_one_triton_call(text, grid, f"{kernel} for {target} at {shape}")
+
+
+@pytest.mark.parametrize("target", ["sm_90 (H100)", "sm_100 (B200)"])
+@pytest.mark.parametrize("block_shape", [(1, 16), (16, 16)], ids=["1x16", "16x16"])
+@pytest.mark.parametrize("rule", ["static_6", "static_4", "abs_max", "mae", "mse"])
+@pytest.mark.parametrize("kernel", ["nvfp4.quantize", "nvfp4.fake_quantize"])
+def test_nvfp4_every_rule_lowers(kernel, rule, block_shape, target):
+    text, grid = _lower(kernel, (4096, 5120), jnp.bfloat16, target, rule=rule, block_shape=block_shape)
+    _check_one_triton_call(text, grid, f"{kernel} rule={rule} block_shape={block_shape} for {target}")
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_lowers_for_ampere(kernel):
+    """No fp8 cast inside any kernel (scale bytes are bit math), so sm_80 lowers too, as dispatch claims."""
+    text, grid = _lower(kernel, (4096, 5120), jnp.bfloat16, "sm_80 (A100)")
+    _check_one_triton_call(text, grid, f"{kernel} for sm_80 (A100)")
 
 
 def test_unknown_target_is_an_error():
@@ -136,13 +177,17 @@ def test_bench_check_exact_in_interpret_mode():
     x = bench.make_input((24, 320), jnp.bfloat16)
     cases = bench.all_cases(quick=True)
     assert {c.kernel for c in cases} == set(dispatch.KERNELS)
-    for case in cases:
+    # one case per kernel (interpret-mode compiles are slow): HiF8, NVFP4 quantize with 4/6 mse, fused static_6
+    picked = [c for c in cases if c.name.startswith("HiF8") or c.name in (
+        "NVFP4 quantize mse 1x16", "NVFP4 fake-quant static_6 1x16")]
+    assert {c.kernel for c in picked} == set(dispatch.KERNELS)
+    for case in picked:
         cfg = dict(case.configs[0])
         if "block_size" in cfg:
             cfg["block_size"] = 2048  # a few grid steps, not one per GPU-sized block
         assert case.bytes_moved(x) > 0
         mismatches, ties = bench.check_exact(case, x, cfg, interpret=True)
-        assert mismatches == 0, f"{case.name}: {mismatches} mismatches ({ties} near-ties) in interpret mode"
+        assert (mismatches, ties) == (0, 0), f"{case.name}: {mismatches} mismatches, {ties} near-ties"
     y = np.asarray(jnp.arange(6, dtype=jnp.float32))
     assert bench.count_mismatches([y], [y]) == 0 and bench.count_mismatches([y], [y + 1]) == 6
 
