@@ -259,3 +259,19 @@ def dataclasses_frozen_error():
     import dataclasses
 
     return dataclasses.FrozenInstanceError
+
+
+def test_docs_example_is_current():
+    """docs/scaling.md's worked example: run its snippet and compare with the output printed in the doc."""
+    import contextlib
+    import io
+    import pathlib
+    import re
+
+    doc = (pathlib.Path(__file__).parent.parent / "docs" / "scaling.md").read_text()
+    code = re.search(r"<!-- snippet -->\s*```python\n(.*?)```", doc, re.S).group(1)
+    expected = re.search(r"<!-- output -->\s*```text\n(.*?)```", doc, re.S).group(1)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        exec(compile(code, "docs/scaling.md", "exec"), {"__name__": "docs_scaling"})
+    assert buf.getvalue().strip() == expected.strip()
