@@ -9,6 +9,7 @@ from flax import nnx
 
 from train.data import load_domain
 from train.evaluate import (
+    _masked_ll_sum,
     build_choice_task,
     choice_log_likelihoods,
     loss_ape,
@@ -111,6 +112,10 @@ def test_validation_loss_matches_float64_reference(val_text, llama):
     ref = -np.take_along_axis(logp, win[:, 1:, None], -1).mean()
     assert out["loss"] == pytest.approx(ref, rel=1e-5)
     assert out["ppl"] == pytest.approx(math.exp(ref), rel=1e-4)
+    traces = _masked_ll_sum._cache_size()
+    same = Llama(preset("tiny", n_layers=2, max_seq_len=128), rngs=nnx.Rngs(9))  # same config, other weights
+    validation_loss(same, val_text, batch_size=4, seq_len=32, max_batches=2)
+    assert _masked_ll_sum._cache_size() == traces  # static graphdef: no retrace
 
 
 def test_choice_task_items_come_from_the_text(task, val_text):

@@ -63,7 +63,7 @@ class Domain(NamedTuple):
     name: str
     train: np.ndarray  # uint8 [N_train]
     val: np.ndarray  # uint8 [N_val]
-    files: tuple[str, ...]  # relative paths of the documents used, in stream order
+    files: tuple[str, ...] = ()  # relative paths of the documents used, in stream order
 
     @property
     def fingerprint(self) -> str:
@@ -168,11 +168,9 @@ def _load(name: str, max_bytes: int | None, root: str | None) -> Domain:
         cut = len(data) - max(1, int(len(data) * VAL_FRACTION))
         train += data[:cut] + sep
         val += data[cut:] + sep
-    arrays = []
-    for buf in (train, val):
-        a = np.frombuffer(bytes(buf), np.uint8)  # read-only: the cached Domain cannot be modified by callers
-        arrays.append(a)
-    return Domain(name, arrays[0], arrays[1], tuple(rel for rel, _ in chosen))
+    # frombuffer over bytes is read-only: callers cannot modify the cached Domain
+    tr, va = (np.frombuffer(bytes(buf), np.uint8) for buf in (train, val))
+    return Domain(name, tr, va, tuple(rel for rel, _ in chosen))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -75,9 +75,9 @@ def build_choice_task(
     val_tokens: np.ndarray,
     *,
     n_items: int,
-    context_len: int,
-    continuation_len: int,
-    seed: int,
+    context_len: int = 96,
+    continuation_len: int = 32,
+    seed: int = 0,
     n_choices: int = 4,
 ) -> ChoiceTask:
     """A HellaSwag-style task from held-out text: a context, its true continuation, and distractors.
@@ -88,6 +88,7 @@ def build_choice_task(
     the end of a word; ``continuation_len`` bytes if there is none), so lengths vary like sentence endings do.
     Distractors are continuations at other word starts at least ``context_len + continuation_len`` bytes
     away, different from the true one and from each other. The true choice's position is random.
+    Scoring feeds ``context_len + continuation_len - 1`` tokens (127 by default: fits ``max_seq_len`` 128).
     """
     tokens = np.asarray(val_tokens)
     if tokens.ndim != 1 or tokens.dtype != np.uint8:
