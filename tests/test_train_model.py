@@ -20,7 +20,8 @@ def model():
 
 
 def _params(model):
-    return {"/".join(map(str, p)): np.asarray(v[...], np.float64) for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
+    params = [(p, v) for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)]
+    return {"/".join(map(str, p)): np.asarray(v[...], np.float64) for p, v in params}
 
 
 def _reference_logits(model, tokens):

