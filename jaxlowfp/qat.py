@@ -83,7 +83,8 @@ class QuantSpec:
       scaling: a :class:`~jaxlowfp.scaling.DelayedScaling` or :class:`~jaxlowfp.scaling.CurrentScaling`; default
         ``CurrentScaling(target_max=<format default>)`` (15 for HiF8, 6 for NVFP4).
       target_max: clip bound for ``clip="target"``; default ``scaling.target_max`` (the value amax maps to), so
-        the paper's HiF8 setting clips the scaled tensor at 15. Must not exceed the format's max.
+        the paper's HiF8 setting clips the scaled tensor at 15. Must not exceed the format's max. NVFP4: must be
+        6 (its two-level scale is fixed by the rule; the scaling supplies only the global amax).
       clip: "target" clips ``x / scale`` at ``+-target_max`` before rounding; "format" at the format's max.
       ste: "identity" (gradient passes unchanged) or "masked" (zero gradient where the value was clipped).
       rule, block_shape: NVFP4 only: the block-scale rule ("mse" = Four Over Six with MSE selection, ...) and the
@@ -120,6 +121,12 @@ class QuantSpec:
             )
         if self.is_nvfp4:
             self._check_nvfp4()
+            if self.scaling.target_max != NVFP4_ELEMENT_MAX or self.target_max not in (None, NVFP4_ELEMENT_MAX):
+                raise ValueError(
+                    f"format='nvfp4' maps the global amax to 6 * E inside jaxlowfp.nvfp4, so target_max (and "
+                    f"scaling.target_max) must be 6.0, the E2M1 max; got target_max={self.target_max!r}, "
+                    f"scaling.target_max={self.scaling.target_max!r}"
+                )
         else:
             for field in ("rule", "block_shape"):
                 if getattr(self, field) is not None:

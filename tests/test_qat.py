@@ -279,6 +279,7 @@ CUR = CurrentScaling(target_max=15.0)
         (lambda: QuantSpec(rounding="stochastic"), ValueError, "stochastic"),
         (lambda: QuantSpec(format="nvfp4", rule="best"), ValueError, "rule"),
         (lambda: QuantSpec(format="nvfp4", block_shape=(32, 1)), ValueError, "block_shape"),
+        (lambda: QuantSpec(format="nvfp4", scaling=DelayedScaling(target_max=448.0)), ValueError, "6.0"),
         (lambda: QuantSpec(hadamard=1), TypeError, "hadamard"),
         (lambda: QuantSpec(15.0), TypeError, "positional"),
         (lambda: Recipe(), ValueError, "high precision"),
@@ -442,6 +443,21 @@ def test_nvfp4_backward_requantizes_along_the_contraction_axis():
     for a, b in ((out, r_out), (dx, r_dx), (dw, r_dw)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     assert not np.allclose(np.asarray(dw), np.asarray(wrong), rtol=1e-5)
+
+
+def test_nvfp4_fake_quant_with_delayed_global_amax():
+    """Delayed scaling supplies NVFP4's global amax; values above it saturate and are counted."""
+    spec = QuantSpec(format="nvfp4", rule="static_6", scaling=DelayedScaling(target_max=6.0))
+    x0, x1 = heavy_tailed(17, (4, 32)), heavy_tailed(18, (4, 32)) * 2.0
+    step = jax.jit(qat.fake_quant, static_argnums=2)
+    _, st, _ = step(x0, spec.init(), spec)
+    y, _, stats = step(x1, st, spec)
+    est = np.float32(np.abs(np.asarray(x0)).max())
+    np.testing.assert_array_equal(
+        np.asarray(y), np.asarray(jax.jit(lambda t: nvfp4.fake_quantize(t, rule="static_6", global_amax=est))(x1)))
+    assert float(stats.amax_estimate) == est
+    n_above = int(np.sum(np.abs(np.asarray(x1)) > est))
+    assert n_above > 0 and float(stats.saturated_fraction) == np.float32(n_above) / np.float32(x1.size)
 
 
 def test_nvfp4_training_needs_a_key_and_is_reproducible():
