@@ -43,6 +43,7 @@ from jaxlowfp._checks import float_input, one_of
 __all__ = [
     "NVFP4Array", "NVFP4Config", "RULES", "ROUNDINGS", "BLOCK_SHAPES", "quantize", "dequantize", "fake_quantize",
     "selected_map4", "hadamard16", "hadamard_matrix", "global_scales", "quantize_blocks", "BlockResult",
+    "true_divide", "pack_nibbles", "unpack_nibbles",
 ]
 
 Rule = Literal["static_6", "static_4", "abs_max", "mae", "mse"]
@@ -122,7 +123,7 @@ class NVFP4Array:
 # The per-block math (shared with the Pallas kernel, which must match it bit for bit)
 
 
-def _true_div(a: jax.Array, c: float) -> jax.Array:
+def true_divide(a: jax.Array, c: float) -> jax.Array:
     """IEEE ``a / c``: the divisor is a full-size array hidden behind a barrier, so XLA cannot turn the division
     into a reciprocal multiply (which differs in the last bit). Division by a power of two needs no guard."""
     if float(c) == 2.0 ** round(np.log2(c)):
@@ -208,7 +209,7 @@ def _nibbles(q: jax.Array) -> jax.Array:
 
 def _block_error(q, s, xb, amax, rule: str, denom: float) -> jax.Array:
     """Per-block error of a candidate in the original domain: x̂ = ((q*s)*amax)/denom."""
-    xhat = _true_div((q * s[..., None, None]) * amax, denom)
+    xhat = true_divide((q * s[..., None, None]) * amax, denom)
     d = lax.optimization_barrier(xhat - xb)  # materialise: XLA:CPU's reduction fusions are slow on long chains
     if rule == "abs_max":
         return jnp.max(jnp.abs(d), axis=(-2, -1))
@@ -234,7 +235,7 @@ def quantize_blocks(
     """
     m, e = rule_constants(rule)
     blk_amax = jnp.max(jnp.abs(xb), axis=(-2, -1))
-    base = _true_div(blk_amax, m) * s_enc
+    base = true_divide(blk_amax, m) * s_enc
     finite = jnp.isfinite(blk_amax)
 
     def e4m3(v):
@@ -347,16 +348,18 @@ def _run(x: jax.Array, global_amax: jax.Array | None, key: jax.Array | None, *, 
         return map4.reshape(scale_shape)
     if out == "fake":
         return _from_blocks(fake, x.shape, cfg.rows).astype(x.dtype)
-    codes = _pack(_from_blocks(nib, x.shape, cfg.rows))
+    codes = pack_nibbles(_from_blocks(nib, x.shape, cfg.rows))
     return codes, scales.reshape(scale_shape).astype(jnp.float8_e4m3fn), s_dec
 
 
-def _pack(nib: jax.Array) -> jax.Array:
+def pack_nibbles(nib: jax.Array) -> jax.Array:
+    """uint8 4-bit codes [..., K] -> bytes [..., K // 2], element 2j in the low nibble, 2j + 1 in the high one."""
     pairs = nib.reshape(*nib.shape[:-1], nib.shape[-1] // 2, 2)
     return pairs[..., 0] | (pairs[..., 1] << 4)
 
 
-def _unpack(codes: jax.Array) -> jax.Array:
+def unpack_nibbles(codes: jax.Array) -> jax.Array:
+    """Inverse of :func:`pack_nibbles`."""
     nib = jnp.stack([codes & 0xF, codes >> 4], axis=-1)
     return nib.reshape(*codes.shape[:-1], codes.shape[-1] * 2)
 
@@ -393,7 +396,7 @@ def quantize(
 
 @functools.partial(jax.jit, static_argnames=("rows", "shape", "dtype"))
 def _dequantize(codes, scales, global_scale, *, rows: int, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    vb = _to_blocks(formats.E2M1.decode(_unpack(codes)), rows)
+    vb = _to_blocks(formats.E2M1.decode(unpack_nibbles(codes)), rows)
     out = (vb * scales.astype(jnp.float32).reshape(*vb.shape[:-2], 1, 1)) * global_scale
     return _from_blocks(out, shape, rows).astype(dtype)
 

@@ -1,0 +1,154 @@
+"""OCP Microscaling (MX) baselines: MXFP4 (E2M1 elements) and MXFP8 (E4M3 or E5M2), 32 elements per E8M0 scale.
+
+Per block of 32 along the last axis, a power-of-two scale ``X = 2^e`` (``specs/nvfp4.md`` section 6)::
+
+    floor (OCP v1.0):  e = floor(log2(amax)) - emax_elem        emax_elem = 2 (E2M1), 8 (E4M3), 15 (E5M2)
+    ceil  (RCEIL):     e = ceil(log2(amax / max_elem))           amax / max_elem one IEEE float32 division
+    e clamped to [-127, 127] (amax == 0 -> -127);   P_i = round_elem_satfinite(x_i / X)   (RNE, exact scaling)
+    x̂_i = P_i * X
+
+``floor`` can saturate (amax = 7 -> X = 1, 7 -> 6); ``ceil`` never does but may waste up to one binade. A block with
+NaN or Inf gets the NaN scale (0xFF) and dequantizes to NaN. MX is a baseline here: power-of-two scales cannot
+express Four Over Six's x1.5. Note that XLA:CPU flushes float32 subnormals, so values below 2^-126 are zero.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxlowfp import formats
+from jaxlowfp._checks import float_input, one_of
+from jaxlowfp.nvfp4 import pack_nibbles, true_divide, unpack_nibbles
+
+__all__ = ["MXArray", "MXConfig", "ELEMENTS", "SCALE_RULES", "BLOCK", "quantize", "dequantize", "fake_quantize",
+           "shared_exponent"]
+
+ELEMENTS = ("e2m1", "e4m3", "e5m2")
+SCALE_RULES = ("floor", "ceil")
+BLOCK = 32
+_EMAX = {"e2m1": 2, "e4m3": 8, "e5m2": 15}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MXConfig:
+    """MX settings. elem: "e2m1" (MXFP4), "e4m3" or "e5m2" (MXFP8); scale_rule: "floor" (OCP) or "ceil" (RCEIL)."""
+
+    elem: Literal["e2m1", "e4m3", "e5m2"] = "e2m1"
+    scale_rule: Literal["floor", "ceil"] = "floor"
+
+    def __post_init__(self) -> None:
+        one_of(self.elem, ELEMENTS, "elem")
+        one_of(self.scale_rule, SCALE_RULES, "scale_rule")
+
+    @property
+    def fmt(self) -> formats.MiniFloat:
+        return formats.get(self.elem)  # type: ignore[return-value]
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["codes", "scales"],
+    meta_fields=["elem", "scale_rule", "dtype", "shape"],
+)
+@dataclasses.dataclass(frozen=True)
+class MXArray:
+    """An MX-quantized tensor (pytree).
+
+    Attributes:
+      codes: uint8; E2M1 packed two a byte (element 2j in the low nibble) [..., K // 2], E4M3/E5M2 [..., K].
+      scales: float8_e8m0fnu [..., K // 32], the block scales 2^e (0xFF = NaN).
+      elem, scale_rule, dtype, shape: static metadata.
+    """
+
+    codes: jax.Array
+    scales: jax.Array
+    elem: str
+    scale_rule: str
+    dtype: Any
+    shape: tuple[int, ...]
+
+    def dequantize(self, dtype: Any = None) -> jax.Array:
+        return dequantize(self, self.dtype if dtype is None else dtype)
+
+
+def _pow2(e: jax.Array) -> jax.Array:
+    """2.0**e in float32 for integer e in [-127, 127] (2^-127 is a float32 subnormal: mantissa bit 22)."""
+    bits = jnp.where(e >= -126, (e + 127) << 23, 1 << 22).astype(jnp.uint32)
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def shared_exponent(blk_amax: jax.Array, elem: str, scale_rule: str) -> jax.Array:
+    """int32 scale exponent e in [-127, 127] of float32 block maxima (see the module docstring); read from the
+    float32 bits, so no log2 rounding. Non-finite maxima give 128 (the NaN scale)."""
+    bits = lax.bitcast_convert_type(blk_amax, jnp.uint32)
+    if scale_rule == "floor":
+        # floor(log2 a) = unbiased exponent for normals; subnormals (and 0) sit below -127 + emax: clamped anyway
+        e = (bits >> 23).astype(jnp.int32) - 127 - _EMAX[elem]
+    else:
+        r = lax.bitcast_convert_type(true_divide(blk_amax, formats.get(elem).max_finite), jnp.uint32)
+        biased, mant = (r >> 23).astype(jnp.int32), r & jnp.uint32(0x7FFFFF)
+        e = biased - 127 + (mant != 0).astype(jnp.int32)  # ceil(log2 r) for normal r
+        # subnormal r = mant * 2^-149: ceil(log2 r) is -126 if r > 2^-127, else <= -127 (clamped below)
+        e = jnp.where(biased == 0, jnp.where(mant > jnp.uint32(1 << 22), -126, -127), e)
+    e = jnp.clip(e, -127, 127)
+    return jnp.where(jnp.isfinite(blk_amax), e, 128)
+
+
+def _check_x(x: Any) -> jax.Array:
+    x = float_input(x, "x")
+    if x.ndim < 1 or x.shape[-1] % BLOCK:
+        raise ValueError(f"the last axis of x (shape {x.shape}) must be a multiple of {BLOCK}")
+    return x
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "out"))
+def _run(x: jax.Array, *, cfg: MXConfig, out: str):
+    xb = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    e = shared_exponent(jnp.max(jnp.abs(xb), axis=-1), cfg.elem, cfg.scale_rule)
+    y = xb * _pow2(-jnp.minimum(e, 127))[..., None]  # x / 2^e exactly (one rounding only if y is subnormal)
+    if out == "fake":
+        scale = jnp.where(e == 128, jnp.nan, _pow2(jnp.minimum(e, 127)))
+        return (cfg.fmt.round(y, saturate=True) * scale[..., None]).reshape(x.shape).astype(x.dtype)
+    codes = cfg.fmt.encode(y, saturate=True).reshape(x.shape)
+    if cfg.elem == "e2m1":
+        codes = pack_nibbles(codes)
+    scales = lax.bitcast_convert_type((e + 127).astype(jnp.uint8), jnp.float8_e8m0fnu)  # 128 + 127 = 0xFF: NaN
+    return codes, scales
+
+
+def quantize(x: Any, *, elem: str = "e2m1", scale_rule: str = "floor") -> MXArray:
+    """MX-quantize `x` (float32/bfloat16/float16, last axis a multiple of 32) with `elem` elements."""
+    cfg = MXConfig(elem=elem, scale_rule=scale_rule)  # type: ignore[arg-type]
+    x = _check_x(x)
+    codes, scales = _run(x, cfg=cfg, out="q")
+    return MXArray(codes=codes, scales=scales, elem=cfg.elem, scale_rule=cfg.scale_rule, dtype=x.dtype,
+                   shape=x.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("elem", "shape", "dtype"))
+def _dequantize(codes, scales, *, elem: str, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    if elem == "e2m1":
+        codes = unpack_nibbles(codes)
+    v = formats.get(elem).decode(codes).reshape(*shape[:-1], shape[-1] // BLOCK, BLOCK)
+    sb = lax.bitcast_convert_type(scales, jnp.uint8).astype(jnp.int32)
+    scale = jnp.where(sb == 255, jnp.nan, _pow2(jnp.minimum(sb - 127, 127)))
+    return (v * scale[..., None]).reshape(shape).astype(dtype)
+
+
+def dequantize(q: MXArray, dtype: Any = jnp.float32) -> jax.Array:
+    """``x̂ = P_i * 2^e`` in float32, cast to `dtype`."""
+    if not isinstance(q, MXArray):
+        raise TypeError(f"dequantize expects an MXArray; got {type(q).__name__}")
+    dtype = formats._check_dtype(dtype)
+    return _dequantize(q.codes, q.scales, elem=q.elem, shape=q.shape, dtype=dtype)
+
+
+def fake_quantize(x: Any, *, elem: str = "e2m1", scale_rule: str = "floor") -> jax.Array:
+    """``dequantize(quantize(x, ...), x.dtype)`` bit for bit, without building codes."""
+    cfg = MXConfig(elem=elem, scale_rule=scale_rule)  # type: ignore[arg-type]
+    return _run(_check_x(x), cfg=cfg, out="fake")
