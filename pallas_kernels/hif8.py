@@ -5,9 +5,11 @@ In float32, with one IEEE scalar division outside the kernel::
     inv = 1 / scale
     xs  = f32(x) * inv
     y   = dtype_x( hif8.round(clip(xs, -c, c)) * scale )
-    amax = max |x|                 (NaN if any x is NaN)
+    amax = max |x|                 (NaN if any x is NaN, checked explicitly: the max reductions of Triton and
+                                    of XLA:CPU can drop a NaN)
     saturated = #{ |xs| > c }      (+-Inf count, NaN does not)
     nonfinite = #{ x is NaN or +-Inf }
+    underflow = #{ x != 0 and y == 0 }   (nonzero inputs that round to zero)
 
 Each grid step handles ``block_size`` contiguous elements of the flattened `x`, writes its slice of `y`, and one
 partial amax / count per output; a tiny XLA reduction over the ``cdiv(n, block_size)`` partials finishes the job.
@@ -16,10 +18,11 @@ The rounding is ``jaxlowfp.hif8.round`` itself (pure uint32 bit math, which lowe
 from __future__ import annotations
 
 import functools
-import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxlowfp import hif8
@@ -32,11 +35,21 @@ from pallas_kernels._common import (
     valid_mask,
 )
 
-__all__ = ["scaled_fake_quant", "KERNEL", "DEFAULT_BLOCK", "DEFAULT_WARPS"]
+__all__ = ["scaled_fake_quant", "ScaledFakeQuant", "KERNEL", "DEFAULT_BLOCK", "DEFAULT_WARPS"]
 
 KERNEL = "hif8.scaled_fake_quant"
 DEFAULT_BLOCK = 8192  # elements per program on a GPU (bench/gpu_kernels.py sweeps this)
 DEFAULT_WARPS = 8
+
+
+class ScaledFakeQuant(NamedTuple):
+    """Result of :func:`scaled_fake_quant` (the first four fields in the order of the issue's contract)."""
+
+    y: jax.Array  # x's shape and dtype: the fake-quantized values
+    amax: jax.Array  # f32[]: max |x|, NaN if x holds a NaN
+    saturated_count: jax.Array  # i32[]: #{|x / scale| > clip}
+    nonfinite_count: jax.Array  # i32[]: #{x is NaN or +-Inf}
+    underflow_count: jax.Array  # i32[]: #{x != 0 and y == 0}
 
 
 def _clip(xs: jnp.ndarray, c: float) -> jnp.ndarray:
@@ -44,11 +57,14 @@ def _clip(xs: jnp.ndarray, c: float) -> jnp.ndarray:
     return jnp.where(xs > c, c, jnp.where(xs < -c, -c, xs))
 
 
-def _kernel(p_ref, x_ref, y_ref, amax_ref, sat_ref, nonfinite_ref, nan_ref, *, n: int, block: int, clip: float):
+def _kernel(p_ref, x_ref, y_ref, amax_ref, sat_ref, nonfinite_ref, nan_ref, under_ref, *, n: int, block: int,
+            clip: float):
     inv, scale = p_ref[0], p_ref[1]
-    x = x_ref[...].astype(jnp.float32)
+    x_in = x_ref[...]
+    x = x_in.astype(jnp.float32)
     xs = x * inv
-    y_ref[...] = (hif8.round(_clip(xs, clip)) * scale).astype(y_ref.dtype)
+    y = (hif8.round(_clip(xs, clip)) * scale).astype(y_ref.dtype)
+    y_ref[...] = y
     valid = valid_mask((block,), 0, block, n)  # the ragged last block holds padding (NaN in interpret mode)
     nan = jnp.isnan(x)
     # max over non-NaN values only (Triton's max ignores NaN anyway); NaN is re-inserted from the count outside.
@@ -56,6 +72,7 @@ def _kernel(p_ref, x_ref, y_ref, amax_ref, sat_ref, nonfinite_ref, nan_ref, *, n
     sat_ref[...] = jnp.sum((valid & (jnp.abs(xs) > clip)).astype(jnp.int32)).reshape(1)
     nonfinite_ref[...] = jnp.sum((valid & ~jnp.isfinite(x)).astype(jnp.int32)).reshape(1)
     nan_ref[...] = jnp.sum((valid & nan).astype(jnp.int32)).reshape(1)
+    under_ref[...] = jnp.sum((valid & (x_in != 0) & (y == 0)).astype(jnp.int32)).reshape(1)
 
 
 @functools.partial(jax.jit, static_argnames=("clip", "interpret", "block", "num_warps"))
@@ -65,18 +82,18 @@ def _scaled_fake_quant(x, scale, *, clip: float, interpret: bool, block: int, nu
     params = jnp.stack([1.0 / scale, scale])  # the one IEEE division, in XLA (Triton's f32 `/` is approximate)
     part = lambda dtype: jax.ShapeDtypeStruct((grid,), dtype)  # noqa: E731
     part_spec = pl.BlockSpec((1,), lambda i: (i,))
-    y, amax, sat, nonfinite, nan = pl.pallas_call(
+    y, amax, sat, nonfinite, nan, under = pl.pallas_call(
         functools.partial(_kernel, n=n, block=block, clip=clip),
         grid=(grid,),
         in_specs=[pl.BlockSpec((2,), lambda i: (0,)), pl.BlockSpec((block,), lambda i: (i,))],
-        out_specs=[pl.BlockSpec((block,), lambda i: (i,))] + [part_spec] * 4,
-        out_shape=[jax.ShapeDtypeStruct((n,), x.dtype), part(jnp.float32)] + [part(jnp.int32)] * 3,
+        out_specs=[pl.BlockSpec((block,), lambda i: (i,))] + [part_spec] * 5,
+        out_shape=[jax.ShapeDtypeStruct((n,), x.dtype), part(jnp.float32)] + [part(jnp.int32)] * 4,
         interpret=interpret,
         compiler_params=compiler_params(interpret, num_warps),
         name="hif8_scaled_fake_quant",
     )(params, x.reshape(n))
     amax = jnp.where(jnp.sum(nan) > 0, jnp.float32(jnp.nan), jnp.max(amax))
-    return y.reshape(x.shape), amax, jnp.sum(sat), jnp.sum(nonfinite)
+    return ScaledFakeQuant(y.reshape(x.shape), amax, jnp.sum(sat), jnp.sum(nonfinite), jnp.sum(under))
 
 
 def scaled_fake_quant(
@@ -87,13 +104,13 @@ def scaled_fake_quant(
     interpret: bool | None = None,
     block_size: int | None = None,
     num_warps: int | None = None,
-):
+) -> ScaledFakeQuant:
     """Scaled HiF8 quantize-dequantize of `x` with its amax and counters, in one pass (Pallas).
 
     Args:
       x: float32/bfloat16/float16 array of any shape (fewer than 2^31 elements).
-      scale: float32 scalar (decode scale, ``amax_estimate / target_max``); a Python float is taken as float32.
-      clip: the clip bound ``c`` applied to ``x / scale`` before rounding (``target_max``), a positive finite float.
+      scale: float32 scalar, shape () (decode scale, ``amax_estimate / target_max``); a Python float is float32.
+      clip: the static clip bound ``c`` applied to ``x / scale`` before rounding (``target_max``), in (0, 32768].
       interpret: True runs Pallas interpret mode (any backend), False the compiled Triton kernel; None picks
         interpret mode when ``JAXLOWFP_PALLAS_INTERPRET=1``, else the compiled kernel on a supporting GPU, else
         raises ``jaxlowfp.dispatch.PallasUnavailableError``.
@@ -102,8 +119,8 @@ def scaled_fake_quant(
       num_warps: Triton warps per program (default 8; ignored in interpret mode).
 
     Returns:
-      ``(y, amax, saturated_count, nonfinite_count)``: `y` in `x`'s dtype and shape, `amax` float32 (NaN if `x`
-      has a NaN), the counts int32.
+      :class:`ScaledFakeQuant` ``(y, amax, saturated_count, nonfinite_count, underflow_count)``: `y` in `x`'s
+      dtype and shape; `y` and the saturated count equal ``jaxlowfp.qat.scaled_round(x, scale, clip, "hif8")``.
     """
     x = float_input(x, "x")
     if x.size == 0:
@@ -113,15 +130,17 @@ def scaled_fake_quant(
     if isinstance(scale, float):
         scale = jnp.float32(scale)
     scale = jnp.asarray(scale)
-    if scale.dtype != jnp.float32 or scale.size != 1:
+    if scale.dtype != jnp.float32 or scale.shape != ():
         raise TypeError(f"scale must be a float32 scalar; got dtype {scale.dtype} and shape {scale.shape}")
-    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not (0 < clip < math.inf):
-        raise ValueError(f"clip must be a positive finite number; got {clip!r}")
+    if isinstance(clip, bool) or not isinstance(clip, (int, float, np.floating)):
+        raise TypeError(f"clip must be a Python number (static); got {type(clip).__name__}")
+    if not 0 < float(clip) <= hif8.MAX:
+        raise ValueError(f"clip={clip!r} must be in (0, {hif8.MAX}], the range of hif8")
     interpret = resolve_interpret(interpret, kernel=KERNEL)
     if block_size is None:
         block_size = min(pl.next_power_of_2(x.size), MAX_BLOCK_ELEMENTS) if interpret else DEFAULT_BLOCK
     check_pow2(block_size, "block_size")
     num_warps = DEFAULT_WARPS if num_warps is None else num_warps
     return _scaled_fake_quant(
-        x, scale.reshape(()), clip=float(clip), interpret=interpret, block=block_size, num_warps=num_warps
+        x, scale, clip=float(clip), interpret=interpret, block=block_size, num_warps=num_warps
     )

@@ -1,4 +1,8 @@
-"""Pallas HiF8 scaled fake-quant (interpret mode) against en_dtypes and against the jnp twin, bit for bit."""
+"""Pallas HiF8 scaled fake-quant (interpret mode) against en_dtypes and the jnp twin, bit for bit.
+
+The twin is ``jaxlowfp.qat.scaled_round`` (values and saturated count). The amax and the counters are checked
+against numpy: XLA:CPU's ``jnp.max`` reduction can drop a NaN (see test_xla_cpu_max_can_drop_nan), numpy cannot.
+"""
 from __future__ import annotations
 
 import en_dtypes
@@ -8,20 +12,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxlowfp import hif8
+from jaxlowfp import hif8, qat
 from jaxlowfp.dispatch import INTERPRET_ENV, PallasUnavailableError
 from pallas_kernels import hif8 as phif8
 
 
-def _jnp_twin(x, scale, clip):
-    """The fixed exact form of jaxlowfp.qat.scaled_round (task spec), written with jnp ops under jit."""
-    inv = 1.0 / scale
-    xs = x.astype(jnp.float32) * inv
-    y = (hif8.round(jnp.clip(xs, -clip, clip)) * scale).astype(x.dtype)
-    return y, jnp.max(jnp.abs(x)).astype(jnp.float32), jnp.sum(jnp.abs(xs) > clip), jnp.sum(~jnp.isfinite(x))
-
-
-_jnp_twin_jit = jax.jit(_jnp_twin, static_argnums=2)
+_twin = jax.jit(lambda x, scale, clip: qat.scaled_round(x, scale, clip, "hif8"), static_argnums=2)
 
 
 def _oracle(x: np.ndarray, scale: float, clip: float):
@@ -35,7 +31,11 @@ def _oracle(x: np.ndarray, scale: float, clip: float):
     amax = np.float32(np.max(np.abs(xf)))
     with np.errstate(invalid="ignore"):
         sat = int(np.sum(np.abs(xs) > clip))
-    return y, amax, sat, int(np.sum(~np.isfinite(xf)))
+    under = int(np.sum((xf != 0) & (y.astype(np.float32) == 0)))
+    return y, amax, sat, int(np.sum(~np.isfinite(xf))), under
+
+
+NAMES = ("y", "amax", "saturated", "nonfinite", "underflow")
 
 
 def _bits(a) -> np.ndarray:
@@ -61,7 +61,7 @@ def _hard_values(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray
     ties = ((grid[1:] + grid[:-1]) / 2).astype(np.float32)  # midpoints: TA rounds them away from zero
     k = min(len(ties), n // 4)
     x[:k] = ties[:k] * rng.choice([-1.0, 1.0], k)
-    x[k : k + 8] = [np.nan, np.inf, -np.inf, 0.0, -0.0, 15.0, -15.0, 15.000001]
+    x[k : k + 10] = [np.nan, np.inf, -np.inf, 0.0, -0.0, 15.0, -15.0, 15.000001, 1e-12, -3e-12]  # last: underflow
     x[-40:-20] = 0.0  # a zero run crossing a block edge
     return x.reshape(shape)
 
@@ -78,12 +78,13 @@ CASES = [  # (shape, dtype, scale, clip, block_size): ragged grids of 3..35 step
 def test_matches_en_dtypes_and_jnp_twin(shape, dtype, scale, clip, block):
     x = _hard_values(np.random.default_rng(len(shape) + block), shape).astype(dtype)
     got = phif8.scaled_fake_quant(jnp.asarray(x), jnp.float32(scale), clip, interpret=True, block_size=block)
-    twin = _jnp_twin_jit(jnp.asarray(x), jnp.float32(scale), clip)
-    want = _oracle(x, scale, clip)
-    for name, g, t, w in zip(("y", "amax", "saturated", "nonfinite"), got, twin, want):
-        _assert_same(g, t, f"{name} vs jnp twin")
-        _assert_same(g, np.asarray(w, dtype=np.asarray(g).dtype), f"{name} vs en_dtypes oracle")
-    assert np.isnan(got[1]) and int(got[3]) == 3  # one NaN, two infinities were planted
+    y_twin, sat_twin = _twin(jnp.asarray(x), jnp.float32(scale), clip)
+    _assert_same(got.y, y_twin, "y vs jnp twin")
+    _assert_same(got.saturated_count, sat_twin, "saturated count vs jnp twin")
+    for name, g, w in zip(NAMES, got, _oracle(x, scale, clip)):
+        _assert_same(g, np.asarray(w, dtype=np.asarray(g).dtype), f"{name} vs en_dtypes/numpy oracle")
+    assert np.isnan(got.amax) and int(got.nonfinite_count) == 3  # one NaN, two infinities were planted
+    assert int(got.underflow_count) > 0 or dtype == np.float16  # float16 flushes 1e-12 to zero already
 
 
 def test_amax_without_nan_and_special_blocks():
@@ -94,12 +95,23 @@ def test_amax_without_nan_and_special_blocks():
     x[block : 2 * block] = 0.0
     x[2 * block + 3] = -np.inf
     got = phif8.scaled_fake_quant(jnp.asarray(x), 0.5, 15.0, interpret=True, block_size=block)
-    want = _oracle(x, 0.5, 15.0)
-    for name, g, w in zip(("y", "amax", "saturated", "nonfinite"), got, want):
+    for name, g, w in zip(NAMES, got, _oracle(x, 0.5, 15.0)):
         _assert_same(g, np.asarray(w, dtype=np.asarray(g).dtype), name)
     x[:block] = -7.0  # now no NaN: amax must be the Inf
     got = phif8.scaled_fake_quant(jnp.asarray(x), 0.5, 15.0, interpret=True, block_size=block)
-    assert float(got[1]) == np.inf and int(got[2]) == 1 and int(got[3]) == 1
+    assert float(got.amax) == np.inf and int(got.saturated_count) == 1 and int(got.nonfinite_count) == 1
+
+
+def test_xla_cpu_max_can_drop_nan():
+    """Why amax is checked against numpy and the kernel counts NaN explicitly: on XLA:CPU a jitted
+    ``jnp.max(jnp.abs(x))`` over 4096 elements with one NaN returns a number (observed with jax 0.12). The kernel
+    returns NaN. If XLA fixes this, the first assertion starts failing: then drop it."""
+    x = np.ones(4096, np.float32)
+    x[81] = np.nan
+    xla = float(jax.jit(lambda v: jnp.max(jnp.abs(v)))(x))
+    got = phif8.scaled_fake_quant(jnp.asarray(x), 1.0, 15.0, interpret=True)
+    assert not np.isnan(xla), "XLA:CPU now propagates NaN through max: update this test and tell the twins' owners"
+    assert np.isnan(got.amax)
 
 
 def test_inside_user_jit_and_no_retrace():
@@ -109,16 +121,17 @@ def test_inside_user_jit_and_no_retrace():
     before = phif8._scaled_fake_quant._cache_size()
     for s in (0.25, 3.0):
         got = f(x, jnp.float32(s))
-        for name, g, t in zip(("y", "amax", "sat", "nonfinite"), got, _jnp_twin_jit(x, jnp.float32(s), 15.0)):
-            _assert_same(g, t, name)
+        y, sat = _twin(x, jnp.float32(s), 15.0)
+        _assert_same(got.y, y, "y")
+        _assert_same(got.saturated_count, sat, "saturated")
     assert phif8._scaled_fake_quant._cache_size() - before <= 1
 
 
 def test_default_block_interpret_single_step():
     x = jnp.asarray(np.linspace(-40, 40, 3000, dtype=np.float32))
     got = phif8.scaled_fake_quant(x, 2.0, 15.0, interpret=True)
-    for name, g, t in zip(("y", "amax", "sat", "nonfinite"), got, _jnp_twin_jit(x, jnp.float32(2.0), 15.0)):
-        _assert_same(g, t, name)
+    for name, g, w in zip(NAMES, got, _oracle(np.asarray(x), 2.0, 15.0)):
+        _assert_same(g, np.asarray(w, dtype=np.asarray(g).dtype), name)
 
 
 @pytest.mark.parametrize(
@@ -129,8 +142,10 @@ def test_default_block_interpret_single_step():
         (dict(x=np.ones((0, 4), np.float32)), ValueError, "at least one element"),
         (dict(scale=jnp.bfloat16(1.0)), TypeError, "scale must be a float32 scalar"),
         (dict(scale=jnp.ones(3, jnp.float32)), TypeError, "scale must be a float32 scalar"),
-        (dict(clip=0.0), ValueError, "clip must be a positive finite"),
-        (dict(clip=float("inf")), ValueError, "clip must be a positive finite"),
+        (dict(scale=jnp.ones((1,), jnp.float32)), TypeError, "scale must be a float32 scalar"),
+        (dict(clip=0.0), ValueError, r"clip=0.0 must be in \(0, 32768"),
+        (dict(clip=40000.0), ValueError, "range of hif8"),
+        (dict(clip=jnp.float32(15.0)), TypeError, "clip must be a Python number"),
         (dict(block_size=96), ValueError, "power of two"),
         (dict(block_size=1 << 21), ValueError, "power of two"),
         (dict(interpret="yes"), TypeError, "interpret must be"),
@@ -150,5 +165,5 @@ def test_no_silent_interpret_on_cpu(monkeypatch):
     with pytest.raises(PallasUnavailableError, match=r"hif8\.scaled_fake_quant.*interpret=True"):
         phif8.scaled_fake_quant(x, 1.0, 15.0)
     monkeypatch.setenv(INTERPRET_ENV, "1")
-    y, amax, sat, nonfinite = phif8.scaled_fake_quant(x, 1.0, 15.0)
-    assert float(amax) == 1.0 and int(sat) == 0 and int(nonfinite) == 0 and float(y[0]) == 1.0
+    y, amax, sat, nonfinite, under = phif8.scaled_fake_quant(x, 1.0, 15.0)
+    assert float(amax) == 1.0 and int(sat) == int(nonfinite) == int(under) == 0 and float(y[0]) == 1.0
