@@ -1,4 +1,5 @@
 """jaxlowfp.scaling: estimates against hand-computed sequences, delay semantics, merge, state I/O, validation."""
+import dataclasses
 import math
 
 import chex
@@ -251,14 +252,8 @@ def test_misuse_raises_clearly():
         s.update(s.init(), jnp.int32(3))
     with pytest.raises(TypeError, match="AmaxHistory"):
         s.update({"history": None}, jnp.float32(1.0))
-    with pytest.raises(dataclasses_frozen_error()):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         s.history_len = 3
-
-
-def dataclasses_frozen_error():
-    import dataclasses
-
-    return dataclasses.FrozenInstanceError
 
 
 def test_docs_example_is_current():
