@@ -176,7 +176,7 @@ class QuantLinear(nnx.Module):
         compute_dtype = dtype if dtype is not None else param_dtype
         self.amax = AmaxState(recipe.init())
         self.stats = QuantStatsState(_zero_stats(recipe, in_features, out_features, compute_dtype, where))
-        self.observe_only = QuantPhase(jnp.asarray(bool(observe_only)))
+        self.observe_only = QuantPhase(_bool_flag(observe_only))
         self.rngs = rngs["quant"].fork() if _needs_key(recipe) else nnx.data(None)
 
     @classmethod
@@ -480,15 +480,8 @@ def paper_rules(
 
 
 def _bool_flag(flag: Any) -> jax.Array:
-    if isinstance(flag, (bool, np.bool_)):
-        return jnp.asarray(bool(flag))
-    dtype = getattr(flag, "dtype", None)
-    if dtype is None or np.dtype(dtype) != np.bool_ or getattr(flag, "ndim", None) != 0:
-        raise TypeError(
-            f"observe_only flag must be a Python bool or a bool scalar array (traced is fine); got "
-            f"{type(flag).__name__} dtype={dtype} shape={getattr(flag, 'shape', None)}"
-        )
-    return jnp.asarray(flag)
+    """The flag as a bool[] array; qat's validation (Python bool, or a bool scalar array, traced or not)."""
+    return jnp.asarray(qat._observe_flag(flag))
 
 
 def set_observe_only(model: nnx.Module, flag: bool | jax.Array) -> int:
@@ -512,25 +505,35 @@ def _key_name(k: Any) -> str:
     return str(k)
 
 
-def _flat_stats(model: nnx.Module) -> Iterator[tuple[str, jax.Array]]:
-    for path, m in iter_quant_linears(model):
-        leaves, _ = jax.tree_util.tree_flatten_with_path(m.stats.get_value())
-        for kp, leaf in leaves:
-            yield "/".join([p for p in (path, *(_key_name(k) for k in kp)) if p]), leaf
+def _named_leaves(tree: Any) -> Iterator[tuple[tuple[str, ...], jax.Array]]:
+    """(key names, leaf) for every leaf of a pytree (NamedTuple fields, dict keys, sequence indices)."""
+    for kp, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        yield tuple(_key_name(k) for k in kp), leaf
 
 
-def collect_stats(model: nnx.Module) -> dict[str, float]:
-    """Every QuantLinear's last QuantStats as a flat `{path/tensor/field: float}` dict, for a logger, e.g.
-    `blocks/3/mlp/gate_proj/activation/saturated_fraction`. Non-scalar leaves get an `/i` suffix per element."""
+def _flatten_floats(pairs: Iterator[tuple[tuple[str, ...], Any]]) -> dict[str, float]:
+    """{"a/b/c": float} from (names, leaf) pairs; a non-scalar leaf gets one "/i" entry per element."""
     out: dict[str, float] = {}
-    for name, leaf in _flat_stats(model):
+    for names, leaf in pairs:
+        name = "/".join(n for n in names if n)
         arr = np.asarray(jax.device_get(leaf))
         if arr.ndim == 0:
             out[name] = float(arr)
         else:
-            for i, v in enumerate(arr.reshape(-1)):
-                out[f"{name}/{i}"] = float(v)
+            out.update({f"{name}/{i}": float(v) for i, v in enumerate(arr.reshape(-1))})
     return out
+
+
+def _flat_stats(model: nnx.Module) -> Iterator[tuple[tuple[str, ...], jax.Array]]:
+    for path, m in iter_quant_linears(model):
+        for names, leaf in _named_leaves(m.stats.get_value()):
+            yield (path, *names), leaf
+
+
+def collect_stats(model: nnx.Module) -> dict[str, float]:
+    """Every QuantLinear's last QuantStats as a flat `{path/tensor/field: float}` dict, for a logger, e.g.
+    `blocks/3/mlp/gate_proj/activation/saturated_fraction`."""
+    return _flatten_floats(_flat_stats(model))
 
 
 def max_saturated_fraction(model: nnx.Module) -> jax.Array:
@@ -538,6 +541,6 @@ def max_saturated_fraction(model: nnx.Module) -> jax.Array:
 
     Traceable: return it from a jitted step for a progress bar. 0 when the model has no QuantLinear.
     """
-    vals = [jnp.max(leaf).astype(jnp.float32) for name, leaf in _flat_stats(model)
-            if name.rsplit("/", 1)[-1] == "saturated_fraction"]
+    vals = [jnp.max(leaf).astype(jnp.float32) for names, leaf in _flat_stats(model)
+            if names[-1] == "saturated_fraction"]
     return jnp.max(jnp.stack(vals)) if vals else jnp.zeros((), jnp.float32)

@@ -1,0 +1,133 @@
+"""Linen adapter: nn.Dense(dot_general_cls=quant_dot_general_cls(recipe)).
+
+Oracles: plain `nn.Dense` (observe-only output, bitwise) and a float64 numpy fake-quant on `en_dtypes.hifloat8`.
+"""
+from __future__ import annotations
+
+import chex
+import en_dtypes
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlowfp import linen as jlinen
+from jaxlowfp import qat
+
+
+def hif8_fake_quant_f64(a: np.ndarray, amax: float, target_max: float = 15.0) -> np.ndarray:
+    """Independent per-tensor HiF8 fake quant: scale = amax / target_max, clip, en_dtypes TA cast, rescale."""
+    scale = np.float32(amax) / np.float32(target_max)
+    s = np.clip(a.astype(np.float32) / scale, -target_max, target_max).astype(np.float32)
+    return s.astype(en_dtypes.hifloat8).astype(np.float64) * np.float64(scale)
+
+
+class MLP(nn.Module):
+    recipe: qat.Recipe
+
+    @nn.compact
+    def __call__(self, x):
+        cls = jlinen.quant_dot_general_cls(self.recipe)
+        h = nn.relu(nn.Dense(64, dot_general_cls=cls, name="up")(x))
+        return nn.Dense(16, dot_general_cls=cls, name="down")(h)
+
+
+class PlainMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(16, name="down")(nn.relu(nn.Dense(64, name="up")(x)))
+
+
+X = jax.random.normal(jax.random.key(1), (4, 32)) * 2.0
+
+
+@pytest.fixture(scope="module")
+def init():
+    model = MLP(recipe=qat.hif8_w8a8())
+    return model, model.init(jax.random.key(0), X)
+
+
+def test_init_creates_the_collections_and_the_same_params_as_plain_dense(init):
+    model, variables = init
+    assert set(variables) >= {"params", jlinen.AMAX_COLLECTION, jlinen.PHASE_COLLECTION}
+    plain = PlainMLP().init(jax.random.key(0), X)
+    chex.assert_trees_all_equal(variables["params"]["up"]["kernel"], plain["params"]["up"]["kernel"])
+    chex.assert_trees_all_equal_shapes(variables["params"], plain["params"])
+    state = variables[jlinen.AMAX_COLLECTION]["up"]["QuantDotGeneral_0"]["recipe_state"]
+    assert isinstance(state, qat.RecipeState)
+    chex.assert_trees_all_equal(state, qat.hif8_w8a8().init())  # init's dummy input recorded nothing
+    assert not bool(variables[jlinen.PHASE_COLLECTION]["up"]["QuantDotGeneral_0"]["observe_only"])
+
+
+def test_apply_records_histories_and_matches_the_oracle_over_two_delayed_steps(init):
+    model, variables = init
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), variables["params"])
+    x = np.asarray(X)
+    y, upd = model.apply(variables, X, mutable=[jlinen.AMAX_COLLECTION, jlinen.STATS_COLLECTION])
+    w_up, w_down = p["up"]["kernel"], p["down"]["kernel"]
+    h = np.maximum(hif8_fake_quant_f64(x, np.abs(x).max()) @ hif8_fake_quant_f64(w_up, np.abs(w_up).max())
+                   + p["up"]["bias"], 0.0)
+    ref = hif8_fake_quant_f64(h, np.abs(h).max()) @ hif8_fake_quant_f64(w_down, np.abs(w_down).max())
+    np.testing.assert_allclose(np.asarray(y, np.float64), ref + p["down"]["bias"], rtol=1e-5, atol=1e-5)
+    stats = jlinen.collect_stats(upd)
+    assert stats["up/QuantDotGeneral_0/activation/amax"] == float(np.abs(x).max())
+
+    # step 2 with the new histories and 2x the input: the "up" activation scale comes from step 1's amax
+    variables2 = {**variables, **{jlinen.AMAX_COLLECTION: upd[jlinen.AMAX_COLLECTION]}}
+    y2, upd2 = jax.jit(lambda v, x: model.apply(v, x, mutable=[jlinen.AMAX_COLLECTION, jlinen.STATS_COLLECTION]))(
+        variables2, 2 * X)
+    h2 = np.maximum(hif8_fake_quant_f64(2 * x, np.abs(x).max()) @ hif8_fake_quant_f64(w_up, np.abs(w_up).max())
+                    + p["up"]["bias"], 0.0)
+    ref2 = hif8_fake_quant_f64(h2, np.abs(h).max()) @ hif8_fake_quant_f64(w_down, np.abs(w_down).max())
+    np.testing.assert_allclose(np.asarray(y2, np.float64), ref2 + p["down"]["bias"], rtol=1e-5, atol=1e-5)
+    stats2 = jlinen.collect_stats(upd2)
+    assert stats2["up/QuantDotGeneral_0/activation/amax_estimate"] == float(np.abs(x).max())
+    assert stats2["up/QuantDotGeneral_0/activation/saturated_fraction"] > 0
+
+
+def test_observe_only_is_bitwise_plain_dense_and_flips_without_retracing(init):
+    model, variables = init
+    plain = PlainMLP().init(jax.random.key(0), X)
+    chex.clear_trace_counter()
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(variables, x, flag):
+        v = jlinen.set_observe_only(variables, flag)
+        return model.apply(v, x, mutable=[jlinen.AMAX_COLLECTION])
+
+    y_obs, upd = step(variables, X, jnp.asarray(True))
+    y_ref = jax.jit(PlainMLP().apply)(plain, X)
+    np.testing.assert_array_equal(np.asarray(y_obs), np.asarray(y_ref))
+    changed = any(not np.array_equal(a, b) for a, b in zip(
+        jax.tree.leaves(variables[jlinen.AMAX_COLLECTION]), jax.tree.leaves(upd[jlinen.AMAX_COLLECTION])))
+    assert changed  # the warmup still records the histories
+    y_q, _ = step(variables, X, jnp.asarray(False))  # same trace
+    assert not np.array_equal(np.asarray(y_q), np.asarray(y_ref))
+
+
+def test_gradients_flow_and_inference_needs_no_mutable_collection(init):
+    model, variables = init
+
+    def loss(params):
+        y, _ = model.apply({**variables, "params": params}, X, mutable=[jlinen.AMAX_COLLECTION])
+        return jnp.mean(y * y)
+
+    grads = jax.jit(jax.grad(loss))(variables["params"])
+    for g in jax.tree.leaves(grads):
+        assert bool(jnp.all(jnp.isfinite(g))) and float(jnp.abs(g).max()) > 0
+    y = model.apply(variables, X)  # nothing mutable: histories untouched, no error
+    assert y.shape == (4, 16)
+
+
+def test_bad_arguments_raise_clear_errors(init):
+    _, variables = init
+    with pytest.raises(TypeError, match="Recipe"):
+        jlinen.quant_dot_general_cls("hif8")
+    with pytest.raises(TypeError, match="Python bool"):
+        jlinen.quant_dot_general_cls(qat.hif8_w8a8(), observe_only=jnp.asarray(True))
+    with pytest.raises(TypeError, match="observe_only must be"):
+        jlinen.set_observe_only(variables, 1)
+    with pytest.raises(ValueError, match="quant_phase"):
+        jlinen.set_observe_only({"params": variables["params"]}, True)
