@@ -4,17 +4,20 @@ The global scales ``(S_enc, S_dec)`` come from ``jaxlowfp.nvfp4.global_scales`` 
 one XLA reduction unless ``global_amax`` is given). Each program then quantizes a ``(bm, bn)`` tile of the
 ``[rows, K]`` view of `x`, with the twin's arithmetic made exact on any backend (specs/pallas.md section 4):
 
-    blk_amax = max |x| over the block            (NaN-aware: Triton's max ignores NaN)
+    blk_amax = max |x| over the block            (NaN/Inf blocks flagged explicitly: Triton's max ignores NaN)
     base     = fl(blk_amax / M) * S_enc           (/6: integer-exact ``div_by_3_pow2``; /4: * 0.25)
     s        = E4M3 RNE satfinite(base)           (4/6: s4 = E4M3(base * 1.5)); integer bit math, stored as bytes
-    inv      = table[code(s)]                     (the 128 values min(1 / (s * S_dec), FLT_MAX), computed by XLA:
-                                                   Triton's f32 division is approximate)
+    inv      = INV[code(s)]                       gathered from a 128-entry table
     q        = E2M1 RNE(x * inv)                  (threshold compares, no division, no round)
-    4/6:       x̂ = fl(((q*s)*amax) / 1536) (integer-exact), error per block summed in the twin's order (columns
-               0..15 sequentially, then rows pairwise), d*d kept from FMA contraction; map-4 iff err4 < err6
+    4/6:       x̂ = ±ERR[code(s), |q|], error per block summed in the twin's order (columns 0..15 sequentially,
+               then rows pairwise), d*d kept from FMA contraction; map-4 iff err4 < err6
+    fake:      y = ±FAKE[code(s), |q|]
 
-Outputs: packed codes (even element in the low nibble) and E4M3 scale bytes (viewed as ``float8_e4m3fn`` outside the
-kernel, so no fp8 cast is needed in Triton), or for ``fake_quantize`` the dequantized ``(q * s) * S_dec``.
+The tables (INV = min(1 / (s * S_dec), FLT_MAX); ERR = ((|q|*s)*amax) / (M*E); FAKE = (|q|*s) * S_dec, over all 128
+scale codes and 8 E2M1 magnitudes) are computed per call by XLA with the twin's own expressions, since Triton's f32
+division is approximate. Outputs: packed codes (even element in the low nibble) and E4M3 scale bytes (viewed as
+``float8_e4m3fn`` outside the kernel, so no fp8 cast is needed in Triton: sm_80 works), or for ``fake_quantize``
+the dequantized values in x's dtype.
 Stochastic rounding is not implemented in the kernel (``rounding="stochastic"`` raises: use ``impl="xla"``).
 """
 from __future__ import annotations
@@ -40,6 +43,7 @@ KERNEL_FAKE_QUANTIZE = "nvfp4.fake_quantize"
 DEFAULT_TILE = (16, 512)  # (bm, bn) on a GPU; bench/gpu_kernels.py sweeps this
 DEFAULT_WARPS = 4
 _NAN_CODE = 0x7F  # E4M3 NaN (scale of a block holding NaN or Inf)
+_ERR, _FAKE = 0, 1024  # offsets in the product table (see _tables)
 _B = ref.BLOCK
 
 
@@ -70,15 +74,21 @@ def _scale_code(v: jnp.ndarray, finite: jnp.ndarray) -> jnp.ndarray:
 
 
 def _candidate(xb, code, bshape, inv_ref):
-    """(nibbles uint8, signed E2M1 values f32) of blocks `xb` scaled by the E4M3 scale `code` (broadcast by bshape)."""
+    """(E2M1 index, negative) per element of blocks `xb` with E4M3 scale `code` (broadcast to the blocks by bshape).
+
+    Where the scale is 0 the twin writes the code 0 (value +0): index 0, not negative.
+    """
     inv = inv_ref[code].reshape(bshape)  # gather from the 128-entry table (an input ref, not a captured constant)
     y = xb * inv
     neg = (lax.bitcast_convert_type(y, jnp.uint32) >> 31) == 1  # x's sign, also for -0.0
-    idx = formats.e2m1_index(jnp.abs(y))
     zero = (code == 0).reshape(bshape)
-    nib = jnp.where(zero, 0, jnp.where(neg, 8, 0) | idx).astype(jnp.uint8)
-    v = formats.e2m1_value(idx)
-    return nib, jnp.where(zero, 0.0, jnp.where(neg, -v, v))
+    return jnp.where(zero, 0, formats.e2m1_index(jnp.abs(y))), neg & ~zero
+
+
+def _lookup(tbl_ref, offset: int, code, bshape, idx, neg):
+    """Signed table value ``±T[offset + 8 * code + idx]``: T holds |v| * s products precomputed by XLA."""
+    v = tbl_ref[offset + code.reshape(bshape) * 8 + idx]
+    return jnp.where(neg, -v, v)
 
 
 def _columns(t: jnp.ndarray) -> list[jnp.ndarray]:
@@ -112,9 +122,8 @@ def _pairwise(r: jnp.ndarray, axis: int) -> jnp.ndarray:
     return r.reshape(*r.shape[:axis], *r.shape[axis + 1 :])
 
 
-def _block_error(q, s, xb, bshape, amax, opaque_zero, rule: str, tile: bool) -> jnp.ndarray:
-    """The twin's per-block error of a candidate: x̂ = ((q*s)*amax) / (6*256), then mse / mae / abs_max."""
-    xhat = div_by_3_pow2((q * s.reshape(bshape)) * amax, 9)  # 6 * 256 = 3 * 2^9, exactly rounded
+def _block_error(xhat, xb, opaque_zero, rule: str, tile: bool) -> jnp.ndarray:
+    """The twin's per-block error of a candidate from its dequantized values x̂: mse / mae / abs_max."""
     d = xhat - xb
     if rule == "abs_max":  # NaN cannot occur here: non-finite blocks are excluded from the choice
         return _reduce_max(jnp.abs(d), (1, 3) if tile else (2,))
@@ -128,9 +137,9 @@ def _block_error(q, s, xb, bshape, amax, opaque_zero, rule: str, tile: bool) -> 
     return _pairwise(_sequential_sum(t), axis=1)  # t: (bm/16, 16 rows, bn/16, 16 cols)
 
 
-def _kernel(p_ref, inv_ref, x_ref, *out_refs, rule: str, tile: bool, fake: bool):
-    s_enc, s_dec, amax = p_ref[0], p_ref[1], p_ref[2]
-    opaque_zero = lax.bitcast_convert_type(p_ref[3], jnp.uint32)  # 0.0 at run time
+def _kernel(p_ref, inv_ref, tbl_ref, x_ref, *out_refs, rule: str, tile: bool, fake: bool):
+    s_enc = p_ref[0]
+    opaque_zero = lax.bitcast_convert_type(p_ref[1], jnp.uint32)  # 0.0 at run time
     x = x_ref[...].astype(jnp.float32)
     bm, bn = x.shape
     if tile:
@@ -141,25 +150,23 @@ def _kernel(p_ref, inv_ref, x_ref, *out_refs, rule: str, tile: bool, fake: bool)
         bshape, axes = (bm, bn // _B, 1), (2,)
     m, _ = ref.rule_constants(rule)
     blk_amax, finite = _block_amax(xb, axes)
-    base = (div_by_3_pow2(blk_amax, 1) if m == 6.0 else blk_amax * 0.25) * s_enc
+    base = (div_by_3_pow2(blk_amax, 1) if m == 6.0 else blk_amax * 0.25) * s_enc  # fl(blk_amax / M) * S_enc
     code = _scale_code(base, finite)
-    nib, q = _candidate(xb, code, bshape, inv_ref)
+    idx, neg = _candidate(xb, code, bshape, inv_ref)
     if rule in ("abs_max", "mae", "mse"):
         code4 = _scale_code(base * 1.5, finite)
-        nib4, q4 = _candidate(xb, code4, bshape, inv_ref)
-        s6 = formats.E4M3.decode(code.astype(jnp.uint8))
-        s4 = formats.E4M3.decode(code4.astype(jnp.uint8))
-        err6 = _block_error(q, s6, xb, bshape, amax, opaque_zero, rule, tile)
-        err4 = _block_error(q4, s4, xb, bshape, amax, opaque_zero, rule, tile)
+        idx4, neg4 = _candidate(xb, code4, bshape, inv_ref)
+        err6 = _block_error(_lookup(tbl_ref, _ERR, code, bshape, idx, neg), xb, opaque_zero, rule, tile)
+        err4 = _block_error(_lookup(tbl_ref, _ERR, code4, bshape, idx4, neg4), xb, opaque_zero, rule, tile)
         map4 = (err4 < err6) & finite  # twin: NaN errors (non-finite block) compare False
         sel = map4.reshape(bshape)
-        nib, q, code = jnp.where(sel, nib4, nib), jnp.where(sel, q4, q), jnp.where(map4, code4, code)
+        idx, neg, code = jnp.where(sel, idx4, idx), jnp.where(sel, neg4, neg), jnp.where(map4, code4, code)
     if fake:
         (y_ref,) = out_refs
-        s = formats.E4M3.decode(code.astype(jnp.uint8)).reshape(bshape)
-        y_ref[...] = ((q * s) * s_dec).reshape(bm, bn).astype(y_ref.dtype)
+        y_ref[...] = _lookup(tbl_ref, _FAKE, code, bshape, idx, neg).reshape(bm, bn).astype(y_ref.dtype)
         return
     codes_ref, scales_ref = out_refs
+    nib = (jnp.where(neg, 8, 0) | idx).astype(jnp.uint8)
     lo, hi = jnp.unstack(nib.reshape(bm, bn // 2, 2), axis=-1)
     codes_ref[...] = lo | (hi << 4)
     scales_ref[...] = code.astype(jnp.uint8).reshape(scales_ref.shape)
@@ -168,18 +175,29 @@ def _kernel(p_ref, inv_ref, x_ref, *out_refs, rule: str, tile: bool, fake: bool)
 # ---- wrapper ---------------------------------------------------------------------------------------------------
 
 
-def _inverse_table(s_dec: jax.Array) -> jax.Array:
-    """min(1 / (s * S_dec), FLT_MAX) for the 128 non-negative E4M3 codes s (the twin's `inv`, computed by XLA)."""
+def _tables(amax: jax.Array, s_dec: jax.Array, rule: str) -> tuple[jax.Array, jax.Array]:
+    """Per-call tables computed by XLA with the twin's own expressions, gathered in the kernel.
+
+    ``inv[c] = min(1 / (s_c * S_dec), FLT_MAX)`` for the 128 non-negative E4M3 codes c (Triton's f32 division is
+    approximate), and for every scale code c and E2M1 index i (``8 * c + i``) the magnitudes of
+    ``x̂ = ((v_i * s_c) * amax) / (M * E)`` (the 4/6 error, IEEE division via ``jaxlowfp.nvfp4.true_divide``) at
+    ``_ERR`` and of the dequantized value ``(v_i * s_c) * S_dec`` at ``_FAKE``. A negative element's values are the
+    negated magnitudes exactly (every step is a sign-symmetric IEEE operation).
+    """
     s = formats.E4M3.decode(jnp.arange(128, dtype=jnp.uint8))
-    return jnp.minimum(1.0 / (s * s_dec), ref.FLT_MAX)
+    inv = jnp.minimum(1.0 / (s * s_dec), ref.FLT_MAX)
+    qs = formats.E2M1.decode(jnp.arange(8, dtype=jnp.uint8))[None, :] * s[:, None]  # exact: 2 x 4 significant bits
+    m, e = ref.rule_constants(rule)
+    err = ref.true_divide(qs * amax, m * e)
+    return inv, jnp.concatenate([err.reshape(-1), (qs * s_dec).reshape(-1)])
 
 
 @functools.partial(jax.jit, static_argnames=("rule", "tile", "fake", "interpret", "bm", "bn", "num_warps"))
 def _run(x2, amax, *, rule: str, tile: bool, fake: bool, interpret: bool, bm: int, bn: int, num_warps: int):
     rows, k = x2.shape
     s_enc, s_dec = ref.global_scales(amax, rule)
-    inv = _inverse_table(s_dec)
-    params = jnp.stack([s_enc, s_dec, amax, jnp.float32(0.0)])
+    inv, tbl = _tables(amax, s_dec, rule)
+    params = jnp.stack([s_enc, jnp.float32(0.0)])
     grid = (pl.cdiv(rows, bm), pl.cdiv(k, bn))
     sb = bm // _B if tile else bm
     if fake:
@@ -193,8 +211,9 @@ def _run(x2, amax, *, rule: str, tile: bool, fake: bool, interpret: bool, bm: in
         functools.partial(_kernel, rule=rule, tile=tile, fake=fake),
         grid=grid,
         in_specs=[
-            pl.BlockSpec((4,), lambda i, j: (0,)),
+            pl.BlockSpec((2,), lambda i, j: (0,)),
             pl.BlockSpec((128,), lambda i, j: (0,)),
+            pl.BlockSpec((2048,), lambda i, j: (0,)),
             pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
         ],
         out_specs=out_specs,
@@ -202,7 +221,7 @@ def _run(x2, amax, *, rule: str, tile: bool, fake: bool, interpret: bool, bm: in
         interpret=interpret,
         compiler_params=compiler_params(interpret, num_warps),
         name=f"nvfp4_{'fake_' if fake else ''}quantize_{rule}",
-    )(params, inv, x2)
+    )(params, inv, tbl, x2)
     return outs, s_dec
 
 
