@@ -272,3 +272,20 @@ def test_no_silent_interpret_on_cpu(monkeypatch):
         pk.fake_quantize(jnp.ones((16, 32), jnp.float32))
     with pytest.raises(PallasUnavailableError, match=r"nvfp4\.quantize"):
         pk.quantize(jnp.ones((16, 32), jnp.float32))
+
+
+@pytest.mark.parametrize("k", [1, 9])
+def test_div_by_3_pow2_is_ieee(k):
+    """The kernels' integer-exact fl(a / (3 * 2^k)) against numpy's IEEE float32 division, on random bit patterns
+    (normals, subnormals, zeros, Inf, NaN) and results that land in the subnormal range."""
+    from pallas_kernels._exact import div_by_3_pow2
+
+    rng = np.random.default_rng(k)
+    bits = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
+    bits[:40_000] = rng.integers(0, 0x02000000, 40_000).astype(np.uint32)  # tiny: subnormal inputs and results
+    bits[40_000:40_008] = [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0x00000001, 0x00800000, 0x7F7FFFFF]
+    a = bits.view(np.float32)
+    got = np.asarray(jax.jit(div_by_3_pow2, static_argnums=1)(jnp.asarray(a), k))
+    with np.errstate(all="ignore"):
+        want = a / F32(3 * 2**k)
+    _same_values(got, want, f"a / (3 * 2^{k})")
