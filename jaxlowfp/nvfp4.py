@@ -174,7 +174,8 @@ def _e2m1_stochastic(ay: jax.Array, u: jax.Array) -> jax.Array:
     step = jnp.where(a < 2.0, 0.5, jnp.where(a < 4.0, 1.0, 2.0))
     lo = jnp.floor(a * (1.0 / step)) * step
     frac = (a - lo) * (1.0 / step)
-    return jnp.where(u < frac, lo + step, lo)
+    v = jnp.where(u < frac, lo + step, lo)
+    return jnp.where(jnp.isnan(v), 0.0, v)  # NaN |y| -> 0, as with nearest rounding
 
 
 class BlockResult(NamedTuple):
@@ -192,13 +193,17 @@ def _candidate(xb: jax.Array, s: jax.Array, s_dec: jax.Array, u: jax.Array | Non
     The sign is x's sign bit (inv > 0), so small negatives give -0 (code 0x8), as hardware and ml_dtypes do.
     """
     inv = jnp.minimum(1.0 / (s * s_dec), FLT_MAX)
-    y = xb * inv[..., None, None]
+    zero = s == 0
+    inv = jnp.where(zero, 0.0, inv)[..., None, None]  # y = +-0 (NaN for Inf) -> magnitude 0 in zero-scale blocks
+    sign = jnp.where(zero, jnp.uint32(0), jnp.uint32(0x80000000))[..., None, None]
+    y = xb * inv
     ay = jnp.abs(y)
-    if u is not None:
-        ay = _e2m1_stochastic(ay, u)
-    v = formats.e2m1_value(formats.e2m1_index(ay))
-    q = jnp.where(lax.bitcast_convert_type(y, jnp.int32) < 0, -v, v)
-    return jnp.where((s == 0)[..., None, None], 0.0, q)
+    if u is None:
+        v = formats.e2m1_magnitude(ay)
+    else:
+        v = _e2m1_stochastic(ay, u)
+    bits = lax.bitcast_convert_type(v, jnp.uint32) | (lax.bitcast_convert_type(y, jnp.uint32) & sign)
+    return lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def _nibbles(q: jax.Array) -> jax.Array:
@@ -300,7 +305,7 @@ def _validate(x: Any, cfg: NVFP4Config, global_amax: Any, key: Any) -> tuple[jax
     return x, global_amax
 
 
-_CHUNK_ELEMENTS = 1 << 19  # 4/6 runs over row chunks of about this size, so its temporaries stay in cache
+_CHUNK_ELEMENTS = 1 << 18  # 4/6 runs over row chunks of about this size, so its temporaries stay in cache
 
 
 def _chunk_rows(n_rows: int, row_elems: int, rows: int) -> int:
