@@ -192,6 +192,16 @@ def test_bench_check_exact_in_interpret_mode():
     assert bench.count_mismatches([y], [y]) == 0 and bench.count_mismatches([y], [y + 1]) == 6
 
 
+def test_bench_run_table_logic_in_interpret_mode():
+    """The sweep/selection/table code path, on the HiF8 case with two configurations (timings are meaningless)."""
+    bench = _bench_module()
+    case = bench.hif8_case(quick=True)
+    case = bench.dataclasses.replace(case, configs=(dict(block_size=4096), dict(block_size=2048)))
+    rows, notes = bench.run([(16, 512)], [jnp.bfloat16], [case], interpret=True, iters=1, reps=1)
+    assert len(rows) == 1 and len(rows[0]) == len(bench.HEADER) and not notes, (rows, notes)
+    assert rows[0][-2:] == ["0", "0"] and rows[0][-3].startswith("block_size=")
+
+
 def test_bench_refuses_without_gpu(capsys):
     bench = _bench_module()
     results = bench.Path(bench.__file__).with_name("RESULTS.md")
