@@ -25,6 +25,15 @@ Special values: the global amax of a tensor containing NaN or Inf is not finite,
 block scale are NaN, so the whole tensor dequantizes to NaN (TE would instead fall back to ``S_enc = 1`` for Inf or
 ``FLT_MAX`` for NaN and hide it). With a caller-supplied finite ``global_amax``, only the blocks holding NaN/Inf get
 a NaN scale. Values above a supplied ``global_amax`` saturate: the block scale at 448 and the elements at +-6.
+XLA:CPU flushes float32 subnormals to zero, so tensors with amax below about 1e-30 (where ``s * S_dec`` or the
+values themselves become subnormal) are outside the bit-exact range.
+
+Stochastic rounding (gradients) rounds each scaled value to one of its two E2M1 neighbours with P(up) = fractional
+distance, so it is unbiased wherever the value does not saturate; with a 4/6 rule both candidates use the same
+draws (as the CUDA kernels do), and the per-block choice then depends on the draw.
+
+The public functions run under an internal ``jax.jit`` (static configuration, so no retrace); the 4/6 rules process
+the tensor in row chunks (``lax.map``) so their temporaries stay in cache, which changes no bit.
 """
 from __future__ import annotations
 
@@ -232,11 +241,15 @@ def quantize_blocks(
         base     = (blk_amax / M) * s_enc                          (true division)
         s        = e4m3_rne_satfinite(base)                       4/6: s6 = that, s4 = e4m3(base * 1.5)
         s        = NaN where blk_amax is not finite
-        inv      = min(1 / (s * s_dec), FLT_MAX);   y = x * inv
-        idx      = e2m1 RNE of |y| (thresholds, saturating at 6), or stochastic with uniforms `u` [..., R, 16]
-        nibble   = sign(y) << 3 | idx;  both 0 where s == 0
-        4/6 only: x̂ = ((q * s) * amax) / (6 * 256) (true division); err per block = sequential sum over the 16 columns,
-                  then pairwise over rows (mse: d*d, mae: |d|) or max |d| (abs_max); map4 = err4 < err6
+        inv      = min(1 / (s * s_dec), FLT_MAX)   (0 where s == 0);   y = x * inv
+        |q|      = e2m1 RNE of |y| (thresholds, saturating at 6, NaN -> 0), or stochastic with uniforms `u`
+                   [..., R, 16] (P(up) = fractional distance, the same draws for both 4/6 candidates)
+        q        = |q| with y's sign bit (+0 where s == 0);   nibble = sign << 3 | E2M1 index of |q|
+        4/6 only: x̂ = ((q * s) * amax) / (M * E) (true division); d = x̂ - x; err per block = sequential sum over
+                  the 16 columns, then pairwise over rows (mse: d*d, mae: |d|) or max |d| (abs_max);
+                  map4 = err4 < err6 (a NaN error keeps 6)
+
+    The Pallas kernel (``pallas_kernels/nvfp4.py``) reproduces this order bit for bit.
     """
     m, e = rule_constants(rule)
     blk_amax = jnp.max(jnp.abs(xb), axis=(-2, -1))
