@@ -51,7 +51,8 @@ class AmaxState(nnx.Variable):
 
 
 class QuantStatsState(nnx.Variable):
-    """The `QuantStats` pytree of a QuantLinear's last call (telemetry; not trained, not needed to resume)."""
+    """The `RecipeStats` (weight and activation `QuantStats`) of a QuantLinear's last call: telemetry, not
+    trained and not needed to resume."""
 
 
 class QuantPhase(nnx.Variable):
@@ -138,7 +139,7 @@ class QuantLinear(nnx.Module):
         rngs: nnx.Rngs | None = None,
         kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
         bias_metadata: Mapping[str, Any] = MappingProxyType({}),
-        _from: nnx.Linear | None = None,
+        _from: nnx.Linear | None = None,  # private: from_linear's way to adopt existing Params
     ):
         if not isinstance(recipe, qat.Recipe):
             raise TypeError(f"recipe must be a jaxlowfp.qat.Recipe; got {type(recipe).__name__}: {recipe!r}")
@@ -217,8 +218,13 @@ class QuantLinear(nnx.Module):
             _from=linear,
         )
 
-    def __call__(self, inputs: jax.Array, *, key: jax.Array | None = None) -> jax.Array:
+    def __call__(self, inputs: jax.Array, out_sharding: Any = None, *, key: jax.Array | None = None) -> jax.Array:
         """`key` overrides the layer's own stream (used only by stochastic-rounding recipes)."""
+        if out_sharding is not None:
+            raise NotImplementedError(
+                f"{self.path or 'QuantLinear'}: out_sharding is not supported by the quantized matmul; shard the "
+                f"inputs and parameters instead"
+            )
         if key is None and self.rngs is not None:
             key = self.rngs()
         kernel = self.kernel[...]
@@ -308,7 +314,7 @@ class QuantizeReport:
             f"weights"
         )
         if self.unused_rules:
-            lines.append("unused rules (matched no module): " + ", ".join(repr(r) for r in self.unused_rules))
+            lines.append("unused rules (decided no module): " + ", ".join(repr(r) for r in self.unused_rules))
         else:
             lines.append("unused rules: none")
         return "\n".join(lines)
@@ -411,6 +417,11 @@ def quantize(model: nnx.Module, rules: Sequence[Rule], *, rngs: nnx.Rngs | None 
         if rule.recipe is None:
             kept.append((path, rule.path))
             continue
+        if type(node) is not nnx.Linear:
+            raise TypeError(
+                f"{path}: rule {rule.path!r} matches a {type(node).__name__}, a subclass of nnx.Linear; replacing "
+                f"it by a QuantLinear would drop its own behaviour. Exclude it or quantize it yourself."
+            )
         replacements[id(node)] = QuantLinear.from_linear(node, rule.recipe, path=path, rngs=rngs)
         quantized.append((path, rule.recipe.name))
         done += _kernel_size(node)

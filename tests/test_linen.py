@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import chex
 import en_dtypes
+import flax.errors
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -131,3 +132,21 @@ def test_bad_arguments_raise_clear_errors(init):
         jlinen.set_observe_only(variables, 1)
     with pytest.raises(ValueError, match="quant_phase"):
         jlinen.set_observe_only({"params": variables["params"]}, True)
+
+
+def test_stochastic_rounding_recipe_draws_from_the_quant_rng_stream():
+    dense = nn.Dense(32, dot_general_cls=jlinen.quant_dot_general_cls(qat.nvfp4_training()))
+    x = jax.random.normal(jax.random.key(2), (16, 32))
+    variables = dense.init({"params": jax.random.key(0), jlinen.RNG_STREAM: jax.random.key(1)}, x)
+
+    def loss(params, key):
+        y, _ = dense.apply({**variables, "params": params}, x, rngs={jlinen.RNG_STREAM: key},
+                           mutable=[jlinen.AMAX_COLLECTION])
+        return jnp.sum(y * y)
+
+    grad = jax.jit(jax.grad(loss))
+    g1, g2 = grad(variables["params"], jax.random.key(3)), grad(variables["params"], jax.random.key(4))
+    assert bool(jnp.all(jnp.isfinite(g1["kernel"])))
+    assert not np.array_equal(np.asarray(g1["kernel"]), np.asarray(g2["kernel"]))  # the key reaches the rounding
+    with pytest.raises(flax.errors.InvalidRngError, match="quant"):
+        dense.apply(variables, x)  # no 'quant' rng: flax names the missing stream

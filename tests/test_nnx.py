@@ -159,6 +159,20 @@ def test_first_match_wins_and_report_names_unused_rules():
     assert type(model.blocks[0].mlp.up_proj) is nnx.Linear
     assert report.unused_rules == (r"blocks/0/mlp/up_proj", r"decoder/.*")
     assert "'decoder/.*'" in str(report)
+    # a second pass leaves the QuantLinears alone and says so
+    again = jnnx.quantize(model, rules)
+    assert again.quantized == () and again.already_quantized == tuple(p for p, _ in report.quantized)
+    assert again.quantized_fraction == report.quantized_fraction
+
+
+def test_linear_subclasses_are_refused_by_name():
+    class LoRALinear(nnx.Linear):
+        pass
+
+    model = nnx.Dict(proj=LoRALinear(16, 16, rngs=nnx.Rngs(0)))
+    with pytest.raises(TypeError, match="proj: rule 'proj' matches a LoRALinear, a subclass of nnx.Linear"):
+        jnnx.quantize(model, [jnnx.Rule(path="proj", recipe=qat.hif8_w8a8())])
+    assert jnnx.quantize(model, [jnnx.Rule(path="proj", recipe=None)]).kept == (("proj", "proj"),)
 
 
 def test_rule_validation_errors_name_the_input():
@@ -199,6 +213,27 @@ def test_nvfp4_quantizes_compatible_layers():
     y = np.asarray(call(layer, x))
     y_hp = np.asarray(x) @ np.asarray(layer.kernel.get_value())
     assert np.all(np.isfinite(y)) and 0 < np.linalg.norm(y - y_hp) / np.linalg.norm(y_hp) < 0.2
+
+
+def test_nvfp4_training_needs_whole_tiles_and_rngs_and_trains():
+    recipe = qat.nvfp4_training(rule="mse")  # 16x16 weight tiles, stochastic rounding of gradients
+    with pytest.raises(ValueError, match=r"proj: .*out_features=40 is not a multiple of the tile height 16"):
+        jnnx.quantize(nnx.Dict(proj=nnx.Linear(32, 40, rngs=nnx.Rngs(0))), [jnnx.Rule(path="proj", recipe=recipe)])
+    with pytest.raises(TypeError, match="proj: .*stochastic rounding and needs rngs"):
+        jnnx.quantize(nnx.Dict(proj=nnx.Linear(32, 32, rngs=nnx.Rngs(0))), [jnnx.Rule(path="proj", recipe=recipe)])
+    model = nnx.Dict(proj=nnx.Linear(32, 32, rngs=nnx.Rngs(0)))
+    jnnx.quantize(model, [jnnx.Rule(path="proj", recipe=recipe)], rngs=nnx.Rngs(quant=7))
+    x = jax.random.normal(jax.random.key(1), (16, 32))  # 16 tokens: whole wgrad blocks
+
+    @nnx.jit
+    def grads(m, x):
+        return nnx.grad(lambda m: jnp.sum(m["proj"](x) ** 2), argnums=nnx.DiffState(0, nnx.Param))(m)
+
+    g1, g2 = grads(model, x), grads(model, x)
+    for g in jax.tree.leaves(g1):
+        assert bool(jnp.all(jnp.isfinite(g))) and float(jnp.abs(g).max()) > 0
+    # the layer's own 'quant' stream advanced: a fresh stochastic-rounding key per call
+    assert not np.array_equal(np.asarray(g1["proj"]["kernel"][...]), np.asarray(g2["proj"]["kernel"][...]))
 
 
 def test_paper_rules_validation_and_patterns():
@@ -467,5 +502,5 @@ def test_example_runs_and_prints_the_report():
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "blocks/1/mlp/gate_proj" in out.stdout and "unused rules (matched no module): 'encoder/.*'" in out.stdout
+    assert "blocks/1/mlp/gate_proj" in out.stdout and "unused rules (decided no module): 'encoder/.*'" in out.stdout
     assert "step   3  quantized" in out.stdout
