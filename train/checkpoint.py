@@ -55,13 +55,17 @@ def abstract_like(tree: Any) -> Any:
 
 
 def _get(tree: Any, key: str) -> Any:
-    return tree[key] if isinstance(tree, Mapping) else getattr(tree, key)
+    """`key` is a dict key or attribute name; dots go deeper (``"train.params"``)."""
+    for part in key.split("."):
+        tree = tree[part] if isinstance(tree, Mapping) else getattr(tree, part)
+    return tree
 
 
 class Checkpointer:
     """An orbax `CheckpointManager` over ``directory`` that refuses non-finite states.
 
-    `checked` names the fields of the state (dict keys or NamedTuple attributes) that must be finite.
+    `checked` names the fields of the state (dict keys or NamedTuple attributes, dotted for nested ones, e.g.
+    ``"train.params"``) that must be finite.
     """
 
     def __init__(self, directory: str | Path, *, max_to_keep: int = 2, checked: Sequence[str] = ("params", "opt_state"),

@@ -18,6 +18,7 @@ never written to the state or to a checkpoint.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import shutil
@@ -45,7 +46,10 @@ __all__ = [
     "make_optimizer",
     "init_state",
     "make_train_step",
+    "jit_train_step",
+    "state_shardings",
     "shard_state",
+    "checkpointer",
     "train",
 ]
 
@@ -99,7 +103,13 @@ def make_schedule(lr: float, *, kind: str = "constant", total_steps: int = 1, wa
         return optax.constant_schedule(lr)
     if kind == "cosine":
         warm = min(warmup_steps, max(total_steps - 1, 0))
-        return optax.warmup_cosine_decay_schedule(0.0, lr, warm, max(total_steps, warm + 1), end_value=lr / 10)
+        inner = optax.warmup_cosine_decay_schedule(0.0, lr, warm, max(total_steps, warm + 1), end_value=lr / 10)
+
+        def schedule(count: Any) -> jax.Array:
+            with jax.numpy_dtype_promotion("standard"):  # optax mixes the int32 count with Python floats
+                return jnp.asarray(inner(count), jnp.float32)
+
+        return schedule
     raise ValueError(f"schedule kind={kind!r} is not supported; allowed: 'constant', 'cosine'")
 
 
@@ -109,7 +119,23 @@ def make_optimizer(schedule: optax.Schedule, *, weight_decay: float = 0.1, grad_
     parts = [optax.clip_by_global_norm(grad_clip)] if grad_clip > 0 else []
     parts.append(optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay,
                              mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
-    return optax.chain(*parts)
+    return _standard_promotion(optax.chain(*parts))
+
+
+def _standard_promotion(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """optax's Adam bias correction computes ``b1 ** count`` (Python float ** int32), which the strict dtype
+    promotion this project runs under rejects; the optimizer (float32 state, no low-precision math) runs with
+    standard promotion, the model does not."""
+
+    def init(params: Any) -> optax.OptState:
+        with jax.numpy_dtype_promotion("standard"):
+            return tx.init(params)
+
+    def update(updates: Any, state: optax.OptState, params: Any = None) -> tuple[Any, optax.OptState]:
+        with jax.numpy_dtype_promotion("standard"):
+            return tx.update(updates, state, params)
+
+    return optax.GradientTransformation(init, update)
 
 
 def init_state(model: nnx.Module, tx: optax.GradientTransformation, *, seed: int = 0
@@ -127,12 +153,14 @@ def _all_finite(tree: Any) -> jax.Array:
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *, loss_fn: LossFn,
                     schedule: optax.Schedule, warmup: Any = None, stats_layer: str | None = None,
+                    mesh: Mesh | None = None,
                     ) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
-    """The pure step ``(state, batch) -> (state', metrics)`` (not jitted: `train` jits it).
+    """The pure step ``(state, batch) -> (state', metrics)`` (not jitted: see `jit_train_step`).
 
     `warmup` is a `jaxlowfp.qat.Warmup` (None: quantize from step 0). Metrics: loss, lr, observe_only, skipped,
     finite, the max and mean saturated fraction over the quantized layers and, for `stats_layer`, its observed
-    amax and the amax estimate its scale came from.
+    amax and the amax estimate its scale came from. With a `mesh`, the new state is constrained to the
+    `shard_state` layout, so it stays put from step to step.
     """
     amax_filter = _amax_filter()
     from jaxlowfp.nnx import set_observe_only
@@ -141,7 +169,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *,
         observe = warmup.observe_only(state.step) if warmup is not None else jnp.bool_(False)
 
         def loss_of(params: nnx.State) -> tuple[jax.Array, tuple[nnx.State, nnx.State]]:
-            model = nnx.merge(graphdef, params, state.qstate, state.rest)
+            model = nnx.merge(graphdef, params, state.qstate, state.rest, copy=True)  # fresh Variables: mutable here
             set_observe_only(model, observe)
             loss, _ = loss_fn(model, batch)
             _, _, qstate, rest = nnx.split(model, nnx.Param, amax_filter, ...)
@@ -168,9 +196,23 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *,
         metrics = {"loss": loss, "lr": jnp.asarray(schedule(applied), jnp.float32), "observe_only": observe,
                    "skipped": new.skipped, "finite": ok}
         metrics.update(quant_metrics(rest, stats_layer))
+        if mesh is not None:
+            new = jax.lax.with_sharding_constraint(new, state_shardings(new, mesh))
         return new, metrics
 
     return step_fn
+
+
+@functools.lru_cache(maxsize=16)
+def jit_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *, loss_fn: LossFn,
+                   schedule: optax.Schedule, warmup: Any = None, stats_layer: str | None = None,
+                   mesh: Mesh | None = None, donate: bool = True,
+                   ) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
+    """`make_train_step` under `jax.jit`, donating the input state; cached, so runs that share the model
+    structure, optimizer and schedule objects compile once."""
+    fn = make_train_step(graphdef, tx, loss_fn=loss_fn, schedule=schedule, warmup=warmup, stats_layer=stats_layer,
+                         mesh=mesh)
+    return jax.jit(fn, donate_argnums=0 if donate else ())
 
 
 def quant_metrics(rest: nnx.State, layer: str | None) -> dict[str, jax.Array]:
@@ -179,7 +221,7 @@ def quant_metrics(rest: nnx.State, layer: str | None) -> dict[str, jax.Array]:
 
     sat, found = [], {}
     for path, var in _iter_vars(rest, QuantStatsState):
-        stats = var.value if hasattr(var, "value") else var
+        stats = var.get_value() if hasattr(var, "get_value") else var.value
         for kind, s in _named_stats(stats):
             sat.append(jnp.asarray(s.saturated_fraction, jnp.float32).reshape(()))
             if layer is not None and path == layer and kind in ("x", "input", "act", "activation"):
@@ -212,18 +254,33 @@ def _estimate(s: Any) -> jax.Array:
     return jnp.asarray(s.scale * s.target_max, jnp.float32).reshape(())
 
 
-def shard_state(state: TrainState, mesh: Mesh) -> TrainState:
+def state_shardings(state: TrainState, mesh: Mesh) -> TrainState:
     """Params and optimizer moments over fsdp (where divisible), everything else replicated."""
     rep = mesh_lib.replicated(mesh)
     return TrainState(
-        params=mesh_lib.shard(state.params, mesh_lib.param_shardings(state.params, mesh)),
-        qstate=mesh_lib.shard(state.qstate, rep),
-        rest=mesh_lib.shard(state.rest, rep),
-        opt_state=mesh_lib.shard(state.opt_state, mesh_lib.param_shardings(state.opt_state, mesh)),
-        step=mesh_lib.shard(state.step, rep),
-        skipped=mesh_lib.shard(state.skipped, rep),
-        rng=mesh_lib.shard(state.rng, rep),
+        params=mesh_lib.param_shardings(state.params, mesh),
+        qstate=jax.tree.map(lambda _: rep, state.qstate),
+        rest=jax.tree.map(lambda _: rep, state.rest),
+        opt_state=mesh_lib.param_shardings(state.opt_state, mesh),
+        step=rep,
+        skipped=rep,
+        rng=rep,
     )
+
+
+def shard_state(state: TrainState, mesh: Mesh) -> TrainState:
+    """`state` laid out by `state_shardings`, in fresh buffers: the step donates its input state, which must
+    not alias the caller's arrays (nor one buffer twice, as NNX variables that share an array would)."""
+    return mesh_lib.shard(state, state_shardings(state, mesh), copy=True)
+
+
+CHECKED = ("train.params", "train.opt_state")
+
+
+def checkpointer(out_dir: str | Path, **kw: Any) -> Checkpointer:
+    """The checkpoints of a `train` run: ``<out_dir>/ckpt``, items ``{"train": TrainState, "data": DataState}``,
+    refusing non-finite params or optimizer state."""
+    return Checkpointer(Path(out_dir) / "ckpt", checked=CHECKED, **kw)
 
 
 def _rewrite_metrics(path: Path, keep_up_to: int | None) -> None:
@@ -270,15 +327,15 @@ def train(model: nnx.Module, stream: Any, *, steps: int, tx: optax.GradientTrans
     state = shard_state(state, mesh)
     data_state = stream.init()
     resumed_from = None
-    with Checkpointer(ckpt_dir) as ckpt:
+    with checkpointer(out_dir) as ckpt:
         if resume and ckpt.latest_step() is not None:
             restored, _ = ckpt.restore({"train": state, "data": data_state})
             state, data_state = restored["train"], restored["data"]
             resumed_from = int(state.step)
         _rewrite_metrics(metrics_path, resumed_from)
 
-        step_fn = jax.jit(make_train_step(graphdef, tx, loss_fn=loss_fn, schedule=schedule, warmup=warmup,
-                                          stats_layer=stats_layer), donate_argnums=0)
+        step_fn = jit_train_step(graphdef, tx, loss_fn=loss_fn, schedule=schedule, warmup=warmup,
+                                 stats_layer=stats_layer, mesh=mesh)
         start = int(state.step)
         losses: list[float] = []
         rows: list[dict[str, Any]] = []
@@ -311,6 +368,7 @@ def train(model: nnx.Module, stream: Any, *, steps: int, tx: optax.GradientTrans
                     if (step + 1) % checkpoint_every == 0 or step + 1 == steps:
                         ckpt.save(step + 1, {"train": state, "data": data_state},
                                   {"step": step + 1, "skipped": row["skipped"], **(meta or {})})
+                        t_last = time.perf_counter()  # tokens/s counts training, not saving
         except StopTraining:
             pass
         finally:

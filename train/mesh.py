@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -103,10 +104,17 @@ def param_shardings(tree: Any, mesh: Mesh, *, min_size: int = 1024) -> Any:
     return jax.tree.map(lambda x: NamedSharding(mesh, param_spec(np.shape(x), fsdp, min_size=min_size)), tree)
 
 
-def shard(tree: Any, shardings: Any) -> Any:
-    """`jax.device_put` each leaf with its sharding (a single sharding applies to every leaf)."""
+def shard(tree: Any, shardings: Any, *, copy: bool = False) -> Any:
+    """`jax.device_put` each leaf with its sharding (a single sharding applies to every leaf).
+
+    ``copy=True`` gives every leaf a buffer of its own, shared with neither the input nor another leaf (needed
+    before donating the result to a jitted step). ``device_put(..., may_alias=False)`` is not enough: a
+    replicated put may reuse the source buffer on its device, and NNX states often hold one array in two places.
+    """
     if isinstance(shardings, jax.sharding.Sharding):
-        return jax.tree.map(lambda x: jax.device_put(x, shardings), tree)
+        shardings = jax.tree.map(lambda _: shardings, tree)
+    if copy:
+        tree = jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
     return jax.tree.map(jax.device_put, tree, shardings)
 
 
