@@ -40,7 +40,8 @@ GPU_TARGETS: dict[str, tuple[str, int]] = {
 
 def check_pow2(value, what: str, *, lo: int = 1, hi: int = MAX_BLOCK_ELEMENTS) -> int:
     """`value` if it is an int power of two in [lo, hi], else a ValueError saying what is allowed."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1) or not lo <= value <= hi:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1 and not value & (value - 1)
+    if not ok or not lo <= value <= hi:
         raise ValueError(f"{what} must be a power of two in [{lo}, {hi}] (a Pallas-Triton rule); got {value!r}")
     return value
 

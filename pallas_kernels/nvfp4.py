@@ -206,7 +206,10 @@ def _run(x2, amax, *, rule: str, tile: bool, fake: bool, interpret: bool, bm: in
     else:
         srows = rows // _B if tile else rows
         out_shape = [jax.ShapeDtypeStruct((rows, k // 2), jnp.uint8), jax.ShapeDtypeStruct((srows, k // _B), jnp.uint8)]
-        out_specs = [pl.BlockSpec((bm, bn // 2), lambda i, j: (i, j)), pl.BlockSpec((sb, bn // _B), lambda i, j: (i, j))]
+        out_specs = [
+            pl.BlockSpec((bm, bn // 2), lambda i, j: (i, j)),
+            pl.BlockSpec((sb, bn // _B), lambda i, j: (i, j)),
+        ]
     outs = pl.pallas_call(
         functools.partial(_kernel, rule=rule, tile=tile, fake=fake),
         grid=grid,
@@ -254,8 +257,10 @@ def _prepare(x, rule, block_shape, global_amax, rounding, key, interpret, tile_s
         else:
             bm, bn = DEFAULT_TILE
             bn = min(bn, max(pl.next_power_of_2(k), _B))
-    else:
+    elif isinstance(tile_shape, tuple) and len(tile_shape) == 2:
         bm, bn = tile_shape
+    else:
+        raise ValueError(f"tile_shape must be a pair (bm, bn) of powers of two; got {tile_shape!r}")
     check_pow2(bm, "tile rows (bm)", lo=lo_rows)
     check_pow2(bn, "tile columns (bn)", lo=_B)
     if bm * bn > MAX_BLOCK_ELEMENTS:

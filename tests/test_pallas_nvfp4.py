@@ -252,6 +252,7 @@ def test_twin_nan_block_scale():
         (dict(rule="max"), ValueError, "rule='max'"),
         (dict(block_shape=(4, 16)), ValueError, "block_shape"),
         (dict(tile_shape=(16, 96)), ValueError, "power of two"),
+        (dict(tile_shape=512), ValueError, r"tile_shape must be a pair"),
         (dict(tile_shape=(8, 64), block_shape=(16, 16)), ValueError, r"tile rows \(bm\)"),
         (dict(tile_shape=(1024, 2048)), ValueError, "2\\^20"),
         (dict(global_amax=jnp.ones(2, jnp.float32)), ValueError, "global_amax must be a scalar"),
