@@ -1,7 +1,7 @@
 """Pallas HiF8 scaled fake-quant (interpret mode) against en_dtypes and the jnp twin, bit for bit.
 
 The twin is ``jaxlowfp.qat.scaled_round`` (values and saturated count). The amax and the counters are checked
-against numpy: XLA:CPU's ``jnp.max`` reduction can drop a NaN (see test_amax_nan_where_xla_cpu_max_drops_it), numpy cannot.
+against numpy: XLA:CPU's ``jnp.max`` can drop a NaN (test_amax_nan_where_xla_cpu_max_drops_it); numpy cannot.
 """
 from __future__ import annotations
 
