@@ -87,10 +87,9 @@ class NVFP4Config:
     def __post_init__(self) -> None:
         one_of(self.rule, RULES, "rule")
         one_of(self.rounding, ROUNDINGS, "rounding")
-        try:
-            bs = tuple(int(b) for b in self.block_shape)
-        except TypeError:
-            bs = None
+        bs = self.block_shape
+        ok = isinstance(bs, (tuple, list)) and all(isinstance(b, int) and not isinstance(b, bool) for b in bs)
+        bs = tuple(bs) if ok else None
         if bs not in BLOCK_SHAPES:
             raise ValueError(f"block_shape={self.block_shape!r} is not supported; allowed: (1, 16), (16, 16)")
         object.__setattr__(self, "block_shape", bs)
@@ -142,12 +141,12 @@ def true_divide(a: jax.Array, c: float) -> jax.Array:
 
 def global_scales(amax: jax.Array, rule: str) -> tuple[jax.Array, jax.Array]:
     """(S_enc, S_dec) float32 scalars: ``S_enc = min(M*E / amax, FLT_MAX)``, 1 when amax == 0, NaN when amax is not
-    finite; ``S_dec = 1 / S_enc``."""
+    finite or negative (a bad caller-supplied amax poisons the tensor visibly); ``S_dec = 1 / S_enc``."""
     m, e = rule_constants(rule)
     amax = jnp.asarray(amax, jnp.float32)
     s_enc = jnp.minimum((m * e) / amax, FLT_MAX)
     s_enc = jnp.where(amax == 0, 1.0, s_enc)
-    s_enc = jnp.where(jnp.isfinite(amax), s_enc, jnp.nan)
+    s_enc = jnp.where(jnp.isfinite(amax) & (amax >= 0), s_enc, jnp.nan)
     return s_enc, 1.0 / s_enc
 
 
@@ -356,11 +355,8 @@ def _run(x: jax.Array, global_amax: jax.Array | None, key: jax.Array | None, *, 
     else:  # the per-block math is independent across blocks, so chunking changes no bit
         xs = x2.reshape(n // c, c, k)
         us = None if u2 is None else u2.reshape(n // c, c, k)
-        nib, fake, scales, map4 = lax.map(lambda a: blocks(*a), (xs, us))
-        nib, fake = nib.reshape(n, k // BLOCK, -1, BLOCK), fake.reshape(n, k // BLOCK, -1, BLOCK)
-        if cfg.rows > 1:  # [n/c, c/16, K/16, 16, 16] -> [n/16, K/16, 16, 16]
-            nib, fake = nib.reshape(n // BLOCK, k // BLOCK, BLOCK, BLOCK), fake.reshape(n // BLOCK, k // BLOCK, BLOCK, BLOCK)
-        scales, map4 = scales.reshape(-1, k // BLOCK), map4.reshape(-1, k // BLOCK)
+        outs = lax.map(lambda a: blocks(*a), (xs, us))
+        nib, fake, scales, map4 = (o.reshape(-1, *o.shape[2:]) for o in outs)  # merge chunk and block-row axes
     scale_shape = (*x.shape[:-1], k // BLOCK) if cfg.rows == 1 else (*x.shape[:-2], x.shape[-2] // BLOCK, k // BLOCK)
     if out == "map4":
         return map4.reshape(scale_shape)
@@ -401,7 +397,8 @@ def quantize(
       x: the tensor; blocks run along the last axis (the GEMM reduction axis).
       rule: "static_6" (standard NVFP4), "static_4", or the Four Over Six rules "abs_max", "mae", "mse".
       block_shape: (1, 16), or (16, 16) tiles over the last two axes (one scale and one 4/6 choice per tile).
-      global_amax: a float scalar used instead of max|x| (delayed or all-reduced amax); see the module docstring.
+      global_amax: a float scalar >= 0 used instead of max|x| (delayed or all-reduced amax): values above it
+        saturate, and a negative or non-finite one makes every scale NaN; see the module docstring.
       rounding: "nearest" (RNE) or "stochastic" (unbiased, reproducible from `key`).
       key: PRNG key, required for (and only for) stochastic rounding.
     """

@@ -133,7 +133,8 @@ def check_against_ref(q, x, rule, block_shape, global_amax=None):
     codes, scales, s_dec, _ = ref_quantize(x, rule, block_shape, global_amax)
     np.testing.assert_array_equal(np.asarray(q.codes), codes)
     assert q.scales.dtype == jnp.float8_e4m3fn
-    np.testing.assert_array_equal(np.asarray(q.scales).view(np.uint8), scales.astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+    ref_bytes = scales.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    np.testing.assert_array_equal(np.asarray(q.scales).view(np.uint8), ref_bytes)
     assert same_bits(np.asarray(q.global_scale), s_dec).all()
 
 
@@ -296,6 +297,8 @@ def test_global_amax_supplied_and_saturation():
         deq = np.asarray(nvfp4.dequantize(q3))
         top = 6 * 448 * float(q3.global_scale)
         assert np.abs(deq).max() == pytest.approx(top, rel=1e-6)
+    bad = nvfp4.quantize(x, rule="mse", global_amax=np.float32(-1.0))  # a negative amax is refused loudly: NaN
+    assert np.isnan(np.asarray(bad.global_scale)) and np.isnan(np.asarray(bad.scales).astype(F32)).all()
 
 
 def test_pytree_jit_and_no_retrace():
@@ -338,7 +341,7 @@ def test_bad_inputs_raise_clearly():
         nvfp4.quantize(x, rounding="stochastic")
     with pytest.raises(ValueError, match="only used with rounding='stochastic'"):
         nvfp4.quantize(x, key=jax.random.key(0))
-    for bs in [(1, 32), (16,), 16, (32, 32)]:
+    for bs in [(1, 32), (16,), 16, (32, 32), ("1", "16"), (1.0, 16.0)]:
         with pytest.raises(ValueError, match="block_shape"):
             nvfp4.quantize(x, block_shape=bs)
     with pytest.raises(ValueError, match="global_amax must be a scalar"):
