@@ -15,6 +15,7 @@ cloned, and the new `QuantLinear` holds the very same `nnx.Param` objects as the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Iterator, MutableMapping, MutableSequence, Sequence
 from types import MappingProxyType
@@ -96,18 +97,22 @@ def _check_layer_shape(recipe: qat.Recipe, in_features: int, out_features: int, 
             )
 
 
-def _zero_stats(recipe: qat.Recipe, in_features: int, out_features: int, dtype: Any, where: str) -> Any:
-    """A zero QuantStats pytree with the structure `qat.linear` returns, found by abstract evaluation (which
-    also surfaces any shape incompatibility the QAT op itself detects, named with the module path)."""
+@functools.lru_cache(maxsize=256)
+def _stats_shapes(recipe: qat.Recipe, in_features: int, out_features: int, dtype: np.dtype) -> Any:
     x = jax.ShapeDtypeStruct((1, in_features), dtype)
     w = jax.ShapeDtypeStruct((in_features, out_features), dtype)
-    state = recipe.init()
-    key = jax.random.key(0)
+    fn = lambda x, w, s, k: qat.linear(x, w, recipe=recipe, state=s, key=k)[2]  # noqa: E731
+    return jax.eval_shape(fn, x, w, recipe.init(), jax.random.key(0))
+
+
+def _zero_stats(recipe: qat.Recipe, in_features: int, out_features: int, dtype: Any, where: str) -> Any:
+    """A zero RecipeStats pytree with the structure `qat.linear` returns, found by abstract evaluation (cached
+    per recipe and shape; it also surfaces any incompatibility the QAT op itself detects, named by path)."""
     try:
-        out = jax.eval_shape(lambda x, w, s, k: qat.linear(x, w, recipe=recipe, state=s, key=k), x, w, state, key)
-    except (ValueError, TypeError) as e:
+        shapes = _stats_shapes(recipe, int(in_features), int(out_features), np.dtype(dtype))
+    except (ValueError, TypeError, NotImplementedError) as e:
         raise ValueError(f"{where}: recipe {recipe.name!r} cannot quantize this layer: {e}") from e
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out[2])
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 class QuantLinear(nnx.Module):
