@@ -23,6 +23,7 @@ from jax import lax
 
 from jaxlowfp import formats
 from jaxlowfp._checks import float_input, one_of
+from jaxlowfp._reduce import abs_max
 from jaxlowfp.nvfp4 import pack_nibbles, true_divide, unpack_nibbles
 
 __all__ = ["MXArray", "MXConfig", "ELEMENTS", "SCALE_RULES", "BLOCK", "quantize", "dequantize", "fake_quantize",
@@ -109,7 +110,7 @@ def _check_x(x: Any) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("cfg", "out"))
 def _run(x: jax.Array, *, cfg: MXConfig, out: str):
     xb = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
-    e = shared_exponent(jnp.max(jnp.abs(xb), axis=-1), cfg.elem, cfg.scale_rule)
+    e = shared_exponent(abs_max(xb, axis=-1), cfg.elem, cfg.scale_rule)
     y = xb * _pow2(-jnp.minimum(e, 127))[..., None]  # x / 2^e exactly (one rounding only if y is subnormal)
     if out == "fake":
         scale = jnp.where(e == 128, jnp.nan, _pow2(jnp.minimum(e, 127)))

@@ -497,7 +497,7 @@ def paper_rules(
 
 def _bool_flag(flag: Any) -> jax.Array:
     """The flag as a bool[] array; qat's validation (Python bool, or a bool scalar array, traced or not)."""
-    return jnp.asarray(qat._observe_flag(flag))
+    return jnp.asarray(qat.observe_flag(flag))
 
 
 def set_observe_only(model: nnx.Module, flag: bool | jax.Array) -> int:

@@ -46,8 +46,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxlowfp import formats
+from jaxlowfp import dispatch, formats
 from jaxlowfp._checks import float_input, one_of
+from jaxlowfp._reduce import abs_max
 
 __all__ = [
     "NVFP4Array", "NVFP4Config", "RULES", "ROUNDINGS", "BLOCK_SHAPES", "quantize", "dequantize", "fake_quantize",
@@ -251,7 +252,7 @@ def quantize_blocks(
     The Pallas kernel (``pallas_kernels/nvfp4.py``) reproduces this order bit for bit.
     """
     m, e = rule_constants(rule)
-    blk_amax = jnp.max(jnp.abs(xb), axis=(-2, -1))
+    blk_amax = abs_max(xb, axis=(-2, -1))
     base = true_divide(blk_amax, m) * s_enc
     finite = jnp.isfinite(blk_amax)
 
@@ -304,7 +305,8 @@ def _check_x(x: Any, cfg: NVFP4Config) -> jax.Array:
     return x
 
 
-def _validate(x: Any, cfg: NVFP4Config, global_amax: Any, key: Any) -> tuple[jax.Array, jax.Array | None]:
+def validate_args(x: Any, cfg: NVFP4Config, global_amax: Any, key: Any) -> tuple[jax.Array, jax.Array | None]:
+    """Check `x`, the key and `global_amax` against `cfg` (clear errors); returns (x, global_amax as an array)."""
     x = _check_x(x, cfg)
     if cfg.rounding == "stochastic" and key is None:
         raise ValueError("rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...)")
@@ -335,7 +337,7 @@ def _run(x: jax.Array, global_amax: jax.Array | None, key: jax.Array | None, *, 
     xf = x.astype(jnp.float32)
     if x.dtype != jnp.float32:
         xf = lax.optimization_barrier(xf)  # convert once: XLA:CPU would otherwise redo the cast in every fusion
-    amax = jnp.max(jnp.abs(xf)) if global_amax is None else global_amax.astype(jnp.float32)
+    amax = abs_max(xf) if global_amax is None else global_amax.astype(jnp.float32)
     s_enc, s_dec = global_scales(amax, cfg.rule)
     u = None if key is None else jax.random.uniform(key, x.shape, jnp.float32)
 
@@ -368,8 +370,8 @@ def _run(x: jax.Array, global_amax: jax.Array | None, key: jax.Array | None, *, 
 
 def pack_nibbles(nib: jax.Array) -> jax.Array:
     """uint8 4-bit codes [..., K] -> bytes [..., K // 2], element 2j in the low nibble, 2j + 1 in the high one."""
-    pairs = nib.reshape(*nib.shape[:-1], nib.shape[-1] // 2, 2)
-    return pairs[..., 0] | (pairs[..., 1] << 4)
+    lo, hi = jnp.unstack(nib.reshape(*nib.shape[:-1], nib.shape[-1] // 2, 2), axis=-1)  # no slices: lowers in Triton
+    return lo | (hi << 4)
 
 
 def unpack_nibbles(codes: jax.Array) -> jax.Array:
@@ -382,6 +384,15 @@ def unpack_nibbles(codes: jax.Array) -> jax.Array:
 # Public API
 
 
+def _use_pallas(impl: str, kernel: str, rounding: str) -> bool:
+    one_of(impl, dispatch.IMPLS, "impl")
+    if rounding == "stochastic":
+        if impl == "pallas":
+            raise ValueError("impl='pallas': the NVFP4 kernel has no stochastic rounding; use impl='xla' or 'auto'")
+        return False
+    return dispatch.resolve_impl(impl, kernel=kernel) == "pallas"
+
+
 def quantize(
     x: Any,
     *,
@@ -390,6 +401,7 @@ def quantize(
     global_amax: Any = None,
     rounding: Literal["nearest", "stochastic"] = "nearest",
     key: jax.Array | None = None,
+    impl: Literal["auto", "xla", "pallas"] = "auto",
 ) -> NVFP4Array:
     """NVFP4-quantize `x` (float32/bfloat16/float16, last axis a multiple of 16).
 
@@ -401,9 +413,15 @@ def quantize(
         saturate, and a negative or non-finite one makes every scale NaN; see the module docstring.
       rounding: "nearest" (RNE) or "stochastic" (unbiased, reproducible from `key`).
       key: PRNG key, required for (and only for) stochastic rounding.
+      impl: "auto" (the Pallas kernel on a GPU that supports it, else this jnp code), "xla", or "pallas" (the
+        kernel, bit-identical, or a clear error where it cannot run; it has no stochastic rounding).
     """
+    if _use_pallas(impl, "nvfp4.quantize", rounding):
+        from pallas_kernels import nvfp4 as kernel
+
+        return kernel.quantize(x, rule=rule, block_shape=block_shape, global_amax=global_amax)
     cfg = NVFP4Config(rule=rule, block_shape=block_shape, rounding=rounding)
-    x, global_amax = _validate(x, cfg, global_amax, key)
+    x, global_amax = validate_args(x, cfg, global_amax, key)
     codes, scales, s_dec = _run(x, global_amax, key, cfg=cfg, out="q")
     return NVFP4Array(codes=codes, scales=scales, global_scale=s_dec, rule=cfg.rule, block_shape=cfg.block_shape,
                       dtype=x.dtype, shape=x.shape)
@@ -432,10 +450,15 @@ def fake_quantize(
     global_amax: Any = None,
     rounding: Literal["nearest", "stochastic"] = "nearest",
     key: jax.Array | None = None,
+    impl: Literal["auto", "xla", "pallas"] = "auto",
 ) -> jax.Array:
     """``dequantize(quantize(x, ...), x.dtype)`` bit for bit, without packing the codes."""
+    if _use_pallas(impl, "nvfp4.fake_quantize", rounding):
+        from pallas_kernels import nvfp4 as kernel
+
+        return kernel.fake_quantize(x, rule=rule, block_shape=block_shape, global_amax=global_amax)
     cfg = NVFP4Config(rule=rule, block_shape=block_shape, rounding=rounding)
-    x, global_amax = _validate(x, cfg, global_amax, key)
+    x, global_amax = validate_args(x, cfg, global_amax, key)
     return _run(x, global_amax, key, cfg=cfg, out="fake")
 
 
@@ -444,7 +467,7 @@ def selected_map4(
 ) -> jax.Array:
     """bool per block (shape of `NVFP4Array.scales`): True where the block maps its max to 4 (telemetry)."""
     cfg = NVFP4Config(rule=rule, block_shape=block_shape)
-    x, global_amax = _validate(x, cfg, global_amax, None)
+    x, global_amax = validate_args(x, cfg, global_amax, None)
     return _run(x, global_amax, None, cfg=cfg, out="map4")
 
 

@@ -31,8 +31,9 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxlowfp import formats
+from jaxlowfp import dispatch, formats
 from jaxlowfp._checks import float_input, one_of
+from jaxlowfp._reduce import abs_max
 from jaxlowfp.scaling import AmaxHistory, CurrentScaling, DelayedScaling, Scaling
 
 __all__ = [
@@ -58,6 +59,7 @@ ROUNDINGS = ("nearest", "stochastic")
 NVFP4_RULES = ("static_6", "static_4", "abs_max", "mae", "mse")
 NVFP4_BLOCKS = ((1, 16), (16, 16))
 NVFP4_ELEMENT_MAX = 6.0  # E2M1
+_KERNELS = {"hif8": "hif8.scaled_fake_quant", "nvfp4": "nvfp4.fake_quantize"}  # kernel names in jaxlowfp.dispatch
 
 
 def _nvfp4_module():
@@ -92,6 +94,9 @@ class QuantSpec:
       rounding: "nearest" or "stochastic" (NVFP4 only; needs a PRNG key).
       hadamard: gradient spec only: apply the 16-point randomized Hadamard transform to both operands of the
         weight-gradient GEMM before quantizing them (NVFP4 training recipe).
+      impl: "auto" (Pallas kernel on a GPU that supports it, XLA elsewhere), "xla" (the jnp code) or "pallas"
+        (the kernel, or a clear error where it cannot run; see :mod:`jaxlowfp.dispatch`). Kernels exist for
+        "hif8" and "nvfp4" (round to nearest).
     """
 
     format: Literal["hif8", "e4m3", "e5m2", "nvfp4"] = "hif8"
@@ -103,9 +108,16 @@ class QuantSpec:
     block_shape: tuple[int, int] | None = None
     rounding: Literal["nearest", "stochastic"] = "nearest"
     hadamard: bool = False
+    impl: Literal["auto", "xla", "pallas"] = "auto"
 
     def __post_init__(self) -> None:
         one_of(self.format, FORMATS, "format")
+        one_of(self.impl, dispatch.IMPLS, "impl")
+        if self.impl == "pallas" and (self.format not in _KERNELS or self.rounding == "stochastic"):
+            raise ValueError(
+                f"impl='pallas' has kernels for format 'hif8' and for 'nvfp4' with rounding='nearest'; got "
+                f"format={self.format!r}, rounding={self.rounding!r} (use impl='xla' or 'auto')"
+            )
         one_of(self.clip, CLIPS, "clip")
         one_of(self.ste, STES, "ste")
         one_of(self.rounding, ROUNDINGS, "rounding")
@@ -284,12 +296,21 @@ def nvfp4_training(rule: str = "mse") -> Recipe:
 # The scaled quantizer
 
 
-def _scaled_round_mask(x: jax.Array, scale: jax.Array, clip: float, fmt: formats.Format):
+def _scaled_round_mask(x: jax.Array, scale: jax.Array, clip: float, fmt: formats.Format, bound: jax.Array):
     inv = 1.0 / scale  # one scalar IEEE division; the array sees only a multiply (what XLA would emit anyway)
-    xs = x.astype(jnp.float32) * inv
-    sat = jnp.abs(xs) > clip
-    y = (fmt.round(jnp.clip(xs, -clip, clip)) * scale).astype(x.dtype)
-    return y, sat
+    xf = x.astype(jnp.float32)
+    y = (fmt.round(jnp.clip(xf * inv, -clip, clip)) * scale).astype(x.dtype)
+    return y, jnp.abs(xf) > bound
+
+
+def saturation_bound(scale: jax.Array, clip: float, estimate: jax.Array | None = None) -> jax.Array:
+    """The float32 magnitude above which an input counts as saturated (clipped): the amax estimate itself when the
+    clip is the target (``scale = estimate / target``; comparing ``|x| > estimate`` avoids the one-ulp noise of
+    ``|x / scale| > target`` for ``x == estimate``), else ``clip * scale``."""
+    bound = jnp.float32(clip) * scale
+    if estimate is None:
+        return bound
+    return jnp.where(jnp.isfinite(estimate) & (estimate > 0), estimate.astype(jnp.float32), bound)
 
 
 def _check_clip(clip: Any, fmt: formats.Format) -> float:
@@ -300,13 +321,16 @@ def _check_clip(clip: Any, fmt: formats.Format) -> float:
     return float(clip)
 
 
-def scaled_round(x: Any, scale: Any, clip: float, fmt: formats.Format | str) -> tuple[jax.Array, jax.Array]:
+def scaled_round(
+    x: Any, scale: Any, clip: float, fmt: formats.Format | str, *, bound: Any = None
+) -> tuple[jax.Array, jax.Array]:
     """Scaled quantize-dequantize, in float32 (the exact form the Pallas kernel twins)::
 
         inv = 1 / scale;  xs = f32(x) * inv;  y = dtype_x(fmt.round(clip(xs, -clip, clip)) * scale)
 
-    Returns ``(y, saturated_count)`` with ``saturated_count = #{|xs| > clip}`` (int32; +-Inf counts, NaN not).
-    `scale` is a positive finite float32 scalar, `clip` a static number in (0, fmt.max_finite].
+    Returns ``(y, saturated_count)`` with ``saturated_count = #{|f32(x)| > bound}`` (int32; +-Inf counts, NaN
+    not); `bound` defaults to ``clip * scale`` (see :func:`saturation_bound`). `scale` is a positive finite float32
+    scalar, `clip` a static number in (0, fmt.max_finite].
     """
     fmt = formats.get(fmt)
     x = float_input(x, "x")
@@ -314,11 +338,12 @@ def scaled_round(x: Any, scale: Any, clip: float, fmt: formats.Format | str) -> 
     scale = jnp.asarray(jnp.float32(scale) if isinstance(scale, float) else scale)
     if scale.dtype != jnp.float32 or scale.shape != ():
         raise TypeError(f"scale must be a float32 scalar; got dtype {scale.dtype} and shape {scale.shape}")
-    y, sat = _scaled_round_mask(x, scale, clip, fmt)
+    bound = saturation_bound(scale, clip) if bound is None else jnp.asarray(bound, jnp.float32)
+    y, sat = _scaled_round_mask(x, scale, clip, fmt, bound)
     return y, jnp.sum(sat, dtype=jnp.int32)
 
 
-def _observe_flag(observe_only: Any) -> bool | jax.Array:
+def observe_flag(observe_only: Any) -> bool | jax.Array:
     """A Python bool stays static; anything else must be a boolean scalar array (traced is fine)."""
     if isinstance(observe_only, (bool, np.bool_)):
         return bool(observe_only)
@@ -342,7 +367,8 @@ def _nvfp4_quantize(x: jax.Array, spec: QuantSpec, global_amax: jax.Array | None
     nvfp4 = _nvfp4_module()
     xt = jnp.moveaxis(x, axis, -1)
     yt = nvfp4.fake_quantize(xt, rule=spec.rule, block_shape=spec.block_shape, global_amax=global_amax,
-                             rounding=spec.rounding, key=key if spec.rounding == "stochastic" else None)
+                             rounding=spec.rounding, key=key if spec.rounding == "stochastic" else None,
+                             impl=spec.impl)
     return jnp.moveaxis(yt.astype(x.dtype), -1, axis)
 
 
@@ -365,7 +391,7 @@ def _quantize(x: jax.Array, state: AmaxHistory, spec: QuantSpec, observe: bool |
     if x.size == 0:
         raise ValueError(f"cannot quantize an empty array (shape {x.shape})")
     xs = lax.stop_gradient(x)
-    amax = jnp.max(jnp.abs(xs)).astype(jnp.float32)  # NaN-propagating
+    amax = abs_max(xs).astype(jnp.float32)
     est = spec.scaling.amax_estimate(state, amax)
     new_state = spec.scaling.update(state, amax)
     if spec.is_nvfp4:
@@ -374,16 +400,26 @@ def _quantize(x: jax.Array, state: AmaxHistory, spec: QuantSpec, observe: bool |
         yq = _nvfp4_quantize(xs, spec, est if delayed else None, key, axis)
         sat = (jnp.abs(xs) > est) if delayed else jnp.zeros(xs.shape, jnp.bool_)
         scale = _nvfp4_module().global_scales(est, spec.rule)[1]  # S_dec = 1 / S_enc
+        n_sat, n_under = jnp.sum(sat, dtype=jnp.int32), jnp.sum((xs != 0) & (yq == 0), dtype=jnp.int32)
     else:
         scale = spec.scaling.scale(est)
-        yq, sat = _scaled_round_mask(xs, scale, spec.clip_bound, spec.element_format)
+        bound = saturation_bound(scale, spec.clip_bound, est if spec.clip == "target" else None)
+        if spec.format == "hif8" and dispatch.resolve_impl(spec.impl, kernel=_KERNELS["hif8"]) == "pallas":
+            from pallas_kernels import hif8 as hif8_kernel  # one fused pass: y, saturated and underflow counts
+
+            r = hif8_kernel.scaled_fake_quant(xs, scale, spec.clip_bound, bound=bound)
+            yq, n_sat, n_under = r.y, r.saturated_count, r.underflow_count
+            sat = (jnp.abs(xs.astype(jnp.float32)) > bound) if spec.ste == "masked" else None
+        else:
+            yq, sat = _scaled_round_mask(xs, scale, spec.clip_bound, spec.element_format, bound)
+            n_sat, n_under = jnp.sum(sat, dtype=jnp.int32), jnp.sum((xs != 0) & (yq == 0), dtype=jnp.int32)
     n = float(x.size)
     stats = QuantStats(
         amax=amax,
         amax_estimate=est,
         scale=scale,
-        saturated_fraction=jnp.sum(sat, dtype=jnp.int32).astype(jnp.float32) / n,
-        underflow_fraction=jnp.sum((xs != 0) & (yq == 0), dtype=jnp.int32).astype(jnp.float32) / n,
+        saturated_fraction=n_sat.astype(jnp.float32) / n,
+        underflow_fraction=n_under.astype(jnp.float32) / n,
         nonfinite_count=jnp.sum(~jnp.isfinite(xs), dtype=jnp.int32),
     )
     keep = None  # identity STE, or masked but observing (nothing was clipped)
@@ -434,7 +470,7 @@ def fake_quant(
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"spec must be a QuantSpec; got {type(spec).__name__}")
     x = float_input(x, "x")
-    q = _quantize(x, state, spec, _observe_flag(observe_only), key)
+    q = _quantize(x, state, spec, observe_flag(observe_only), key)
     return _straight_through(x, q.y, q.keep), q.state, q.stats
 
 
@@ -582,7 +618,7 @@ def dot_general(
     lhs = float_input(lhs, "lhs")
     rhs = float_input(rhs, "rhs")
     dn = _normalize_dn(dimension_numbers)
-    observe = _observe_flag(observe_only)
+    observe = observe_flag(observe_only)
     linear_layout = _is_linear(lhs, rhs, dn)
     needs_layout = recipe.grad is not None and recipe.grad.hadamard
     needs_layout |= any(s is not None and s.is_nvfp4 for s in (recipe.weight, recipe.activation, recipe.grad))

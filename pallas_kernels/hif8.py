@@ -7,7 +7,7 @@ In float32, with one IEEE scalar division outside the kernel::
     y   = dtype_x( hif8.round(clip(xs, -c, c)) * scale )
     amax = max |x|                 (NaN if any x is NaN, checked explicitly: the max reductions of Triton and
                                     of XLA:CPU can drop a NaN)
-    saturated = #{ |xs| > c }      (+-Inf count, NaN does not)
+    saturated = #{ |f32(x)| > bound }  (+-Inf count, NaN does not; bound = jaxlowfp.qat.saturation_bound)
     nonfinite = #{ x is NaN or +-Inf }
     underflow = #{ x != 0 and y == 0 }   (nonzero inputs that round to zero)
 
@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 
 from jaxlowfp import hif8
 from jaxlowfp._checks import float_input
+from jaxlowfp.qat import saturation_bound
 from pallas_kernels._common import (
     MAX_BLOCK_ELEMENTS,
     check_pow2,
@@ -47,7 +48,7 @@ class ScaledFakeQuant(NamedTuple):
 
     y: jax.Array  # x's shape and dtype: the fake-quantized values
     amax: jax.Array  # f32[]: max |x|, NaN if x holds a NaN
-    saturated_count: jax.Array  # i32[]: #{|x / scale| > clip}
+    saturated_count: jax.Array  # i32[]: #{|x| > bound}
     nonfinite_count: jax.Array  # i32[]: #{x is NaN or +-Inf}
     underflow_count: jax.Array  # i32[]: #{x != 0 and y == 0}
 
@@ -59,7 +60,7 @@ def _clip(xs: jnp.ndarray, c: float) -> jnp.ndarray:
 
 def _kernel(p_ref, x_ref, y_ref, amax_ref, sat_ref, nonfinite_ref, nan_ref, under_ref, *, n: int, block: int,
             clip: float):
-    inv, scale = p_ref[0], p_ref[1]
+    inv, scale, bound = p_ref[0], p_ref[1], p_ref[2]
     x_in = x_ref[...]
     x = x_in.astype(jnp.float32)
     xs = x * inv
@@ -69,23 +70,24 @@ def _kernel(p_ref, x_ref, y_ref, amax_ref, sat_ref, nonfinite_ref, nan_ref, unde
     nan = jnp.isnan(x)
     # max over non-NaN values only (Triton's max ignores NaN anyway); NaN is re-inserted from the count outside.
     amax_ref[...] = jnp.max(jnp.where(valid & ~nan, jnp.abs(x), 0.0)).reshape(1)
-    sat_ref[...] = jnp.sum((valid & (jnp.abs(xs) > clip)).astype(jnp.int32)).reshape(1)
+    sat_ref[...] = jnp.sum((valid & (jnp.abs(x) > bound)).astype(jnp.int32)).reshape(1)
     nonfinite_ref[...] = jnp.sum((valid & ~jnp.isfinite(x)).astype(jnp.int32)).reshape(1)
     nan_ref[...] = jnp.sum((valid & nan).astype(jnp.int32)).reshape(1)
     under_ref[...] = jnp.sum((valid & (x_in != 0) & (y == 0)).astype(jnp.int32)).reshape(1)
 
 
 @functools.partial(jax.jit, static_argnames=("clip", "interpret", "block", "num_warps"))
-def _scaled_fake_quant(x, scale, *, clip: float, interpret: bool, block: int, num_warps: int):
+def _scaled_fake_quant(x, scale, bound, *, clip: float, interpret: bool, block: int, num_warps: int):
     n = x.size
     grid = pl.cdiv(n, block)
-    params = jnp.stack([1.0 / scale, scale])  # the one IEEE division, in XLA (Triton's f32 `/` is approximate)
+    params = jnp.stack([1.0 / scale, scale, bound, scale])  # the one IEEE division, in XLA (Triton's f32 `/` is
+    # approximate); padded to 4 entries: Triton blocks need a power-of-two size
     part = lambda dtype: jax.ShapeDtypeStruct((grid,), dtype)  # noqa: E731
     part_spec = pl.BlockSpec((1,), lambda i: (i,))
     y, amax, sat, nonfinite, nan, under = pl.pallas_call(
         functools.partial(_kernel, n=n, block=block, clip=clip),
         grid=(grid,),
-        in_specs=[pl.BlockSpec((2,), lambda i: (0,)), pl.BlockSpec((block,), lambda i: (i,))],
+        in_specs=[pl.BlockSpec((4,), lambda i: (0,)), pl.BlockSpec((block,), lambda i: (i,))],
         out_specs=[pl.BlockSpec((block,), lambda i: (i,))] + [part_spec] * 5,
         out_shape=[jax.ShapeDtypeStruct((n,), x.dtype), part(jnp.float32)] + [part(jnp.int32)] * 4,
         interpret=interpret,
@@ -101,6 +103,7 @@ def scaled_fake_quant(
     scale,
     clip: float = 15.0,
     *,
+    bound=None,
     interpret: bool | None = None,
     block_size: int | None = None,
     num_warps: int | None = None,
@@ -111,6 +114,8 @@ def scaled_fake_quant(
       x: float32/bfloat16/float16 array of any shape (fewer than 2^31 elements).
       scale: float32 scalar, shape () (decode scale, ``amax_estimate / target_max``); a Python float is float32.
       clip: the static clip bound ``c`` applied to ``x / scale`` before rounding (``target_max``), in (0, 32768].
+      bound: float32 scalar: inputs with ``|x| > bound`` count as saturated (default ``clip * scale``; QAT passes
+        the amax estimate, see ``jaxlowfp.qat.saturation_bound``).
       interpret: True runs Pallas interpret mode (any backend), False the compiled Triton kernel; None picks
         interpret mode when ``JAXLOWFP_PALLAS_INTERPRET=1``, else the compiled kernel on a supporting GPU, else
         raises ``jaxlowfp.dispatch.PallasUnavailableError``.
@@ -136,11 +141,14 @@ def scaled_fake_quant(
         raise TypeError(f"clip must be a Python number (static); got {type(clip).__name__}")
     if not 0 < float(clip) <= hif8.MAX:
         raise ValueError(f"clip={clip!r} must be in (0, {hif8.MAX}], the range of hif8")
+    bound = saturation_bound(scale, float(clip)) if bound is None else jnp.asarray(bound, jnp.float32)
+    if bound.shape != ():
+        raise TypeError(f"bound must be a float32 scalar; got shape {bound.shape}")
     interpret = resolve_interpret(interpret, kernel=KERNEL)
     if block_size is None:
         block_size = min(pl.next_power_of_2(x.size), MAX_BLOCK_ELEMENTS) if interpret else DEFAULT_BLOCK
     check_pow2(block_size, "block_size")
     num_warps = DEFAULT_WARPS if num_warps is None else num_warps
     return _scaled_fake_quant(
-        x, scale, clip=float(clip), interpret=interpret, block=block_size, num_warps=num_warps
+        x, scale, bound, clip=float(clip), interpret=interpret, block=block_size, num_warps=num_warps
     )

@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 
 from jaxlowfp import formats
 from jaxlowfp import nvfp4 as ref
-from jaxlowfp._checks import float_input
+from jaxlowfp._reduce import abs_max
 from pallas_kernels._common import MAX_BLOCK_ELEMENTS, check_pow2, compiler_params, resolve_interpret
 from pallas_kernels._exact import div_by_3_pow2
 
@@ -235,18 +235,12 @@ def _prepare(x, rule, block_shape, global_amax, rounding, key, interpret, tile_s
             f"the Pallas {kernel} kernel implements rounding='nearest' only (got rounding={rounding!r}"
             f"{' and a key' if key is not None else ''}); use impl='xla' (jaxlowfp.nvfp4) for stochastic rounding"
         )
-    x = ref._check_x(x, cfg)
+    x, ga = ref.validate_args(x, cfg, global_amax, None)
     if x.size >= 2**31:
         raise ValueError(f"x has {x.size} elements; the kernel indexes with int32 and supports fewer than 2^31")
     x2 = x.reshape(-1, x.shape[-1])
     rows, k = x2.shape
-    if global_amax is None:
-        amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
-    else:
-        ga = float_input(global_amax, "global_amax")
-        if ga.ndim != 0:
-            raise ValueError(f"global_amax must be a scalar; got shape {ga.shape}")
-        amax = ga.astype(jnp.float32)
+    amax = abs_max(x.astype(jnp.float32)) if ga is None else ga.astype(jnp.float32)
     interpret = resolve_interpret(interpret, kernel=kernel)
     tile = cfg.rows > 1
     lo_rows = _B if tile else 1
