@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from train.config import TrainConfig, arm_specs, parse_args, pretrain_key
@@ -94,3 +95,36 @@ def test_mesh_parsing_and_param_specs():
     assert tuple(param_spec((64, 256), 2)) == (None, "fsdp")
     assert tuple(param_spec((255, 63), 2)) == ()  # indivisible: replicated
     assert tuple(param_spec((64,), 2)) == ()  # small: replicated
+
+
+def test_python_m_train_runs_end_to_end_and_reuses_the_pretrained_model(tmp_path):
+    run_dir = tmp_path / "run"
+    argv = [sys.executable, "-m", "train", "--preset", "tiny", "--steps", "4", "--pretrain-steps", "4",
+            "--seq-len", "32", "--batch-size", "8", "--max-bytes", "200000", "--eval-batches", "2", "--mc-items", "8",
+            "--warmup-steps", "2", "--checkpoint-every", "2", "--out", str(run_dir), "--cache-dir", str(tmp_path),
+            "--no-progress"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    p = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:]
+    for needle in ("B val loss", "A val loss", "MC acc_norm", "loss APE %", "max sat", "pretrained (start)",
+                   "high precision", "hif8 most_recent, no warmup", "hif8 max_window 64, warmup 2", "report:"):
+        assert needle in p.stdout, p.stdout
+    rows = json.loads((run_dir / "results.json").read_text())["rows"]
+    assert [r["arm"] for r in rows][1:] == ["high precision", "hif8 most_recent, no warmup",
+                                            "hif8 max_window 64, warmup 2"]
+    for r in rows:
+        assert all(np.isfinite(r[k]) for k in ("val_loss_a", "val_loss_b", "acc", "acc_norm"))
+    assert rows[1]["loss_ape"] is None and rows[2]["loss_ape"] > 0 and rows[3]["loss_ape"] >= 0
+    assert rows[1]["max_saturated_fraction"] is None and rows[2]["max_saturated_fraction"] is not None
+    report = (run_dir / "report.md").read_text()
+    for png in ("loss_curves.png", "saturation.png", "amax.png"):
+        assert f"]({png})" in report and (run_dir / png).stat().st_size > 1000
+    paper = [json.loads(line) for line in (run_dir / "paper" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["observe_only"] for r in paper] == [True, True, False, False]
+    assert {"step", "loss", "lr", "tokens_per_s", "max_saturated_fraction", "mean_saturated_fraction", "amax",
+            "amax_estimate", "skipped", "observe_only"} <= set(paper[0])
+    assert len(list(tmp_path.glob("pretrained-*/done.json"))) == 1
+
+    again = subprocess.run(argv + ["--arms", "hp"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert "pretrained model reused" in again.stderr and "pretraining: reused from cache" in again.stdout

@@ -71,7 +71,7 @@ class TrainConfig:
     arms: tuple[str, ...] = ARMS
     keep_first: int = 1
     keep_last: int = 1
-    batch_size: int = 16
+    batch_size: int = 8
     seq_len: int = 128
     seed: int = 0
     out: str | None = None  # run directory; default runs/<preset>-<format>
@@ -80,8 +80,8 @@ class TrainConfig:
     checkpoint_every: int = 50
     resume: bool = False
     log_every: int = 1
-    eval_batches: int = 8
-    mc_items: int = 64
+    eval_batches: int = 16
+    mc_items: int = 200
     max_bytes: int | None = None  # cap on bytes read per domain (tests)
     progress: bool = True
 
@@ -162,11 +162,13 @@ def arm_specs(cfg: TrainConfig) -> list[ArmSpec]:
             out.append(ArmSpec(name="hp", label="high precision", format="none", algorithm=cfg.algorithm,
                                history_len=cfg.history_len, warmup_steps=0))
         elif arm == "naive":
-            out.append(ArmSpec(name="naive", label=f"{cfg.format} most_recent, no warmup", format=cfg.format,
+            scaling = "most_recent" if cfg.format == "hif8" else "current scaling"
+            out.append(ArmSpec(name="naive", label=f"{cfg.format} {scaling}, no warmup", format=cfg.format,
                                algorithm="most_recent", history_len=cfg.history_len, warmup_steps=0))
         else:
-            out.append(ArmSpec(name="paper",
-                               label=f"{cfg.format} {cfg.algorithm} {cfg.history_len}, warmup {cfg.warmup_steps}",
+            # NVFP4 recipes scale per 16-element block from the current tensor: no delayed-scaling algorithm
+            scaling = f"{cfg.algorithm} {cfg.history_len}" if cfg.format == "hif8" else "current scaling"
+            out.append(ArmSpec(name="paper", label=f"{cfg.format} {scaling}, warmup {cfg.warmup_steps}",
                                format=cfg.format, algorithm=cfg.algorithm, history_len=cfg.history_len,
                                warmup_steps=cfg.warmup_steps))
     return out

@@ -203,55 +203,45 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *,
     return step_fn
 
 
-@functools.lru_cache(maxsize=16)
 def jit_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *, loss_fn: LossFn,
                    schedule: optax.Schedule, warmup: Any = None, stats_layer: str | None = None,
                    mesh: Mesh | None = None, donate: bool = True,
                    ) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
     """`make_train_step` under `jax.jit`, donating the input state; cached, so runs that share the model
     structure, optimizer and schedule objects compile once."""
+    return _jit_train_step(graphdef, tx, loss_fn, schedule, warmup, stats_layer, mesh, donate)
+
+
+@functools.lru_cache(maxsize=16)
+def _jit_train_step(graphdef, tx, loss_fn, schedule, warmup, stats_layer, mesh, donate):  # positional: one key
     fn = make_train_step(graphdef, tx, loss_fn=loss_fn, schedule=schedule, warmup=warmup, stats_layer=stats_layer,
                          mesh=mesh)
     return jax.jit(fn, donate_argnums=0 if donate else ())
 
 
 def quant_metrics(rest: nnx.State, layer: str | None) -> dict[str, jax.Array]:
-    """Saturation over all quantized layers and the amax telemetry of `layer`, from their last QuantStats."""
+    """Saturation of the quantized activations (max and mean over layers) and, for `layer`, the observed amax of
+    its input and the estimate its scale came from; from the layers' last `QuantStats`. Empty for a
+    high-precision model (no saturation columns rather than zeros)."""
     from jaxlowfp.nnx import QuantStatsState
 
-    sat, found = [], {}
+    sat, out = [], {}
     for path, var in _iter_vars(rest, QuantStatsState):
-        stats = var.get_value() if hasattr(var, "get_value") else var.value
-        for kind, s in _named_stats(stats):
-            sat.append(jnp.asarray(s.saturated_fraction, jnp.float32).reshape(()))
-            if layer is not None and path == layer and kind in ("x", "input", "act", "activation"):
-                found = {"amax": jnp.asarray(s.amax, jnp.float32).reshape(()),
-                         "amax_estimate": _estimate(s)}
-    out = {"max_saturated_fraction": jnp.max(jnp.stack(sat)) if sat else jnp.float32(0.0),
-           "mean_saturated_fraction": jnp.mean(jnp.stack(sat)) if sat else jnp.float32(0.0)}
-    out.update(found)
+        act = getattr(var.get_value(), "activation", None)  # RecipeStats(weight, activation)
+        if act is None:
+            continue
+        sat.append(jnp.asarray(act.saturated_fraction, jnp.float32).reshape(()))
+        if path == layer:
+            out["amax"] = jnp.asarray(act.amax, jnp.float32).reshape(())
+            out["amax_estimate"] = jnp.asarray(act.amax_estimate, jnp.float32).reshape(())
+    if sat:
+        out["max_saturated_fraction"] = jnp.max(jnp.stack(sat))
+        out["mean_saturated_fraction"] = jnp.mean(jnp.stack(sat))
     return out
 
 
 def _iter_vars(state: nnx.State, var_type: type) -> list[tuple[str, Any]]:
-    flat = nnx.to_flat_state(state) if hasattr(nnx, "to_flat_state") else state.flat_state()
-    return [("/".join(map(str, path[:-1])), v) for path, v in flat if isinstance(v, var_type)]
-
-
-def _named_stats(stats: Any) -> list[tuple[str, Any]]:
-    if hasattr(stats, "saturated_fraction"):
-        return [("x", stats)]
-    if isinstance(stats, dict):
-        return [(k, v) for k, v in stats.items() if hasattr(v, "saturated_fraction")]
-    if hasattr(stats, "_fields"):
-        return [(k, getattr(stats, k)) for k in stats._fields if hasattr(getattr(stats, k), "saturated_fraction")]
-    return []
-
-
-def _estimate(s: Any) -> jax.Array:
-    if hasattr(s, "amax_estimate"):
-        return jnp.asarray(s.amax_estimate, jnp.float32).reshape(())
-    return jnp.asarray(s.scale * s.target_max, jnp.float32).reshape(())
+    return [("/".join(map(str, path[:-1])), v) for path, v in nnx.to_flat_state(state) if isinstance(v, var_type)]
 
 
 def state_shardings(state: TrainState, mesh: Mesh) -> TrainState:
@@ -358,8 +348,9 @@ def train(model: nnx.Module, stream: Any, *, steps: int, tx: optax.GradientTrans
                     f.flush()
                     if bar is not None:
                         bar.update(1)
+                        sat = row.get("max_saturated_fraction")
                         bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
-                                        sat=f"{row['max_saturated_fraction']:.2e}", refresh=False)
+                                        **({} if sat is None else {"max_sat": f"{sat:.2e}"}), refresh=False)
                     if not row["finite"]:
                         log.warning("step %d: non-finite loss or gradients, step skipped (%d so far)",
                                     step + 1, row["skipped"])
