@@ -79,7 +79,6 @@ class TrainConfig:
     mesh: str | None = None  # "data=2,fsdp=2"; None: data parallel over all devices
     checkpoint_every: int = 50
     resume: bool = False
-    log_every: int = 1
     eval_batches: int = 16
     mc_items: int = 200
     max_bytes: int | None = None  # cap on bytes read per domain (tests)
@@ -97,8 +96,8 @@ class TrainConfig:
             raise ValueError(f"arms must not repeat; got {self.arms!r}")
         if self.format == "none" and set(self.arms) - {"hp"}:
             raise ValueError(f"format='none' runs only the 'hp' arm; got arms={self.arms!r} (pass --arms hp)")
-        _positive(self, "steps", "batch_size", "seq_len", "history_len", "checkpoint_every", "log_every",
-                  "eval_batches", "mc_items")
+        _positive(self, "steps", "batch_size", "seq_len", "history_len", "checkpoint_every", "eval_batches",
+                  "mc_items")
         _non_negative(self, "pretrain_steps", "warmup_steps", "lr_warmup_steps", "keep_first", "keep_last", "seed")
         for name in ("lr", "pretrain_lr"):
             v = getattr(self, name)

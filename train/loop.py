@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -305,11 +306,15 @@ def train(model: nnx.Module, stream: Any, *, steps: int, tx: optax.GradientTrans
     ``resume=True`` continues from the latest checkpoint in `out_dir` (bit-identical to an uninterrupted run);
     otherwise earlier checkpoints and metrics in `out_dir` are discarded. Rows go to ``<out_dir>/metrics.jsonl``.
     """
+    for name, v in (("steps", steps), ("checkpoint_every", checkpoint_every)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} must be a positive int; got {v!r}")
     t_start = time.perf_counter()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt_dir, metrics_path = out_dir / "ckpt", out_dir / "metrics.jsonl"
-    if not resume and ckpt_dir.exists():
+    lead = jax.process_index() == 0  # multi-host: one process writes files (orbax coordinates checkpoints)
+    if not resume and ckpt_dir.exists() and lead:
         shutil.rmtree(ckpt_dir)
     mesh = mesh if mesh is not None else mesh_lib.make_mesh(None)
 
@@ -322,7 +327,8 @@ def train(model: nnx.Module, stream: Any, *, steps: int, tx: optax.GradientTrans
             restored, _ = ckpt.restore({"train": state, "data": data_state})
             state, data_state = restored["train"], restored["data"]
             resumed_from = int(state.step)
-        _rewrite_metrics(metrics_path, resumed_from)
+        if lead:
+            _rewrite_metrics(metrics_path, resumed_from)
 
         step_fn = jit_train_step(graphdef, tx, loss_fn=loss_fn, schedule=schedule, warmup=warmup,
                                  stats_layer=stats_layer, mesh=mesh)
@@ -331,12 +337,13 @@ def train(model: nnx.Module, stream: Any, *, steps: int, tx: optax.GradientTrans
         rows: list[dict[str, Any]] = []
         bar = _progress(progress, total=steps, initial=start, desc=desc)
         try:
-            with metrics_path.open("a") as f:
+            with metrics_path.open("a") if lead else open(os.devnull, "w") as f:
                 t_last = time.perf_counter()
                 for step in range(start, steps):
-                    batch_np, data_state = stream.next(data_state)
-                    tokens = int(np.prod(np.shape(batch_np)[:1])) * (int(np.shape(batch_np)[1]) - 1)
-                    state, m = step_fn(state, mesh_lib.global_batch(np.asarray(batch_np), mesh))
+                    batch_np, data_state = stream.next(data_state)  # this process's rows
+                    batch = mesh_lib.global_batch(np.asarray(batch_np), mesh)
+                    tokens = batch.shape[0] * (batch.shape[1] - 1)  # global: all processes
+                    state, m = step_fn(state, batch)
                     row = _to_host(m)
                     now = time.perf_counter()
                     row = {"step": step + 1, **row, "tokens_per_s": tokens / max(now - t_last, 1e-9),
