@@ -39,6 +39,7 @@ def _exit_message(argv, capsys) -> str:
         (["--mesh", "data=0"], "needs a positive int size"),
         (["--format", "none"], "format='none' runs only the 'hp' arm"),
         (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--preset", "tiny", "--seq-len", "65"], "seq_len=65 exceeds the max_seq_len 64 of preset 'tiny'"),
     ],
 )
 def test_bad_flags_exit_2_with_the_allowed_values(argv, needle, capsys):
@@ -78,7 +79,8 @@ def test_pretrain_cache_key_depends_only_on_pretraining():
     base = TrainConfig()
     assert pretrain_key(base) == pretrain_key(dataclasses.replace(base, steps=3, lr=1e-5, algorithm="max"))
     assert pretrain_key(base) != pretrain_key(dataclasses.replace(base, pretrain_steps=301))
-    assert pretrain_key(base) != pretrain_key(dataclasses.replace(base, preset="tiny"))
+    assert pretrain_key(base) != pretrain_key(TrainConfig(preset="tiny"))
+    assert pretrain_key(base) != pretrain_key(dataclasses.replace(base, seq_len=64))
 
 
 def test_mesh_parsing_and_param_specs():

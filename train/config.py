@@ -40,10 +40,10 @@ SCHEDULES = ("constant", "cosine")
 ARMS = ("hp", "naive", "paper")
 
 
-def _preset_names() -> tuple[str, ...]:
-    from train.model import PRESETS  # late: keeps `--help` and config errors cheap
+def _presets() -> dict[str, Any]:
+    from train.model import PRESETS  # late: keeps `--help` cheap
 
-    return tuple(PRESETS)
+    return PRESETS
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,7 +72,7 @@ class TrainConfig:
     keep_first: int = 1
     keep_last: int = 1
     batch_size: int = 8
-    seq_len: int = 128
+    seq_len: int | None = None  # default min(128, the preset's max_seq_len)
     seed: int = 0
     out: str | None = None  # run directory; default runs/<preset>-<format>
     cache_dir: str = "runs"  # where pretrained-<hash>/ lives
@@ -96,6 +96,11 @@ class TrainConfig:
             raise ValueError(f"arms must not repeat; got {self.arms!r}")
         if self.format == "none" and set(self.arms) - {"hp"}:
             raise ValueError(f"format='none' runs only the 'hp' arm; got arms={self.arms!r} (pass --arms hp)")
+        presets = _presets()
+        if self.preset not in presets:
+            raise ValueError(f"preset={self.preset!r} is not supported; allowed: {', '.join(map(repr, presets))}")
+        if self.seq_len is None:
+            object.__setattr__(self, "seq_len", min(128, presets[self.preset].max_seq_len))
         _positive(self, "steps", "batch_size", "seq_len", "history_len", "checkpoint_every", "eval_batches",
                   "mc_items")
         _non_negative(self, "pretrain_steps", "warmup_steps", "lr_warmup_steps", "keep_first", "keep_last", "seed")
@@ -113,9 +118,13 @@ class TrainConfig:
             from train.mesh import parse_mesh
 
             parse_mesh(self.mesh)  # raises a ValueError naming the allowed axes
-        presets = _preset_names()
-        if self.preset not in presets:
-            raise ValueError(f"preset={self.preset!r} is not supported; allowed: {', '.join(map(repr, presets))}")
+        max_len = presets[self.preset].max_seq_len
+        if self.seq_len > max_len:
+            raise ValueError(f"seq_len={self.seq_len} exceeds the max_seq_len {max_len} of preset {self.preset!r}")
+        n_blocks = presets[self.preset].n_layers
+        if set(self.arms) - {"hp"} and self.keep_first + self.keep_last >= n_blocks:
+            raise ValueError(f"keep_first={self.keep_first} + keep_last={self.keep_last} leaves none of the "
+                             f"{n_blocks} blocks of preset {self.preset!r} to quantize")
 
     @property
     def run_dir(self) -> str:
@@ -219,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="observe-only (high precision) steps before QAT in the 'paper' arm")
     add("--arms", type=_csv(ARMS), default=d["arms"].default, help=f"comma separated, from {', '.join(ARMS)}")
     add("--batch-size", type=int, default=d["batch_size"].default)
-    add("--seq-len", type=int, default=d["seq_len"].default)
+    add("--seq-len", type=int, default=None, help="bytes per training sequence (default min(128, preset max))")
     add("--seed", type=int, default=d["seed"].default)
     add("--out", default=None, help="run directory (default runs/<preset>-<format>)")
     add("--cache-dir", default=d["cache_dir"].default, help="where pretrained-<hash>/ is cached")
