@@ -81,6 +81,7 @@ def test_pretrain_cache_key_depends_only_on_pretraining():
     assert pretrain_key(base) != pretrain_key(dataclasses.replace(base, pretrain_steps=301))
     assert pretrain_key(base) != pretrain_key(TrainConfig(preset="tiny"))
     assert pretrain_key(base) != pretrain_key(dataclasses.replace(base, seq_len=64))
+    assert pretrain_key(base, "corpus-1") != pretrain_key(base, "corpus-2")
 
 
 def test_mesh_parsing_and_param_specs():

@@ -68,7 +68,8 @@ def pretrain(cfg: TrainConfig, domain_a: Any, mesh: Any) -> tuple[nnx.State, dic
     model = _new_model(cfg)
     if cfg.pretrain_steps == 0:
         return split_model(model)[1], {"cached": False, "steps": 0, "wall_s": 0.0}
-    root = Path(cfg.cache_dir) / f"pretrained-{pretrain_key(cfg)}"
+    key = pretrain_key(cfg, domain_a.fingerprint)
+    root = Path(cfg.cache_dir) / f"pretrained-{key}"
     done = root / "done.json"
     final = Checkpointer(root / "final", checked=("params",))
     try:
@@ -88,7 +89,7 @@ def pretrain(cfg: TrainConfig, domain_a: Any, mesh: Any) -> tuple[nnx.State, dic
                     checkpoint_every=cfg.checkpoint_every, resume=True, seed=cfg.seed, progress=_progress(cfg),
                     desc="pretrain A", meta={"config": cfg.to_json()})
         params = split_model(model)[1]
-        final.save(cfg.pretrain_steps, {"params": params}, {"key": pretrain_key(cfg)})
+        final.save(cfg.pretrain_steps, {"params": params}, {"key": key})
         info = {"steps": cfg.pretrain_steps, "wall_s": res.wall_s,
                 "final_loss": float(np.nanmean(res.losses[-10:])) if res.losses else None}
         if jax.process_index() == 0:

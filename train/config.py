@@ -186,9 +186,11 @@ _PRETRAIN_FIELDS = ("preset", "pretrain_steps", "pretrain_lr", "lr_warmup_steps"
                     "batch_size", "seq_len", "seed", "max_bytes")
 
 
-def pretrain_key(cfg: TrainConfig) -> str:
-    """A short hash of the fields that decide the pretrained model (the cache key of runs/pretrained-<hash>/)."""
+def pretrain_key(cfg: TrainConfig, data_fingerprint: str = "") -> str:
+    """A short hash of what decides the pretrained model, the fields of `cfg` that pretraining reads and the
+    domain-A corpus fingerprint: the cache key of runs/pretrained-<hash>/."""
     payload = {k: getattr(cfg, k) for k in _PRETRAIN_FIELDS}
+    payload["data"] = data_fingerprint
     payload["version"] = 1
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 
