@@ -16,9 +16,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from test_train_loop import run, tiny_model  # the tiny QAT setup of the loop tests
 from train.checkpoint import CheckpointError, Checkpointer, nonfinite_leaves
+from train.data import load_domain
+from train.loop import checkpointer
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tokens() -> np.ndarray:
+    return load_domain("python", max_bytes=120_000).train
 
 
 class Pos(NamedTuple):
@@ -109,10 +117,6 @@ def test_nonfinite_leaves_names_paths():
 
 
 # ---------------------------------------------------------------------------------------------- the training loop
-
-from test_train_loop import B, T, one_device, run, tiny_model, tokens  # noqa: E402,F401  (tokens: a fixture)
-
-from train.loop import checkpointer  # noqa: E402
 
 
 def _assert_same_run(a, b) -> None:

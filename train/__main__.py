@@ -24,19 +24,23 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxlowfp import qat
+from jaxlowfp.nnx import paper_rules, quantize
+from train import evaluate as ev
 from train import mesh as mesh_lib
-from train.config import ArmSpec, TrainConfig, arm_specs, parse_args, pretrain_key
 from train.checkpoint import Checkpointer
-from train.loop import make_optimizer, make_schedule, split_model, train
+from train.config import ArmSpec, TrainConfig, arm_specs, parse_args, pretrain_key
+from train.data import BatchStream, DataError, Domain, load_domain
+from train.loop import RunResult, make_optimizer, make_schedule, split_model, train
+from train.model import PRESETS, Llama, loss_fn
+from train.report import format_table, summary_rows, write_report
 
 log = logging.getLogger("train")
 
 
-def make_recipe(arm: ArmSpec) -> Any:
+def make_recipe(arm: ArmSpec) -> qat.Recipe:
     """The `jaxlowfp.qat.Recipe` of a quantized arm: HiF8 W8A8 with the arm's delayed scaling, or NVFP4 W4A4
     with Four Over Six block scaling (the MAE rule, which the Four Over Six paper prefers for training)."""
-    from jaxlowfp import qat
-
     if arm.format == "hif8":
         return qat.hif8_w8a8(algorithm=arm.algorithm, history_len=arm.history_len, target_max=15.0)
     if arm.format == "nvfp4":
@@ -44,9 +48,7 @@ def make_recipe(arm: ArmSpec) -> Any:
     raise ValueError(f"arm {arm.name!r} has format {arm.format!r}; no recipe for it")
 
 
-def _stream(tokens: np.ndarray, cfg: TrainConfig, seed: int) -> Any:
-    from train.data import BatchStream
-
+def _stream(tokens: np.ndarray, cfg: TrainConfig, seed: int) -> BatchStream:
     return BatchStream(tokens, batch_size=cfg.batch_size, seq_len=cfg.seq_len, seed=seed,
                        process_index=jax.process_index(), process_count=jax.process_count())
 
@@ -55,16 +57,12 @@ def _progress(cfg: TrainConfig) -> bool:
     return cfg.progress and jax.process_index() == 0
 
 
-def _new_model(cfg: TrainConfig) -> nnx.Module:
-    from train.model import Llama, PRESETS
-
+def _new_model(cfg: TrainConfig) -> Llama:
     return Llama(PRESETS[cfg.preset], rngs=nnx.Rngs(cfg.seed))
 
 
-def pretrain(cfg: TrainConfig, domain_a: Any, mesh: Any) -> tuple[nnx.State, dict[str, Any]]:
+def pretrain(cfg: TrainConfig, domain_a: Domain, mesh: mesh_lib.Mesh) -> tuple[nnx.State, dict[str, Any]]:
     """High-precision pretraining on domain A, cached by `pretrain_key`; returns (params, info)."""
-    from train.model import loss_fn
-
     model = _new_model(cfg)
     if cfg.pretrain_steps == 0:
         return split_model(model)[1], {"cached": False, "steps": 0, "wall_s": 0.0}
@@ -99,9 +97,7 @@ def pretrain(cfg: TrainConfig, domain_a: Any, mesh: Any) -> tuple[nnx.State, dic
         final.close()
 
 
-def evaluate(model: nnx.Module, cfg: TrainConfig, domain_a: Any, domain_b: Any, task: Any) -> dict[str, float]:
-    from train import evaluate as ev
-
+def evaluate(model: nnx.Module, cfg: TrainConfig, domain_a: Domain, domain_b: Domain, task: ev.ChoiceTask) -> dict[str, float]:
     kw = dict(batch_size=cfg.batch_size, seq_len=cfg.seq_len, max_batches=cfg.eval_batches)
     b = ev.validation_loss(model, domain_b.val, **kw)
     a = ev.validation_loss(model, domain_a.val, **kw)
@@ -116,11 +112,8 @@ def _stats_layer(cfg: TrainConfig) -> str:
     return f"blocks/{cfg.keep_first}/mlp/down_proj"
 
 
-def run_arm(cfg: TrainConfig, arm: ArmSpec, params: nnx.State, domain_b: Any, mesh: Any) -> tuple[nnx.Module, Any]:
-    from jaxlowfp.nnx import paper_rules, quantize
-    from jaxlowfp.qat import Warmup
-    from train.model import PRESETS, loss_fn
-
+def run_arm(cfg: TrainConfig, arm: ArmSpec, params: nnx.State, domain_b: Domain, mesh: mesh_lib.Mesh
+            ) -> tuple[Llama, RunResult]:
     model = _new_model(cfg)
     nnx.update(model, params)
     n_blocks = PRESETS[cfg.preset].n_layers
@@ -132,7 +125,7 @@ def run_arm(cfg: TrainConfig, arm: ArmSpec, params: nnx.State, domain_b: Any, me
         stats_layer = _stats_layer(cfg)
     schedule = make_schedule(cfg.lr, kind=cfg.schedule, total_steps=cfg.steps, warmup_steps=cfg.lr_warmup_steps)
     tx = make_optimizer(schedule, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip)
-    warmup = Warmup(steps=arm.warmup_steps) if arm.format != "none" and arm.warmup_steps > 0 else None
+    warmup = qat.Warmup(steps=arm.warmup_steps) if arm.format != "none" and arm.warmup_steps > 0 else None
     res = train(model, _stream(domain_b.train, cfg, cfg.seed + 1), steps=cfg.steps, tx=tx, schedule=schedule,
                 loss_fn=loss_fn, out_dir=Path(cfg.run_dir) / arm.name, warmup=warmup, stats_layer=stats_layer,
                 mesh=mesh, checkpoint_every=cfg.checkpoint_every, resume=cfg.resume, seed=cfg.seed,
@@ -141,11 +134,6 @@ def run_arm(cfg: TrainConfig, arm: ArmSpec, params: nnx.State, domain_b: Any, me
 
 
 def run(cfg: TrainConfig) -> list[dict[str, Any]]:
-    from train.data import DataError, load_domain
-    from train.evaluate import build_choice_task
-    from train.model import PRESETS
-    from train.report import format_table, summary_rows, write_report
-
     t0 = time.perf_counter()
     mesh = mesh_lib.make_mesh(cfg.mesh)
     if cfg.batch_size % (mesh.shape["data"] * mesh.shape["fsdp"]):
@@ -162,7 +150,7 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     log.info("domain A: %d train / %d val bytes; domain B: %d train / %d val bytes; mesh %s",
              len(domain_a.train), len(domain_a.val), len(domain_b.train), len(domain_b.val), dict(mesh.shape))
     params, pre = pretrain(cfg, domain_a, mesh)
-    task = build_choice_task(domain_a.val, n_items=cfg.mc_items, context_len=cfg.seq_len // 2 + cfg.seq_len // 4,
+    task = ev.build_choice_task(domain_a.val, n_items=cfg.mc_items, context_len=cfg.seq_len // 2 + cfg.seq_len // 4,
                              continuation_len=max(cfg.seq_len // 4, 2), seed=cfg.seed)
 
     base = _new_model(cfg)
