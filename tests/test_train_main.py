@@ -131,3 +131,24 @@ def test_python_m_train_runs_end_to_end_and_reuses_the_pretrained_model(tmp_path
     again = subprocess.run(argv + ["--arms", "hp"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-4000:]
     assert "pretrained model reused" in again.stderr and "pretraining: reused from cache" in again.stdout
+
+
+@pytest.mark.parametrize("fmt, recipe", [("hif8", "hif8_w8a8"), ("nvfp4", "nvfp4_w4a4_mae")])
+def test_quantized_arms_use_the_paper_selection(fmt, recipe):
+    """The quantized arms replace exactly the MLP projections of the middle blocks (tiny: blocks 1 and 2)."""
+    from flax import nnx
+
+    from jaxlowfp.nnx import iter_quant_linears, paper_rules, quantize
+    from train.__main__ import make_recipe
+    from train.model import PRESETS, Llama
+
+    cfg = TrainConfig(preset="tiny", format=fmt)
+    for arm in arm_specs(cfg)[1:]:
+        model = Llama(PRESETS["tiny"], rngs=nnx.Rngs(0))
+        quantize(model, paper_rules(4, keep_first=cfg.keep_first, keep_last=cfg.keep_last, recipe=make_recipe(arm)))
+        layers = dict(iter_quant_linears(model))
+        assert sorted(layers) == [f"blocks/{i}/mlp/{p}" for i in (1, 2) for p in ("down_proj", "gate_proj", "up_proj")]
+        assert {q.recipe.name for q in layers.values()} == {recipe}
+        if fmt == "hif8":  # naive: most_recent; paper: max_window 64
+            scaling = next(iter(layers.values())).recipe.activation.scaling
+            assert (scaling.algorithm, scaling.history_len) == (arm.algorithm, 64)

@@ -68,7 +68,8 @@ class TrainState(NamedTuple):
     opt_state: optax.OptState
     step: jax.Array  # int32 []: batches consumed
     skipped: jax.Array  # int32 []: non-finite steps skipped
-    rng: jax.Array  # uint32 [2]: PRNG key, split once a step
+    rng: jax.Array  # uint32 [2]: a PRNG key split once a step, for losses that need one (the model's own
+    #                 streams, e.g. stochastic rounding in a QuantLinear, live in `rest`)
 
 
 class RunResult(NamedTuple):
