@@ -265,7 +265,8 @@ def write_report(
     captions = {
         "loss_curves.png": "Training loss of each arm (same data order and learning rate).",
         "saturation.png": "Fraction of activations clipped at the scale's target max, per step "
-        "(symlog axis; 0 during the observe-only warmup).",
+        "(symlog axis). During the observe-only warmup nothing is clipped: the curve there shows what the delayed "
+        "estimate would have clipped, which is how long a warmup needs to be.",
         "amax.png": "Observed activation amax of one quantized layer and the delayed estimate its scale used: "
         "where the observed amax exceeds the estimate, activations are clipped.",
     }
