@@ -44,6 +44,8 @@ __all__ = [
     "RecipeStats",
     "Warmup",
     "scaled_round",
+    "saturation_bound",
+    "observe_flag",
     "fake_quant",
     "dot_general",
     "linear",
