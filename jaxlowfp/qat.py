@@ -31,7 +31,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxlowfp import dispatch, formats
+from jaxlowfp import dispatch, formats, nvfp4
 from jaxlowfp._checks import float_input, one_of
 from jaxlowfp._reduce import abs_max
 from jaxlowfp.scaling import AmaxHistory, CurrentScaling, DelayedScaling, Scaling
@@ -58,18 +58,10 @@ FORMATS = ("hif8", "e4m3", "e5m2", "nvfp4")
 CLIPS = ("target", "format")
 STES = ("identity", "masked")
 ROUNDINGS = ("nearest", "stochastic")
-NVFP4_RULES = ("static_6", "static_4", "abs_max", "mae", "mse")
-NVFP4_BLOCKS = ((1, 16), (16, 16))
+NVFP4_RULES = nvfp4.RULES
+NVFP4_BLOCKS = nvfp4.BLOCK_SHAPES
 NVFP4_ELEMENT_MAX = 6.0  # E2M1
 _KERNELS = {"hif8": "hif8.scaled_fake_quant", "nvfp4": "nvfp4.fake_quantize"}  # kernel names in jaxlowfp.dispatch
-
-
-def _nvfp4_module():
-    try:
-        from jaxlowfp import nvfp4
-    except ImportError as e:  # pragma: no cover - depends on the checkout
-        raise NotImplementedError(f"format='nvfp4' needs jaxlowfp.nvfp4, which is not available here: {e}") from e
-    return nvfp4
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -366,7 +358,6 @@ def _select(observe: bool | jax.Array, hp: jax.Array, q: jax.Array) -> jax.Array
 def _nvfp4_quantize(x: jax.Array, spec: QuantSpec, global_amax: jax.Array | None, key: jax.Array | None,
                     axis: int = -1) -> jax.Array:
     """NVFP4 fake-quant of `x` with blocks along `axis` (moved last for :func:`jaxlowfp.nvfp4.fake_quantize`)."""
-    nvfp4 = _nvfp4_module()
     xt = jnp.moveaxis(x, axis, -1)
     yt = nvfp4.fake_quantize(xt, rule=spec.rule, block_shape=spec.block_shape, global_amax=global_amax,
                              rounding=spec.rounding, key=key if spec.rounding == "stochastic" else None,
@@ -401,7 +392,7 @@ def _quantize(x: jax.Array, state: AmaxHistory, spec: QuantSpec, observe: bool |
         delayed = isinstance(spec.scaling, DelayedScaling)
         yq = _nvfp4_quantize(xs, spec, est if delayed else None, key, axis)
         sat = (jnp.abs(xs) > est) if delayed else jnp.zeros(xs.shape, jnp.bool_)
-        scale = _nvfp4_module().global_scales(est, spec.rule)[1]  # S_dec = 1 / S_enc
+        scale = nvfp4.global_scales(est, spec.rule)[1]  # S_dec = 1 / S_enc
         n_sat, n_under = jnp.sum(sat, dtype=jnp.int32), jnp.sum((xs != 0) & (yq == 0), dtype=jnp.int32)
     else:
         scale = spec.scaling.scale(est)
@@ -518,7 +509,7 @@ def _quantize_grad(g: jax.Array, spec: QuantSpec, key: Any, axis: int) -> jax.Ar
 def _maybe_hadamard(x: jax.Array, on: bool) -> jax.Array:
     if not on:
         return x
-    return _nvfp4_module().hadamard16(x, axis=0).astype(x.dtype)
+    return nvfp4.hadamard16(x, axis=0).astype(x.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
