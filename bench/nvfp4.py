@@ -15,10 +15,8 @@ import argparse
 import datetime
 import os
 import platform
-import re
 import resource
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,10 +24,10 @@ import ml_dtypes
 import numpy as np
 import qwix
 
+from _results import RESULTS, write_section
 from jaxlowfp import mx, nvfp4
 
 RULES = ("static_6", "static_4", "abs_max", "mae", "mse")
-RESULTS = Path(__file__).with_name("RESULTS.md")
 
 
 def datasets(rows: int, cols: int) -> dict[str, np.ndarray]:
@@ -137,16 +135,6 @@ def throughput(rows: int, cols: int, reps: int) -> list[str]:
     return lines
 
 
-def write_section(text: str) -> None:
-    old = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    pattern = re.compile(r"^## NVFP4\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(old):
-        new = pattern.sub(lambda _: text, old)
-    else:
-        new = old.rstrip("\n") + "\n\n" + text
-    RESULTS.write_text(new)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=2048)
@@ -161,8 +149,6 @@ def main() -> None:
     sc = scale_table(data)
     thr = throughput(a.rows, a.cols, a.reps)
     head = [
-        "## NVFP4",
-        "",
         f"`bench/nvfp4.py --rows {a.rows} --cols {a.cols} --reps {a.reps}`, {datetime.date.today()}, jax "
         f"{jax.__version__}, qwix {getattr(qwix, '__version__', '?')}, {platform.machine()} with {os.cpu_count()} "
         f"CPU cores (load average {load[0]:.1f} at start: the machine is shared, so timings are noisy), "
@@ -178,9 +164,9 @@ def main() -> None:
     tail = ["", "Fake-quantize throughput (jit, quantize + dequantize, output in the input dtype), all rows of one "
             "input interleaved in one loop.", ""]
     text = "\n".join(head + err + mid + sc + tail + thr) + "\n"
-    print(text)
+    print(f"## NVFP4\n\n{text}")
     if not a.no_write:
-        write_section(text)
+        write_section("NVFP4", text)
         print(f"wrote the NVFP4 section of {RESULTS}")
 
 

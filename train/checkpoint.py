@@ -92,14 +92,16 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self._mgr.all_steps())
 
-    def save(self, step: int, state: Any, meta: Mapping[str, Any] | None = None) -> None:
-        """Write `state` at `step` (atomically); raise CheckpointError, writing nothing, if it is non-finite."""
+    def _refuse_nonfinite(self, state: Any, action: str) -> None:
         bad = self._nonfinite(state)
         if bad:
-            msg = (f"refusing to save step {step} to {self.directory}: non-finite values in {len(bad)} array(s), "
-                   f"first {bad[:3]}")
+            msg = f"refusing to {action}: non-finite values in {len(bad)} array(s), first {bad[:3]}"
             log.error(msg)
             raise CheckpointError(msg)
+
+    def save(self, step: int, state: Any, meta: Mapping[str, Any] | None = None) -> None:
+        """Write `state` at `step` (atomically); raise CheckpointError, writing nothing, if it is non-finite."""
+        self._refuse_nonfinite(state, f"save step {step} to {self.directory}")
         meta = {"schema_version": SCHEMA_VERSION, **dict(meta or {})}
         self._mgr.save(int(step), args=ocp.args.Composite(
             state=ocp.args.StandardSave(_host_leaves_as_arrays(state)), meta=ocp.args.JsonSave(meta)), force=True)
@@ -122,12 +124,7 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {self.directory}/{step} has schema_version "
                                   f"{meta.get('schema_version')!r}; this code reads {SCHEMA_VERSION}")
         state = _like_target(out.state, target)
-        bad = self._nonfinite(state)
-        if bad:
-            msg = (f"refusing to restore {self.directory}/{step}: non-finite values in {len(bad)} array(s), "
-                   f"first {bad[:3]}")
-            log.error(msg)
-            raise CheckpointError(msg)
+        self._refuse_nonfinite(state, f"restore {self.directory}/{step}")
         return state, meta
 
     def close(self) -> None:
