@@ -384,9 +384,15 @@ def _quantize(x: jax.Array, state: AmaxHistory, spec: QuantSpec, observe: bool |
     if x.size == 0:
         raise ValueError(f"cannot quantize an empty array (shape {x.shape})")
     xs = lax.stop_gradient(x)
-    amax = abs_max(xs).astype(jnp.float32)
+    fused = spec.format == "hif8" and dispatch.resolve_impl(spec.impl, kernel=_KERNELS["hif8"]) == "pallas"
+    if fused and isinstance(spec.scaling, DelayedScaling):
+        # The kernel returns amax from its own pass; a delayed estimate needs this step's amax only while the
+        # history is empty (its fallback), so the separate reduction runs only then.
+        amax = lax.cond(state.count > 0, lambda: jnp.zeros((), jnp.float32),
+                        lambda: abs_max(xs).astype(jnp.float32))
+    else:
+        amax = abs_max(xs).astype(jnp.float32)
     est = spec.scaling.amax_estimate(state, amax)
-    new_state = spec.scaling.update(state, amax)
     if spec.is_nvfp4:
         _need_key(spec, key, "QuantSpec(format='nvfp4')")
         delayed = isinstance(spec.scaling, DelayedScaling)
@@ -397,15 +403,16 @@ def _quantize(x: jax.Array, state: AmaxHistory, spec: QuantSpec, observe: bool |
     else:
         scale = spec.scaling.scale(est)
         bound = saturation_bound(scale, spec.clip_bound, est if spec.clip == "target" else None)
-        if spec.format == "hif8" and dispatch.resolve_impl(spec.impl, kernel=_KERNELS["hif8"]) == "pallas":
-            from pallas_kernels import hif8 as hif8_kernel  # one fused pass: y, saturated and underflow counts
+        if fused:
+            from pallas_kernels import hif8 as hif8_kernel  # one pass: y, amax, saturated and underflow counts
 
             r = hif8_kernel.scaled_fake_quant(xs, scale, spec.clip_bound, bound=bound)
-            yq, n_sat, n_under = r.y, r.saturated_count, r.underflow_count
+            yq, amax, n_sat, n_under = r.y, r.amax, r.saturated_count, r.underflow_count
             sat = (jnp.abs(xs.astype(jnp.float32)) > bound) if spec.ste == "masked" else None
         else:
             yq, sat = _scaled_round_mask(xs, scale, spec.clip_bound, spec.element_format, bound)
             n_sat, n_under = jnp.sum(sat, dtype=jnp.int32), jnp.sum((xs != 0) & (yq == 0), dtype=jnp.int32)
+    new_state = spec.scaling.update(state, amax)
     n = float(x.size)
     stats = QuantStats(
         amax=amax,

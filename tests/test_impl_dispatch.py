@@ -33,11 +33,14 @@ def test_fake_quant_pallas_equals_xla(interpret, ste):
         state = spec.scaling.update(spec.init(), jnp.float32(20.0))  # estimate 20: some elements clip
         y, new_state, stats = qat.fake_quant(x, state, spec)
         g = jax.grad(lambda v: jnp.sum(qat.fake_quant(v, state, spec)[0] * v))(x)
-        outs[impl] = (y, stats, g)
-    (y0, s0, g0), (y1, s1, g1) = outs["xla"], outs["pallas"]
+        empty = jax.jit(lambda v: qat.fake_quant(v, spec.init(), spec))(x)  # empty history: current-amax fallback
+        outs[impl] = (y, stats, g, new_state, empty)
+    (y0, s0, g0, n0, e0), (y1, s1, g1, n1, e1) = outs["xla"], outs["pallas"]
     np.testing.assert_array_equal(np.asarray(y0).view(np.uint32), np.asarray(y1).view(np.uint32))
     np.testing.assert_array_equal(np.asarray(g0), np.asarray(g1))
     for a, b in zip(s0, s1):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves((n0, e0)), jax.tree.leaves((n1, e1))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert round(float(s0.saturated_fraction) * x.size) == np.sum(np.abs(np.asarray(x)) > 20.0) == 1
 
