@@ -17,6 +17,7 @@ test: setup
 bench: setup
 	$(PY) bench/formats.py
 	$(PY) bench/nvfp4.py
+	$(PY) bench/qat_step.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs/*/ckpt
