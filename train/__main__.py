@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import logging
 import sys
@@ -185,7 +186,14 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     return rows
 
 
+# `python -m train <name> ...` runs the subcommand module's `main(argv)`; without a subcommand, the demo job.
+SUBCOMMANDS: dict[str, str] = {}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
     cfg = parse_args(argv)
     mesh_lib.initialize_distributed()
     handler = logging.StreamHandler(sys.stderr)
