@@ -1,12 +1,20 @@
-"""A Llama-style byte-level decoder in Flax NNX.
+"""A Llama-family decoder in Flax NNX: the byte-level demo model and real checkpoints (`train.models`).
 
-``tokens -> Embed -> N x [x + Attn(RMSNorm(x)); x + MLP(RMSNorm(x))] -> RMSNorm -> lm_head -> logits``
+``tokens -> Embed -> N x [x + Attn(RMSNorm(x)); x + MLP(RMSNorm(x))] -> RMSNorm -> head -> logits``
 
 - attention: grouped-query (``n_heads`` query heads share ``n_kv_heads`` key/value heads), rotary position
-  embedding (RoPE, rotate-half form, base ``rope_theta``) on queries and keys, causal mask;
+  embedding (RoPE, rotate-half form, base ``rope_theta``, optional per-frequency divisors for Llama-3 or linear
+  rope scaling) on queries and keys, causal mask; optional q/k/v biases (Qwen2) and per-head RMSNorm of queries
+  and keys before RoPE (Qwen3);
 - MLP: SwiGLU, ``down_proj(silu(gate_proj(x)) * up_proj(x))``;
-- every projection is a plain bias-free ``nnx.Linear``, so ``jaxlowfp.nnx.quantize`` can replace one by its
-  graph path, e.g. ``blocks/3/mlp/gate_proj`` or ``blocks/0/attn/q_proj``.
+- head: ``lm_head`` (an ``nnx.Linear``), or with ``tie_embeddings`` the embedding matrix: ``logits = x @ E^T``;
+- every projection is a plain ``nnx.Linear``, so ``jaxlowfp.nnx.quantize`` can replace one by its graph path,
+  e.g. ``blocks/3/mlp/gate_proj`` or ``blocks/0/attn/q_proj``.
+
+``model(tokens)`` is the plain causal forward pass over positions ``0..T-1``. ``model(tokens, attention_mask=m)``
+masks padding (keys where ``m`` is 0 are never attended to; positions count the real tokens, so a left-padded row
+gives the logits of the unpadded one), and ``model(tokens, cache=c)`` appends to a `KVCache` and returns
+``(logits, new_cache)``; `generate` uses it.
 
 Parameters are stored in ``param_dtype`` (float32); matmuls run in the compute ``dtype`` (float32 on CPU,
 bfloat16 on GPU by default); normalisation statistics, softmax and logits are float32.
@@ -14,18 +22,24 @@ bfloat16 on GPU by default); normalisation statistics, softmax and logits are fl
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import functools
+import math
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
 __all__ = [
     "PRESETS",
+    "KVCache",
     "Llama",
     "ModelConfig",
     "compute_dtype_for_backend",
+    "generate",
+    "llama3_rope_factors",
     "loss_fn",
     "mlp_paths",
     "preset",
@@ -33,6 +47,8 @@ __all__ = [
 ]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# a masked attention score: finite, so that a row with no visible key (a padding query) gives no NaN
+_MASKED = float(np.finfo(np.float32).min)
 
 
 def compute_dtype_for_backend(backend: str | None = None) -> Any:
@@ -65,6 +81,11 @@ class ModelConfig:
 
     ``dtype`` is the compute dtype name (``"auto"``: `compute_dtype_for_backend` at model construction);
     ``param_dtype`` the storage dtype of parameters. Dtypes are normalised to their names.
+
+    Real-checkpoint options (the defaults are the demo model): ``explicit_head_dim`` (None: ``d_model /
+    n_heads``; Qwen3 sets it), ``tie_embeddings`` (the head is the embedding matrix), ``qkv_bias`` (Qwen2),
+    ``qk_norm`` (Qwen3: RMSNorm over ``head_dim`` of every query and key head, before RoPE) and
+    ``rope_freq_factors`` (``head_dim / 2`` divisors of the RoPE frequencies, `llama3_rope_factors`).
     """
 
     vocab: int = 256
@@ -78,14 +99,26 @@ class ModelConfig:
     norm_eps: float = 1e-5
     dtype: str = "auto"
     param_dtype: str = "float32"
+    explicit_head_dim: int | None = None
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    rope_freq_factors: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
             _check_int(getattr(self, name), name)
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
-        if (self.d_model // self.n_heads) % 2:
-            raise ValueError(f"head_dim = d_model / n_heads = {self.d_model // self.n_heads} must be even for RoPE")
+        if self.explicit_head_dim is None:
+            if self.d_model % self.n_heads:
+                raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+            if (self.d_model // self.n_heads) % 2:
+                raise ValueError(
+                    f"head_dim = d_model / n_heads = {self.d_model // self.n_heads} must be even for RoPE"
+                )
+        else:
+            _check_int(self.explicit_head_dim, "explicit_head_dim")
+            if self.explicit_head_dim % 2:
+                raise ValueError(f"explicit_head_dim={self.explicit_head_dim} must be even for RoPE")
         if self.n_kv_heads > self.n_heads or self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"grouped-query attention needs n_kv_heads to divide n_heads; got n_heads={self.n_heads}, "
@@ -96,12 +129,23 @@ class ModelConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"{name} must be a positive number; got {v!r}")
             object.__setattr__(self, name, float(v))
+        for name in ("tie_embeddings", "qkv_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool; got {getattr(self, name)!r}")
+        if self.rope_freq_factors is not None:
+            f = tuple(float(v) for v in np.asarray(self.rope_freq_factors, np.float64).reshape(-1))
+            if len(f) != self.head_dim // 2 or not all(math.isfinite(v) and v > 0 for v in f):
+                raise ValueError(
+                    f"rope_freq_factors must be {self.head_dim // 2} (head_dim / 2) positive finite numbers; "
+                    f"got {len(f)} values"
+                )
+            object.__setattr__(self, "rope_freq_factors", f)
         object.__setattr__(self, "dtype", _dtype_name(self.dtype, "dtype", allow_auto=True))
         object.__setattr__(self, "param_dtype", _dtype_name(self.param_dtype, "param_dtype", allow_auto=False))
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.d_model // self.n_heads if self.explicit_head_dim is None else self.explicit_head_dim
 
     @property
     def compute_dtype(self) -> Any:
@@ -109,9 +153,10 @@ class ModelConfig:
         return compute_dtype_for_backend() if self.dtype == "auto" else _DTYPES[self.dtype]
 
     def num_params(self) -> int:
-        d, kv = self.d_model, self.n_kv_heads * self.head_dim
-        per_block = d * (2 * d + 2 * kv) + 3 * d * self.d_ff + 2 * d
-        return 2 * self.vocab * d + self.n_layers * per_block + d
+        d, q, kv = self.d_model, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        per_block = d * (2 * q + 2 * kv) + 3 * d * self.d_ff + 2 * d
+        per_block += (q + 2 * kv) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
+        return (1 if self.tie_embeddings else 2) * self.vocab * d + self.n_layers * per_block + d
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -135,72 +180,161 @@ def preset(name: str, **overrides: Any) -> ModelConfig:
     return dataclasses.replace(PRESETS[name], **overrides)
 
 
-def _rope(x: jax.Array, theta: float) -> jax.Array:
-    """Rotate-half RoPE on ``x [B, T, H, D]`` at positions ``0..T-1``; angles computed in float32.
+def llama3_rope_factors(
+    head_dim: int, theta: float, *, factor: float, low_freq_factor: float, high_freq_factor: float,
+    original_max_position_embeddings: int,
+) -> tuple[float, ...]:
+    """Llama-3 ``rope_scaling`` as divisors of the ``head_dim / 2`` RoPE frequencies ``w_i = theta^(-2i/D)``.
 
-    Pairs ``(x_i, x_{i+D/2})`` rotate by ``t * theta**(-2i/D)``.
+    With wavelength ``l_i = 2 pi / w_i``, ``L = original_max_position_embeddings``: ``w_i`` is kept where
+    ``l_i < L / high_freq_factor``, divided by ``factor`` where ``l_i > L / low_freq_factor``, and in between
+    interpolated, ``w_i' = (1 - s) w_i / factor + s w_i`` with ``s = (L / l_i - low) / (high - low)``.
+    The divisor is ``w_i / w_i'`` (what llama.cpp stores as ``rope_freqs``).
+    """
+    w = theta ** (-np.arange(0, head_dim // 2, dtype=np.float64) * (2.0 / head_dim))
+    wavelen = 2 * np.pi / w
+    s = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    scaled = np.where(
+        wavelen < original_max_position_embeddings / high_freq_factor,
+        w,
+        np.where(wavelen > original_max_position_embeddings / low_freq_factor, w / factor,
+                 (1 - s) * w / factor + s * w),
+    )
+    return tuple(float(v) for v in w / scaled)
+
+
+def _rope(x: jax.Array, theta: float, positions: jax.Array | None = None,
+          factors: tuple[float, ...] | None = None) -> jax.Array:
+    """Rotate-half RoPE on ``x [B, T, H, D]``; angles computed in float32.
+
+    Pairs ``(x_i, x_{i+D/2})`` at position ``p`` rotate by ``p * theta**(-2i/D) / factors[i]``; positions are
+    ``0..T-1`` when ``positions`` (int [B, T]) is None.
     """
     t, d = x.shape[1], x.shape[-1]
     inv_freq = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * (2.0 / d))
-    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos = jnp.cos(angles)[None, :, None, :]
-    sin = jnp.sin(angles)[None, :, None, :]
+    if factors is not None:
+        inv_freq = inv_freq / jnp.asarray(factors, jnp.float32)
+    if positions is None:
+        angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+        cos = jnp.cos(angles)[None, :, None, :]
+        sin = jnp.sin(angles)[None, :, None, :]
+    else:
+        angles = positions.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]  # [B, T, D/2]
+        cos = jnp.cos(angles)[:, :, None, :]
+        sin = jnp.sin(angles)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
 
 
-def _causal_gqa(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """softmax(q k^T / sqrt(D) + causal mask) v with q [B, T, N, D] and k, v [B, T, K, D], K dividing N.
+def _gqa(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """softmax(q k^T / sqrt(D) + mask) v with q [B, T, N, D] and k, v [B, S, K, D], K dividing N.
 
-    Query head ``n`` uses key/value head ``n // (N / K)``. Scores and softmax are float32 (written out here:
-    ``jax.nn.dot_product_attention`` promotes bfloat16 with float32 implicitly, which strict promotion refuses).
+    Query head ``n`` uses key/value head ``n // (N / K)``. ``mask`` is bool [B, T, S] (True: visible); None is
+    the causal mask of ``T == S``. Scores and softmax are float32 (written out here: ``jax.nn.dot_product_attention``
+    promotes bfloat16 with float32 implicitly, which strict promotion refuses).
     """
     b, t, n, d = q.shape
     kv = k.shape[2]
     q = q.reshape(b, t, kv, n // kv, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * (1.0 / d**0.5)
-    causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
-    scores = jnp.where(causal, scores, -jnp.inf)
+    if mask is None:
+        causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
+        scores = jnp.where(causal, scores, -jnp.inf)
+    else:  # a finite fill: a query that sees no key (padding) gets uniform weights instead of NaN
+        scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
     return out.astype(v.dtype).reshape(b, t, n, d)
 
 
-def _linear(d_in: int, d_out: int, cfg: ModelConfig, dtype: Any, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(d_in, d_out, use_bias=False, dtype=dtype, param_dtype=_DTYPES[cfg.param_dtype], rngs=rngs)
+def _linear(d_in: int, d_out: int, cfg: ModelConfig, dtype: Any, rngs: nnx.Rngs, bias: bool = False) -> nnx.Linear:
+    return nnx.Linear(d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=_DTYPES[cfg.param_dtype], rngs=rngs)
 
 
-def _rmsnorm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
+def _rmsnorm(cfg: ModelConfig, rngs: nnx.Rngs, features: int | None = None) -> nnx.RMSNorm:
     # statistics in float32; the output is cast to the compute dtype by the next Linear
     return nnx.RMSNorm(
-        cfg.d_model, epsilon=cfg.norm_eps, dtype=jnp.float32, param_dtype=_DTYPES[cfg.param_dtype], rngs=rngs
+        cfg.d_model if features is None else features, epsilon=cfg.norm_eps, dtype=jnp.float32,
+        param_dtype=_DTYPES[cfg.param_dtype], rngs=rngs,
     )
 
 
+class KVCache(NamedTuple):
+    """Keys and values of the tokens seen so far, for incremental decoding (a pytree).
+
+    ``k[l]``, ``v[l]``: [B, S, K, D] of layer ``l`` (after RoPE) in ``S`` slots; ``valid`` bool [B, S] marks the
+    slots holding a real (non-padding) token; ``index`` (int32 scalar) is the next free slot. A call with
+    ``T`` new tokens writes slots ``index .. index+T-1``; the caller keeps ``index + T <= S``.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    valid: jax.Array
+    index: jax.Array
+
+    @classmethod
+    def init(cls, config: ModelConfig, batch: int, capacity: int, dtype: Any = None) -> "KVCache":
+        """An empty cache of ``capacity`` slots; ``dtype`` defaults to the compute dtype."""
+        _check_int(batch, "batch")
+        _check_int(capacity, "capacity")
+        dt = config.compute_dtype if dtype is None else dtype
+        shape = (batch, capacity, config.n_kv_heads, config.head_dim)
+        zeros = tuple(jnp.zeros(shape, dt) for _ in range(config.n_layers))
+        return cls(zeros, zeros, jnp.zeros((batch, capacity), jnp.bool_), jnp.zeros((), jnp.int32))
+
+
 class Attention(nnx.Module):
-    """Causal grouped-query self-attention with RoPE."""
+    """Causal grouped-query self-attention with RoPE (optional q/k/v biases and q/k norms)."""
 
     def __init__(self, cfg: ModelConfig, dtype: Any, *, rngs: nnx.Rngs) -> None:
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.rope_theta = cfg.rope_theta
+        self.rope_freq_factors = cfg.rope_freq_factors
         self.dtype = dtype
-        kv = cfg.n_kv_heads * cfg.head_dim
-        self.q_proj = _linear(cfg.d_model, cfg.d_model, cfg, dtype, rngs)
-        self.k_proj = _linear(cfg.d_model, kv, cfg, dtype, rngs)
-        self.v_proj = _linear(cfg.d_model, kv, cfg, dtype, rngs)
-        self.o_proj = _linear(cfg.d_model, cfg.d_model, cfg, dtype, rngs)
+        q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.q_proj = _linear(cfg.d_model, q, cfg, dtype, rngs, cfg.qkv_bias)
+        self.k_proj = _linear(cfg.d_model, kv, cfg, dtype, rngs, cfg.qkv_bias)
+        self.v_proj = _linear(cfg.d_model, kv, cfg, dtype, rngs, cfg.qkv_bias)
+        self.o_proj = _linear(q, cfg.d_model, cfg, dtype, rngs)
+        if cfg.qk_norm:
+            self.q_norm = _rmsnorm(cfg, rngs, cfg.head_dim)
+            self.k_norm = _rmsnorm(cfg, rngs, cfg.head_dim)
+        else:
+            self.q_norm = self.k_norm = None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array | None = None,
+        mask: jax.Array | None = None,
+        kv_cache: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """``x [B, T, d_model]`` -> (output, updated ``(k, v)`` cache of this layer or None).
+
+        ``kv_cache = (k, v, index)`` writes this call's keys/values at slots ``index..index+T-1`` and attends
+        over all slots (``mask`` [B, T, S] says which are visible).
+        """
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim)
-        q, k = _rope(q, self.rope_theta), _rope(k, self.rope_theta)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = _rope(q, self.rope_theta, positions, self.rope_freq_factors)
+        k = _rope(k, self.rope_theta, positions, self.rope_freq_factors)
         # one dtype for q, k, v (a quantized projection may return another float dtype)
         q, k, v = (a.astype(self.dtype) for a in (q, k, v))
-        out = _causal_gqa(q, k, v)
-        return self.o_proj(out.reshape(b, t, self.n_heads * self.head_dim))
+        new_cache = None
+        if kv_cache is not None:
+            ck, cv, index = kv_cache
+            zero = jnp.zeros((), jnp.int32)
+            ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (zero, index, zero, zero))
+            cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (zero, index, zero, zero))
+            new_cache = (ck, cv)
+            k, v = ck.astype(self.dtype), cv.astype(self.dtype)
+        out = _gqa(q, k, v, mask)
+        return self.o_proj(out.reshape(b, t, self.n_heads * self.head_dim)), new_cache
 
 
 class MLP(nnx.Module):
@@ -224,34 +358,89 @@ class Block(nnx.Module):
         self.mlp_norm = _rmsnorm(cfg, rngs)
         self.mlp = MLP(cfg, dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x)).astype(jnp.float32)
-        return x + self.mlp(self.mlp_norm(x)).astype(jnp.float32)
+    def __call__(self, x: jax.Array, positions: jax.Array | None = None, mask: jax.Array | None = None,
+                 kv_cache: Any = None) -> tuple[jax.Array, Any]:
+        a, new_cache = self.attn(self.attn_norm(x), positions, mask, kv_cache)
+        x = x + a.astype(jnp.float32)
+        return x + self.mlp(self.mlp_norm(x)).astype(jnp.float32), new_cache
 
 
 class Llama(nnx.Module):
-    """The decoder: ``__call__(tokens int32 [B, T]) -> logits float32 [B, T, vocab]``; T <= max_seq_len."""
+    """The decoder: ``__call__(tokens int [B, T]) -> logits float32 [B, T, vocab]``; T <= max_seq_len.
+
+    Keyword arguments (all optional; see the module docstring):
+      attention_mask: int or bool [B, T], 1 for real tokens, 0 for padding (left or right).
+      positions: int [B, T] RoPE positions; default: the number of real tokens before each one (with a cache,
+        including the cached ones), i.e. ``0..T-1`` without padding.
+      cache: a `KVCache`; the call then returns ``(logits, new_cache)``.
+    """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs) -> None:
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig; got {type(config).__name__}")
         self.config = config
         dtype = config.compute_dtype
+        self.dtype = dtype
         pdt = _DTYPES[config.param_dtype]
         self.embed = nnx.Embed(config.vocab, config.d_model, dtype=jnp.float32, param_dtype=pdt, rngs=rngs)
         self.blocks = nnx.List([Block(config, dtype, rngs=rngs) for _ in range(config.n_layers)])
         self.final_norm = _rmsnorm(config, rngs)
-        self.lm_head = _linear(config.d_model, config.vocab, config, dtype, rngs)
+        if not config.tie_embeddings:
+            self.lm_head = _linear(config.d_model, config.vocab, config, dtype, rngs)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def _head(self, x: jax.Array) -> jax.Array:
+        h = self.final_norm(x)
+        if self.config.tie_embeddings:  # logits = h @ E^T
+            e = self.embed.embedding[...].astype(self.dtype)
+            return jnp.einsum("btd,vd->btv", h.astype(self.dtype), e, preferred_element_type=jnp.float32)
+        return self.lm_head(h).astype(jnp.float32)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        *,
+        attention_mask: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        cache: KVCache | None = None,
+    ) -> jax.Array | tuple[jax.Array, KVCache]:
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise TypeError(f"tokens must be an integer array [batch, seq]; got shape {tokens.shape} {tokens.dtype}")
-        if tokens.shape[1] > self.config.max_seq_len:
-            raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len={self.config.max_seq_len}")
+        b, t = tokens.shape
+        if cache is None and t > self.config.max_seq_len:
+            raise ValueError(f"sequence length {t} exceeds max_seq_len={self.config.max_seq_len}")
+        for name, a in (("attention_mask", attention_mask), ("positions", positions)):
+            if a is not None and tuple(a.shape) != (b, t):
+                raise ValueError(f"{name} must have the shape of tokens {(b, t)}; got {tuple(a.shape)}")
         x = self.embed(tokens.astype(jnp.int32))
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.final_norm(x)).astype(jnp.float32)
+        if attention_mask is None and positions is None and cache is None:
+            for block in self.blocks:  # the plain causal pass over positions 0..T-1
+                x, _ = block(x)
+            return self._head(x)
+
+        new = jnp.ones((b, t), jnp.bool_) if attention_mask is None else attention_mask.astype(jnp.bool_)
+        seen = jnp.zeros((b, 1), jnp.int32)
+        if cache is None:
+            valid, q_slot, k_slot = new, jnp.arange(t), jnp.arange(t)
+        else:
+            if len(cache.k) != self.config.n_layers:
+                raise ValueError(f"cache has {len(cache.k)} layers; the model has {self.config.n_layers}")
+            seen = jnp.sum(cache.valid, axis=1, keepdims=True, dtype=jnp.int32)
+            valid = jax.lax.dynamic_update_slice(cache.valid, new, (jnp.zeros((), jnp.int32), cache.index))
+            q_slot, k_slot = cache.index + jnp.arange(t), jnp.arange(cache.valid.shape[1])
+        if positions is None:
+            positions = jnp.maximum(seen + jnp.cumsum(new, axis=1, dtype=jnp.int32) - 1, 0)
+        mask = (k_slot[None, None, :] <= q_slot[None, :, None]) & valid[:, None, :]  # [B, T, S]
+        ks, vs = [], []
+        for i, block in enumerate(self.blocks):
+            layer_cache = None if cache is None else (cache.k[i], cache.v[i], cache.index)
+            x, kv = block(x, positions, mask, layer_cache)
+            if kv is not None:
+                ks.append(kv[0])
+                vs.append(kv[1])
+        logits = self._head(x)
+        if cache is None:
+            return logits
+        return logits, KVCache(tuple(ks), tuple(vs), valid, cache.index + jnp.int32(t))
 
 
 def mlp_paths(config: ModelConfig) -> list[str]:
@@ -283,3 +472,86 @@ def loss_fn(model: Llama, batch: jax.Array) -> tuple[jax.Array, dict[str, jax.Ar
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
     accuracy = (logits.argmax(-1) == targets).astype(jnp.float32).mean()
     return loss, {"accuracy": accuracy, "n_tokens": jnp.asarray(targets.size, jnp.int32)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# generation
+
+
+def _sample(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_k: int) -> jax.Array:
+    """Next tokens from float32 [B, V] logits: argmax when ``temperature == 0``, else a draw from
+    ``softmax(logits / temperature)`` restricted to the ``top_k`` largest (all when ``top_k == 0``)."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits / jnp.maximum(temperature, jnp.float32(1e-6))
+    if top_k:
+        kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
+        scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
+    drawn = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, greedy)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 7), donate_argnums=(4,))
+def _generate_step(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, mask: jax.Array, cache: KVCache,
+                   key: jax.Array, temperature: jax.Array, top_k: int) -> tuple[jax.Array, KVCache]:
+    model = nnx.merge(graphdef, state)  # state writes of quantized layers (amax histories) are dropped
+    logits, cache = model(tokens, attention_mask=mask, cache=cache)
+    return _sample(logits[:, -1], key, temperature, top_k), cache
+
+
+def generate(
+    model: Llama,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    eos_id: int | None = None,
+    seed: int = 0,
+) -> list[list[int]]:
+    """Continue each prompt (a list of token ids) by up to ``max_new_tokens`` tokens with a `KVCache`.
+
+    Prompts are left-padded into one batch (positions count real tokens only, so every row is continued as if
+    alone). ``temperature == 0`` is greedy decoding; otherwise tokens are drawn from ``softmax(logits / T)``,
+    restricted to the ``top_k`` most likely when given, with keys from ``seed``. A row stops after ``eos_id``
+    (included). Returns the new tokens of every prompt. Never changes the model.
+    """
+    _check_int(max_new_tokens, "max_new_tokens")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
+        raise ValueError(f"temperature must be a number >= 0; got {temperature!r}")
+    if top_k is not None:
+        _check_int(top_k, "top_k")
+        if top_k > model.config.vocab:
+            raise ValueError(f"top_k={top_k} exceeds the vocabulary size {model.config.vocab}")
+    rows = [list(map(int, p)) for p in prompts]
+    if not rows or any(not r for r in rows):
+        raise ValueError("prompts must be a non-empty list of non-empty token lists")
+    if any(t < 0 or t >= model.config.vocab for r in rows for t in r):
+        raise ValueError(f"prompt token ids must be in [0, {model.config.vocab})")
+    p = max(map(len, rows))
+    capacity = p + max_new_tokens
+    if capacity > model.config.max_seq_len:
+        raise ValueError(f"prompt length {p} + max_new_tokens {max_new_tokens} exceeds max_seq_len="
+                         f"{model.config.max_seq_len}")
+    tokens = np.zeros((len(rows), p), np.int32)
+    mask = np.zeros((len(rows), p), bool)
+    for i, r in enumerate(rows):  # left padding
+        tokens[i, p - len(r):] = r
+        mask[i, p - len(r):] = True
+    graphdef, state = nnx.split(model)
+    cache = KVCache.init(model.config, len(rows), capacity)
+    keys = jax.random.split(jax.random.key(seed), max_new_tokens)
+    temp = jnp.float32(temperature)
+    nxt, cache = _generate_step(graphdef, state, jnp.asarray(tokens), jnp.asarray(mask), cache, keys[0], temp,
+                                top_k or 0)
+    out: list[list[int]] = [[] for _ in rows]
+    done = np.zeros(len(rows), bool)
+    ones = jnp.ones((len(rows), 1), jnp.bool_)
+    for step in range(max_new_tokens):
+        host = np.asarray(nxt)
+        for i in np.flatnonzero(~done):
+            out[i].append(int(host[i]))
+            done[i] |= eos_id is not None and int(host[i]) == eos_id
+        if done.all() or step == max_new_tokens - 1:
+            break
+        nxt, cache = _generate_step(graphdef, state, nxt[:, None], ones, cache, keys[step + 1], temp, top_k or 0)
+    return out
