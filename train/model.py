@@ -280,8 +280,8 @@ class KVCache(NamedTuple):
         _check_int(capacity, "capacity")
         dt = config.compute_dtype if dtype is None else dtype
         shape = (batch, capacity, config.n_kv_heads, config.head_dim)
-        zeros = tuple(jnp.zeros(shape, dt) for _ in range(config.n_layers))
-        return cls(zeros, zeros, jnp.zeros((batch, capacity), jnp.bool_), jnp.zeros((), jnp.int32))
+        k, v = (tuple(jnp.zeros(shape, dt) for _ in range(config.n_layers)) for _ in range(2))  # distinct buffers
+        return cls(k, v, jnp.zeros((batch, capacity), jnp.bool_), jnp.zeros((), jnp.int32))
 
 
 class Attention(nnx.Module):

