@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test setup bench clean
+.PHONY: demo test setup bench clean gpu-check
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -18,6 +18,12 @@ bench: setup
 	$(PY) bench/formats.py
 	$(PY) bench/nvfp4.py
 	$(PY) bench/qat_step.py
+
+# On a GPU machine, with its own python3 and no venv or installs: kernels against their twins on the device,
+# throughput, the QAT step; fills jaxlowfp/verified_kernels.json and bench/RESULTS.md (exit 2 without a GPU).
+# GPU_PYTHON=.venv/bin/python to use the venv instead.
+gpu-check:
+	PYTHONPATH=. $${GPU_PYTHON:-python3} scripts/gpu_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs/*/ckpt

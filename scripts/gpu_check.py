@@ -1,0 +1,482 @@
+"""One-shot GPU check (``make gpu-check``): kernels against their jnp twins on the device, throughput, QAT step.
+
+  (a) Every Pallas kernel configuration (HiF8 fused fake-quant; NVFP4 quantize and fake-quantize for every rule,
+      1x16 and 16x16 blocks; float32 and bfloat16; every backend the kernels offer) against its jnp twin
+      (``jaxlowfp.qat.scaled_round``; ``jaxlowfp.nvfp4.quantize / fake_quantize(impl="xla")``), bit for bit (a NaN
+      equals any NaN), on ragged shapes, for inputs: log-normal magnitudes, the same scaled by 1e-4 and by 1e4, and
+      one holding NaN, +-Inf, zeros, -0.0, subnormals, the smallest normals and values near FLT_MAX (NVFP4: with
+      the tensor amax, which is then NaN, and with a finite supplied ``global_amax``). HiF8's amax and counters
+      are checked against numpy.
+  (b) GB/s and fraction of a device copy (a jitted ``-x``: one read, one write) for the HiF8 kernel and NVFP4
+      ``static_6`` and 4/6 ``mse`` (quantize and fake-quantize, 1x16), per backend and for the jnp twin, and the
+      4/6 overhead over ``static_6`` (the cases and timer of bench/gpu_kernels.py, default block configuration).
+  (c) The HiF8 W8A8 QAT train step (Pallas and jnp quantizers) against the high-precision step, bfloat16 compute,
+      on the demo model.
+  (d) The configurations that passed (a) go to ``jaxlowfp/verified_kernels.json`` (merged with the entries of
+      other devices and JAX versions; a configuration that fails here loses its entry for this device and JAX).
+  (e) Everything goes to the ``## GPU check`` section of bench/RESULTS.md.
+
+Refuses to run without a GPU that runs the kernels (exit 2). Exit 1 when a kernel differs from its twin.
+Runs with the GPU machine's own python3 against the source tree (jax >= 0.11, no installs)::
+
+    PYTHONPATH=. python3 scripts/gpu_check.py            # make gpu-check
+    PYTHONPATH=. python3 scripts/gpu_check.py --interpret  # the (a)-(c) logic on CPU: Pallas interpret mode,
+                                                           # tiny shapes; writes nothing
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import inspect
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxlowfp import dispatch, nvfp4, qat  # noqa: E402
+
+SECTION = "GPU check"
+VERIFIED = ROOT / "jaxlowfp" / "verified_kernels.json"
+SCHEMA = 1
+HIF8_CLIP = 15.0
+TRAIN_PRESET = "base"  # train.model preset for (c)
+
+warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*", category=DeprecationWarning)
+
+
+# ---- the configurations ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Case:
+    """One kernel configuration checked in (a).
+
+    Attributes:
+      kernel: name in ``jaxlowfp.dispatch.KERNELS``.
+      backend: "triton" or "mosaic" (``backend=`` of the kernel, passed only where the kernel takes it).
+      dtype: "float32" or "bfloat16".
+      rule, block_shape: NVFP4 only (None for HiF8).
+    """
+
+    kernel: str
+    backend: str
+    dtype: str
+    rule: str | None = None
+    block_shape: tuple[int, int] | None = None
+
+    def __post_init__(self):
+        if self.kernel not in dispatch.KERNELS:
+            raise ValueError(f"kernel={self.kernel!r}; known kernels: {sorted(dispatch.KERNELS)}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16'; got {self.dtype!r}")
+        if (self.rule is None) != (self.block_shape is None) or (self.rule is None) != self.kernel.startswith("hif8"):
+            raise ValueError(f"rule and block_shape are given for NVFP4 kernels only; got {self}")
+
+    @property
+    def label(self) -> str:
+        bs = "x".join(map(str, self.block_shape)) if self.block_shape else "-"
+        return f"{self.kernel} [{self.backend}] {self.rule or '-'} {bs} {self.dtype}"
+
+
+def kernel_entries() -> dict[str, Callable]:
+    from pallas_kernels import hif8 as phif8
+    from pallas_kernels import nvfp4 as pnvfp4
+
+    return {"hif8.scaled_fake_quant": phif8.scaled_fake_quant, "nvfp4.quantize": pnvfp4.quantize,
+            "nvfp4.fake_quantize": pnvfp4.fake_quantize}
+
+
+def backends(entry: Callable) -> tuple[str, ...]:
+    """("triton",) until the kernel takes ``backend=``; then also "mosaic"."""
+    return ("triton", "mosaic") if "backend" in inspect.signature(entry).parameters else ("triton",)
+
+
+def all_cases() -> list[Case]:
+    entries = kernel_entries()
+    if set(entries) != set(dispatch.KERNELS):
+        raise RuntimeError(f"scripts/gpu_check.py knows {sorted(entries)}, jaxlowfp.dispatch.KERNELS has "
+                           f"{sorted(dispatch.KERNELS)}: add the new kernel here")
+    out = []
+    for dtype in ("float32", "bfloat16"):
+        out += [Case(kernel="hif8.scaled_fake_quant", backend=b, dtype=dtype)
+                for b in backends(entries["hif8.scaled_fake_quant"])]
+        for kernel in ("nvfp4.quantize", "nvfp4.fake_quantize"):
+            out += [Case(kernel=kernel, backend=b, dtype=dtype, rule=r, block_shape=tuple(bs))
+                    for b in backends(entries[kernel]) for r in nvfp4.RULES for bs in nvfp4.BLOCK_SHAPES]
+    return out
+
+
+def case_shape(case: Case, small: bool) -> tuple[int, int]:
+    """Ragged against the kernels' default tiles (16 x 512 for NVFP4, 8192 elements for HiF8): a partial last
+    tile in K, and in rows where the block shape allows it. `small`: for interpret mode (one tile)."""
+    if small:
+        return (32, 48) if case.block_shape == (16, 16) else (19, 48)
+    return (1008, 1040) if case.block_shape == (16, 16) else (1001, 1040)
+
+
+# ---- inputs ------------------------------------------------------------------------------------------------------
+
+
+def input_sets(shape: tuple[int, int], seed: int = 0) -> dict[str, np.ndarray]:
+    """float32 host arrays (cast to the case's dtype on the device): see the module docstring."""
+    rng = np.random.default_rng(seed)
+    base = (rng.standard_normal(shape) * np.exp(rng.standard_normal(shape))).astype(np.float32)
+    base[0] = 0.0  # an all-zero row
+    base[1, :5] = [-0.0, 300.0, -1e-3, 7.5, 0.0]
+    special = base.copy()
+    flat = special.reshape(-1)
+    picks = {
+        np.nan: 3, np.inf: 2, -np.inf: 2,
+        1e-39: 3, -2e-40: 3, 1.4e-45: 1, 1.2e-38: 2, -1.18e-38: 2,  # subnormals and the smallest normals
+        2.5e38: 1, -3.0e38: 1,  # near FLT_MAX (bfloat16's max is 3.39e38)
+    }
+    positions = rng.choice(np.arange(32, flat.size), size=sum(picks.values()), replace=False)
+    i = 0
+    for value, count in picks.items():
+        flat[positions[i:i + count]] = value
+        i += count
+    flat[16:32] = 0.0  # a zero block
+    return {"lognormal": base, "x1e-4": base * np.float32(1e-4), "x1e4": base * np.float32(1e4), "specials": special}
+
+
+def hif8_scale(x: np.ndarray) -> np.float32:
+    """A delayed-scaling-like decode scale: the 99.5th percentile of the finite |x| over the clip (some saturate)."""
+    a = np.abs(x[np.isfinite(x)])
+    return np.float32(max(float(np.percentile(a, 99.5)), 1e-30) / HIF8_CLIP)
+
+
+# ---- (a) exactness -----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExactResult:
+    case: Case
+    shape: tuple[int, int]
+    mismatches: dict[str, int]  # input set -> differing elements (-1: the kernel raised)
+    error: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None and not any(self.mismatches.values())
+
+
+def count_mismatches(want: Any, got: Any) -> int:
+    from gpu_kernels import count_mismatches as bits_differ  # bench/gpu_kernels.py: bit compare, NaN == NaN
+
+    return bits_differ(want, got)
+
+
+def _kernel_call(case: Case, interpret: bool) -> Callable:
+    entry = kernel_entries()[case.kernel]
+    extra = {"interpret": interpret}
+    if "backend" in inspect.signature(entry).parameters:
+        extra["backend"] = case.backend
+    if case.rule is None:
+        return lambda x, scale: entry(x, scale, HIF8_CLIP, **extra)
+    return lambda x, ga: entry(x, rule=case.rule, block_shape=case.block_shape, global_amax=ga, **extra)
+
+
+def _twin_call(case: Case) -> Callable:
+    if case.rule is None:
+        return jax.jit(lambda x, scale: qat.scaled_round(x, scale, HIF8_CLIP, "hif8"))
+    fn = nvfp4.quantize if case.kernel == "nvfp4.quantize" else nvfp4.fake_quantize
+    return lambda x, ga: fn(x, rule=case.rule, block_shape=case.block_shape, global_amax=ga, impl="xla")
+
+
+def _leaves(out: Any) -> list:
+    if isinstance(out, nvfp4.NVFP4Array):
+        return [out.codes, out.scales, out.global_scale]
+    return jax.tree.leaves(out)
+
+
+def hif8_oracle(x: np.ndarray, y_twin: np.ndarray, *, flush_subnormals: bool = False) -> tuple[np.float32, int, int]:
+    """numpy: (amax, NaN if any NaN; #non-finite; #{x != 0 and y == 0}) of the kernel's extra outputs.
+
+    `flush_subnormals`: model a backend that treats float32 subnormal inputs as zero (XLA:CPU, so interpret mode).
+    """
+    xf = np.asarray(x, np.float32)
+    if flush_subnormals:
+        xf = np.where(np.abs(xf) < np.finfo(np.float32).tiny, np.float32(0), xf)
+    amax = np.float32(np.nan) if np.isnan(xf).any() else np.float32(np.max(np.abs(xf)))
+    under = int(np.sum((xf != 0) & (np.asarray(y_twin, np.float32) == 0)))
+    return amax, int(np.sum(~np.isfinite(xf))), under
+
+
+def check_case(case: Case, sets: dict[str, np.ndarray], *, interpret: bool) -> dict[str, int]:
+    """Input set -> mismatching elements of `case`'s kernel against its twin on the default device."""
+    kernel, twin = _kernel_call(case, interpret), _twin_call(case)
+    out = {}
+    for name, host in sets.items():
+        x = jnp.asarray(host).astype(jnp.dtype(case.dtype))
+        xh = np.asarray(x.astype(jnp.float32))  # the values the device sees
+        if case.rule is None:
+            scale = jnp.float32(hif8_scale(xh))
+            y, sat = twin(x, scale)
+            got = kernel(x, scale)
+            amax, nonfinite, under = hif8_oracle(xh, np.asarray(y.astype(jnp.float32)),
+                                                 flush_subnormals=jax.default_backend() == "cpu")
+            bad = count_mismatches([y, sat], [got.y, got.saturated_count])
+            bad += count_mismatches([np.asarray(amax), np.int32(nonfinite), np.int32(under)],
+                                    [got.amax, got.nonfinite_count, got.underflow_count])
+            out[name] = bad
+            continue
+        amaxes = {name: None}
+        if not np.isfinite(xh).all():  # the tensor amax is NaN here: also a finite supplied one
+            amaxes[f"{name}, global_amax"] = jnp.float32(np.max(np.abs(xh[np.isfinite(xh)])))
+        for label, ga in amaxes.items():
+            out[label] = count_mismatches(_leaves(twin(x, ga)), _leaves(kernel(x, ga)))
+    return out
+
+
+def check_exact(cases: list[Case], *, interpret: bool = False, small: bool = False,
+                log: Callable[[str], None] = print) -> list[ExactResult]:
+    """(a) for `cases`; a kernel that raises is a failed case with its error, not a crash."""
+    results = []
+    for case in cases:
+        shape = case_shape(case, small)
+        try:
+            mism = check_case(case, input_sets(shape), interpret=interpret)
+            res = ExactResult(case=case, shape=shape, mismatches=mism)
+        except Exception as e:  # noqa: BLE001 - recorded with the configuration
+            res = ExactResult(case=case, shape=shape, mismatches={}, error=f"{type(e).__name__}: {str(e)[:300]}")
+        results.append(res)
+        log(f"  {case.label} {shape[0]}x{shape[1]}: " + ("exact" if res.passed else res.error or str(res.mismatches)))
+    return results
+
+
+def exact_table(results: list[ExactResult]) -> str:
+    from _results import markdown_table
+
+    rows = []
+    for r in results:
+        c = r.case
+        detail = r.error or ("exact" if r.passed else
+                             ", ".join(f"{k}: {v}" for k, v in r.mismatches.items() if v))
+        rows.append([c.kernel, c.backend, c.rule or "-", "x".join(map(str, c.block_shape)) if c.block_shape else "-",
+                     c.dtype, f"{r.shape[0]}x{r.shape[1]}", "pass" if r.passed else "FAIL", detail])
+    return markdown_table(["kernel", "backend", "rule", "block", "dtype", "shape", "result", "mismatches"], rows)
+
+
+# ---- (b) throughput ----------------------------------------------------------------------------------------------
+
+
+def throughput(shape: tuple[int, int], dtype: Any, *, interpret: bool = False, iters: int = 20,
+               reps: int = 5) -> tuple[list[list], list[str], list[str]]:
+    """(header, rows, notes): bench/gpu_kernels.py's quick cases (HiF8; NVFP4 static_6 and mse, quantize and
+    fake-quantize) with the kernel's default configuration, once per backend."""
+    import gpu_kernels as bench
+
+    rows, notes = [], []
+    entries = kernel_entries()
+    for b in backends(entries["nvfp4.quantize"]):
+        cases = []
+        for c in bench.all_cases(quick=True):
+            cfg = {"backend": b} if "backend" in inspect.signature(entries[c.kernel]).parameters else {}
+            cases.append(dataclasses.replace(c, name=f"{c.name} [{b}]", configs=(cfg,)))
+        r, n = bench.run([shape], [dtype], cases, interpret=interpret, iters=iters, reps=reps)
+        rows += r
+        notes += n
+    return bench.HEADER, rows, notes
+
+
+# ---- (c) QAT train step ------------------------------------------------------------------------------------------
+
+
+def build_train_steps(preset: str, *, batch: int, seq: int, pallas: bool,
+                      overrides: dict | None = None) -> tuple[dict[str, tuple[Callable, Any]], jax.Array]:
+    """({variant: (jitted step, state)}, token batch): the high-precision step and the HiF8 W8A8 QAT step (jnp
+    quantizers, and the Pallas kernel when `pallas`), bfloat16 compute, for the `train.model` preset (with
+    ModelConfig `overrides`)."""
+    import optax
+    from flax import nnx
+
+    from jaxlowfp.nnx import paper_rules, quantize
+    from train.loop import init_state, make_train_step  # the public step builder (one import to move)
+    from train.model import Llama, loss_fn
+    from train.model import preset as model_preset
+
+    cfg = model_preset(preset, **{"dtype": "bfloat16", "max_seq_len": max(seq, 8), **(overrides or {})})
+    schedule = optax.constant_schedule(1e-4)
+    tx = optax.adamw(schedule)
+    variants = {"hp": None, "qat (jnp)": "xla"}
+    if pallas:
+        variants["qat (pallas)"] = "pallas"
+    steps = {}
+    for name, impl in variants.items():
+        model = Llama(cfg, rngs=nnx.Rngs(0))
+        if impl is not None:
+            r = qat.hif8_w8a8()
+            recipe = dataclasses.replace(r, weight=dataclasses.replace(r.weight, impl=impl),
+                                         activation=dataclasses.replace(r.activation, impl=impl))
+            quantize(model, paper_rules(cfg.n_layers, keep_first=1, keep_last=1, recipe=recipe))
+        graphdef, state = init_state(model, tx)
+        steps[name] = (jax.jit(make_train_step(graphdef, tx, loss_fn=loss_fn, schedule=schedule)), state)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab, (batch, seq + 1)), jnp.int32)
+    return steps, tokens
+
+
+def train_step_times(preset: str, *, batch: int, seq: int, reps: int, pallas: bool,
+                     overrides: dict | None = None) -> dict[str, float]:
+    """Median ms per step of each :func:`build_train_steps` variant, the variants interleaved (load hits all)."""
+    steps, tokens = build_train_steps(preset, batch=batch, seq=seq, pallas=pallas, overrides=overrides)
+    for fn, state in steps.values():  # compile and warm up
+        for _ in range(2):
+            jax.block_until_ready(fn(state, tokens))
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(reps):
+        for name, (fn, state) in steps.items():
+            t = time.perf_counter()
+            jax.block_until_ready(fn(state, tokens))
+            times[name].append(time.perf_counter() - t)
+    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+
+
+# ---- (d) the verified table --------------------------------------------------------------------------------------
+
+_KEY_FIELDS = ("kernel", "backend", "device_kind", "compute_capability", "rule", "block_shape", "dtype", "jax")
+
+
+def _key(entry: dict) -> tuple:
+    return tuple(tuple(v) if isinstance(v, list) else v for v in (entry.get(f) for f in _KEY_FIELDS))
+
+
+def verified_entry(case: Case, device_kind: str, compute_capability: str, jax_version: str, date: str) -> dict:
+    e = {"kernel": case.kernel, "backend": case.backend, "device_kind": device_kind,
+         "compute_capability": compute_capability}
+    if case.rule is not None:
+        e.update(rule=case.rule, block_shape=list(case.block_shape))
+    e.update(dtype=case.dtype, jax=jax_version, date=date)
+    return e
+
+
+def merge_verified(path: Path, results: list[ExactResult], *, device_kind: str, compute_capability: str,
+                   jax_version: str, date: str) -> dict:
+    """Write `path` with the configurations of `results` that passed, merged with its other entries.
+
+    Entries are keyed by (kernel, backend, device, compute capability, rule, block shape, dtype, jax version): a
+    passing configuration replaces its entry (new date), a failing one removes it, other keys are kept.
+    """
+    data = json.loads(path.read_text()) if path.exists() else {"schema": SCHEMA, "entries": []}
+    if data.get("schema") != SCHEMA or not isinstance(data.get("entries"), list):
+        raise ValueError(f"{path}: expected {{'schema': {SCHEMA}, 'entries': [...]}}; got schema "
+                         f"{data.get('schema')!r}")
+    entries = {_key(e): e for e in data["entries"]}
+    for r in results:
+        e = verified_entry(r.case, device_kind, compute_capability, jax_version, date)
+        if r.passed:
+            entries[_key(e)] = e
+        else:
+            entries.pop(_key(e), None)
+    out = {"schema": SCHEMA, "entries": sorted(entries.values(), key=lambda e: tuple(map(str, _key(e))))}
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
+# ---- driver ------------------------------------------------------------------------------------------------------
+
+
+def gpu_or_reason() -> tuple[Any, str]:
+    dev = jax.devices()[0]
+    ok, reason = dispatch.pallas_capability("hif8.scaled_fake_quant", dev)
+    return (dev if ok else None), reason
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--interpret", action="store_true",
+                    help="no GPU needed: Pallas interpret mode, tiny shapes, 'tiny' model; writes nothing")
+    ap.add_argument("--only", default="", help="comma-separated substrings: check only matching configurations")
+    ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--skip-train", action="store_true")
+    ap.add_argument("--no-write", action="store_true", help="leave verified_kernels.json and RESULTS.md alone")
+    ap.add_argument("--verified-path", type=Path, default=VERIFIED, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    dev = jax.devices()[0]
+    if not args.interpret:
+        dev, reason = gpu_or_reason()
+        if dev is None:
+            print(f"scripts/gpu_check.py needs a GPU that runs the Pallas kernels; {reason}. Nothing was run or "
+                  "written (for the logic alone on this machine: --interpret).", file=sys.stderr)
+            return 2
+    write = not (args.no_write or args.interpret)
+    t_start = time.perf_counter()
+    timing: dict[str, float] = {}
+    cases = all_cases()
+    if args.only:
+        keys = [k.strip() for k in args.only.split(",") if k.strip()]
+        cases = [c for c in cases if any(k in c.label for k in keys)]
+    print(f"(a) {len(cases)} kernel configurations against their twins on {dev.device_kind}", flush=True)
+    t = time.perf_counter()
+    results = check_exact(cases, interpret=args.interpret, small=args.interpret,
+                          log=lambda s: print(s, flush=True))
+    timing["(a) exactness"] = time.perf_counter() - t
+    failed = [r for r in results if not r.passed]
+    parts = [f"**(a) Kernels against their jnp twins, bit for bit** ({len(results) - len(failed)} of {len(results)} "
+             "configurations exact; inputs: log-normal, x1e-4, x1e4, and NaN/+-Inf/zeros/-0.0/subnormals/"
+             "smallest normals/near FLT_MAX, for NVFP4 with the tensor amax and with a finite `global_amax`):\n\n"
+             + exact_table(results)]
+    if not args.skip_throughput:
+        print("(b) throughput", flush=True)
+        t = time.perf_counter()
+        shape, iters, reps = ((16, 512), 1, 1) if args.interpret else ((8192, 8192), 20, 5)
+        header, rows, notes = throughput(shape, jnp.bfloat16, interpret=args.interpret, iters=iters, reps=reps)
+        timing["(b) throughput"] = time.perf_counter() - t
+        from _results import markdown_table
+
+        parts.append(
+            f"**(b) Throughput**, {shape[0]}x{shape[1]} bfloat16, default block configuration, a supplied NVFP4 "
+            "`global_amax` (the kernel alone, no amax pass). Median of 5 x 20 queued calls; \"/ copy\" divides by "
+            "a jitted `-x` of the same input (one read, one write); bytes are what each must read and write. "
+            "Goals: HiF8 and `static_6` >= 0.80 of copy, `mse` <= 1.15x `static_6`.\n\n"
+            + markdown_table(header, rows) + ("\n\n" + "\n".join(f"- {n}" for n in notes) if notes else ""))
+    if not args.skip_train:
+        print("(c) QAT train step", flush=True)
+        t = time.perf_counter()
+        preset, batch, seq, reps = ("tiny", 2, 16, 1) if args.interpret else (TRAIN_PRESET, 16, 512, 10)
+        ms = train_step_times(preset, batch=batch, seq=seq, reps=reps, pallas=not args.interpret)
+        timing["(c) train step"] = time.perf_counter() - t
+        hp = ms["hp"]
+        from _results import markdown_table
+
+        parts.append(
+            f"**(c) Train step**, `train.model` preset \"{preset}\", bfloat16 compute, batch {batch} x {seq}, HiF8 "
+            "W8A8 QAT (delayed scaling, MLP projections of the middle blocks as `paper_rules` selects them) "
+            f"against high precision; median of {reps} interleaved steps:\n\n"
+            + markdown_table(["variant", "ms / step", "vs HP"], [[k, f"{v:.2f}", f"{v / hp:.2f}x"] for k, v in ms.items()]))
+    total = time.perf_counter() - t_start
+    print("\n\n".join(parts))
+    print("phases: " + ", ".join(f"{k} {v:.0f} s" for k, v in timing.items()) + f"; total {total:.0f} s")
+    if write:
+        from _results import write_section
+
+        date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+        cc = str(getattr(dev, "compute_capability", "?"))
+        merged = merge_verified(args.verified_path, results, device_kind=dev.device_kind, compute_capability=cc,
+                                jax_version=jax.__version__, date=date)
+        head = (f"`PYTHONPATH=. python3 scripts/gpu_check.py` (`make gpu-check`) on {dev.device_kind} (compute "
+                f"capability {cc}), jax {jax.__version__}, {date}; {total:.0f} s ("
+                + ", ".join(f"{k} {v:.0f} s" for k, v in timing.items()) + "). "
+                f"**(d)** {len(results) - len(failed)} configurations recorded as verified in "
+                f"`jaxlowfp/verified_kernels.json` ({len(merged['entries'])} entries in all).")
+        write_section(SECTION, head + "\n\n" + "\n\n".join(parts))
+    if failed:
+        print(f"\n{len(failed)} configuration(s) differ from their twins or failed:\n"
+              + "\n".join(f"- {r.case.label}: {r.error or r.mismatches}" for r in failed), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""scripts/gpu_check.py (make gpu-check) on a CPU: it refuses to run, its exactness check works in Pallas
+interpret mode and catches a wrong kernel, the verified-kernels table merges correctly, the train steps build."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+gc = _script()
+
+
+def test_refuses_without_gpu(capsys):
+    files = [ROOT / "bench" / "RESULTS.md", gc.VERIFIED]
+    before = [f.read_text() if f.exists() else None for f in files]
+    assert gc.main([]) == 2
+    err = capsys.readouterr().err
+    assert "needs a GPU" in err and "'cpu'" in err and "--interpret" in err
+    assert [f.read_text() if f.exists() else None for f in files] == before
+
+
+def test_committed_verified_table_has_the_schema():
+    data = json.loads(gc.VERIFIED.read_text())
+    assert data["schema"] == 1 and isinstance(data["entries"], list)
+    for e in data["entries"]:
+        assert {"kernel", "backend", "device_kind", "compute_capability", "dtype", "jax", "date"} <= set(e)
+
+
+def test_cases_cover_every_kernel_rule_block_and_dtype():
+    from jaxlowfp import dispatch, nvfp4
+
+    cases = gc.all_cases()
+    assert {c.kernel for c in cases} == set(dispatch.KERNELS) and len(cases) == len(set(cases))
+    assert len([c for c in cases if c.rule]) == 2 * len(nvfp4.RULES) * len(nvfp4.BLOCK_SHAPES) * 2
+    sets = gc.input_sets(gc.case_shape(cases[0], small=False))
+    assert set(sets) == {"lognormal", "x1e-4", "x1e4", "specials"}
+    s = sets["specials"]
+    assert np.isnan(s).any() and np.isposinf(s).any() and np.isneginf(s).any()
+    sub = (s != 0) & (np.abs(s) < np.finfo(np.float32).tiny)
+    assert sub.sum() >= 5 and (np.abs(s) > 1e38).sum() == 2 + 4  # subnormals; near FLT_MAX, and 4 Infs
+
+
+PICKED = ["hif8.scaled_fake_quant [triton] - - float32", "nvfp4.quantize [triton] mse 1x16 bfloat16",
+          "nvfp4.fake_quantize [triton] static_6 16x16 float32"]
+
+
+def test_exact_in_interpret_mode():
+    """The (a) comparison on three configurations (every kernel) in Pallas interpret mode: all exact."""
+    cases = [c for c in gc.all_cases() if c.label in PICKED]
+    assert len(cases) == 3
+    results = gc.check_exact(cases, interpret=True, small=True, log=lambda s: None)
+    for r in results:
+        assert r.passed, (r.case.label, r.error, r.mismatches)
+        want = {"lognormal", "x1e-4", "x1e4", "specials"} | ({"specials, global_amax"} if r.case.rule else set())
+        assert set(r.mismatches) == want
+    assert "| pass |" in gc.exact_table(results)
+
+
+def test_exact_check_catches_a_wrong_kernel(monkeypatch):
+    """A kernel off by one code in one element, and one that raises, are failures (the check can fail)."""
+    real = gc.kernel_entries()
+
+    def off_by_one(x, **kw):
+        y = real["nvfp4.fake_quantize"](x, **kw)
+        return y.at[3, 5].add(1.0)
+
+    def broken(x, scale, clip, **kw):
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(gc, "kernel_entries", lambda: {**real, "nvfp4.fake_quantize": off_by_one,
+                                                       "hif8.scaled_fake_quant": broken})
+    cases = [gc.Case(kernel="nvfp4.fake_quantize", backend="triton", dtype="float32", rule="static_6",
+                     block_shape=(1, 16)),
+             gc.Case(kernel="hif8.scaled_fake_quant", backend="triton", dtype="float32")]
+    wrong, raised = gc.check_exact(cases, interpret=True, small=True, log=lambda s: None)
+    assert not wrong.passed and wrong.mismatches["lognormal"] == 1 and wrong.mismatches["x1e4"] == 1
+    assert not raised.passed and "RuntimeError: no kernel here" in raised.error
+    assert "FAIL" in gc.exact_table([wrong, raised])
+
+
+def test_hif8_oracle_counts():
+    x = np.array([0.0, -0.0, 1e-39, 2.0, np.inf, np.nan, 5.0], np.float32)
+    y = np.array([0.0, -0.0, 0.0, 2.0, 15.0, np.nan, 0.0], np.float32)
+    amax, nonfinite, under = gc.hif8_oracle(x, y)
+    assert np.isnan(amax) and nonfinite == 2 and under == 2  # the subnormal and 5.0 round to zero
+    assert gc.hif8_oracle(x, y, flush_subnormals=True)[2] == 1
+    assert gc.hif8_oracle(x[:5], y[:5])[0] == np.float32(np.inf)
+
+
+def _result(kernel, dtype, passed, rule=None, block_shape=None):
+    case = gc.Case(kernel=kernel, backend="triton", dtype=dtype, rule=rule, block_shape=block_shape)
+    return gc.ExactResult(case=case, shape=(8, 16), mismatches={"lognormal": 0 if passed else 3})
+
+
+def test_merge_verified(tmp_path):
+    path = tmp_path / "verified.json"
+    path.write_text(json.dumps({"schema": 1, "entries": [
+        {"kernel": "nvfp4.quantize", "backend": "triton", "device_kind": "NVIDIA B200", "compute_capability": "10.0",
+         "rule": "mse", "block_shape": [1, 16], "dtype": "float32", "jax": "0.12.0", "date": "2020-01-01"},
+        {"kernel": "nvfp4.quantize", "backend": "triton", "device_kind": "NVIDIA H200", "compute_capability": "9.0",
+         "rule": "mse", "block_shape": [1, 16], "dtype": "float32", "jax": "0.11.2", "date": "2020-01-01"},
+    ]}))
+    dev = dict(device_kind="NVIDIA H200", compute_capability="9.0", jax_version="0.11.2", date="2026-01-02")
+    out = gc.merge_verified(path, [
+        _result("hif8.scaled_fake_quant", "bfloat16", True),
+        _result("nvfp4.quantize", "float32", False, "mse", (1, 16)),  # now fails on the H200: entry removed
+        _result("nvfp4.fake_quantize", "bfloat16", True, "static_6", (16, 16)),
+    ], **dev)
+    assert json.loads(path.read_text()) == out and out["schema"] == 1
+    entries = {(e["kernel"], e["device_kind"]): e for e in out["entries"]}
+    assert set(entries) == {("nvfp4.quantize", "NVIDIA B200"), ("hif8.scaled_fake_quant", "NVIDIA H200"),
+                            ("nvfp4.fake_quantize", "NVIDIA H200")}
+    assert entries[("hif8.scaled_fake_quant", "NVIDIA H200")] == {
+        "kernel": "hif8.scaled_fake_quant", "backend": "triton", "device_kind": "NVIDIA H200",
+        "compute_capability": "9.0", "dtype": "bfloat16", "jax": "0.11.2", "date": "2026-01-02"}
+    assert entries[("nvfp4.fake_quantize", "NVIDIA H200")]["block_shape"] == [16, 16]
+    again = gc.merge_verified(path, [_result("hif8.scaled_fake_quant", "bfloat16", True)],
+                              **{**dev, "date": "2026-02-03"})
+    assert len(again["entries"]) == 3  # same key: replaced, not duplicated
+    path.write_text(json.dumps({"schema": 2, "entries": []}))
+    with pytest.raises(ValueError, match="schema"):
+        gc.merge_verified(path, [], **dev)
+
+
+def test_train_steps_build():
+    """(c) builds its steps from the public step builder (running them is for the GPU: compiling takes ~30 s here)."""
+    steps, tokens = gc.build_train_steps("tiny", batch=1, seq=8, pallas=False,
+                                         overrides=dict(d_model=32, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=64))
+    assert set(steps) == {"hp", "qat (jnp)"} and tokens.shape == (1, 9) and tokens.dtype == jnp.int32
