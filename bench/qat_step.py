@@ -1,6 +1,6 @@
 """Step time of the HiF8 W8A8 QAT train step against the high-precision step, side by side in one run.
 
-The very step `python -m train` runs (`train.loop.jit_train_step`: forward, backward, AdamW, non-finite guard,
+The very step `python -m train` runs (`jaxlowfp.training.make_step`: forward, backward, AdamW, non-finite guard,
 telemetry), for the demo model ("small") and a larger one, in three variants: high precision; HiF8 W8A8 QAT
 (MLP projections of the middle blocks, `max_window` 64, as `paper_rules` selects them); the same model in its
 observe-only warmup. HP and QAT calls are interleaved so machine load hits both alike. Goal: QAT <= 1.15x HP.
@@ -15,20 +15,18 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the train/ application lives in the checkout
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from _results import machine, markdown_table, write_section  # noqa: E402
-from jaxlowfp.nnx import paper_rules, quantize  # noqa: E402
-from jaxlowfp.qat import Warmup, hif8_w8a8  # noqa: E402
-from train.loop import init_state, jit_train_step, make_optimizer, make_schedule  # noqa: E402
-from train.model import PRESETS, Llama, ModelConfig, loss_fn  # noqa: E402
+from _results import machine, markdown_table, write_section
+from jaxlowfp.nnx import paper_rules, quantize
+from jaxlowfp.qat import Warmup, hif8_w8a8
+from jaxlowfp import training
+from train.loop import make_optimizer, make_schedule
+from train.model import PRESETS, Llama, ModelConfig, loss_fn
 
 SIZES = {
     "small": PRESETS["small"],  # the demo model
@@ -43,8 +41,8 @@ def build(cfg: ModelConfig, variant: str, tx, schedule):
     if variant != "hp":
         quantize(model, paper_rules(cfg.n_layers, keep_first=1, keep_last=1, recipe=hif8_w8a8()))
         warmup = Warmup(steps=10**9) if variant == "observe" else None
-    graphdef, state = init_state(model, tx)
-    step = jit_train_step(graphdef, tx, loss_fn=loss_fn, schedule=schedule, warmup=warmup, donate=False)
+    graphdef, state = training.init(model, tx)
+    step = jax.jit(training.make_step(graphdef, tx, loss_fn, warmup=warmup, lr_schedule=schedule))
     return step, state
 
 

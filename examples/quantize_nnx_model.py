@@ -6,8 +6,8 @@
 What it shows:
 1. `jaxlowfp.nnx.quantize(model, rules)` swaps matching `nnx.Linear` modules for `QuantLinear` in place and
    returns a report (what was quantized, what was kept, which rules matched nothing).
-2. The functional view: `nnx.split(model, nnx.Param, AmaxState, ...)` gives params (for optax) and the amax
-   histories (qstate) as separate pytrees, threaded through one jitted train step.
+2. The functional view: `jaxlowfp.training` splits the model into params (for optax), the amax histories
+   (qstate) and the rest, and builds one jitted train step `(state, batch) -> (state, metrics)`.
 3. The warmup: the first steps run observe-only (high precision, histories still recorded), then the traced flag
    flips to quantized without recompiling.
 """
@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxlowfp import qat
 from jaxlowfp import nnx as jnnx
+from jaxlowfp import qat, training
 
 
 class Block(nnx.Module):
@@ -80,36 +80,25 @@ def main() -> None:
     report = jnnx.quantize(model, rules)
     print("\n" + str(report) + "\n")
 
-    graphdef, params, qstate, rest = nnx.split(model, nnx.Param, jnnx.AmaxState, ...)
+    def loss_fn(m: TinyLM, tokens: jax.Array):
+        logits = m(tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(), {}
+
     tx = optax.adam(1e-3)
-    opt_state = tx.init(params)
-
-    @jax.jit
-    def train_step(params, qstate, rest, opt_state, tokens, observe_only):
-        def loss_fn(params):
-            # copy=True: fresh Variables at this trace level (NNX forbids mutating ones created outside grad)
-            m = nnx.merge(graphdef, params, qstate, rest, copy=True)
-            jnnx.set_observe_only(m, observe_only)
-            logits = m(tokens[:, :-1])
-            loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-            _, _, new_q, new_rest = nnx.split(m, nnx.Param, jnnx.AmaxState, ...)
-            return loss, (new_q, new_rest, jnnx.max_saturated_fraction(m))
-
-        (loss, (qstate, rest, sat)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), qstate, rest, opt_state, loss, sat
+    graphdef, state = training.init(model, tx)
+    train_step = jax.jit(training.make_step(graphdef, tx, loss_fn, warmup=qat.Warmup(steps=warmup)))
 
     key = jax.random.key(1)
     for step in range(args.steps):
         key, sub = jax.random.split(key)
         # a toy task: a repeating pattern with random offsets per sequence
         tokens = (jax.random.randint(sub, (8, 1), 0, args.vocab) + jnp.arange(17)[None] * 3) % args.vocab
-        observe = jnp.asarray(step < warmup)
-        params, qstate, rest, opt_state, loss, sat = train_step(params, qstate, rest, opt_state, tokens, observe)
-        phase = "warmup (observe only)" if step < warmup else "quantized"
-        print(f"step {step:3d}  {phase:22}  loss {float(loss):.4f}  max saturated fraction {float(sat):.4f}")
+        state, metrics = train_step(state, tokens)
+        phase = "warmup (observe only)" if bool(metrics["observe_only"]) else "quantized"
+        print(f"step {step:3d}  {phase:22}  loss {float(metrics['loss']):.4f}  max saturated fraction "
+              f"{float(metrics['max_saturated_fraction']):.4f}")
 
-    nnx.update(model, params, qstate, rest)
+    nnx.update(model, state.params, state.qstate, state.rest)
     stats = jnnx.collect_stats(model)
     print("\nlast stats of one layer:")
     first = report.quantized[0][0]

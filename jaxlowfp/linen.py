@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxlowfp import qat
-from jaxlowfp.nnx import _bool_flag, _flatten_floats, _named_leaves, _needs_key
+from jaxlowfp._core.checks import bool_flag
+from jaxlowfp.qat.telemetry import flatten_floats, named_leaves
 
 __all__ = [
     "AMAX_COLLECTION",
@@ -59,7 +60,7 @@ class QuantDotGeneral(nn.Module):
         self, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any = None,
         preferred_element_type: Any = None,
     ) -> jax.Array:
-        key = self.make_rng(RNG_STREAM) if _needs_key(self.recipe) else None
+        key = self.make_rng(RNG_STREAM) if self.recipe.needs_key else None
         out, new_state, stats = qat.dot_general(
             lhs, rhs, dimension_numbers, recipe=self.recipe, state=self.state.value,
             observe_only=self.phase.value, key=key, precision=precision,
@@ -86,7 +87,7 @@ def set_observe_only(variables: Mapping[str, Any], flag: bool | jax.Array) -> di
 
     Raises ValueError when `variables` has no `PHASE_COLLECTION`: the switch would silently do nothing.
     """
-    value = _bool_flag(flag)
+    value = jnp.asarray(bool_flag(flag))
     if PHASE_COLLECTION not in variables:
         raise ValueError(
             f"variables has no {PHASE_COLLECTION!r} collection (got {sorted(variables)}): no QuantDotGeneral was "
@@ -104,5 +105,5 @@ def collect_stats(variables: Mapping[str, Any]) -> dict[str, float]:
         i = names.index("stats") if "stats" in names else len(names)
         return names[:i] + names[i + 1:]
 
-    pairs = _named_leaves(variables.get(STATS_COLLECTION, {}))
-    return _flatten_floats((drop_slot(names), leaf) for names, leaf in pairs)
+    pairs = named_leaves(variables.get(STATS_COLLECTION, {}))
+    return flatten_floats((drop_slot(names), leaf) for names, leaf in pairs)

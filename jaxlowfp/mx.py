@@ -10,6 +10,12 @@ Per block of 32 along the last axis, a power-of-two scale ``X = 2^e`` (``specs/n
 ``floor`` can saturate (amax = 7 -> X = 1, 7 -> 6); ``ceil`` never does but may waste up to one binade. A block with
 NaN or Inf gets the NaN scale (0xFF) and dequantizes to NaN. MX is a baseline here: power-of-two scales cannot
 express Four Over Six's x1.5. Note that XLA:CPU flushes float32 subnormals, so values below 2^-126 are zero.
+
+>>> import jax.numpy as jnp
+>>> from jaxlowfp import mx
+>>> q = mx.quantize(jnp.linspace(-3.0, 3.0, 32, dtype=jnp.float32).reshape(1, 32))   # MXFP4, OCP floor rule
+>>> q.codes.shape, q.scales.shape, str(q.scales.dtype)    # two codes a byte, one E8M0 scale per 32
+((1, 16), (1, 1), 'float8_e8m0fnu')
 """
 from __future__ import annotations
 
@@ -22,9 +28,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxlowfp import formats
-from jaxlowfp._checks import float_input, one_of
-from jaxlowfp._reduce import abs_max
-from jaxlowfp.nvfp4 import pack_nibbles, true_divide, unpack_nibbles
+from jaxlowfp._core.bits import pow2, true_divide
+from jaxlowfp._core.checks import float_dtype, float_input, one_of
+from jaxlowfp._core.nvfp4_blocks import pack_nibbles, unpack_nibbles
+from jaxlowfp._core.pytree import pytree_dataclass
+from jaxlowfp._core.reduce import abs_max
 
 __all__ = ["MXArray", "MXConfig", "ELEMENTS", "SCALE_RULES", "BLOCK", "quantize", "dequantize", "fake_quantize",
            "shared_exponent"]
@@ -51,12 +59,7 @@ class MXConfig:
         return formats.get(self.elem)  # type: ignore[return-value]
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["codes", "scales"],
-    meta_fields=["elem", "scale_rule", "dtype", "shape"],
-)
-@dataclasses.dataclass(frozen=True)
+@pytree_dataclass(data=("codes", "scales"), meta=("elem", "scale_rule", "dtype", "shape"))
 class MXArray:
     """An MX-quantized tensor (pytree).
 
@@ -75,12 +78,6 @@ class MXArray:
 
     def dequantize(self, dtype: Any = None) -> jax.Array:
         return dequantize(self, self.dtype if dtype is None else dtype)
-
-
-def _pow2(e: jax.Array) -> jax.Array:
-    """2.0**e in float32 for integer e in [-127, 127] (2^-127 is a float32 subnormal: mantissa bit 22)."""
-    bits = jnp.where(e >= -126, (e + 127) << 23, 1 << 22).astype(jnp.uint32)
-    return lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def shared_exponent(blk_amax: jax.Array, elem: str, scale_rule: str) -> jax.Array:
@@ -111,9 +108,9 @@ def _check_x(x: Any) -> jax.Array:
 def _run(x: jax.Array, *, cfg: MXConfig, out: str):
     xb = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
     e = shared_exponent(abs_max(xb, axis=-1), cfg.elem, cfg.scale_rule)
-    y = xb * _pow2(-jnp.minimum(e, 127))[..., None]  # x / 2^e exactly (one rounding only if y is subnormal)
+    y = xb * pow2(-jnp.minimum(e, 127), subnormal=True)[..., None]  # x / 2^e exactly (one rounding only if y is subnormal)
     if out == "fake":
-        scale = jnp.where(e == 128, jnp.nan, _pow2(jnp.minimum(e, 127)))
+        scale = jnp.where(e == 128, jnp.nan, pow2(jnp.minimum(e, 127), subnormal=True))
         return (cfg.fmt.round(y, saturate=True) * scale[..., None]).reshape(x.shape).astype(x.dtype)
     codes = cfg.fmt.encode(y, saturate=True).reshape(x.shape)
     if cfg.elem == "e2m1":
@@ -137,7 +134,7 @@ def _dequantize(codes, scales, *, elem: str, shape: tuple[int, ...], dtype: Any)
         codes = unpack_nibbles(codes)
     v = formats.get(elem).decode(codes).reshape(*shape[:-1], shape[-1] // BLOCK, BLOCK)
     sb = lax.bitcast_convert_type(scales, jnp.uint8).astype(jnp.int32)
-    scale = jnp.where(sb == 255, jnp.nan, _pow2(jnp.minimum(sb - 127, 127)))
+    scale = jnp.where(sb == 255, jnp.nan, pow2(jnp.minimum(sb - 127, 127), subnormal=True))
     return (v * scale[..., None]).reshape(shape).astype(dtype)
 
 
@@ -145,7 +142,7 @@ def dequantize(q: MXArray, dtype: Any = jnp.float32) -> jax.Array:
     """``x̂ = P_i * 2^e`` in float32, cast to `dtype`."""
     if not isinstance(q, MXArray):
         raise TypeError(f"dequantize expects an MXArray; got {type(q).__name__}")
-    dtype = formats._check_dtype(dtype)
+    dtype = float_dtype(dtype)
     return _dequantize(q.codes, q.scales, elem=q.elem, shape=q.shape, dtype=dtype)
 
 

@@ -36,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxlowfp._checks import one_of
+from jaxlowfp._core.bits import ieee_div
+from jaxlowfp._core.checks import integer, number, one_of, positive_finite
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -48,7 +49,6 @@ __all__ = [
     "merge",
     "merge_across",
     "check_version",
-    "ieee_div",
 ]
 
 SCHEMA_VERSION = 1
@@ -129,42 +129,6 @@ def _record(state: AmaxHistory, a: jax.Array, estimate: jax.Array, ema_decay: fl
     )
 
 
-@jax.custom_batching.custom_vmap
-def _div_barrier(a: jax.Array, b: jax.Array) -> jax.Array:
-    a, b = jnp.broadcast_arrays(a, b)
-    return a / lax.optimization_barrier(b)
-
-
-@_div_barrier.def_vmap
-def _div_barrier_vmap(axis_size, in_batched, a, b):
-    a_batched, b_batched = in_batched
-    if not a_batched:
-        a = jnp.broadcast_to(a, (axis_size,) + a.shape)
-    if not b_batched:
-        b = jnp.broadcast_to(b, (axis_size,) + b.shape)
-    return _div_barrier(a, b), True
-
-
-def ieee_div(a: Any, b: Any) -> jax.Array:
-    """Correctly rounded float32 ``a / b`` under ``jit`` and ``vmap`` (no gradient).
-
-    XLA rewrites division by a constant (or a broadcast value) into multiplication by its reciprocal, which differs
-    from IEEE division in the last bit for ~1/3 of inputs (specs/nvfp4.md section 8). The divisor is hidden behind
-    an ``optimization_barrier`` at its full, batched shape, which blocks the rewrite.
-    """
-    a = lax.stop_gradient(jnp.asarray(a, jnp.float32))
-    b = lax.stop_gradient(jnp.asarray(b, jnp.float32))
-    return _div_barrier(a, b)
-
-
-def _positive_finite(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{what} must be a positive finite number; got {value!r} ({type(value).__name__})")
-    if not (0 < float(value) < math.inf):
-        raise ValueError(f"{what} must be a positive finite number; got {value!r}")
-    return float(value)
-
-
 def _guarded_scale(amax_est: Any, target_max: float) -> jax.Array:
     est = jnp.asarray(amax_est).astype(jnp.float32)
     ok = jnp.isfinite(est) & (est > 0)
@@ -200,23 +164,13 @@ class DelayedScaling:
 
     def __post_init__(self) -> None:
         one_of(self.algorithm, ALGORITHMS, "algorithm")
-        if isinstance(self.history_len, bool) or not isinstance(self.history_len, (int, np.integer)):
-            raise TypeError(f"history_len must be an int >= 1; got {self.history_len!r}")
-        if self.history_len < 1:
-            raise ValueError(f"history_len must be >= 1; got {self.history_len}")
-        object.__setattr__(self, "history_len", int(self.history_len))
-        object.__setattr__(self, "target_max", _positive_finite(self.target_max, "target_max"))
-        if isinstance(self.margin, bool) or not isinstance(self.margin, (int, float, np.integer, np.floating)):
-            raise TypeError(f"margin must be a number >= 0; got {self.margin!r}")
-        if not (0 <= float(self.margin) < math.inf):
-            raise ValueError(f"margin must be finite and >= 0 (the estimate is multiplied by 2**margin); got "
-                             f"{self.margin!r}")
-        object.__setattr__(self, "margin", float(self.margin))
-        if isinstance(self.ema_decay, bool) or not isinstance(self.ema_decay, (int, float, np.floating)):
-            raise TypeError(f"ema_decay must be a number in (0, 1); got {self.ema_decay!r}")
-        if not (0.0 < float(self.ema_decay) < 1.0):
-            raise ValueError(f"ema_decay must be in the open interval (0, 1); got {self.ema_decay!r}")
-        object.__setattr__(self, "ema_decay", float(self.ema_decay))
+        object.__setattr__(self, "history_len", integer(self.history_len, "history_len", minimum=1))
+        object.__setattr__(self, "target_max", positive_finite(self.target_max, "target_max"))
+        object.__setattr__(self, "margin", number(self.margin, "margin", lo=0.0, hi=math.inf, hi_open=True,
+                                                  allowed="finite and >= 0 (the estimate is multiplied by "
+                                                          "2**margin)"))
+        object.__setattr__(self, "ema_decay", number(self.ema_decay, "ema_decay", lo=0.0, hi=1.0, lo_open=True,
+                                                     hi_open=True))
 
     def init(self) -> AmaxHistory:
         """Empty state: nothing recorded, so the first step falls back to the current amax."""
@@ -259,7 +213,7 @@ class CurrentScaling:
     target_max: float
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "target_max", _positive_finite(self.target_max, "target_max"))
+        object.__setattr__(self, "target_max", positive_finite(self.target_max, "target_max"))
 
     @property
     def history_len(self) -> int:

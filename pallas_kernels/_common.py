@@ -13,7 +13,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jaxlowfp.dispatch import resolve_interpret
+from jaxlowfp._core.capability import resolve_interpret
 
 __all__ = [
     "GPU_TARGETS",

@@ -1,4 +1,5 @@
-"""Fused scaled HiF8 fake-quant in one pass over `x`: Pallas twin of ``jaxlowfp.qat.scaled_round``.
+"""Fused scaled HiF8 fake-quant in one pass over `x`: Pallas twin of ``jaxlowfp.qat.scaled_round``
+(its math: ``jaxlowfp._core.scaled``).
 
 In float32, with one IEEE scalar division outside the kernel::
 
@@ -7,7 +8,7 @@ In float32, with one IEEE scalar division outside the kernel::
     y   = dtype_x( hif8.round(clip(xs, -c, c)) * scale )
     amax = max |x|                 (NaN if any x is NaN, checked explicitly: the max reductions of Triton and
                                     of XLA:CPU can drop a NaN)
-    saturated = #{ |f32(x)| > bound }  (+-Inf count, NaN does not; bound = jaxlowfp.qat.saturation_bound)
+    saturated = #{ |f32(x)| > bound }  (+-Inf count, NaN does not; bound = saturation_bound in _core.scaled)
     nonfinite = #{ x is NaN or +-Inf }
     underflow = #{ x != 0 and y == 0 }   (nonzero inputs that round to zero)
 
@@ -25,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from jaxlowfp import hif8
-from jaxlowfp._checks import float_input
-from jaxlowfp.qat import saturation_bound
+from jaxlowfp._core import hif8
+from jaxlowfp._core.checks import float_input
+from jaxlowfp._core.scaled import saturation_bound
 from pallas_kernels._common import (
     MAX_BLOCK_ELEMENTS,
     check_pow2,

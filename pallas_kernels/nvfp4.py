@@ -1,6 +1,7 @@
 """NVFP4 quantization (all rules, 1x16 blocks and 16x16 tiles) as a Pallas kernel: twin of ``jaxlowfp.nvfp4``.
 
-The global scales ``(S_enc, S_dec)`` come from ``jaxlowfp.nvfp4.global_scales`` (XLA, scalars; the tensor amax is
+The global scales ``(S_enc, S_dec)`` come from ``global_scales`` of ``jaxlowfp._core.nvfp4_blocks`` (XLA,
+scalars; the tensor amax is
 one XLA reduction unless ``global_amax`` is given). Each program then quantizes a ``(bm, bn)`` tile of the
 ``[rows, K]`` view of `x`, with the twin's arithmetic made exact on any backend (specs/pallas.md section 4):
 
@@ -30,11 +31,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxlowfp import formats
-from jaxlowfp import nvfp4 as ref
-from jaxlowfp._reduce import abs_max
+from jaxlowfp._core import minifloat as formats
+from jaxlowfp._core import nvfp4_blocks as ref
+from jaxlowfp._core.bits import FLT_MAX, div_by_3_pow2, true_divide
+from jaxlowfp._core.reduce import abs_max
 from pallas_kernels._common import MAX_BLOCK_ELEMENTS, check_pow2, compiler_params, resolve_interpret
-from pallas_kernels._exact import div_by_3_pow2
 
 __all__ = ["quantize", "fake_quantize", "KERNEL_QUANTIZE", "KERNEL_FAKE_QUANTIZE", "DEFAULT_TILE", "DEFAULT_WARPS"]
 
@@ -180,15 +181,15 @@ def _tables(amax: jax.Array, s_dec: jax.Array, rule: str) -> tuple[jax.Array, ja
 
     ``inv[c] = min(1 / (s_c * S_dec), FLT_MAX)`` for the 128 non-negative E4M3 codes c (Triton's f32 division is
     approximate), and for every scale code c and E2M1 index i (``8 * c + i``) the magnitudes of
-    ``x̂ = ((v_i * s_c) * amax) / (M * E)`` (the 4/6 error, IEEE division via ``jaxlowfp.nvfp4.true_divide``) at
+    ``x̂ = ((v_i * s_c) * amax) / (M * E)`` (the 4/6 error, IEEE division via ``true_divide``) at
     ``_ERR`` and of the dequantized value ``(v_i * s_c) * S_dec`` at ``_FAKE``. A negative element's values are the
     negated magnitudes exactly (every step is a sign-symmetric IEEE operation).
     """
     s = formats.E4M3.decode(jnp.arange(128, dtype=jnp.uint8))
-    inv = jnp.minimum(1.0 / (s * s_dec), ref.FLT_MAX)
+    inv = jnp.minimum(1.0 / (s * s_dec), FLT_MAX)
     qs = formats.E2M1.decode(jnp.arange(8, dtype=jnp.uint8))[None, :] * s[:, None]  # exact: 2 x 4 significant bits
     m, e = ref.rule_constants(rule)
-    err = ref.true_divide(qs * amax, m * e)
+    err = true_divide(qs * amax, m * e)
     return inv, jnp.concatenate([err.reshape(-1), (qs * s_dec).reshape(-1)])
 
 

@@ -20,7 +20,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from jaxlowfp import qat
+from jaxlowfp import qat, training
 from jaxlowfp import nnx as jnnx
 
 D, F, V, T, NB = 32, 64, 48, 8, 4
@@ -395,30 +395,22 @@ def test_jitted_functional_step_updates_histories_without_retracing_on_the_phase
     model, _ = quantized_model()
     graphdef, params, qstate, rest = split(model)
     tx = optax.sgd(1e-2)
-    opt_state = tx.init(params)
 
-    @jax.jit
-    @chex.assert_max_traces(n=1)
-    def step(params, qstate, rest, opt_state, tok, observe_only):
-        def loss_fn(p):
-            # copy=True: NNX forbids mutating Variables created at the outer (jit) trace level inside grad
-            m = nnx.merge(graphdef, p, qstate, rest, copy=True)
-            jnnx.set_observe_only(m, observe_only)
-            loss = optax.softmax_cross_entropy_with_integer_labels(m(tok), tok).mean()
-            _, _, q2, r2 = split(m)
-            return loss, (q2, r2, jnnx.max_saturated_fraction(m))
+    def lm(m, tok):
+        return optax.softmax_cross_entropy_with_integer_labels(m(tok), tok).mean(), {}
 
-        (loss, (q2, r2, sat)), g = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        updates, opt_state = tx.update(g, opt_state, params)
-        return optax.apply_updates(params, updates), q2, r2, opt_state, loss, sat
-
-    q0 = qstate
-    p1, q1, r1, o1, _, _ = step(params, qstate, rest, opt_state, tokens(1), jnp.asarray(True))
-    m1 = nnx.merge(graphdef, p1, q1, r1)
-    assert all(bool(m.observe_only[...]) for _, m in jnnx.iter_quant_linears(m1))
-    p2, q2, r2, _, loss, sat = step(p1, q1, r1, o1, tokens(2), jnp.asarray(False))  # same trace
-    assert all(not bool(m.observe_only[...]) for _, m in jnnx.iter_quant_linears(nnx.merge(graphdef, p2, q2, r2)))
-    assert np.isfinite(float(loss)) and 0.0 <= float(sat) <= 1.0
+    step = jax.jit(chex.assert_max_traces(n=1)(training.make_step(graphdef, tx, lm, warmup=qat.Warmup(steps=1))))
+    _, s0 = training.init(model, tx)
+    s1, m1 = step(s0, tokens(1))  # step 0: warmup (observe only)
+    assert bool(m1["observe_only"])
+    assert all(bool(m.observe_only[...]) for _, m in jnnx.iter_quant_linears(nnx.merge(graphdef, s1.params,
+                                                                                        s1.qstate, s1.rest)))
+    s2, m2 = step(s1, tokens(2))  # step 1: quantized, same trace
+    assert not bool(m2["observe_only"])
+    assert all(not bool(m.observe_only[...]) for _, m in jnnx.iter_quant_linears(nnx.merge(graphdef, s2.params,
+                                                                                            s2.qstate, s2.rest)))
+    assert np.isfinite(float(m2["loss"])) and 0.0 <= float(m2["max_saturated_fraction"]) <= 1.0
+    q0, q1, q2, p2 = qstate, s1.qstate, s2.qstate, s2.params
     for a, b, c in zip(jax.tree.leaves(q0), jax.tree.leaves(q1), jax.tree.leaves(q2)):
         assert a.shape == b.shape == c.shape and a.dtype == b.dtype == c.dtype
     # every quantized layer recorded one weight and one activation amax per step, warmup included

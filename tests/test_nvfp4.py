@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxlowfp import nvfp4
+from jaxlowfp._core import bits
 
 F32 = np.float32
 FLT_MAX = F32(np.finfo(np.float32).max)
@@ -374,11 +375,11 @@ def test_hadamard16():
 
 def test_exactness_guards_under_jit():
     """The two XLA hazards of spec section 8, on data where they bite: `true_divide` stays an IEEE division, and
-    `_no_contract` keeps `err + d*d` from becoming an FMA even in the per-element form XLA:CPU contracts."""
+    `no_contract` keeps `err + d*d` from becoming an FMA even in the per-element form XLA:CPU contracts."""
     rng = np.random.default_rng(9)
     a = (rng.standard_normal(1 << 18) * np.exp2(rng.uniform(-20, 20, 1 << 18))).astype(F32)
     for c in (6.0, 1536.0, 2688.0, 448.0, 4.0):
-        got = np.asarray(jax.jit(lambda v, c=c: nvfp4.true_divide(v, c))(a))
+        got = np.asarray(jax.jit(lambda v, c=c: bits.true_divide(v, c))(a))
         np.testing.assert_array_equal(got, a / F32(c))
     x = rng.standard_normal((4096, 16)).astype(F32)
     y = rng.standard_normal((4096, 16)).astype(F32)
@@ -388,7 +389,7 @@ def test_exactness_guards_under_jit():
         acc = jnp.zeros(u.shape[:-1], jnp.float32)
         for i in range(16):
             d = u[:, i] - v[:, i]
-            acc = acc + nvfp4._no_contract(d * d)
+            acc = acc + bits.no_contract(d * d)
         return acc
 
     ref = np.zeros(4096, F32)

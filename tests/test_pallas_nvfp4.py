@@ -279,7 +279,7 @@ def test_no_silent_interpret_on_cpu(monkeypatch):
 def test_div_by_3_pow2_is_ieee(k):
     """The kernels' integer-exact fl(a / (3 * 2^k)) against numpy's IEEE float32 division, on random bit patterns
     (normals, subnormals, zeros, Inf, NaN) and results that land in the subnormal range."""
-    from pallas_kernels._exact import div_by_3_pow2
+    from jaxlowfp._core.bits import div_by_3_pow2
 
     rng = np.random.default_rng(k)
     bits = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)

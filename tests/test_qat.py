@@ -493,11 +493,3 @@ def test_warmup_flags_and_lr_schedule():
     assert not bool(qat.Warmup(steps=0).observe_only(0))
     with pytest.raises(TypeError, match="schedules"):
         w.lr_schedule("fast", 1e-5)
-
-
-def test_docstring_examples():
-    import doctest
-
-    for module in (qat, scaling):
-        result = doctest.testmod(module, raise_on_error=True)
-        assert result.failed == 0 and result.attempted > 0

@@ -213,8 +213,10 @@ def test_data_fsdp_mesh_step_matches_one_device(tokens):
     for x in batch:
         a, ma = step1(a, jax.device_put(x, mesh_lib.batch_sharding(one_device())))
         b, mb = step4(b, mesh_lib.global_batch(np.asarray(x), mesh))
-        np.testing.assert_allclose(float(mb["loss"]), float(ma["loss"]), rtol=1e-6)
-        np.testing.assert_allclose(float(mb["amax"]), float(ma["amax"]), rtol=1e-6)
+        # float32 sums in another order (sharded matmuls), and from the second step params that differ by the
+        # update noise below: the loss and the amaxes agree to a few ulps-worth of relative error, not bitwise
+        np.testing.assert_allclose(float(mb["loss"]), float(ma["loss"]), rtol=2e-5)
+        np.testing.assert_allclose(float(mb["amax"]), float(ma["amax"]), rtol=2e-5)
     assert b.params["embed"]["embedding"].get_value().sharding.spec == mesh_lib.P("fsdp", None)
     # Elementwise equality is not to be expected: an ulp of difference in a matmul can flip one HiF8 rounding
     # (a 6 % change of that element) and Adam's 1/sqrt(v) turns tiny gradient differences into LR-sized ones.
@@ -224,7 +226,7 @@ def test_data_fsdp_mesh_step_matches_one_device(tokens):
         assert np.linalg.norm(np.asarray(new_b) - np.asarray(new_a)) <= 1e-2 * upd, upd
 
     jax.tree.map(close_updates, b.params, a.params, p0)
-    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6), b.qstate, a.qstate)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=2e-5), b.qstate, a.qstate)
     for leaf in jax.tree.leaves((b.qstate, b.rest)):  # amax histories and last stats (scales): replicated
         assert leaf.sharding.is_fully_replicated
         shards = [np.asarray(s.data) for s in leaf.addressable_shards]

@@ -85,7 +85,7 @@ def pretrain(cfg: TrainConfig, domain_a: Domain, mesh: mesh_lib.Mesh) -> tuple[n
         # resume=True: the directory is keyed by the pretraining config, so a killed pretraining continues exactly
         res = train(model, _stream(domain_a.train, cfg, cfg.seed), steps=cfg.pretrain_steps, tx=tx,
                     schedule=schedule, loss_fn=loss_fn, out_dir=root, mesh=mesh,
-                    checkpoint_every=cfg.checkpoint_every, resume=True, seed=cfg.seed, progress=_progress(cfg),
+                    checkpoint_every=cfg.checkpoint_every, resume=True, progress=_progress(cfg),
                     desc="pretrain A", meta={"config": cfg.to_json()})
         params = split_model(model)[1]
         final.save(cfg.pretrain_steps, {"params": params}, {"key": key})
@@ -129,7 +129,7 @@ def run_arm(cfg: TrainConfig, arm: ArmSpec, params: nnx.State, domain_b: Domain,
     warmup = qat.Warmup(steps=arm.warmup_steps) if arm.format != "none" and arm.warmup_steps > 0 else None
     res = train(model, _stream(domain_b.train, cfg, cfg.seed + 1), steps=cfg.steps, tx=tx, schedule=schedule,
                 loss_fn=loss_fn, out_dir=Path(cfg.run_dir) / arm.name, warmup=warmup, stats_layer=stats_layer,
-                mesh=mesh, checkpoint_every=cfg.checkpoint_every, resume=cfg.resume, seed=cfg.seed,
+                mesh=mesh, checkpoint_every=cfg.checkpoint_every, resume=cfg.resume,
                 progress=_progress(cfg), desc=arm.name, meta={"config": cfg.to_json(), "arm": dataclasses.asdict(arm)})
     return model, res
 
@@ -187,7 +187,7 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
 
 
 # `python -m train <name> ...` runs the subcommand module's `main(argv)`; without a subcommand, the demo job.
-SUBCOMMANDS: dict[str, str] = {}
+SUBCOMMANDS: dict[str, str] = {"eval": "train.eval_cli", "generate": "train.generate_cli"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from jaxlowfp._checks import one_of
+from jaxlowfp._core.checks import one_of
 
 __all__ = [
     "TrainConfig",

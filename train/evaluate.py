@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxlowfp._checks import one_of
+from jaxlowfp._core.checks import one_of
 from train.data import DOC_SEP, eval_batches
 from train.model import token_log_likelihood
 

@@ -1,20 +1,11 @@
-"""The training loop: one jit-compiled functional step, optax AdamW, QAT warmup, non-finite skipping, metrics.
-
-The NNX model is split once into ``graphdef`` and state pytrees (`split_model`)::
-
-    params  nnx.Param                    differentiated, updated by optax
-    qstate  jaxlowfp.nnx.AmaxState       amax histories of the quantized layers (delayed scaling)
-    rest    everything else              last QuantStats, observe-only flags, ...
-
-and the step is a pure function ``(TrainState, batch) -> (TrainState, metrics)``: it merges the model inside,
-switches the quantized layers to observe-only while ``warmup.observe_only(step)`` (a traced bool, so crossing the
-warmup boundary does not retrace), takes the loss and its gradient with respect to ``params`` only, applies the
-optax update and returns the new amax state. When the loss or any gradient is non-finite the step is skipped inside
-jit (`jnp.where`): params, optimizer state and amax state stay as they were and ``skipped`` counts it, so a NaN is
-never written to the state or to a checkpoint.
+"""The training loop of the app: data stream, device mesh, checkpoints, metrics and progress around the library's
+functional step (`jaxlowfp.training`: TrainState, init, make_step; one copy of the step for the app, the examples,
+the benchmarks and the tests).
 
 `train(...)` drives the step: data stream, device mesh, checkpoints (`train.checkpoint`), ``metrics.jsonl``
-(one row a step) and a tqdm progress bar with loss, tokens/s and the largest saturated fraction.
+(one row a step) and a tqdm progress bar with loss, tokens/s and the largest saturated fraction. A step whose loss,
+gradients or quantized values are non-finite is skipped inside jit (`jaxlowfp.training`), so a NaN is never written
+to the state or to a checkpoint.
 """
 from __future__ import annotations
 
@@ -35,6 +26,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxlowfp import training
+from jaxlowfp.training import LossFn, TrainState
 from train import mesh as mesh_lib
 from train.checkpoint import Checkpointer
 
@@ -56,20 +49,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-LossFn = Callable[[nnx.Module, jax.Array], tuple[jax.Array, Any]]
-
-
-class TrainState(NamedTuple):
-    """The functional training state (a pytree; the data position is kept beside it by `train`)."""
-
-    params: nnx.State  # nnx.Param leaves
-    qstate: nnx.State  # AmaxState leaves (amax histories)
-    rest: nnx.State  # the rest of the model state
-    opt_state: optax.OptState
-    step: jax.Array  # int32 []: batches consumed
-    skipped: jax.Array  # int32 []: non-finite steps skipped
-    rng: jax.Array  # uint32 [2]: a PRNG key split once a step, for losses that need one (the model's own
-    #                 streams, e.g. stochastic rounding in a QuantLinear, live in `rest`)
 
 
 class RunResult(NamedTuple):
@@ -87,15 +66,9 @@ class StopTraining(Exception):
     """Raise from an `on_step` callback to stop cleanly (the state is not checkpointed)."""
 
 
-def _amax_filter() -> Any:
-    from jaxlowfp.nnx import AmaxState
-
-    return AmaxState
-
-
 def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State, nnx.State]:
     """``(graphdef, params, qstate, rest)`` = ``nnx.split(model, nnx.Param, AmaxState, ...)``."""
-    return nnx.split(model, nnx.Param, _amax_filter(), ...)
+    return training.split(model)
 
 
 def make_schedule(lr: float, *, kind: str = "constant", total_steps: int = 1, warmup_steps: int = 0) -> optax.Schedule:
@@ -121,129 +94,39 @@ def make_optimizer(schedule: optax.Schedule, *, weight_decay: float = 0.1, grad_
     parts = [optax.clip_by_global_norm(grad_clip)] if grad_clip > 0 else []
     parts.append(optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay,
                              mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)))
-    return _standard_promotion(optax.chain(*parts))
+    return optax.chain(*parts)
 
 
-def _standard_promotion(tx: optax.GradientTransformation) -> optax.GradientTransformation:
-    """optax's Adam bias correction computes ``b1 ** count`` (Python float ** int32), which the strict dtype
-    promotion this project runs under rejects; the optimizer (float32 state, no low-precision math) runs with
-    standard promotion, the model does not."""
-
-    def init(params: Any) -> optax.OptState:
-        with jax.numpy_dtype_promotion("standard"):
-            return tx.init(params)
-
-    def update(updates: Any, state: optax.OptState, params: Any = None) -> tuple[Any, optax.OptState]:
-        with jax.numpy_dtype_promotion("standard"):
-            return tx.update(updates, state, params)
-
-    return optax.GradientTransformation(init, update)
-
-
-def init_state(model: nnx.Module, tx: optax.GradientTransformation, *, seed: int = 0
-               ) -> tuple[nnx.GraphDef, TrainState]:
-    graphdef, params, qstate, rest = split_model(model)
-    return graphdef, TrainState(params=params, qstate=qstate, rest=rest, opt_state=tx.init(params),
-                                step=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32),
-                                rng=jax.random.PRNGKey(seed))
-
-
-def _all_finite(tree: Any) -> jax.Array:
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+def init_state(model: nnx.Module, tx: optax.GradientTransformation) -> tuple[nnx.GraphDef, TrainState]:
+    """``jaxlowfp.training.init``: (graphdef, state at step 0)."""
+    return training.init(model, tx)
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *, loss_fn: LossFn,
                     schedule: optax.Schedule, warmup: Any = None, stats_layer: str | None = None,
-                    mesh: Mesh | None = None,
+                    mesh: Mesh | None = None, microbatches: int = 1,
                     ) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
-    """The pure step ``(state, batch) -> (state', metrics)`` (not jitted: see `jit_train_step`).
-
-    `warmup` is a `jaxlowfp.qat.Warmup` (None: quantize from step 0). Metrics: loss, lr, observe_only, skipped,
-    finite, the max and mean saturated fraction over the quantized layers and, for `stats_layer`, its observed
-    amax and the amax estimate its scale came from. With a `mesh`, the new state is constrained to the
-    `shard_state` layout, so it stays put from step to step.
-    """
-    amax_filter = _amax_filter()
-    from jaxlowfp.nnx import set_observe_only
-
-    def step_fn(state: TrainState, batch: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
-        observe = warmup.observe_only(state.step) if warmup is not None else jnp.bool_(False)
-
-        def loss_of(params: nnx.State) -> tuple[jax.Array, tuple[nnx.State, nnx.State]]:
-            model = nnx.merge(graphdef, params, state.qstate, state.rest, copy=True)  # fresh Variables: mutable here
-            set_observe_only(model, observe)
-            loss, _ = loss_fn(model, batch)
-            _, _, qstate, rest = nnx.split(model, nnx.Param, amax_filter, ...)
-            return loss, (qstate, rest)
-
-        (loss, (qstate, rest)), grads = jax.value_and_grad(loss_of, has_aux=True)(state.params)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        ok = jnp.isfinite(loss) & _all_finite(grads)
-
-        def pick(new: Any, old: Any) -> Any:
-            return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-
-        applied = state.step - state.skipped  # optax's own count: skipped steps do not advance the schedule
-        new = TrainState(
-            params=pick(params, state.params),
-            qstate=pick(qstate, state.qstate),
-            rest=pick(rest, state.rest),
-            opt_state=pick(opt_state, state.opt_state),
-            step=state.step + 1,
-            skipped=state.skipped + jnp.where(ok, 0, 1).astype(jnp.int32),
-            rng=jax.random.split(state.rng)[0],
-        )
-        metrics = {"loss": loss, "lr": jnp.asarray(schedule(applied), jnp.float32), "observe_only": observe,
-                   "skipped": new.skipped, "finite": ok}
-        metrics.update(quant_metrics(rest, stats_layer))
-        if mesh is not None:
-            new = jax.lax.with_sharding_constraint(new, state_shardings(new, mesh))
-        return new, metrics
-
-    return step_fn
+    """The library step (`jaxlowfp.training.make_step`) with the app's telemetry layer and, with a `mesh`, the
+    new state constrained to the `shard_state` layout, so it stays put from step to step."""
+    shardings = None if mesh is None else (lambda s: state_shardings(s, mesh))
+    return training.make_step(graphdef, tx, loss_fn, warmup=warmup, microbatches=microbatches,
+                              lr_schedule=schedule, telemetry_layer=stats_layer, state_shardings=shardings)
 
 
 def jit_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *, loss_fn: LossFn,
                    schedule: optax.Schedule, warmup: Any = None, stats_layer: str | None = None,
-                   mesh: Mesh | None = None, donate: bool = True,
+                   mesh: Mesh | None = None, donate: bool = True, microbatches: int = 1,
                    ) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
     """`make_train_step` under `jax.jit`, donating the input state; cached, so runs that share the model
     structure, optimizer and schedule objects compile once."""
-    return _jit_train_step(graphdef, tx, loss_fn, schedule, warmup, stats_layer, mesh, donate)
+    return _jit_train_step(graphdef, tx, loss_fn, schedule, warmup, stats_layer, mesh, donate, microbatches)
 
 
 @functools.lru_cache(maxsize=16)
-def _jit_train_step(graphdef, tx, loss_fn, schedule, warmup, stats_layer, mesh, donate):  # positional: one key
+def _jit_train_step(graphdef, tx, loss_fn, schedule, warmup, stats_layer, mesh, donate, microbatches):  # one key
     fn = make_train_step(graphdef, tx, loss_fn=loss_fn, schedule=schedule, warmup=warmup, stats_layer=stats_layer,
-                         mesh=mesh)
+                         mesh=mesh, microbatches=microbatches)
     return jax.jit(fn, donate_argnums=0 if donate else ())
-
-
-def quant_metrics(rest: nnx.State, layer: str | None) -> dict[str, jax.Array]:
-    """Saturation of the quantized activations (max and mean over layers) and, for `layer`, the observed amax of
-    its input and the estimate its scale came from; from the layers' last `QuantStats`. Empty for a
-    high-precision model (no saturation columns rather than zeros)."""
-    from jaxlowfp.nnx import QuantStatsState
-
-    sat, out = [], {}
-    for path, var in _iter_vars(rest, QuantStatsState):
-        act = getattr(var.get_value(), "activation", None)  # RecipeStats(weight, activation)
-        if act is None:
-            continue
-        sat.append(jnp.asarray(act.saturated_fraction, jnp.float32).reshape(()))
-        if path == layer:
-            out["amax"] = jnp.asarray(act.amax, jnp.float32).reshape(())
-            out["amax_estimate"] = jnp.asarray(act.amax_estimate, jnp.float32).reshape(())
-    if sat:
-        out["max_saturated_fraction"] = jnp.max(jnp.stack(sat))
-        out["mean_saturated_fraction"] = jnp.mean(jnp.stack(sat))
-    return out
-
-
-def _iter_vars(state: nnx.State, var_type: type) -> list[tuple[str, Any]]:
-    return [("/".join(map(str, path[:-1])), v) for path, v in nnx.to_flat_state(state) if isinstance(v, var_type)]
 
 
 def state_shardings(state: TrainState, mesh: Mesh) -> TrainState:
@@ -256,7 +139,6 @@ def state_shardings(state: TrainState, mesh: Mesh) -> TrainState:
         opt_state=mesh_lib.param_shardings(state.opt_state, mesh),
         step=rep,
         skipped=rep,
-        rng=rep,
     )
 
 
@@ -298,7 +180,7 @@ def _to_host(m: dict[str, jax.Array]) -> dict[str, Any]:
 def train(model: nnx.Module, stream: Any, *, steps: int, tx: optax.GradientTransformation,
           schedule: optax.Schedule, loss_fn: LossFn, out_dir: str | Path, warmup: Any = None,
           stats_layer: str | None = None, mesh: Mesh | None = None, checkpoint_every: int = 50,
-          resume: bool = False, seed: int = 0, progress: bool = True, desc: str = "train",
+          resume: bool = False, progress: bool = True, desc: str = "train",
           on_step: Callable[[int, dict[str, Any]], None] | None = None, meta: dict[str, Any] | None = None,
           ) -> RunResult:
     """Train `model` (updated in place) for `steps` steps of `stream`, checkpointing to ``<out_dir>/ckpt``.
@@ -319,7 +201,7 @@ def train(model: nnx.Module, stream: Any, *, steps: int, tx: optax.GradientTrans
         shutil.rmtree(ckpt_dir)
     mesh = mesh if mesh is not None else mesh_lib.make_mesh(None)
 
-    graphdef, state = init_state(model, tx, seed=seed)
+    graphdef, state = init_state(model, tx)
     state = shard_state(state, mesh)
     data_state = stream.init()
     resumed_from = None

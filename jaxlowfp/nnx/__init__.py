@@ -1,0 +1,43 @@
+"""Flax NNX integration: `QuantLinear`, path rules that swap `nnx.Linear` modules in place, telemetry.
+
+State categories (typed `nnx.Variable` subclasses, so `nnx.split` separates them)::
+
+    AmaxState        the layer's RecipeState (amax histories): functional state, threaded through the train step
+    QuantStatsState  the QuantStats of the last call (amax, scale, saturated / underflow fractions, ...)
+    QuantPhase       a bool scalar: True = observe only (warmup: y = x @ w exactly, histories still recorded)
+
+    graphdef, params, qstate, rest = nnx.split(model, nnx.Param, AmaxState, ...)
+    nnx.Optimizer(model, tx, wrt=nnx.Param)          # amax histories never reach optax
+
+`quantize(model, rules)` replaces matching modules in their parent (attribute, list item or dict entry); nothing is
+cloned, and the new `QuantLinear` holds the very same `nnx.Param` objects as the `nnx.Linear` it replaces.
+
+>>> from flax import nnx
+>>> from jaxlowfp import nnx as qnnx, qat
+>>> class MLP(nnx.Module):
+...     def __init__(self, rngs):
+...         self.up_proj, self.down_proj = nnx.Linear(16, 32, rngs=rngs), nnx.Linear(32, 16, rngs=rngs)
+>>> model = MLP(nnx.Rngs(0))
+>>> report = qnnx.quantize(model, [qnnx.Rule(path="up_proj", recipe=qat.hif8_w8a8()),
+...                                qnnx.Rule(path="gate_proj", recipe=qat.hif8_w8a8())])   # a typo'd rule
+>>> type(model.up_proj).__name__, report.unmatched, report.unused_rules
+('QuantLinear', ('down_proj',), ('gate_proj',))
+"""
+from jaxlowfp.nnx.layer import AmaxState, QuantLinear, QuantPhase, QuantStatsState
+from jaxlowfp.nnx.rules import QuantizeReport, Rule, iter_quant_linears, paper_rules, quantize
+from jaxlowfp.nnx.telemetry import collect_stats, max_saturated_fraction, set_observe_only
+
+__all__ = [
+    "AmaxState",
+    "QuantStatsState",
+    "QuantPhase",
+    "QuantLinear",
+    "Rule",
+    "QuantizeReport",
+    "quantize",
+    "paper_rules",
+    "set_observe_only",
+    "collect_stats",
+    "max_saturated_fraction",
+    "iter_quant_linears",
+]

@@ -1,0 +1,213 @@
+"""Quantized matmuls (:func:`dot_general`, :func:`linear`): both operands fake-quantized per a :class:`Recipe`, and
+optionally the output gradient in a custom backward pass (re-quantizing block-scaled operands along the axis the
+backward GEMM contracts, never reusing forward block scales)."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxlowfp._core.checks import bool_flag, float_input
+from jaxlowfp.hadamard import hadamard16
+from jaxlowfp.qat.fake_quant import need_key, nvfp4_fake_quant, quantize, select, straight_through
+from jaxlowfp.qat.spec import QuantSpec, Recipe, RecipeState, RecipeStats
+from jaxlowfp.scaling import CurrentScaling, DelayedScaling
+
+def _normalize_dn(dn: Any) -> tuple:
+    try:
+        (lc, rc), (lb, rb) = dn
+        return (tuple(int(i) for i in lc), tuple(int(i) for i in rc)), (tuple(int(i) for i in lb),
+                                                                         tuple(int(i) for i in rb))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"dimension_numbers must be ((lhs_contract, rhs_contract), (lhs_batch, rhs_batch)); "
+                         f"got {dn!r}") from e
+
+
+def _is_linear(lhs: jax.Array, rhs: jax.Array, dn: tuple) -> bool:
+    """lhs [..., K] . rhs [K, M], contracting K, no batch dims: the layout whose backward we re-quantize."""
+    return rhs.ndim == 2 and dn == (((lhs.ndim - 1,), (0,)), ((), ()))
+
+
+@dataclasses.dataclass(frozen=True)
+class _DotConfig:
+    dn: tuple
+    precision: Any
+    preferred_element_type: Any
+    recipe: Recipe
+    observe: bool | None  # a static observe_only flag; None: traced, passed as an argument
+
+
+def _dot(cfg: _DotConfig, a: jax.Array, b: jax.Array) -> jax.Array:
+    return lax.dot_general(a, b, cfg.dn, precision=cfg.precision, preferred_element_type=cfg.preferred_element_type)
+
+
+def _quantize_grad(g: jax.Array, spec: QuantSpec, key: Any, axis: int) -> jax.Array:
+    """Current-scaling quantization of a backward operand (no state, no stats); NVFP4 blocks along `axis`."""
+    return quantize(g, spec.init(), spec, False, key, axis).y
+
+
+def _maybe_hadamard(x: jax.Array, on: bool) -> jax.Array:
+    if not on:
+        return x
+    return hadamard16(x, axis=0).astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _qdot(cfg: _DotConfig, lhs, rhs, lhs_q, rhs_q, est_l, est_r, keep_l, keep_r, key, observe):
+    return _dot(cfg, lhs_q, rhs_q)
+
+
+def _qdot_fwd(cfg, lhs, rhs, lhs_q, rhs_q, est_l, est_r, keep_l, keep_r, key, observe):
+    out = _dot(cfg, lhs_q, rhs_q)
+    return out, (lhs, rhs, lhs_q, rhs_q, est_l, est_r, keep_l, keep_r, key, observe)
+
+
+def _qdot_bwd(cfg, res, g):
+    lhs, rhs, lhs_q, rhs_q, est_l, est_r, keep_l, keep_r, key, observe = res
+    observe = cfg.observe if cfg.observe is not None else observe
+    r = cfg.recipe
+    gs = r.grad
+    k_d, k_w = (None, None) if key is None else tuple(jax.random.split(key))
+    block_scaled = gs.is_nvfp4 or gs.hadamard or any(s is not None and s.is_nvfp4 for s in (r.weight, r.activation))
+
+    # dgrad = g . rhs^T (contracts rhs's free axis M, the last axis of g and of rhs [K, M])
+    g_d = _quantize_grad(g, gs, k_d, axis=-1)
+    w_d = rhs_q
+    if r.weight is not None and r.weight.is_nvfp4:
+        w_d = nvfp4_fake_quant(rhs, r.weight, _global_amax(r.weight, est_r), None, axis=1)
+    w_d = select(observe, rhs, w_d)
+    g_d = select(observe, g, g_d)
+    _, vjp_l = jax.vjp(lambda a: _dot(cfg, a, w_d), lhs_q)
+    (dl,) = vjp_l(g_d)
+
+    # wgrad = lhs^T . g, contracting the token axes: flatten lhs to [N, K] and g to [N, M] for the transform and
+    # the blocks (along N), then restore the layout so the GEMM itself is the one autodiff of the plain op runs.
+    if block_scaled:
+        x2 = lhs.reshape(-1, lhs.shape[-1])
+        x_w = _maybe_hadamard(x2, gs.hadamard)
+        if r.activation is not None:
+            if r.activation.is_nvfp4:
+                amax = None if gs.hadamard else _global_amax(r.activation, est_l)  # after the RHT: recomputed
+                x_w = nvfp4_fake_quant(x_w, r.activation, amax, None, axis=0)
+            elif gs.hadamard:
+                current = dataclasses.replace(r.activation, scaling=CurrentScaling(
+                    target_max=r.activation.scaling.target_max))
+                x_w = _quantize_grad(x_w, current, None, axis=0)
+            else:
+                x_w = lhs_q.reshape(x2.shape)
+        x_w = x_w.reshape(lhs.shape)
+        g_w = _quantize_grad(_maybe_hadamard(g.reshape(-1, g.shape[-1]), gs.hadamard), gs, k_w, axis=0)
+        g_w = g_w.reshape(g.shape)
+    else:  # per-tensor formats: quantization commutes with the transpose; reuse the forward operand and g_d
+        x_w, g_w = lhs_q, g_d
+    x_w = select(observe, lhs, x_w)
+    g_w = select(observe, g, g_w)
+    _, vjp_r = jax.vjp(lambda b: _dot(cfg, x_w, b), rhs_q)
+    (dr,) = vjp_r(g_w)
+
+    if keep_l is not None:
+        dl = jnp.where(keep_l, dl, jnp.zeros((), dl.dtype))
+    if keep_r is not None:
+        dr = jnp.where(keep_r, dr, jnp.zeros((), dr.dtype))
+    return dl.astype(lhs.dtype), dr.astype(rhs.dtype), None, None, None, None, None, None, None, None
+
+
+_qdot.defvjp(_qdot_fwd, _qdot_bwd)
+
+
+def _global_amax(spec: QuantSpec, est: jax.Array) -> jax.Array | None:
+    """The global amax an NVFP4 operand was quantized with in the forward (None: recomputed from the tensor)."""
+    return est if isinstance(spec.scaling, DelayedScaling) else None
+
+
+def dot_general(
+    lhs: Any,
+    rhs: Any,
+    dimension_numbers: DimensionNumbers,
+    *,
+    recipe: Recipe,
+    state: RecipeState,
+    observe_only: bool | jax.Array = False,
+    key: jax.Array | None = None,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+) -> tuple[jax.Array, RecipeState, RecipeStats]:
+    """``lax.dot_general`` with `lhs` (activation) and `rhs` (weight) fake-quantized per `recipe`.
+
+    Forward: ``dot_general(Q_a(lhs), Q_w(rhs))``; the new state records both amaxes. Backward: straight-through
+    for both operands (masked per ``ste``). With ``recipe.grad`` set, the output gradient is quantized (current
+    scaling; stochastic rounding with a key split from `key`) before the dgrad and wgrad GEMMs; NVFP4 operands are
+    re-quantized from high precision with blocks along the GEMM's contraction axis, and ``grad.hadamard`` rotates
+    both wgrad operands along the token axis. NVFP4 and Hadamard need the linear layout ``lhs [..., K]``,
+    ``rhs [K, M]``; the per-tensor 8-bit formats accept any dimension numbers. ``observe_only`` makes forward and
+    backward exactly the high-precision ones.
+
+    Returns ``(out, new_state, stats)`` with a :class:`RecipeState` and :class:`RecipeStats`.
+    """
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a Recipe; got {type(recipe).__name__}")
+    if not isinstance(state, RecipeState):
+        raise TypeError(f"state must be a RecipeState (recipe.init()); got {type(state).__name__}")
+    lhs = float_input(lhs, "lhs")
+    rhs = float_input(rhs, "rhs")
+    dn = _normalize_dn(dimension_numbers)
+    observe = bool_flag(observe_only)
+    linear_layout = _is_linear(lhs, rhs, dn)
+    needs_layout = recipe.grad is not None and recipe.grad.hadamard
+    needs_layout |= any(s is not None and s.is_nvfp4 for s in (recipe.weight, recipe.activation, recipe.grad))
+    if needs_layout and not linear_layout:
+        raise NotImplementedError(
+            f"recipe {recipe.name!r} uses NVFP4 blocks or the Hadamard transform, which need the linear layout "
+            f"lhs [..., K] . rhs [K, M] (dimension_numbers (((lhs.ndim-1,), (0,)), ((), ()))); got "
+            f"dimension_numbers={dn}, lhs {lhs.shape}, rhs {rhs.shape}"
+        )
+    keys = [None, None, None] if key is None else list(jax.random.split(key, 3))
+    for role, spec in (("activation", recipe.activation), ("weight", recipe.weight), ("grad", recipe.grad)):
+        if spec is not None:
+            need_key(spec, key, f"recipe.{role}")
+    if recipe.activation is not None:
+        qa = quantize(lhs, state.activation, recipe.activation, observe, keys[0], axis=-1)
+        lhs_q, keep_l, st_a, stats_a, est_l = qa
+    else:
+        lhs_q, keep_l, st_a, stats_a, est_l = lax.stop_gradient(lhs), None, state.activation, None, None
+    if recipe.weight is not None:
+        qw = quantize(rhs, state.weight, recipe.weight, observe, keys[1], axis=0)  # rhs [K, M]: blocks along K
+        rhs_q, keep_r, st_w, stats_w, est_r = qw
+    else:
+        rhs_q, keep_r, st_w, stats_w, est_r = lax.stop_gradient(rhs), None, state.weight, None, None
+    static_obs = observe if isinstance(observe, bool) else None
+    cfg = _DotConfig(dn, precision, preferred_element_type, recipe, static_obs)
+    if recipe.grad is None:
+        out = _dot(cfg, straight_through(lhs, lhs_q, keep_l), straight_through(rhs, rhs_q, keep_r))
+    else:
+        traced_obs = None if static_obs is not None else observe
+        out = _qdot(cfg, lhs, rhs, lhs_q, rhs_q, est_l, est_r, keep_l, keep_r, keys[2], traced_obs)
+    return out, RecipeState(weight=st_w, activation=st_a), RecipeStats(weight=stats_w, activation=stats_a)
+
+
+def linear(
+    x: Any,
+    w: Any,
+    *,
+    recipe: Recipe,
+    state: RecipeState,
+    observe_only: bool | jax.Array = False,
+    key: jax.Array | None = None,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+) -> tuple[jax.Array, RecipeState, RecipeStats]:
+    """``x @ w`` quantized per `recipe`: x [..., in], w [in, out] (``nnx.Linear``'s kernel layout).
+
+    Same as :func:`dot_general` with ``dimension_numbers=(((x.ndim - 1,), (0,)), ((), ()))``.
+    """
+    x = float_input(x, "x")
+    return dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), recipe=recipe, state=state,
+                       observe_only=observe_only, key=key, precision=precision,
+                       preferred_element_type=preferred_element_type)
+
+

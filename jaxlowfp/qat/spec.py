@@ -1,0 +1,248 @@
+"""What a QAT matmul quantizes: :class:`QuantSpec` (one tensor), :class:`Recipe` (weights, activations, gradients),
+their state and statistics pytrees, and the recipe factories (``hif8_w8a8``, ``nvfp4_w4a4``, ``nvfp4_training``)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, NamedTuple
+
+import jax
+import numpy as np
+
+from jaxlowfp import dispatch, formats
+from jaxlowfp._core.checks import one_of
+from jaxlowfp._core.nvfp4_blocks import BLOCK_SHAPES, RULES
+from jaxlowfp.scaling import AmaxHistory, CurrentScaling, DelayedScaling, Scaling
+
+FORMATS = ("hif8", "e4m3", "e5m2", "nvfp4")
+CLIPS = ("target", "format")
+STES = ("identity", "masked")
+ROUNDINGS = ("nearest", "stochastic")
+NVFP4_RULES = RULES
+NVFP4_BLOCKS = BLOCK_SHAPES
+NVFP4_ELEMENT_MAX = 6.0  # E2M1
+KERNELS = {"hif8": "hif8.scaled_fake_quant", "nvfp4": "nvfp4.fake_quantize"}  # kernel names in jaxlowfp.dispatch
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantSpec:
+    """How one tensor is quantized.
+
+    Attributes:
+      format: "hif8" (default), "e4m3", "e5m2" (per-tensor scaled 8-bit) or "nvfp4" (E2M1 with E4M3 block scales
+        and a float32 per-tensor scale; the two-level scale is computed by :mod:`jaxlowfp.nvfp4`, and `scaling`
+        only supplies its global amax when delayed).
+      scaling: a :class:`~jaxlowfp.scaling.DelayedScaling` or :class:`~jaxlowfp.scaling.CurrentScaling`; default
+        ``CurrentScaling(target_max=<format default>)`` (15 for HiF8, 6 for NVFP4).
+      target_max: clip bound for ``clip="target"``; default ``scaling.target_max`` (the value amax maps to), so
+        the paper's HiF8 setting clips the scaled tensor at 15. Must not exceed the format's max. NVFP4: must be
+        6 (its two-level scale is fixed by the rule; the scaling supplies only the global amax).
+      clip: "target" clips ``x / scale`` at ``+-target_max`` before rounding; "format" at the format's max.
+      ste: "identity" (gradient passes unchanged) or "masked" (zero gradient where the value was clipped).
+      rule, block_shape: NVFP4 only: the block-scale rule ("mse" = Four Over Six with MSE selection, ...) and the
+        block, (1, 16) or (16, 16) (2D, weights). Default "mse" and (1, 16); must stay None for 8-bit formats.
+      rounding: "nearest" or "stochastic" (NVFP4 only; needs a PRNG key).
+      hadamard: gradient spec only: apply the 16-point randomized Hadamard transform to both operands of the
+        weight-gradient GEMM before quantizing them (NVFP4 training recipe).
+      impl: "auto" (Pallas kernel on a GPU that supports it, XLA elsewhere), "xla" (the jnp code) or "pallas"
+        (the kernel, or a clear error where it cannot run; see :mod:`jaxlowfp.dispatch`). Kernels exist for
+        "hif8" and "nvfp4" (round to nearest).
+    """
+
+    format: Literal["hif8", "e4m3", "e5m2", "nvfp4"] = "hif8"
+    scaling: Scaling | None = None
+    target_max: float | None = None
+    clip: Literal["target", "format"] = "target"
+    ste: Literal["identity", "masked"] = "identity"
+    rule: str | None = None
+    block_shape: tuple[int, int] | None = None
+    rounding: Literal["nearest", "stochastic"] = "nearest"
+    hadamard: bool = False
+    impl: Literal["auto", "xla", "pallas"] = "auto"
+
+    def __post_init__(self) -> None:
+        one_of(self.format, FORMATS, "format")
+        one_of(self.impl, dispatch.IMPLS, "impl")
+        if self.impl == "pallas" and (self.format not in KERNELS or self.rounding == "stochastic"):
+            raise ValueError(
+                f"impl='pallas' has kernels for format 'hif8' and for 'nvfp4' with rounding='nearest'; got "
+                f"format={self.format!r}, rounding={self.rounding!r} (use impl='xla' or 'auto')"
+            )
+        one_of(self.clip, CLIPS, "clip")
+        one_of(self.ste, STES, "ste")
+        one_of(self.rounding, ROUNDINGS, "rounding")
+        if not isinstance(self.hadamard, bool):
+            raise TypeError(f"hadamard must be a bool; got {self.hadamard!r}")
+        fmt_max = NVFP4_ELEMENT_MAX if self.is_nvfp4 else self.element_format.max_finite
+        if self.scaling is None:
+            default = NVFP4_ELEMENT_MAX if self.is_nvfp4 else self.element_format.default_target_max
+            object.__setattr__(self, "scaling", CurrentScaling(target_max=default))
+        if not isinstance(self.scaling, (DelayedScaling, CurrentScaling)):
+            raise TypeError(
+                f"scaling must be a DelayedScaling or CurrentScaling; got {type(self.scaling).__name__}"
+            )
+        if self.is_nvfp4:
+            self._check_nvfp4()
+            if self.scaling.target_max != NVFP4_ELEMENT_MAX or self.target_max not in (None, NVFP4_ELEMENT_MAX):
+                raise ValueError(
+                    f"format='nvfp4' maps the global amax to 6 * E inside jaxlowfp.nvfp4, so target_max (and "
+                    f"scaling.target_max) must be 6.0, the E2M1 max; got target_max={self.target_max!r}, "
+                    f"scaling.target_max={self.scaling.target_max!r}"
+                )
+        else:
+            for field in ("rule", "block_shape"):
+                if getattr(self, field) is not None:
+                    raise ValueError(f"{field}={getattr(self, field)!r} applies to format='nvfp4' only; got "
+                                     f"format={self.format!r}")
+            if self.rounding == "stochastic":
+                raise ValueError(f"rounding='stochastic' is implemented for format='nvfp4' only; got "
+                                 f"format={self.format!r} (use rounding='nearest')")
+            if self.scaling.target_max > fmt_max:
+                raise ValueError(
+                    f"scaling.target_max={self.scaling.target_max} exceeds the {self.format} max finite value "
+                    f"{fmt_max}; allowed: (0, {fmt_max}]"
+                )
+        if self.target_max is None:
+            object.__setattr__(self, "target_max", self.scaling.target_max)
+        if isinstance(self.target_max, bool) or not isinstance(self.target_max, (int, float, np.floating)):
+            raise TypeError(f"target_max must be a positive number; got {self.target_max!r}")
+        if not (0 < float(self.target_max) <= fmt_max):
+            raise ValueError(f"target_max={self.target_max!r} is outside (0, {fmt_max}], the range of "
+                             f"format={self.format!r}")
+        object.__setattr__(self, "target_max", float(self.target_max))
+
+    def _check_nvfp4(self) -> None:
+        if self.rule is None:
+            object.__setattr__(self, "rule", "mse")
+        one_of(self.rule, NVFP4_RULES, "rule")
+        if self.block_shape is None:
+            object.__setattr__(self, "block_shape", (1, 16))
+        if isinstance(self.block_shape, list):
+            object.__setattr__(self, "block_shape", tuple(self.block_shape))
+        one_of(self.block_shape, NVFP4_BLOCKS, "block_shape")
+
+    @property
+    def is_nvfp4(self) -> bool:
+        return self.format == "nvfp4"
+
+    @property
+    def element_format(self) -> formats.Format:
+        """The element format descriptor (E2M1 for NVFP4)."""
+        return formats.E2M1 if self.is_nvfp4 else formats.get(self.format)
+
+    @property
+    def clip_bound(self) -> float:
+        """c in ``clip(x / scale, +-c)``: target_max, or the format max for ``clip="format"``."""
+        return self.target_max if self.clip == "target" else self.element_format.max_finite
+
+    def init(self) -> AmaxHistory:
+        return self.scaling.init()
+
+
+class QuantStats(NamedTuple):
+    """Telemetry of one quantized tensor at one step (all scalars; cheap enough to leave on).
+
+    Attributes:
+      amax: f32[] max |x| (NaN if x has a NaN).
+      amax_estimate: f32[] the estimate the scale came from.
+      scale: f32[] dequant multiplier (NVFP4: the per-tensor decode scale ``est / (M * E)``).
+      saturated_fraction: f32[] fraction of elements clipped (``|x| / scale > c``; NVFP4: ``|x| > est``).
+      underflow_fraction: f32[] fraction of elements that are nonzero but quantize to zero.
+      nonfinite_count: i32[] number of NaN/Inf elements.
+    """
+
+    amax: jax.Array
+    amax_estimate: jax.Array
+    scale: jax.Array
+    saturated_fraction: jax.Array
+    underflow_fraction: jax.Array
+    nonfinite_count: jax.Array
+
+
+class RecipeState(NamedTuple):
+    """Scale state of one quantized matmul: amax histories of the weight (rhs) and activation (lhs) operands."""
+
+    weight: AmaxHistory | None
+    activation: AmaxHistory | None
+
+
+class RecipeStats(NamedTuple):
+    """:class:`QuantStats` of the weight and activation operands of one quantized matmul (None: not quantized)."""
+
+    weight: QuantStats | None
+    activation: QuantStats | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """What a quantized matmul quantizes: weights, activations and (backward) output gradients.
+
+    Attributes:
+      weight, activation: :class:`QuantSpec` of the rhs / lhs operand, or None (kept in high precision).
+      grad: :class:`QuantSpec` of the output gradient in the backward pass, or None (straight-through backward in
+        the operands' precision). Must use :class:`~jaxlowfp.scaling.CurrentScaling`: the backward has no state.
+        ``grad.hadamard`` applies the 16-point Hadamard transform to both weight-gradient operands.
+      name: a label for reports.
+    """
+
+    weight: QuantSpec | None = None
+    activation: QuantSpec | None = None
+    grad: QuantSpec | None = None
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for role in ("weight", "activation", "grad"):
+            spec = getattr(self, role)
+            if spec is not None and not isinstance(spec, QuantSpec):
+                raise TypeError(f"{role} must be a QuantSpec or None; got {type(spec).__name__}")
+            if role != "grad" and spec is not None and spec.hadamard:
+                raise ValueError(f"{role}.hadamard=True: the Hadamard transform applies to the weight-gradient "
+                                 f"operands; set hadamard=True on recipe.grad instead")
+        if self.weight is None and self.activation is None and self.grad is None:
+            raise ValueError("a Recipe that quantizes nothing would run in high precision; set weight, activation "
+                             "or grad (or call the plain op without a recipe)")
+        if self.grad is not None and not isinstance(self.grad.scaling, CurrentScaling):
+            raise ValueError(f"grad must use CurrentScaling (the backward pass carries no state); got "
+                             f"{type(self.grad.scaling).__name__}")
+        if not isinstance(self.name, str):
+            raise TypeError(f"name must be a str; got {self.name!r}")
+
+    @property
+    def needs_key(self) -> bool:
+        """Whether some operand uses stochastic rounding (the op then needs a PRNG key per call)."""
+        return any(s is not None and s.rounding == "stochastic" for s in (self.weight, self.activation, self.grad))
+
+    def init(self) -> RecipeState:
+        """Fresh state: one amax history per quantized forward operand."""
+        return RecipeState(
+            weight=None if self.weight is None else self.weight.init(),
+            activation=None if self.activation is None else self.activation.init(),
+        )
+
+
+def hif8_w8a8(
+    *, algorithm: str = "max_window", history_len: int = 64, target_max: float = 15.0, margin: float = 0.0
+) -> Recipe:
+    """The Max-Window paper's HiF8 W8A8 QAT: per-tensor delayed scaling (max over 64 steps), clip at 15,
+    straight-through backward, gradients not quantized."""
+    scaling = DelayedScaling(algorithm=algorithm, history_len=history_len, target_max=target_max, margin=margin)
+    spec = QuantSpec(format="hif8", scaling=scaling, clip="target", ste="identity")
+    return Recipe(weight=spec, activation=spec, grad=None, name="hif8_w8a8")
+
+
+def nvfp4_w4a4(rule: str = "mse") -> Recipe:
+    """NVFP4 W4A4 (fouroversix PTQ / fake-quant): 1x16 blocks, current per-tensor amax, round to nearest."""
+    spec = QuantSpec(format="nvfp4", rule=rule, block_shape=(1, 16))
+    return Recipe(weight=spec, activation=spec, grad=None, name=f"nvfp4_w4a4_{rule}")
+
+
+def nvfp4_training(rule: str = "mse") -> Recipe:
+    """NVFP4 training (NVIDIA recipe, fouroversix's FourOverSixLinearFunction): 16x16 weight blocks, 1x16
+    activation and gradient blocks, stochastic rounding on gradients, Hadamard on both wgrad operands."""
+    return Recipe(
+        weight=QuantSpec(format="nvfp4", rule=rule, block_shape=(16, 16)),
+        activation=QuantSpec(format="nvfp4", rule=rule, block_shape=(1, 16)),
+        grad=QuantSpec(format="nvfp4", rule=rule, block_shape=(1, 16), rounding="stochastic", hadamard=True),
+        name=f"nvfp4_training_{rule}",
+    )
+
+

@@ -1,0 +1,227 @@
+"""A functional QAT train step for Flax NNX models: ``step(state, batch) -> (state, metrics)``, pure and jittable.
+
+The model is split once into a ``graphdef`` and state pytrees (:func:`split`)::
+
+    params   nnx.Param                   differentiated, updated by optax
+    qstate   jaxlowfp.nnx.AmaxState      amax histories of the quantized layers (delayed scaling)
+    rest     everything else             rng counters of stochastic rounding, the observe-only flags, last stats
+
+One step, for ``k = microbatches``::
+
+    observe  = warmup.observe_only(step)            (traced: crossing the warmup boundary does not retrace)
+    for each microbatch i (lax.scan):  loss_i, grads_i, qstate_i = value_and_grad(loss_fn)(params; qstate, rest)
+    grads    = mean_i grads_i;  loss = mean_i loss_i;  qstate' = scaling.merge(qstate_1 .. qstate_k)   (max)
+    ok       = loss, grads finite and no non-finite value in a quantized tensor
+    params', opt_state' = optax update            (all of params, opt_state, qstate, rest kept as they were if not ok)
+
+Every microbatch quantizes with the same delayed estimate (the histories as they were when the step began), and
+the recorded amaxes merge by maximum, so ``k`` microbatches record exactly what one batch ``k`` times larger
+would (Flax's fp8 ops summed them and Levanter kept the last microbatch's; both clip silently). A skipped step is
+the idea of ``optax.apply_if_finite`` carried over to the whole state: nothing non-finite ever reaches the state,
+so nothing non-finite can reach a checkpoint. The optimizer runs under standard dtype promotion (optax mixes
+Python floats with its int32 count), the model under whatever promotion the caller set.
+
+>>> import jax, jax.numpy as jnp, optax
+>>> from flax import nnx
+>>> from jaxlowfp import nnx as qnnx, qat, training
+>>> class Net(nnx.Module):
+...     def __init__(self, rngs):
+...         self.up_proj = nnx.Linear(16, 16, rngs=rngs)
+...     def __call__(self, x):
+...         return self.up_proj(x)
+>>> model = Net(nnx.Rngs(0))
+>>> _ = qnnx.quantize(model, [qnnx.Rule(path="up_proj", recipe=qat.hif8_w8a8())])
+>>> def loss_fn(m, batch):
+...     return jnp.mean((m(batch) - batch) ** 2), {}
+>>> graphdef, state = training.init(model, optax.sgd(0.1))
+>>> step = jax.jit(training.make_step(graphdef, optax.sgd(0.1), loss_fn, warmup=qat.Warmup(steps=1)))
+>>> state, metrics = step(state, jnp.ones((4, 16)))
+>>> int(state.step), bool(metrics["observe_only"]), bool(metrics["finite"])
+(1, True, True)
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxlowfp import scaling
+from jaxlowfp._core.checks import integer
+from jaxlowfp.nnx import AmaxState, QuantStatsState, set_observe_only
+from jaxlowfp.qat import Warmup
+
+__all__ = ["TrainState", "LossFn", "split", "init", "make_step", "quant_metrics"]
+
+LossFn = Callable[[nnx.Module, Any], tuple[jax.Array, Any]]
+
+
+class TrainState(NamedTuple):
+    """The functional training state (a pytree)."""
+
+    params: nnx.State  # nnx.Param leaves
+    qstate: nnx.State  # AmaxState leaves (amax histories)
+    rest: nnx.State  # the rest of the model state
+    opt_state: optax.OptState
+    step: jax.Array  # int32 []: batches consumed, skipped ones included
+    skipped: jax.Array  # int32 []: steps skipped (non-finite loss, gradients or quantized values)
+
+
+def split(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State, nnx.State]:
+    """``(graphdef, params, qstate, rest)`` = ``nnx.split(model, nnx.Param, AmaxState, ...)``."""
+    return nnx.split(model, nnx.Param, AmaxState, ...)
+
+
+def init(model: nnx.Module, tx: optax.GradientTransformation) -> tuple[nnx.GraphDef, TrainState]:
+    """``(graphdef, state)`` at step 0 for `model` (a quantized or plain NNX model) and optimizer `tx`."""
+    graphdef, params, qstate, rest = split(model)
+    with jax.numpy_dtype_promotion("standard"):
+        opt_state = tx.init(params)
+    zero = jnp.zeros((), jnp.int32)
+    return graphdef, TrainState(params=params, qstate=qstate, rest=rest, opt_state=opt_state, step=zero,
+                                skipped=zero)
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+def _stats_vars(rest: nnx.State) -> list[tuple[str, Any]]:
+    """(layer path, RecipeStats) of every quantized layer in `rest`."""
+    return [("/".join(map(str, path[:-1])), v.get_value()) for path, v in nnx.to_flat_state(rest)
+            if isinstance(v, QuantStatsState)]
+
+
+def quant_metrics(rest: nnx.State, layer: str | None = None) -> dict[str, jax.Array]:
+    """Telemetry from the quantized layers' last stats: the max and mean clipped (saturated) fraction of their
+    activations, the number of non-finite values in any quantized tensor and, for `layer`, its observed input
+    amax and the estimate its scale came from. Empty for a model without quantized layers."""
+    sat, nonfinite, out = [], [], {}
+    for path, stats in _stats_vars(rest):
+        for s in (stats.weight, stats.activation):
+            if s is not None:
+                nonfinite.append(jnp.asarray(s.nonfinite_count, jnp.int32).reshape(()))
+        act = stats.activation
+        if act is None:
+            continue
+        sat.append(jnp.asarray(act.saturated_fraction, jnp.float32).reshape(()))
+        if path == layer:
+            out["amax"] = jnp.asarray(act.amax, jnp.float32).reshape(())
+            out["amax_estimate"] = jnp.asarray(act.amax_estimate, jnp.float32).reshape(())
+    if sat:
+        out["max_saturated_fraction"] = jnp.max(jnp.stack(sat))
+        out["mean_saturated_fraction"] = jnp.mean(jnp.stack(sat))
+    if nonfinite:
+        out["nonfinite_quantized"] = jnp.sum(jnp.stack(nonfinite))
+    return out
+
+
+def make_step(
+    graphdef: nnx.GraphDef,
+    tx: optax.GradientTransformation,
+    loss_fn: LossFn,
+    *,
+    warmup: Warmup | None = None,
+    microbatches: int = 1,
+    lr_schedule: optax.Schedule | None = None,
+    telemetry_layer: str | None = None,
+    state_shardings: Callable[[TrainState], Any] | None = None,
+) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
+    """The pure step ``(state, batch) -> (state', metrics)`` (wrap it in ``jax.jit``; donating `state` is safe).
+
+    Args:
+      graphdef: from :func:`init` / :func:`split`.
+      tx: the optax transformation (the same one `init` was given).
+      loss_fn: ``loss_fn(model, batch) -> (scalar loss, aux)``; `aux` is ignored.
+      warmup: a :class:`jaxlowfp.qat.Warmup`: observe-only (high precision) while ``step < warmup.steps``.
+      microbatches: split the leading axis of every batch leaf into this many equal microbatches, accumulate the
+        mean gradient and merge the amax histories by maximum.
+      lr_schedule: reported as ``metrics["lr"]`` at the optimizer's own count (skipped steps do not advance it).
+      telemetry_layer: a quantized layer's path, e.g. ``blocks/1/mlp/down_proj``: its activation amax and amax
+        estimate are reported.
+      state_shardings: ``state -> pytree of shardings``: the new state is constrained to it (a sharded model keeps
+        its layout from step to step).
+
+    Metrics: ``loss``, ``observe_only``, ``finite``, ``skipped`` and, with quantized layers, ``max_saturated_fraction``,
+    ``mean_saturated_fraction`` (max / mean over layers and microbatches), ``nonfinite_quantized``, and the
+    ``amax`` / ``amax_estimate`` of `telemetry_layer`; ``lr`` with `lr_schedule`.
+    """
+    if warmup is not None and not isinstance(warmup, Warmup):
+        raise TypeError(f"warmup must be a jaxlowfp.qat.Warmup or None; got {type(warmup).__name__}")
+    k = integer(microbatches, "microbatches", minimum=1)
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(model, batch) -> (loss, aux); got {loss_fn!r}")
+
+    def grads_of(params, qstate, rest, batch, observe):
+        def loss_of(p):
+            model = nnx.merge(graphdef, p, qstate, rest, copy=True)  # fresh Variables: mutable in this trace
+            set_observe_only(model, observe)
+            loss, _ = loss_fn(model, batch)
+            _, _, new_q, new_rest = split(model)
+            return loss, (new_q, new_rest)
+
+        (loss, (new_q, new_rest)), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+        return loss, grads, new_q, new_rest
+
+    def split_batch(batch):
+        def one(x):
+            if x.shape[0] % k:
+                raise ValueError(f"microbatches={k} must divide the batch size; got a batch leaf of shape {x.shape}")
+            return x.reshape(k, x.shape[0] // k, *x.shape[1:])
+
+        return jax.tree.map(one, batch)
+
+    def accumulate(state, batch, observe):
+        def body(carry, mb):
+            rest, gsum, lsum = carry
+            loss, grads, new_q, new_rest = grads_of(state.params, state.qstate, rest, mb, observe)
+            carry = (new_rest, jax.tree.map(jnp.add, gsum, grads), lsum + loss)
+            return carry, (new_q, quant_metrics(new_rest, telemetry_layer))
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        (rest, gsum, lsum), (qs, mets) = jax.lax.scan(body, (state.rest, zeros, jnp.zeros((), jnp.float32)),
+                                                      split_batch(batch))
+        grads = jax.tree.map(lambda g: g / k, gsum)
+        reduce = {"mean_saturated_fraction": jnp.mean, "nonfinite_quantized": jnp.sum}  # the others: max
+        mets = {name: reduce.get(name, jnp.max)(v) for name, v in mets.items()}
+        return lsum / k, grads, scaling.merge(qs), rest, mets
+
+    def step_fn(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+        observe = warmup.observe_only(state.step) if warmup is not None else jnp.bool_(False)
+        if k == 1:
+            loss, grads, qstate, rest = grads_of(state.params, state.qstate, state.rest, batch, observe)
+            qmets = quant_metrics(rest, telemetry_layer)
+        else:
+            loss, grads, qstate, rest, qmets = accumulate(state, batch, observe)
+        with jax.numpy_dtype_promotion("standard"):
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        ok = jnp.isfinite(loss) & _all_finite(grads)
+        if "nonfinite_quantized" in qmets:
+            ok = ok & (qmets["nonfinite_quantized"] == 0)
+
+        def pick(new: Any, old: Any) -> Any:
+            return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+        applied = state.step - state.skipped  # optax's own count: skipped steps do not advance the schedule
+        new = TrainState(
+            params=pick(params, state.params),
+            qstate=pick(qstate, state.qstate),
+            rest=pick(rest, state.rest),
+            opt_state=pick(opt_state, state.opt_state),
+            step=state.step + 1,
+            skipped=state.skipped + jnp.where(ok, 0, 1).astype(jnp.int32),
+        )
+        metrics = {"loss": loss, "observe_only": observe, "skipped": new.skipped, "finite": ok, **qmets}
+        if lr_schedule is not None:
+            with jax.numpy_dtype_promotion("standard"):
+                metrics["lr"] = jnp.asarray(lr_schedule(applied), jnp.float32)
+        if state_shardings is not None:
+            new = jax.lax.with_sharding_constraint(new, state_shardings(new))
+        return new, metrics
+
+    return step_fn

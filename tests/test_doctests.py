@@ -1,0 +1,23 @@
+"""Every docstring example of the library runs and prints what it says (the examples are documentation)."""
+import doctest
+import importlib
+import pkgutil
+
+import pytest
+
+import jaxlowfp
+
+MODULES = sorted(m.name for m in pkgutil.walk_packages(jaxlowfp.__path__, "jaxlowfp."))
+# the public modules a newcomer reads first: each shows at least one worked example
+MUST_HAVE_EXAMPLES = ("jaxlowfp", "jaxlowfp.hif8", "jaxlowfp.formats", "jaxlowfp.nvfp4", "jaxlowfp.mx",
+                      "jaxlowfp.scaling", "jaxlowfp.qat", "jaxlowfp.dispatch", "jaxlowfp.hadamard", "jaxlowfp.nnx",
+                      "jaxlowfp.training")
+
+
+@pytest.mark.parametrize("name", ["jaxlowfp", *MODULES])
+def test_docstring_examples_run(name):
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0, f"{name}: {result.failed} docstring example(s) failed (see the output above)"
+    if name in MUST_HAVE_EXAMPLES:
+        assert result.attempted > 0, f"{name} has no docstring example"
