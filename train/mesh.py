@@ -13,6 +13,7 @@ feeds its local rows (`global_batch`), and the same step runs unchanged.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -33,6 +34,7 @@ __all__ = [
     "param_spec",
     "param_shardings",
     "shard",
+    "assert_same_on_every_process",
     "global_batch",
     "initialize_distributed",
 ]
@@ -110,12 +112,58 @@ def shard(tree: Any, shardings: Any, *, copy: bool = False) -> Any:
     ``copy=True`` gives every leaf a buffer of its own, shared with neither the input nor another leaf (needed
     before donating the result to a jitted step). ``device_put(..., may_alias=False)`` is not enough: a
     replicated put may reuse the source buffer on its device, and NNX states often hold one array in two places.
+
+    Multi-host: every process passes the same values (e.g. the state built from the same seed); each builds only
+    its own shards of the global arrays (`jax.make_array_from_callback`, always fresh buffers) after one check that
+    all processes hold the same values. (`jax.device_put` would instead compare every leaf across processes, one
+    collective per leaf.)
     """
     if isinstance(shardings, jax.sharding.Sharding):
         shardings = jax.tree.map(lambda _: shardings, tree)
+    if jax.process_count() > 1:
+        return _shard_multiprocess(tree, shardings, copy=copy)
     if copy:
         tree = jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
     return jax.tree.map(jax.device_put, tree, shardings)
+
+
+def _is_global(x: Any) -> bool:
+    return isinstance(x, jax.Array) and not x.is_fully_addressable
+
+
+def _shard_multiprocess(tree: Any, shardings: Any, *, copy: bool) -> Any:
+    leaves, treedef = jax.tree.flatten(tree)
+    shards = treedef.flatten_up_to(shardings)
+    host = [None if _is_global(x) else np.asarray(x) for x in leaves]  # this process's copy of a local value
+    assert_same_on_every_process([h for h in host if h is not None], what="train.mesh.shard")
+
+    def put(x: Any, h: np.ndarray | None, s: jax.sharding.Sharding) -> jax.Array:
+        if h is None:  # already a global array: a (collective) reshard
+            return jax.device_put(jnp.array(x, copy=True) if copy else x, s)
+        return jax.make_array_from_callback(h.shape, s, lambda index: h[index])
+
+    return treedef.unflatten([put(x, h, s) for x, h, s in zip(leaves, host, shards)])
+
+
+def assert_same_on_every_process(arrays: Sequence[np.ndarray], *, what: str) -> None:
+    """Raise ValueError unless every process passes the same arrays (compared by a SHA-256 digest: one
+    all-gather of 32 bytes, whatever the number of arrays)."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    digest = hashlib.sha256()
+    for a in arrays:
+        a = np.ascontiguousarray(a)
+        digest.update(f"{a.dtype.str}{a.shape}".encode())
+        digest.update(a.tobytes())
+    mine = np.frombuffer(digest.digest(), np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(mine))  # [process_count, 32]
+    differ = [i for i in range(every.shape[0]) if not np.array_equal(every[i], every[0])]
+    if differ:
+        raise ValueError(f"{what}: processes {differ} hold other values than process 0 ({len(arrays)} arrays "
+                         "compared); every process must pass the same ones (build the state from the same seed "
+                         "and inputs on every host)")
 
 
 def global_batch(local: np.ndarray, mesh: Mesh) -> jax.Array:
