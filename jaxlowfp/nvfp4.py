@@ -135,13 +135,19 @@ def _run(x: jax.Array, global_amax: jax.Array | None, key: jax.Array | None, *, 
     return codes, scales.reshape(scale_shape).astype(jnp.float8_e4m3fn), s_dec
 
 
-def _use_pallas(impl: str, kernel: str, rounding: str) -> bool:
+def _use_pallas(impl: str, kernel: str, rounding: str, backend: str, config: dict[str, Any]) -> bool:
     one_of(impl, dispatch.IMPLS, "impl")
     if rounding == "stochastic":
         if impl == "pallas":
             raise ValueError("impl='pallas': the NVFP4 kernel has no stochastic rounding; use impl='xla' or 'auto'")
         return False
-    return dispatch.resolve_impl(impl, kernel=kernel) == "pallas"
+    return dispatch.resolve_impl(impl, kernel=kernel, backend=backend, config=config) == "pallas"
+
+
+def _config(x: Any, rule: str, block_shape: Any) -> dict[str, Any]:
+    """What the verified-kernel table is keyed by (``jaxlowfp.dispatch.verified``)."""
+    dtype = getattr(x, "dtype", None)
+    return {"rule": rule, "block_shape": block_shape, "dtype": None if dtype is None else str(dtype)}
 
 
 def quantize(
@@ -153,6 +159,7 @@ def quantize(
     rounding: Literal["nearest", "stochastic"] = "nearest",
     key: jax.Array | None = None,
     impl: Literal["auto", "xla", "pallas"] = "auto",
+    backend: Literal["triton", "mosaic"] = "triton",
 ) -> NVFP4Array:
     """NVFP4-quantize `x` (float32/bfloat16/float16, last axis a multiple of 16).
 
@@ -164,11 +171,13 @@ def quantize(
         saturate, and a negative or non-finite one makes every scale NaN; see the module docstring.
       rounding: "nearest" (RNE) or "stochastic" (unbiased, reproducible from `key`).
       key: PRNG key, required for (and only for) stochastic rounding.
-      impl: "auto" (the Pallas kernel on a GPU that supports it, else this jnp code), "xla", or "pallas" (the
-        kernel, bit-identical, or a clear error where it cannot run; it has no stochastic rounding).
+      impl: "auto" (the Pallas kernel where it is recorded as verified on this GPU, else this jnp code), "xla",
+        or "pallas" (the kernel, bit-identical, or a clear error where it cannot run; no stochastic rounding).
+      backend: the Pallas backend under ``impl="pallas"``/``"auto"``: "triton" (sm_80+) or "mosaic" (Mosaic GPU,
+        sm_90+).
     """
-    if _use_pallas(impl, "nvfp4.quantize", rounding):
-        return dispatch.kernel("nvfp4.quantize")(x, rule=rule, block_shape=block_shape, global_amax=global_amax)
+    if _use_pallas(impl, "nvfp4.quantize", rounding, backend, _config(x, rule, block_shape)):
+        return dispatch.kernel("nvfp4.quantize", backend)(x, rule=rule, block_shape=block_shape, global_amax=global_amax)
     cfg = NVFP4Config(rule=rule, block_shape=block_shape, rounding=rounding)
     x, global_amax = validate_args(x, cfg, global_amax, key)
     codes, scales, s_dec = _run(x, global_amax, key, cfg=cfg, out="q")
@@ -192,10 +201,11 @@ def fake_quantize(
     rounding: Literal["nearest", "stochastic"] = "nearest",
     key: jax.Array | None = None,
     impl: Literal["auto", "xla", "pallas"] = "auto",
+    backend: Literal["triton", "mosaic"] = "triton",
 ) -> jax.Array:
     """``dequantize(quantize(x, ...), x.dtype)`` bit for bit, without packing the codes."""
-    if _use_pallas(impl, "nvfp4.fake_quantize", rounding):
-        return dispatch.kernel("nvfp4.fake_quantize")(x, rule=rule, block_shape=block_shape, global_amax=global_amax)
+    if _use_pallas(impl, "nvfp4.fake_quantize", rounding, backend, _config(x, rule, block_shape)):
+        return dispatch.kernel("nvfp4.fake_quantize", backend)(x, rule=rule, block_shape=block_shape, global_amax=global_amax)
     cfg = NVFP4Config(rule=rule, block_shape=block_shape, rounding=rounding)
     x, global_amax = validate_args(x, cfg, global_amax, key)
     return _run(x, global_amax, key, cfg=cfg, out="fake")

@@ -60,7 +60,7 @@ def nvfp4_fake_quant(x: jax.Array, spec: QuantSpec, global_amax: jax.Array | Non
     xt = jnp.moveaxis(x, axis, -1)
     yt = nvfp4.fake_quantize(xt, rule=spec.rule, block_shape=spec.block_shape, global_amax=global_amax,
                              rounding=spec.rounding, key=key if spec.rounding == "stochastic" else None,
-                             impl=spec.impl)
+                             impl=spec.impl, backend=spec.backend)
     return jnp.moveaxis(yt.astype(x.dtype), -1, axis)
 
 
@@ -83,7 +83,8 @@ def quantize(x: jax.Array, state: AmaxHistory, spec: QuantSpec, observe: bool | 
     if x.size == 0:
         raise ValueError(f"cannot quantize an empty array (shape {x.shape})")
     xs = lax.stop_gradient(x)
-    fused = spec.format == "hif8" and dispatch.resolve_impl(spec.impl, kernel=KERNELS["hif8"]) == "pallas"
+    fused = spec.format == "hif8" and dispatch.resolve_impl(
+        spec.impl, kernel=KERNELS["hif8"], backend=spec.backend, config={"dtype": str(x.dtype)}) == "pallas"
     if fused and isinstance(spec.scaling, DelayedScaling):
         # The kernel returns amax from its own pass; a delayed estimate needs this step's amax only while the
         # history is empty (its fallback), so the separate reduction runs only then.
@@ -104,7 +105,7 @@ def quantize(x: jax.Array, state: AmaxHistory, spec: QuantSpec, observe: bool | 
         bound = saturation_bound(scale, spec.clip_bound, est if spec.clip == "target" else None)
         if fused:
             # one pass: y, amax, saturated and underflow counts
-            r = dispatch.kernel(KERNELS["hif8"])(xs, scale, spec.clip_bound, bound=bound)
+            r = dispatch.kernel(KERNELS["hif8"], spec.backend)(xs, scale, spec.clip_bound, bound=bound)
             yq, amax, n_sat, n_under = r.y, r.amax, r.saturated_count, r.underflow_count
             sat = (jnp.abs(xs.astype(jnp.float32)) > bound) if spec.ste == "masked" else None
         else:

@@ -46,6 +46,7 @@ class QuantSpec:
       impl: "auto" (Pallas kernel on a GPU that supports it, XLA elsewhere), "xla" (the jnp code) or "pallas"
         (the kernel, or a clear error where it cannot run; see :mod:`jaxlowfp.dispatch`). Kernels exist for
         "hif8" and "nvfp4" (round to nearest).
+      backend: the Pallas backend of ``impl="pallas"``/``"auto"``: "triton" or "mosaic" (Mosaic GPU, sm_90+).
     """
 
     format: Literal["hif8", "e4m3", "e5m2", "nvfp4"] = "hif8"
@@ -58,10 +59,12 @@ class QuantSpec:
     rounding: Literal["nearest", "stochastic"] = "nearest"
     hadamard: bool = False
     impl: Literal["auto", "xla", "pallas"] = "auto"
+    backend: Literal["triton", "mosaic"] = "triton"
 
     def __post_init__(self) -> None:
         one_of(self.format, FORMATS, "format")
         one_of(self.impl, dispatch.IMPLS, "impl")
+        one_of(self.backend, dispatch.BACKENDS, "backend")
         if self.impl == "pallas" and (self.format not in KERNELS or self.rounding == "stochastic"):
             raise ValueError(
                 f"impl='pallas' has kernels for format 'hif8' and for 'nvfp4' with rounding='nearest'; got "
