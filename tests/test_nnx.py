@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import chex
-import en_dtypes
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +21,7 @@ from flax import nnx
 
 from jaxlowfp import qat, training
 from jaxlowfp import nnx as jnnx
+from oracles import hif8_fake_quant_f64
 
 D, F, V, T, NB = 32, 64, 48, 8, 4
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,13 +104,6 @@ def quantized_model(recipe=None, **kw):
 
 def linear_paths(model, cls):
     return sorted("/".join(map(str, p)) for p, n in nnx.iter_graph(model) if type(n) is cls)
-
-
-def hif8_fake_quant_f64(a: np.ndarray, amax: float, target_max: float = 15.0) -> np.ndarray:
-    """Independent per-tensor HiF8 fake quant: scale = amax / target_max, clip, en_dtypes TA cast, rescale."""
-    scale = np.float32(amax) / np.float32(target_max)
-    s = np.clip(a.astype(np.float32) / scale, -target_max, target_max).astype(np.float32)
-    return s.astype(en_dtypes.hifloat8).astype(np.float64) * np.float64(scale)
 
 
 # ------------------------------------------------------------------------------------------ rules, replacement
