@@ -201,7 +201,7 @@ def parse_generate_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--top-k", type=_positive, default=None, help="sample among the k most likely tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", action="store_true",
-                   help="wrap the prompt as one user turn of a ChatML chat (<|im_start|>user ... <|im_start|>assistant)")
+                   help="wrap the prompt as one user turn of a ChatML chat (<|im_start|>user ... assistant)")
     p.add_argument("--quantize", default="none", choices=QUANT_CHOICES)
     args = p.parse_args(list(argv))
     if args.temperature < 0:

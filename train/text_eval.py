@@ -14,8 +14,9 @@ From the total log-likelihood ``LL`` of a text::
 Texts (`load_texts`): the held-out (validation) parts of `train.data`'s domains, Shakespeare and the Python
 standard library, and English prose: *Alice's Adventures in Wonderland* (Lewis Carroll, 1865; public domain), the
 Canterbury-corpus copy ``alice29.txt`` in the source distribution of the PyPI package ``brotli==1.2.1``
-(``tests/testdata/alice29.txt``), whose last `train.data.VAL_FRACTION` is used. ``scripts/bootstrap.sh`` downloads
-that archive into ``.venv/share/prose/`` (``pip download``; nothing is built or installed).
+(``tests/testdata/alice29.txt``), whose last `train.data.VAL_FRACTION` (from the start of a line) is used.
+``scripts/bootstrap.sh`` downloads that archive into ``.venv/share/prose/`` (``pip download``; nothing is built or
+installed).
 
 The multiple-choice task is `train.evaluate.build_choice_task` (a held-out context, its true continuation and three
 continuations from elsewhere), decoded to text and tokenized as lm-eval does (trailing whitespace of the context
@@ -113,11 +114,13 @@ def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
-    vocab = model.config.vocab
+    vocab, max_len = model.config.vocab, model.config.max_seq_len
     for r in requests:
         if not 1 <= r.n_pred < len(r.tokens):
             raise ValueError(f"a request needs 1 <= n_pred < len(tokens); got n_pred={r.n_pred}, "
                              f"len={len(r.tokens)}")
+        if len(r.tokens) - 1 > max_len:
+            raise ValueError(f"a request of {len(r.tokens) - 1} model inputs exceeds max_seq_len={max_len}")
     order = sorted(range(len(requests)), key=lambda i: -len(requests[i].tokens))
     graphdef, state = nnx.split(model)
     out = np.zeros(len(requests), np.float64)
@@ -127,7 +130,7 @@ def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size
     t0 = time.perf_counter()
     bar = _progress(total=n_in, desc=desc, enabled=progress)
     for idx in batches:
-        length = _bucket(len(requests[idx[0]].tokens) - 1)
+        length = min(_bucket(len(requests[idx[0]].tokens) - 1), max_len)
         inputs = np.zeros((batch_size, length), np.int32)
         targets = np.zeros((batch_size, length), np.int32)
         weights = np.zeros((batch_size, length), bool)
@@ -265,8 +268,9 @@ def load_texts(names: Sequence[str] = TEXTS, *, prose_archive: str | Path | None
         if name in ("shakespeare", "python"):
             out[name] = _docs(load_domain(name).val)
         elif name == "prose":
-            text = prose_text(prose_archive)
-            out[name] = [text[len(text) - max(1, int(len(text) * VAL_FRACTION)):]]
+            text = prose_text(prose_archive)  # held out: the last VAL_FRACTION, from the start of its first line
+            cut = len(text) - max(1, int(len(text) * VAL_FRACTION))
+            out[name] = [text[text.rfind("\n", 0, cut) + 1:]]
         else:
             raise ValueError(f"unknown text {name!r}; allowed: {', '.join(map(repr, TEXTS))}")
     return out
