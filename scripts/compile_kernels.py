@@ -41,7 +41,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "Deviceless GPU compilation (registers, spills, shared memory)"
@@ -95,7 +95,8 @@ def check_toolchain() -> Path:
         missing.append("ptxas (nvidia-cuda-nvcc-cu12) is not installed")
     if missing:
         raise CompileCheckError(
-            "deviceless GPU compilation needs the gpu-compile extra: " + "; ".join(missing) + f". Install: {INSTALL_HINT}"
+            "deviceless GPU compilation needs the gpu-compile extra: " + "; ".join(missing)
+            + f". Install: {INSTALL_HINT}"
         )
     if plugin_version != jaxlib.__version__:
         raise CompileCheckError(
@@ -214,7 +215,7 @@ def all_configs() -> list[Config]:
 
 
 def build(config: Config) -> tuple[Callable, tuple]:
-    """(function, abstract arguments) compiling `config`'s kernel (the public entry point, compiled, not interpreted)."""
+    """(function, abstract arguments) that compile `config`'s kernel: its public entry point, not interpreted."""
     import jax
     import jax.numpy as jnp
 
@@ -267,7 +268,8 @@ def parse_ptxas(text: str) -> dict[str, PtxasInfo]:
     return out
 
 
-_LAUNCH = re.compile(r"(\S+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]\s+shared_memory: (\d+) bytes")
+_LAUNCH = re.compile(
+    r"(\S+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]\s+shared_memory: (\d+) bytes")
 
 
 def parse_launches(text: str) -> dict[str, tuple[tuple[int, int, int], int, int]]:
@@ -460,7 +462,8 @@ def run_targets(targets: list[str], *, jobs: int = DEFAULT_JOBS, timeout: float 
             t0 = time.perf_counter()
             try:
                 proc = subprocess.run([sys.executable, __file__, "--worker", target, "--worker-out", str(out)],
-                                      env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+                                      env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                                      check=False)
             except subprocess.TimeoutExpired:
                 return [], [f"{target}: compiling took longer than {timeout:.0f} s"], time.perf_counter() - t0
             seconds = time.perf_counter() - t0
@@ -523,12 +526,12 @@ def main(argv: list[str] | None = None) -> int:
     print(body)
     if errors:
         print("\nFAILED:\n" + "\n".join(f"- {e}" for e in errors), file=sys.stderr)
-        return 1
     if not args.no_write:
         import jax
         import jaxlib
 
-        ptxas = subprocess.run([str(check_toolchain()), "--version"], capture_output=True, text=True).stdout
+        ptxas = subprocess.run([str(check_toolchain()), "--version"], capture_output=True, text=True,
+                               check=False).stdout
         ptxas_v = re.search(r"release ([\d.]+), V([\d.]+)", ptxas)
         sys.path.insert(0, str(ROOT / "bench"))
         from _results import write_section
@@ -541,11 +544,14 @@ def main(argv: list[str] | None = None) -> int:
             "target from XLA's own target description; Triton and ptxas run for real. Each cell is "
             "**registers per thread / spill bytes (stores + loads) / shared memory per block in bytes** (static "
             "from `ptxas -v` plus the dynamic amount Triton asks for at launch) of the Pallas kernel's entry "
-            "function. Shapes are ragged (a partial last tile) so the masked paths are compiled. A spill, a compile "
-            "error or shared memory above the target's per-block limit fails the run. Wall time per target "
-            "(2 at a time): " + ", ".join(f"{t} {s:.0f} s" for t, s in seconds.items()) + ".\n\n" + body
+            "function, at the kernel's default block configuration. Shapes are ragged (a partial last tile) so the "
+            "masked paths are compiled. A spill, a compile error or shared memory above the target's per-block "
+            "limit fails the run. Wall time per target (2 at a time): "
+            + ", ".join(f"{t} {s:.0f} s" for t, s in seconds.items()) + ".\n\n" + body
+            + (f"\n\n**{len(errors)} problem(s)** (the run fails):\n\n" + "\n".join(f"- {e}" for e in errors)
+               if errors else "\n\nNo spills, no compile errors, no shared-memory overflow.")
         ))
-    return 0
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ import dataclasses
 import datetime
 import inspect
 import json
-import os
 import statistics
 import sys
 import time
@@ -437,9 +436,9 @@ def main(argv: list[str] | None = None) -> int:
 
         parts.append(
             f"**(b) Throughput**, {shape[0]}x{shape[1]} bfloat16, default block configuration, a supplied NVFP4 "
-            "`global_amax` (the kernel alone, no amax pass). Median of 5 x 20 queued calls; \"/ copy\" divides by "
-            "a jitted `-x` of the same input (one read, one write); bytes are what each must read and write. "
-            "Goals: HiF8 and `static_6` >= 0.80 of copy, `mse` <= 1.15x `static_6`.\n\n"
+            f"`global_amax` (the kernel alone, no amax pass). Median of {reps} x {iters} queued calls; \"/ copy\" "
+            "divides by a jitted `-x` of the same input (one read, one write); bytes are what each must read and "
+            "write. Goals: HiF8 and `static_6` >= 0.80 of copy, `mse` <= 1.15x `static_6`.\n\n"
             + markdown_table(header, rows) + ("\n\n" + "\n".join(f"- {n}" for n in notes) if notes else ""))
     if not args.skip_train:
         print("(c) QAT train step", flush=True)
@@ -454,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
             f"**(c) Train step**, `train.model` preset \"{preset}\", bfloat16 compute, batch {batch} x {seq}, HiF8 "
             "W8A8 QAT (delayed scaling, MLP projections of the middle blocks as `paper_rules` selects them) "
             f"against high precision; median of {reps} interleaved steps:\n\n"
-            + markdown_table(["variant", "ms / step", "vs HP"], [[k, f"{v:.2f}", f"{v / hp:.2f}x"] for k, v in ms.items()]))
+            + markdown_table(["variant", "ms / step", "vs HP"],
+                             [[k, f"{v:.2f}", f"{v / hp:.2f}x"] for k, v in ms.items()]))
     total = time.perf_counter() - t_start
     print("\n\n".join(parts))
     print("phases: " + ", ".join(f"{k} {v:.0f} s" for k, v in timing.items()) + f"; total {total:.0f} s")

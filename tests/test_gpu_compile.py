@@ -79,6 +79,30 @@ def test_spills_and_shared_memory_overflow_are_problems():
     assert "input_reduce_fusion" in _stats(other_spills=("input_reduce_fusion",)).problems()[0]
 
 
+def test_compile_error_names_kernel_configuration_and_target(monkeypatch):
+    """A kernel that fails to compile for the target is reported with its configuration, not raised."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    def body(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2
+
+    def bad_kernel(config):  # a 3-element block: Triton needs power-of-two sizes
+        spec = pl.BlockSpec((3,), lambda i: (0,))
+        fn = pl.pallas_call(body, grid=(1,), in_specs=[spec], out_specs=spec,
+                            out_shape=jax.ShapeDtypeStruct((3,), jnp.float32),
+                            compiler_params=plt.CompilerParams(num_warps=4, num_stages=1))
+        return fn, (jax.ShapeDtypeStruct((3,), jnp.float32),)
+
+    monkeypatch.setattr(ck, "build", bad_kernel)
+    config = ck.all_configs()[0]
+    stats, errors = ck.compile_target("sm_80 (A100)", [config], log=lambda s: None)
+    assert stats == [] and len(errors) == 1
+    assert errors[0].startswith(f"{config.label} for sm_80 (A100): compile error:") and "power of 2" in errors[0]
+
+
 def test_configurations_cover_every_kernel_rule_block_and_dtype():
     from jaxlowfp import dispatch, nvfp4
 
@@ -96,7 +120,7 @@ def test_configurations_cover_every_kernel_rule_block_and_dtype():
 
 def test_every_kernel_compiles_for_every_target_without_spills():
     try:
-        stats, errors, seconds = ck.run_targets(list(ck.TARGETS), jobs=2)
+        stats, errors, _ = ck.run_targets(list(ck.TARGETS), jobs=2)
     except ck.CompileCheckError as e:
         pytest.fail(str(e))
     if errors:
