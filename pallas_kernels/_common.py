@@ -7,6 +7,12 @@ rounding decisions, shift amounts in [0, 31].
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import logging
+import warnings
+from collections.abc import Iterator
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -21,6 +27,7 @@ __all__ = [
     "MAX_BLOCK_ELEMENTS",
     "check_pow2",
     "compiler_params",
+    "triton_lowering",
     "lower_for_gpu",
     "resolve_interpret",
     "valid_mask",
@@ -44,6 +51,30 @@ def check_pow2(value, what: str, *, lo: int = 1, hi: int = MAX_BLOCK_ELEMENTS) -
     if not ok or not lo <= value <= hi:
         raise ValueError(f"{what} must be a power of two in [{lo}, {hi}] (a Pallas-Triton rule); got {value!r}")
     return value
+
+
+_TRITON_DEPRECATION = r".*Pallas Triton backend is deprecated.*"
+log = logging.getLogger("pallas_kernels")
+
+
+@functools.lru_cache(maxsize=1)
+def _say_triton_once() -> None:
+    log.info("JAX deprecates the Pallas Triton backend; jaxlowfp keeps Triton as its default GPU backend until its "
+             "Mosaic GPU kernels (backend='mosaic', sm_90+) are verified on a device by `make gpu-check`")
+
+
+@contextlib.contextmanager
+def triton_lowering(interpret: bool) -> Iterator[None]:
+    """Around the first call (trace and lowering) of a compiled Triton kernel: JAX's deprecation warning of the
+    Triton backend is replaced by one log line saying why jaxlowfp still chooses it. Interpret mode never lowers
+    to Triton, so nothing changes there; other warnings pass through."""
+    if interpret:
+        yield
+        return
+    _say_triton_once()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_TRITON_DEPRECATION, category=DeprecationWarning)
+        yield
 
 
 def compiler_params(interpret: bool, num_warps: int):
@@ -72,8 +103,9 @@ def lower_for_gpu(fn, *args, target: str = "sm_90 (H100)", **kwargs) -> str:
     kind, cores = GPU_TARGETS[target]
     if not hasattr(fn, "trace"):
         fn = jax.jit(fn)
-    if not hasattr(jax.sharding, "AbstractDevice"):  # JAX 0.10: no abstract devices; lowering assumes sm_90
-        return fn.trace(*args, **kwargs).lower(lowering_platforms=("cuda",)).as_text()
-    ad = jax.sharding.AbstractDevice(device_kind=kind, num_cores=cores, platform="gpu")
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=ad)):
-        return fn.trace(*args, **kwargs).lower(lowering_platforms=("cuda",)).as_text()
+    with triton_lowering(interpret=False):
+        if not hasattr(jax.sharding, "AbstractDevice"):  # JAX 0.10: no abstract devices; lowering assumes sm_90
+            return fn.trace(*args, **kwargs).lower(lowering_platforms=("cuda",)).as_text()
+        ad = jax.sharding.AbstractDevice(device_kind=kind, num_cores=cores, platform="gpu")
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=ad)):
+            return fn.trace(*args, **kwargs).lower(lowering_platforms=("cuda",)).as_text()

@@ -34,6 +34,7 @@ from pallas_kernels._common import (
     check_pow2,
     compiler_params,
     resolve_interpret,
+    triton_lowering,
     valid_mask,
 )
 
@@ -150,6 +151,7 @@ def scaled_fake_quant(
         block_size = min(pl.next_power_of_2(x.size), MAX_BLOCK_ELEMENTS) if interpret else DEFAULT_BLOCK
     check_pow2(block_size, "block_size")
     num_warps = DEFAULT_WARPS if num_warps is None else num_warps
-    return _scaled_fake_quant(
-        x, scale, bound, clip=float(clip), interpret=interpret, block=block_size, num_warps=num_warps
-    )
+    with triton_lowering(interpret):
+        return _scaled_fake_quant(
+            x, scale, bound, clip=float(clip), interpret=interpret, block=block_size, num_warps=num_warps
+        )

@@ -35,7 +35,13 @@ from jaxlowfp._core import minifloat as formats
 from jaxlowfp._core import nvfp4_blocks as ref
 from jaxlowfp._core.bits import FLT_MAX, div_by_3_pow2, true_divide
 from jaxlowfp._core.reduce import abs_max
-from pallas_kernels._common import MAX_BLOCK_ELEMENTS, check_pow2, compiler_params, resolve_interpret
+from pallas_kernels._common import (
+    MAX_BLOCK_ELEMENTS,
+    check_pow2,
+    compiler_params,
+    resolve_interpret,
+    triton_lowering,
+)
 
 __all__ = ["quantize", "fake_quantize", "KERNEL_QUANTIZE", "KERNEL_FAKE_QUANTIZE", "DEFAULT_TILE", "DEFAULT_WARPS"]
 
@@ -288,7 +294,8 @@ def quantize(
     cfg, x, x2, amax, static = _prepare(
         x, rule, block_shape, global_amax, rounding, key, interpret, tile_shape, num_warps, KERNEL_QUANTIZE
     )
-    (codes, scale_bytes), s_dec = _run(x2, amax, fake=False, **static)
+    with triton_lowering(static["interpret"]):
+        (codes, scale_bytes), s_dec = _run(x2, amax, fake=False, **static)
     k = x.shape[-1]
     scales = lax.bitcast_convert_type(scale_bytes, jnp.float8_e4m3fn)
     sshape = (*x.shape[:-2], x.shape[-2] // _B, k // _B) if static["tile"] else (*x.shape[:-1], k // _B)
@@ -314,5 +321,6 @@ def fake_quantize(
     _, x, x2, amax, static = _prepare(
         x, rule, block_shape, global_amax, rounding, key, interpret, tile_shape, num_warps, KERNEL_FAKE_QUANTIZE
     )
-    (y,), _ = _run(x2, amax, fake=True, **static)
+    with triton_lowering(static["interpret"]):
+        (y,), _ = _run(x2, amax, fake=True, **static)
     return y.reshape(x.shape)
