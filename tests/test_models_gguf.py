@@ -101,12 +101,14 @@ def tiny_gguf(tmp_path, name="tiny.gguf", **kw):
     ("llama", T.F16, {"tied": True}),
     ("qwen2", T.F32, {"bias": True}),
     ("qwen3", T.Q8_0, {"qk_norm": True, "head_dim": 32, "tied": True}),
+    ("llama", T.F32, {"rope_freqs": np.geomspace(1.0, 8.0, 8).astype(np.float32)}),  # Llama-3 frequency factors
 ])
 def test_gguf_logits_match_the_numpy_oracle(tmp_path, arch, qtype, extra):
     cfg = CFG | {k: v for k, v in extra.items() if k in CFG}
     weights = random_weights(cfg, bias=extra.get("bias", False), qk_norm=extra.get("qk_norm", False))
     path = tmp_path / "m.gguf"
-    write_gguf(path, weights, cfg, arch=arch, qtype=qtype)
+    freqs = {"rope_freqs.weight": extra["rope_freqs"]} if "rope_freqs" in extra else None
+    write_gguf(path, weights, cfg, arch=arch, qtype=qtype, extra=freqs)
     model, tok = load(path)
     c = model.config
     assert (c.vocab, c.d_model, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff) == (
@@ -120,6 +122,9 @@ def test_gguf_logits_match_the_numpy_oracle(tmp_path, arch, qtype, extra):
     if qtype == T.F32:  # and the file holds what the converter makes of the Hugging Face weights
         ref = forward({k: v.astype(np.float64) for k, v in weights.items()}, ocfg, ids, "half")
         np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4)
+    if freqs:
+        assert model.config.rope_freq_factors == tuple(float(v) for v in extra["rope_freqs"])
+        assert np.abs(forward(w, ocfg | {"factors": None}, ids, layout) - ours).max() > 1e-3
 
 
 def test_unpermute_inverts_the_converter_permutation():
