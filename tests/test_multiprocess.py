@@ -86,6 +86,7 @@ def _state(res: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: v for k, v in res.items() if k.startswith("state")}
 
 
+@pytest.mark.slow
 def test_two_processes_checkpoint_resume_match_one_process(tmp_path):
     ckpt = tmp_path / "two"
     # the single-process reference runs beside the pairs
