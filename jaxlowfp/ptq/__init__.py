@@ -1,0 +1,46 @@
+"""Post-training quantization (PTQ) of Flax NNX models: round-to-nearest, GPTQ, SmoothQuant and AWQ to NVFP4 (with
+Four Over Six block scaling), MXFP4 and HiF8, and export of NVFP4 weights in the compressed-tensors layout.
+
+The Four Over Six paper's PTQ setting: W4A4, weights quantized once (here: offline, by the chosen method), activations
+fake-quantized at run time with their current per-tensor amax, NVFP4 blocks of 16 along the GEMM reduction axis::
+
+    rules  = [ptq.Rule(path=r"blocks/\\d+/(attn|mlp)/\\w+_proj", scheme=ptq.scheme("nvfp4-mse"))]
+    result = ptq.quantize(model, rules, method="gptq", calibration=tokens)   # tokens: int [n, seq]
+    print(result.report)                                  # what was quantized, kept, unmatched; unused rules
+    ptq.export(model, result, "out/")                      # safetensors + config.json (compressed-tensors NVFP4)
+    ptq.load(model2, "out/")                               # the same logits, bit for bit
+
+Methods (see `gptq`, `smooth`): ``RTN()``, ``GPTQ(damp_percent=1.0, block_size=128, act_order=False)``,
+``SmoothQuant(alpha=0.5)`` and ``AWQ(grid=10)`` (both folded into the preceding RMSNorm or Linear, then RTN).
+Schemes (`formats`): ``"nvfp4-static_6"``, ``"nvfp4-static_4"``, ``"nvfp4-abs_max"``, ``"nvfp4-mae"``,
+``"nvfp4-mse"``, ``"mxfp4"``, ``"hif8"``; ``weights_only=True`` for W4A16; ``weight_block=(16, 16)`` for NVFP4
+16x16 weight tiles.
+
+>>> import jax.numpy as jnp, numpy as np
+>>> from flax import nnx
+>>> from jaxlowfp import ptq
+>>> class MLP(nnx.Module):
+...     def __init__(self, rngs):
+...         self.up_proj, self.down_proj = nnx.Linear(32, 64, rngs=rngs), nnx.Linear(64, 32, rngs=rngs)
+...     def __call__(self, x):
+...         return self.down_proj(nnx.relu(self.up_proj(x)))
+>>> model = MLP(nnx.Rngs(0))
+>>> x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 16, 32)), jnp.float32)
+>>> res = ptq.quantize(model, [ptq.Rule(path="up_proj", scheme=ptq.scheme("nvfp4-mse")),
+...                            ptq.Rule(path="gate_proj", scheme=None)],
+...                    method="gptq", calibration=[x], forward=lambda m, b: m(b), progress=False)
+>>> res.report.quantized, res.report.unmatched, res.report.unused_rules
+((('up_proj', 'nvfp4-mse'),), ('down_proj',), ('gate_proj',))
+"""
+from jaxlowfp.ptq.api import METHODS, RTN, ActQuant, PTQResult, Rule, method_from_name, quantize
+from jaxlowfp.ptq.calibrate import LayerStats, collect
+from jaxlowfp.ptq.export import export, load
+from jaxlowfp.ptq.formats import SCHEMES, QuantizedWeight, Scheme, TensorFormat, rtn_weight, scheme
+from jaxlowfp.ptq.gptq import GPTQ, gptq_weight
+from jaxlowfp.ptq.smooth import AWQ, Fold, SmoothQuant, llama_folds
+
+__all__ = [
+    "METHODS", "SCHEMES", "RTN", "GPTQ", "SmoothQuant", "AWQ", "Rule", "Scheme", "TensorFormat", "Fold",
+    "ActQuant", "PTQResult", "QuantizedWeight", "LayerStats", "quantize", "scheme", "method_from_name",
+    "rtn_weight", "gptq_weight", "llama_folds", "collect", "export", "load",
+]

@@ -1,0 +1,276 @@
+"""`quantize(model, rules, method=..., calibration=...)`: post-training quantization of the Linear layers of an NNX
+model, chosen by module-path rules, in place."""
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from jaxlowfp import nvfp4
+from jaxlowfp.nnx import QuantizeReport
+from jaxlowfp.ptq import calibrate, smooth
+from jaxlowfp.ptq.formats import QuantizedWeight, Scheme, TensorFormat, rtn_weight
+from jaxlowfp.ptq.gptq import GPTQ, gptq_weight
+from jaxlowfp.ptq.smooth import AWQ, Fold, SmoothQuant
+
+METHODS = ("rtn", "gptq", "smoothquant", "awq")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RTN:
+    """Round to nearest: each weight quantized once with its own amax; no calibration needed."""
+
+    name = "rtn"
+
+
+Method = RTN | GPTQ | SmoothQuant | AWQ
+
+
+def method_from_name(method: str | Method) -> Method:
+    """``"rtn" | "gptq" | "smoothquant" | "awq"`` (default settings) or a method object, validated."""
+    if isinstance(method, (RTN, GPTQ, SmoothQuant, AWQ)):
+        return method
+    if isinstance(method, str) and method in METHODS:
+        return {"rtn": RTN, "gptq": GPTQ, "smoothquant": SmoothQuant, "awq": AWQ}[method]()
+    raise ValueError(f"unknown PTQ method {method!r}; allowed: {', '.join(map(repr, METHODS))} or an RTN, GPTQ, "
+                     f"SmoothQuant or AWQ object")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Rule:
+    """`path` is a regex matched with `re.fullmatch` against a Linear's module path (``blocks/3/mlp/gate_proj``);
+    `scheme=None` keeps the matched layers in high precision, explicitly (the report says so). As in
+    `jaxlowfp.nnx.Rule`, the first matching rule decides."""
+
+    path: str
+    scheme: Scheme | None
+    _regex: re.Pattern = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str):
+            raise TypeError(f"Rule.path must be a regex string; got {type(self.path).__name__}: {self.path!r}")
+        if self.scheme is not None and not isinstance(self.scheme, Scheme):
+            raise TypeError(f"Rule(path={self.path!r}).scheme must be a jaxlowfp.ptq.Scheme or None; got "
+                            f"{type(self.scheme).__name__}: {self.scheme!r}")
+        try:
+            object.__setattr__(self, "_regex", re.compile(self.path))
+        except re.error as e:
+            raise ValueError(f"Rule.path {self.path!r} is not a valid regular expression: {e}") from None
+
+    def matches(self, path: str) -> bool:
+        return self._regex.fullmatch(path) is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class ActQuant:
+    """The ``dot_general`` of a PTQ'd ``nnx.Linear``: fake-quantizes the input with its current per-tensor amax,
+    then the plain ``lax.dot_general`` (the kernel already holds the quantized weights). Hashable, so models with
+    the same formats share compiled code."""
+
+    fmt: TensorFormat
+
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kw):
+        return lax.dot_general(self.fmt.fake_quantize(lhs), rhs, dimension_numbers, precision=precision,
+                               preferred_element_type=preferred_element_type, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class PTQResult:
+    """What `quantize` did.
+
+    report:   a `jaxlowfp.nnx.QuantizeReport` (quantized: (path, scheme name); kept; unmatched; unused_rules)
+    method:   the method's name
+    schemes:  {path: Scheme} of the quantized layers
+    packed:   {path: (NVFP4Array of kernel.T [out, in], S_enc float32)} for NVFP4 weights (what `export` writes)
+    act_amax: {path: max |input|} over the calibration data (empty without calibration)
+    folds:    the folds applied (SmoothQuant / AWQ), and skipped: [(layer, reason)]
+    seconds:  wall time, calibration included
+    """
+
+    report: QuantizeReport
+    method: str
+    schemes: dict[str, Scheme]
+    packed: dict[str, tuple[nvfp4.NVFP4Array, jax.Array]]
+    act_amax: dict[str, float]
+    folds: tuple[Fold, ...] = ()
+    skipped: tuple[tuple[str, str], ...] = ()
+    seconds: float = 0.0
+
+
+def _batches(calibration: Any, batch_size: int, forward_is_default: bool) -> list[Any]:
+    """Calibration data as a list of batches: an int array [n, seq] (split into batches of `batch_size` rows) or
+    an iterable of batches."""
+    if isinstance(calibration, (np.ndarray, jax.Array)):
+        arr = calibration
+        if forward_is_default and (arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer)):
+            raise ValueError(f"calibration must be an integer token array [n_sequences, seq_len] for the default "
+                             f"forward (model(tokens)); got shape {tuple(arr.shape)} dtype {arr.dtype}. Pass "
+                             f"forward=... for other inputs")
+        if arr.ndim < 1 or arr.shape[0] == 0:
+            raise ValueError(f"calibration needs at least one row; got shape {tuple(arr.shape)}")
+        return [jnp.asarray(arr[i:i + batch_size]) for i in range(0, arr.shape[0], batch_size)]
+    if isinstance(calibration, Iterable) and not isinstance(calibration, (str, bytes)):
+        out = list(calibration)
+        if not out:
+            raise ValueError("calibration is an empty iterable; give at least one batch")
+        if forward_is_default:
+            for i, b in enumerate(out):
+                if getattr(b, "ndim", None) != 2 or not np.issubdtype(np.asarray(b).dtype, np.integer):
+                    raise ValueError(f"calibration batch {i} must be an integer token array [batch, seq_len] for the "
+                                     f"default forward; got {type(b).__name__} shape {getattr(b, 'shape', None)}")
+        return out
+    raise TypeError(f"calibration must be a token array or an iterable of batches; got {type(calibration).__name__}")
+
+
+def _select(model: nnx.Module, rules: Sequence[Rule]) -> tuple[dict, list, list, list, list[bool], int, int]:
+    linears = calibrate.linear_modules(model)
+    used = [False] * len(rules)
+    targets, kept, unmatched, already = {}, [], [], []
+    total = done = 0
+    for path, lin in linears.items():
+        size = int(np.prod(lin.kernel.shape))
+        total += size
+        if isinstance(lin.dot_general, ActQuant):
+            already.append(path)
+            done += size
+            continue
+        idx = next((i for i, r in enumerate(rules) if r.matches(path)), None)
+        if idx is None:
+            unmatched.append(path)
+            continue
+        used[idx] = True
+        if rules[idx].scheme is None:
+            kept.append((path, rules[idx].path))
+            continue
+        rules[idx].scheme.check_layer(lin.in_features, lin.out_features, path)
+        if lin.dot_general is not lax.dot_general:
+            raise ValueError(f"{path}: this nnx.Linear has a custom dot_general ({lin.dot_general!r}); PTQ would "
+                             f"replace it. Exclude it from the rules.")
+        targets[path] = rules[idx].scheme
+        done += size
+    return targets, kept, unmatched, already, used, total, done
+
+
+def quantize(
+    model: nnx.Module,
+    rules: Sequence[Rule] | Rule,
+    *,
+    method: str | Method = "rtn",
+    calibration: Any = None,
+    forward: Callable[[nnx.Module, Any], Any] | None = None,
+    batch_size: int = 4,
+    progress: bool = True,
+) -> PTQResult:
+    """Post-training quantization of the Linear layers that `rules` select, in place.
+
+    Args:
+      model: any ``nnx.Module``; its ``nnx.Linear`` layers (kernel [in, out]) are the candidates.
+      rules: `Rule` (path regex -> `Scheme` or None); the first match decides; every Linear is checked before any
+        change, so an error leaves the model as it was.
+      method: "rtn", "gptq", "smoothquant", "awq" or a configured `RTN` / `GPTQ` / `SmoothQuant` / `AWQ`.
+      calibration: token array [n, seq] (split into `batch_size` rows) or an iterable of batches; required by
+        GPTQ, SmoothQuant and AWQ; with RTN it only records the activation amax (for export).
+      forward: ``forward(model, batch)`` runs the model on a calibration batch (default ``model(batch)``).
+
+    Afterwards each quantized layer is still an ``nnx.Linear``: its kernel holds the dequantized quantized weights,
+    and, for W4A4 / W8A8 schemes, its ``dot_general`` is an `ActQuant` that fake-quantizes the input at run time.
+    """
+    t0 = time.perf_counter()
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"model must be an nnx.Module; got {type(model).__name__}")
+    rules = [rules] if isinstance(rules, Rule) else list(rules)
+    for i, r in enumerate(rules):
+        if not isinstance(r, Rule):
+            raise TypeError(f"rules[{i}] must be a jaxlowfp.ptq.Rule; got {type(r).__name__}: {r!r}")
+    m = method_from_name(method)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
+    targets, kept, unmatched, already, used, total, done = _select(model, rules)
+    if not targets:
+        names = list(calibrate.linear_modules(model))
+        raise ValueError(f"no nnx.Linear layer matches a rule with a scheme (rules: {[r.path for r in rules]}); the "
+                         f"model's Linear layers: {names[:12]}{' ...' if len(names) > 12 else ''}")
+    if calibration is None and not isinstance(m, RTN):
+        raise ValueError(f"method {m.name!r} needs calibration data (a token array [n, seq] or batches)")
+
+    mods = {"/".join(map(str, p)): x for p, x in nnx.iter_graph(model) if isinstance(x, nnx.Module)}
+    folds, skipped = [], []
+    if isinstance(m, (SmoothQuant, AWQ)):
+        if m.folds is None:
+            folds, skipped = smooth.llama_folds(model)
+        else:
+            folds = list(m.folds)
+        folds = [f for f in folds if any(p in targets for p in f.layers)]
+        for f in folds:
+            smooth.check_fold(mods, f)
+        if not folds:
+            raise ValueError(f"method {m.name!r}: no fold reaches a quantized layer (folds={m.folds!r}); pass "
+                             f"folds=[Fold(prev=..., layers=(...))] for this model")
+        skipped = [(p, why) for p, why in skipped if p in targets]
+
+    stats: dict[str, calibrate.LayerStats] = {}
+    if calibration is not None:
+        batches = _batches(calibration, batch_size, forward is None)
+        samples = 0
+        if isinstance(m, AWQ):
+            samples = max(1, -(-m.samples // len(batches)))
+        stats = calibrate.collect(model, list(targets), batches, forward=forward or calibrate.default_forward,
+                                  hessian=isinstance(m, GPTQ), samples_per_batch=samples, progress=progress)
+
+    if isinstance(m, (SmoothQuant, AWQ)):
+        for f in _bar(folds, f"{m.name} scales", progress):
+            first = next(p for p in f.layers if p in targets)
+            st = stats[first]
+            kernels = tuple(mods[p].kernel[...] for p in f.layers)
+            if isinstance(m, SmoothQuant):
+                s = smooth.smoothquant_scales(st.amax, kernels, m.alpha)
+            else:
+                cands, losses = smooth.awq_losses(jnp.asarray(st.samples), kernels, jnp.asarray(st.abs_mean),
+                                                  scheme=targets[first], grid=m.grid)
+                s = np.asarray(cands[int(jnp.argmin(losses))])
+            smooth.apply_fold(mods, f, s)
+            for p in f.layers:  # the layers' inputs are now X / s
+                if p in stats:
+                    stats[p] = dataclasses.replace(stats[p], amax=stats[p].amax / s, abs_sum=stats[p].abs_sum / s)
+
+    packed = {}
+    for path in _bar(list(targets), f"{m.name} weights", progress):
+        lin, sch = mods[path], targets[path]
+        kernel = lin.kernel[...]
+        if isinstance(m, GPTQ):
+            qw = gptq_weight(kernel, stats[path].gptq_hessian(), sch.weight, m, where=path)
+        else:
+            qw = rtn_weight(kernel, sch.weight)
+        lin.kernel.set_value(qw.kernel.astype(lin.kernel[...].dtype))
+        if qw.packed is not None:
+            amax = jnp.max(jnp.abs(jnp.asarray(kernel, jnp.float32)))
+            packed[path] = (qw.packed, nvfp4.global_scales(amax, sch.weight.rule)[0])
+        if sch.activation is not None:
+            lin.dot_general = ActQuant(sch.activation)
+
+    report = QuantizeReport(
+        quantized=tuple((p, s.name) for p, s in targets.items()),
+        kept=tuple(kept), unmatched=tuple(unmatched), already_quantized=tuple(already),
+        unused_rules=tuple(r.path for r, u in zip(rules, used) if not u),
+        quantized_fraction=float(done / total) if total else 0.0,
+    )
+    return PTQResult(report=report, method=m.name, schemes=dict(targets), packed=packed,
+                     act_amax={p: float(np.max(st.amax)) for p, st in stats.items()}, folds=tuple(folds),
+                     skipped=tuple(skipped), seconds=time.perf_counter() - t0)
+
+
+def _bar(items: Sequence, desc: str, enabled: bool) -> Iterable:
+    if not enabled:
+        return items
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)

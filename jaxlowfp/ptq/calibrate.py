@@ -1,0 +1,127 @@
+"""Calibration: statistics of the inputs of chosen ``nnx.Linear`` layers, from a few batches of real data.
+
+Each batch runs the whole model once under ``jax.jit``; inside the trace every target layer's ``dot_general`` is
+swapped for a recorder that hands its input to a reduction, so what leaves the forward pass is per-layer statistics,
+never the activations themselves::
+
+    hessian   Σ x x^T over tokens                 [in, in]   (GPTQ: H = 2/n Σ x x^T)
+    amax      max |x_j| over tokens                [in]       (SmoothQuant; the exported activation global scale)
+    abs_sum   Σ |x_j| over tokens                  [in]       (AWQ: mean |x_j|)
+    samples   evenly spaced token rows of x        [k, in]    (AWQ's scale search)
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+_HI = lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerStats:
+    """Input statistics of one layer (numpy, float32 sums; see the module docstring). `tokens`: rows seen."""
+
+    tokens: int
+    amax: np.ndarray
+    abs_sum: np.ndarray
+    hessian: np.ndarray | None = None
+    samples: np.ndarray | None = None
+
+    @property
+    def abs_mean(self) -> np.ndarray:
+        return self.abs_sum / max(self.tokens, 1)
+
+    def gptq_hessian(self) -> np.ndarray:
+        """H = 2/n Σ x x^T."""
+        if self.hessian is None:
+            raise ValueError("these statistics were collected without the Hessian")
+        return self.hessian * np.float32(2.0 / max(self.tokens, 1))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Recorder:
+    """A `dot_general` that records its lhs (the layer input) into `sink` while tracing."""
+
+    path: str
+    sink: dict
+
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kw):
+        self.sink[self.path] = lhs
+        return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                               preferred_element_type=preferred_element_type, **kw)
+
+
+def linear_modules(model: nnx.Module) -> dict[str, nnx.Linear]:
+    """Every ``nnx.Linear`` (subclasses included) by "/"-joined graph path, in graph order."""
+    return {"/".join(map(str, p)): m for p, m in nnx.iter_graph(model) if isinstance(m, nnx.Linear)}
+
+
+def default_forward(model: nnx.Module, batch: jax.Array) -> Any:
+    return model(batch)
+
+
+def collect(model: nnx.Module, paths: Sequence[str], batches: Iterable[Any], *,
+            forward: Callable[[nnx.Module, Any], Any] = default_forward, hessian: bool = False,
+            samples_per_batch: int = 0, progress: bool = True) -> dict[str, LayerStats]:
+    """`LayerStats` of the inputs of the Linear layers at `paths`, over `batches` (each passed to `forward`)."""
+    paths = tuple(paths)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def step(state, batch):
+        m = nnx.merge(graphdef, state)
+        sink: dict[str, jax.Array] = {}
+        mods = linear_modules(m)
+        for p in paths:
+            mods[p].dot_general = _Recorder(p, sink)
+        forward(m, batch)
+        out = {}
+        for p in paths:
+            if p not in sink:
+                raise ValueError(f"calibration: layer {p!r} was not called by the forward pass")
+            x = sink[p].reshape(-1, sink[p].shape[-1]).astype(jnp.float32)
+            a = jnp.abs(x)
+            st = {"amax": jnp.max(a, axis=0), "abs_sum": jnp.sum(a, axis=0), "tokens": jnp.int32(x.shape[0])}
+            if hessian:
+                st["hessian"] = jnp.matmul(x.T, x, precision=_HI)
+            if samples_per_batch:
+                k = min(samples_per_batch, x.shape[0])
+                st["samples"] = x[np.linspace(0, x.shape[0] - 1, k).round().astype(np.int32)]
+            out[p] = st
+        return out
+
+    total: dict[str, dict[str, Any]] = {}
+    bar = _bar(batches, "calibrate", progress)
+    for batch in bar:
+        res = jax.device_get(step(state, batch))
+        for p, st in res.items():
+            acc = total.setdefault(p, {"tokens": 0, "amax": None, "abs_sum": None, "hessian": None, "samples": []})
+            acc["tokens"] += int(st["tokens"])
+            acc["amax"] = st["amax"] if acc["amax"] is None else np.maximum(acc["amax"], st["amax"])
+            acc["abs_sum"] = st["abs_sum"] if acc["abs_sum"] is None else acc["abs_sum"] + st["abs_sum"]
+            if hessian:
+                acc["hessian"] = st["hessian"] if acc["hessian"] is None else acc["hessian"] + st["hessian"]
+            if samples_per_batch:
+                acc["samples"].append(st["samples"])
+    if not total:
+        raise ValueError("calibration: no batches were given")
+    return {p: LayerStats(tokens=a["tokens"], amax=np.asarray(a["amax"]), abs_sum=np.asarray(a["abs_sum"]),
+                          hessian=a["hessian"],
+                          samples=np.concatenate(a["samples"]) if a["samples"] else None)
+            for p, a in total.items()}
+
+
+def _bar(it: Iterable, desc: str, enabled: bool) -> Iterable:
+    if not enabled:
+        return it
+    from tqdm.auto import tqdm
+
+    return tqdm(it, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)

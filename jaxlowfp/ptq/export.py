@@ -1,0 +1,236 @@
+"""Export of a PTQ'd model's NVFP4 weights as a compressed-tensors ``nvfp4-pack-quantized`` checkpoint, and load.
+
+Layout (compressed-tensors, vllm-project/compressed-tensors: ``compressors/nvfp4/base.py`` names the tensors,
+``compressors/nvfp4/helpers.py`` packs them, ``quantization/utils/helpers.py: generate_gparam`` defines the global
+scale, ``quantization/lifecycle/forward_helpers.py`` dequantizes with ``scale / global_scale``; vLLM's
+``compressed_tensors_w4a4_nvfp4`` scheme loads it). For a Linear ``<m>`` (PyTorch orientation ``weight [out, in]``;
+an NNX kernel is ``[in, out]``, so everything is written for ``kernel.T``)::
+
+    <m>.weight_packed        uint8          [out, in / 2]   two E2M1 codes a byte, element 2j in the low nibble,
+                                                             code = sign << 3 | magnitude index (0, .5, 1, 1.5, 2, 3, 4, 6)
+    <m>.weight_scale         float8_e4m3fn  [out, in / 16]  one E4M3 block scale per 16 inputs (16x16 tiles: repeated
+                                                             over the tile's 16 rows, since the format has 1x16 groups)
+    <m>.weight_global_scale  float32        [1]             the ENCODE scale S_enc = M*E / amax (compressed-tensors
+                                                             convention; ModelOpt's ``weight_scale_2`` is its
+                                                             reciprocal, the decode scale)
+    <m>.input_global_scale   float32        [1]             W4A4 only: S_enc of the calibration activation amax
+
+    w = E2M1(code) * weight_scale / weight_global_scale
+
+and ``config.json`` gains ``quantization_config`` (``quant_method: compressed-tensors``, ``format:
+nvfp4-pack-quantized``, one config group: 4-bit float, ``strategy: tensor_group``, ``group_size: 16``, activations
+``dynamic: local``). Four Over Six changes no storage: it only chooses each block's E4M3 scale (x1.5 where the block
+maps its max to 4, and E = 256 in S_enc), so any NVFP4 kernel runs these weights. What a serving stack cannot
+reproduce is our W4A4 activation path (4/6 block scales, per-tensor amax of the current input, not a calibrated
+static global scale); that, and every layer's scheme, is recorded in ``jaxlowfp_ptq.json``, which `load` reads to
+rebuild the fake-quantized model bit for bit (the dequantization there is ours, ``(q * s) * (1 / S_enc)``, with the
+same S_enc, so the kernels come back bit-identical; ``q * (s / S_enc)`` may differ in the last bit).
+Tensors that are not quantized are written in float32.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from jaxlowfp import nvfp4
+from jaxlowfp.ptq.api import ActQuant, PTQResult
+from jaxlowfp.ptq.calibrate import linear_modules
+from jaxlowfp.ptq.formats import Scheme, TensorFormat
+
+WEIGHTS_FILE = "model.safetensors"
+META_FILE = "jaxlowfp_ptq.json"
+_SUFFIX = {"kernel": "weight", "scale": "weight", "embedding": "weight"}
+_DTYPES = {"F32": np.float32, "U8": np.uint8, "F8_E4M3": ml_dtypes.float8_e4m3fn, "BF16": ml_dtypes.bfloat16,
+           "F16": np.float16, "I32": np.int32, "I64": np.int64}
+
+
+def default_name(path: str) -> str:
+    """``blocks/0/attn/q_proj/kernel`` -> ``blocks.0.attn.q_proj.weight`` (kernel, scale, embedding -> weight)."""
+    parts = path.split("/")
+    return ".".join(parts[:-1] + [_SUFFIX.get(parts[-1], parts[-1])])
+
+
+def _namer(tensor_names: Mapping[str, str] | Callable[[str], str] | None) -> Callable[[str], str]:
+    if tensor_names is None:
+        return default_name
+    if callable(tensor_names):
+        return tensor_names
+    names = dict(tensor_names)
+    return lambda p: names[p] if p in names else default_name(p)
+
+
+def _params(model: nnx.Module) -> dict[str, nnx.Variable]:
+    return {"/".join(map(str, p)): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
+
+
+def _fmt_json(f: TensorFormat | None) -> dict | None:
+    return None if f is None else {"kind": f.kind, "rule": f.rule, "block_shape": f.block_shape}
+
+
+def _fmt_from(d: dict | None) -> TensorFormat | None:
+    if d is None:
+        return None
+    return TensorFormat(kind=d["kind"], rule=d["rule"],
+                        block_shape=None if d["block_shape"] is None else tuple(d["block_shape"]))
+
+
+def _quant_args(dynamic: Any) -> dict:
+    return {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16,
+            "dynamic": dynamic, "observer": "minmax", "observer_kwargs": {}, "actorder": None,
+            "block_structure": None}
+
+
+def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
+           tensor_names: Mapping[str, str] | Callable[[str], str] | None = None,
+           model_config: Mapping[str, Any] | None = None) -> Path:
+    """Write `model` (after `jaxlowfp.ptq.quantize` with NVFP4 weights) to `directory` (module docstring).
+
+    `tensor_names` maps an NNX parameter path (``blocks/0/attn/q_proj/kernel``) to its checkpoint name
+    (``model.layers.0.self_attn.q_proj.weight``; a Linear kernel's name must end in ``.weight``), default
+    `default_name`. `model_config` is written as ``config.json`` with ``quantization_config`` added.
+    """
+    if not isinstance(result, PTQResult):
+        raise TypeError(f"result must be the PTQResult of jaxlowfp.ptq.quantize; got {type(result).__name__}")
+    bad = [p for p, s in result.schemes.items() if s.weight.kind != "nvfp4"]
+    if bad:
+        raise ValueError(f"export writes NVFP4 weights; layers {bad[:4]} use "
+                         f"{sorted({result.schemes[p].weight.name for p in bad})}")
+    name_of = _namer(tensor_names)
+    params = _params(model)
+    linears = linear_modules(model)
+    tensors: dict[str, np.ndarray] = {}
+    layers: dict[str, Any] = {}
+    for path, var in params.items():
+        mod_path, leaf = path.rsplit("/", 1) if "/" in path else ("", path)
+        name = name_of(path)
+        if mod_path in result.schemes and leaf == "kernel":
+            if mod_path not in result.packed:
+                raise ValueError(f"{mod_path}: no packed NVFP4 weights in the result")
+            if not name.endswith(".weight"):
+                raise ValueError(f"{path}: the checkpoint name {name!r} of a quantized kernel must end in '.weight'")
+            arr, s_enc = result.packed[mod_path]
+            if not bool(jnp.all(arr.dequantize(jnp.float32).T == var[...])):
+                raise ValueError(f"{mod_path}: the model's kernel is not the packed NVFP4 weight (was the model "
+                                 f"changed after quantize?)")
+            m = name[: -len(".weight")]
+            sch = result.schemes[mod_path]
+            scales = np.asarray(arr.scales)
+            if sch.weight.rows > 1:  # 16x16 tiles -> one (equal) scale per row and 16 inputs
+                scales = np.repeat(scales, sch.weight.rows, axis=0)
+            tensors[f"{m}.weight_packed"] = np.asarray(arr.codes)
+            tensors[f"{m}.weight_scale"] = scales
+            tensors[f"{m}.weight_global_scale"] = np.asarray(s_enc, np.float32).reshape(1)
+            if sch.activation is not None:
+                if mod_path not in result.act_amax:
+                    raise ValueError(f"{mod_path}: W4A4 export needs the calibration activation amax for "
+                                     f"input_global_scale; run jaxlowfp.ptq.quantize with calibration data")
+                a_rule = sch.activation.rule if sch.activation.kind == "nvfp4" else "static_6"
+                g = nvfp4.global_scales(jnp.float32(result.act_amax[mod_path]), a_rule)[0]
+                tensors[f"{m}.input_global_scale"] = np.asarray(g, np.float32).reshape(1)
+            layers[mod_path] = {"name": m, "weight": _fmt_json(sch.weight), "activation": _fmt_json(sch.activation)}
+            continue
+        value = np.asarray(var[...], np.float32)
+        if leaf == "kernel" and mod_path in linears:
+            value = value.T  # PyTorch [out, in]
+        tensors[name] = np.ascontiguousarray(value)
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    from safetensors.numpy import save_file
+
+    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    w4a4 = any(s.activation is not None for s in result.schemes.values())
+    group = {"targets": sorted({v["name"] for v in layers.values()}), "weights": _quant_args(False),
+             "input_activations": _quant_args("local") if w4a4 else None, "output_activations": None,
+             "format": "nvfp4-pack-quantized"}
+    qcfg = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": group}, "kv_cache_scheme": None, "global_compression_ratio": None,
+            "ignore": sorted({name_of(p)[: -len(".weight")] for p in params
+                              if p.rsplit("/", 1)[0] in linears and p.endswith("/kernel")
+                              and p.rsplit("/", 1)[0] not in result.schemes})}
+    config = dict(model_config or {})
+    config["quantization_config"] = qcfg
+    (directory / "config.json").write_text(json.dumps(config, indent=1))
+    meta = {"format": "jaxlowfp-ptq/1", "method": result.method, "layers": layers,
+            "activation_scaling": "current per-tensor amax (dynamic); input_global_scale is the calibration amax",
+            "tensor_names": {p: name_of(p) for p in params}}
+    (directory / META_FILE).write_text(json.dumps(meta, indent=1))
+    return directory
+
+
+def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
+    """All tensors of a .safetensors file as numpy arrays (float8_e4m3fn via ml_dtypes; the safetensors package's
+    numpy reader has no fp8 type)."""
+    data = Path(path).read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8: 8 + n])
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(f"{path}: tensor {name} has dtype {info['dtype']}; supported: {sorted(_DTYPES)}")
+        a, b = info["data_offsets"]
+        out[name] = np.frombuffer(data[8 + n + a: 8 + n + b], _DTYPES[info["dtype"]]).reshape(info["shape"])
+    return out
+
+
+def load(model: nnx.Module, directory: str | Path) -> dict[str, Scheme]:
+    """Load a directory written by `export` into `model` (same architecture), in place: every parameter, NVFP4
+    kernels dequantized as ``(q * s) * (1 / S_enc)``, and the activation quantization of W4A4 layers. Returns
+    {path: Scheme} of the quantized layers."""
+    directory = Path(directory)
+    meta_path = directory / META_FILE
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{directory}: no {META_FILE} (not written by jaxlowfp.ptq.export)")
+    meta = json.loads(meta_path.read_text())
+    tensors = read_safetensors(directory / WEIGHTS_FILE)
+    names = meta["tensor_names"]
+    params = _params(model)
+    linears = linear_modules(model)
+    missing = sorted(set(params) - set(names))
+    if missing:
+        raise ValueError(f"{directory}: the model has parameters the checkpoint does not name: {missing[:5]}")
+    schemes = {}
+    for path, var in params.items():
+        mod_path, leaf = path.rsplit("/", 1) if "/" in path else ("", path)
+        if mod_path in meta["layers"] and leaf == "kernel":
+            info = meta["layers"][mod_path]
+            w_fmt, a_fmt = _fmt_from(info["weight"]), _fmt_from(info["activation"])
+            m = info["name"]
+            codes, scales = tensors[f"{m}.weight_packed"], tensors[f"{m}.weight_scale"]
+            s_enc = jnp.asarray(tensors[f"{m}.weight_global_scale"][0], jnp.float32)
+            if w_fmt.rows > 1:
+                scales = scales[:: w_fmt.rows]
+            out, half = codes.shape
+            arr = nvfp4.NVFP4Array(codes=jnp.asarray(codes), scales=jnp.asarray(scales), global_scale=1.0 / s_enc,
+                                   rule=w_fmt.rule, block_shape=w_fmt.block_shape, dtype=jnp.dtype(jnp.float32),
+                                   shape=(out, 2 * half))
+            kernel = arr.dequantize(jnp.float32).T
+            if kernel.shape != var.shape:
+                raise ValueError(f"{m}: packed weight is {kernel.shape[::-1]} (PyTorch [out, in]); the model's "
+                                 f"kernel {path} is {var.shape}")
+            var.set_value(kernel.astype(var[...].dtype))
+            lin = linears[mod_path]
+            lin.dot_general = ActQuant(a_fmt) if a_fmt is not None else lax.dot_general
+            schemes[mod_path] = Scheme(weight=w_fmt, activation=a_fmt)
+            continue
+        name = names[path]
+        if name not in tensors:
+            raise ValueError(f"{directory}: tensor {name} ({path}) is missing")
+        value = tensors[name]
+        if leaf == "kernel" and mod_path in linears:
+            value = value.T
+        if tuple(value.shape) != tuple(var.shape):
+            raise ValueError(f"{name}: shape {value.shape} does not fit {path} {var.shape}")
+        var.set_value(jnp.asarray(value, var[...].dtype))
+    return schemes

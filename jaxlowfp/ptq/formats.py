@@ -1,0 +1,226 @@
+"""What PTQ quantizes a tensor to (:class:`TensorFormat`), a layer's weight + activation pair (:class:`Scheme`),
+and the quantizers: fake quantization with a current per-tensor amax, and round-to-nearest weight quantization.
+
+Every quantizer here is a public ``jaxlowfp`` function (``nvfp4``, ``mx``, ``qat.scaled_round``); blocks run along
+the last axis, the GEMM reduction axis. A ``nnx.Linear`` kernel is ``[in, out]``, so weights are quantized as
+``kernel.T`` (``[out, in]``, PyTorch's layout, blocks along ``in``) and transposed back::
+
+    nvfp4  x̂ = (q * s_b) * S_dec      E2M1 q, E4M3 s_b per 16 values (rule: static_6, static_4, abs_max, mae, mse)
+    mxfp4  x̂ = q * 2^e_b              E2M1 q, E8M0 2^e_b per 32 values (OCP floor rule)
+    hif8   x̂ = HiF8(clip(x / s, +-15)) * s,   s = amax / 15   (per tensor; the Max-Window paper's target)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxlowfp import formats, mx, nvfp4, qat
+from jaxlowfp.scaling import CurrentScaling
+
+KINDS = ("nvfp4", "mxfp4", "hif8")
+NVFP4_RULES = tuple(nvfp4.RULES)
+NVFP4_BLOCK_SHAPES = tuple(nvfp4.BLOCK_SHAPES)
+HIF8_TARGET = 15.0
+_FLT_MAX = float(np.finfo(np.float32).max)
+
+
+def _one_of(value: Any, allowed: tuple, what: str) -> None:
+    if value not in allowed:
+        raise ValueError(f"{what}={value!r} is not supported; allowed: {', '.join(map(repr, allowed))}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TensorFormat:
+    """How one tensor is quantized.
+
+    Attributes:
+      kind: "nvfp4", "mxfp4" (OCP MX, E2M1 elements, 32 per E8M0 scale) or "hif8" (per-tensor scale).
+      rule: NVFP4 only: "static_6" (standard), "static_4", or the Four Over Six rules "abs_max", "mae", "mse".
+      block_shape: NVFP4 only: (1, 16), or (16, 16) tiles (weights only).
+    """
+
+    kind: str
+    rule: str | None = None
+    block_shape: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        _one_of(self.kind, KINDS, "kind")
+        if self.kind == "nvfp4":
+            object.__setattr__(self, "rule", "mse" if self.rule is None else self.rule)
+            bs = (1, 16) if self.block_shape is None else self.block_shape
+            bs = tuple(bs) if isinstance(bs, (list, tuple)) else bs
+            _one_of(self.rule, NVFP4_RULES, "rule")
+            _one_of(bs, NVFP4_BLOCK_SHAPES, "block_shape")
+            object.__setattr__(self, "block_shape", bs)
+        else:
+            for f in ("rule", "block_shape"):
+                if getattr(self, f) is not None:
+                    raise ValueError(f"{f}={getattr(self, f)!r} applies to kind='nvfp4' only; got kind={self.kind!r}")
+
+    @property
+    def group(self) -> int | None:
+        """Elements per scale along the reduction axis (None: one scale per tensor)."""
+        return {"nvfp4": 16, "mxfp4": mx.BLOCK}.get(self.kind)
+
+    @property
+    def rows(self) -> int:
+        """Rows per scale tile across the reduction axis (16 for NVFP4 16x16 tiles, else 1)."""
+        return self.block_shape[0] if self.kind == "nvfp4" else 1
+
+    @property
+    def name(self) -> str:
+        if self.kind == "nvfp4":
+            return f"nvfp4-{self.rule}" + ("-16x16" if self.rows == 16 else "")
+        return self.kind
+
+    def fake_quantize(self, x: jax.Array) -> jax.Array:
+        """Quantize-dequantize `x` (blocks along the last axis) with the current per-tensor amax, in x's dtype."""
+        if self.kind == "nvfp4":
+            return nvfp4.fake_quantize(x, rule=self.rule, block_shape=self.block_shape)
+        if self.kind == "mxfp4":
+            return mx.fake_quantize(x, elem="e2m1")
+        return hif8_fake_quantize(x)
+
+
+def hif8_scale(amax: jax.Array) -> jax.Array:
+    """Per-tensor HiF8 dequant multiplier ``amax / 15`` (1 when amax is 0 or not finite)."""
+    return CurrentScaling(target_max=HIF8_TARGET).scale(amax)
+
+
+def hif8_fake_quantize(x: jax.Array, scale: jax.Array | None = None) -> jax.Array:
+    """``HiF8(clip(x / s, +-15)) * s`` (`qat.scaled_round`), s = `hif8_scale(max|x|)` unless given."""
+    if scale is None:
+        scale = hif8_scale(jnp.max(jnp.abs(x.astype(jnp.float32))))
+    return qat.scaled_round(x, scale, HIF8_TARGET, "hif8")[0]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Scheme:
+    """A layer's PTQ target: the weight format and the activation format (None: weights only, e.g. W4A16).
+
+    Activations are fake-quantized at run time with the current per-tensor amax; NVFP4 activations use 1x16
+    blocks.
+    """
+
+    weight: TensorFormat
+    activation: TensorFormat | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.weight, TensorFormat):
+            raise TypeError(f"weight must be a TensorFormat; got {type(self.weight).__name__}")
+        if self.activation is not None:
+            if not isinstance(self.activation, TensorFormat):
+                raise TypeError(f"activation must be a TensorFormat or None; got {type(self.activation).__name__}")
+            if self.activation.rows != 1:
+                raise ValueError(f"activations are quantized in 1x16 blocks; got block_shape="
+                                 f"{self.activation.block_shape} (16x16 tiles are for weights)")
+
+    @property
+    def name(self) -> str:
+        w = self.weight.name
+        if self.activation is None:
+            return f"{w} W-only"
+        a = self.activation.name
+        return w if a == w or (self.weight.kind == "nvfp4" and self.activation.rule == self.weight.rule) else f"{w} / a {a}"
+
+    def check_layer(self, in_features: int, out_features: int, where: str) -> None:
+        """Block-scaled formats need whole blocks along `in` (and whole 16-row tiles along `out`)."""
+        for role, f in (("weight", self.weight), ("activation", self.activation)):
+            if f is None or f.group is None:
+                continue
+            if in_features % f.group:
+                raise ValueError(f"{where}: {role} format {f.name} needs in_features to be a multiple of {f.group}; "
+                                 f"got {in_features}. Keep this layer in high precision (a Rule with scheme=None).")
+            if role == "weight" and f.rows > 1 and out_features % f.rows:
+                raise ValueError(f"{where}: weight format {f.name} (16x16 tiles) needs out_features to be a multiple "
+                                 f"of 16; got {out_features}")
+
+
+SCHEMES = ("nvfp4-static_6", "nvfp4-static_4", "nvfp4-abs_max", "nvfp4-mae", "nvfp4-mse", "mxfp4", "hif8")
+
+
+def scheme(name: str, *, weights_only: bool = False, weight_block: tuple[int, int] = (1, 16)) -> Scheme:
+    """A named scheme: ``"nvfp4-<rule>"`` (W4A4 NVFP4, weights and activations with the same rule), ``"mxfp4"``
+    (W4A4 MXFP4) or ``"hif8"`` (W8A8 HiF8, per-tensor scales). ``weights_only``: no activation quantization
+    (W4A16 / W8A16). ``weight_block``: NVFP4 weight blocks, (1, 16) or (16, 16)."""
+    _one_of(name, SCHEMES, "scheme")
+    if name.startswith("nvfp4-"):
+        rule = name.split("-", 1)[1]
+        w = TensorFormat(kind="nvfp4", rule=rule, block_shape=tuple(weight_block))
+        a = TensorFormat(kind="nvfp4", rule=rule)
+    else:
+        if tuple(weight_block) != (1, 16):
+            raise ValueError(f"weight_block applies to NVFP4 schemes only; got {weight_block!r} with {name!r}")
+        w = a = TensorFormat(kind=name)
+    return Scheme(weight=w, activation=None if weights_only else a)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# weights
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """A quantized kernel: `kernel` [in, out] float32 (the dequantized values the model computes with) and, for
+    NVFP4, `packed`, the `nvfp4.NVFP4Array` of ``kernel.T`` ([out, in]: codes, E4M3 scales, global scale)
+    whose ``dequantize().T`` is `kernel` bit for bit."""
+
+    kernel: jax.Array
+    packed: nvfp4.NVFP4Array | None = None
+
+
+def rtn_weight(kernel: jax.Array, fmt: TensorFormat) -> QuantizedWeight:
+    """Round-to-nearest quantization of a kernel [in, out] (blocks along `in`), with its own amax."""
+    wt = jnp.asarray(kernel, jnp.float32).T
+    if fmt.kind == "nvfp4":
+        arr = nvfp4.quantize(wt, rule=fmt.rule, block_shape=fmt.block_shape)
+        return QuantizedWeight(arr.dequantize(jnp.float32).T, arr)
+    return QuantizedWeight(fmt.fake_quantize(wt).T)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# column quantizers with fixed scales (GPTQ): quantize one input channel of W^T [out, in] at a time
+
+
+def nvfp4_fix(cols: jax.Array, fmt: TensorFormat, global_amax: jax.Array) -> jax.Array:
+    """E4M3 block scales (float32 values, one per row [out]) of the 16 columns `cols` [out, 16] as they stand,
+    with the tensor's global amax: the block scale and the 4-or-6 choice of `nvfp4.quantize`."""
+    arr = nvfp4.quantize(cols, rule=fmt.rule, block_shape=fmt.block_shape, global_amax=global_amax)
+    s = arr.scales.astype(jnp.float32).reshape(-1)  # [out] (1x16) or [out / 16] (16x16 tiles)
+    return jnp.repeat(s, fmt.rows) if fmt.rows > 1 else s
+
+
+def nvfp4_column(col: jax.Array, s: jax.Array, s_dec: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(E2M1 value q, dequantized (q * s) * S_dec) of a column with fixed block scales `s` (the NVFP4 element step:
+    ``q = E2M1_RNE_satfinite(x * min(1 / (s * S_dec), FLT_MAX))``, +0 where s == 0)."""
+    inv = jnp.minimum(1.0 / (s * s_dec), _FLT_MAX)
+    q = formats.E2M1.round(col * jnp.where(s == 0, 0.0, inv), saturate=True)
+    q = jnp.where(s == 0, 0.0, q)
+    return q, (q * s) * s_dec
+
+
+def mxfp4_fix(cols: jax.Array) -> jax.Array:
+    """The E8M0 block scale 2^e (float32, per row [out]) of 32 columns `cols` [out, 32] as they stand."""
+    return mx.quantize(cols, elem="e2m1").scales.astype(jnp.float32).reshape(-1)
+
+
+def mxfp4_column(col: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(E2M1 value q, q * 2^e) of a column with fixed power-of-two scales `x` = 2^e (1 / x is exact)."""
+    q = formats.E2M1.round(col * (1.0 / x), saturate=True)
+    return q, q * x
+
+
+def pack_nvfp4(q: jax.Array, scales: jax.Array, s_dec: jax.Array, fmt: TensorFormat) -> nvfp4.NVFP4Array:
+    """An `nvfp4.NVFP4Array` of [out, in] from E2M1 values `q` [out, in], per-row block scales `scales`
+    [out, in / 16] (float32 E4M3 values) and the decode scale."""
+    out, k = q.shape
+    codes = formats.E2M1.encode(q)  # sign << 3 | magnitude index, as NVFP4Array stores them
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)  # element 2j in the low nibble
+    if fmt.rows > 1:
+        scales = scales[:: fmt.rows]
+    return nvfp4.NVFP4Array(codes=packed, scales=scales.astype(jnp.float8_e4m3fn), global_scale=s_dec,
+                            rule=fmt.rule, block_shape=fmt.block_shape, dtype=jnp.dtype(jnp.float32), shape=(out, k))

@@ -1,0 +1,179 @@
+"""GPTQ (Frantar et al. 2022) with block-scaled formats: the input channels of a layer are quantized one at a time
+and each one's rounding error is fed back into the channels not yet quantized, weighted by the inverse Hessian.
+
+With ``W = kernel.T`` [out, in] (rows: outputs; columns: input channels, the NVFP4 block axis) and calibration
+inputs X [n, in]::
+
+    H     = 2/n X^T X + λ I,      λ = damp_percent/100 * mean(diag H)     (dead inputs: H_ii = 1, W[:, i] = 0)
+    U     = chol(H^-1)^T          (upper; in act-order, columns sorted by decreasing H_ii first)
+    for column j (in chunks of `block_size`, later chunks updated lazily, once per chunk):
+        w_j   = the column as it stands (original minus the errors fed back so far)
+        if j is the first column of its scale group reached: fix the group's scale from its columns as they stand
+              (NVFP4: the E4M3 block scale and the 4-or-6 choice of `nvfp4.quantize`, with the global scale from
+              the original weight amax; MXFP4: the E8M0 scale; HiF8: one per-tensor scale from the original amax)
+        q_j   = the column rounded on that fixed grid
+        e_j   = (w_j - q_j) / U_jj;        w_k -= e_j U_jk  for every later column k
+
+Only the chosen grid's error feeds back. With no correlation between inputs (H diagonal) nothing feeds back and the
+result is round-to-nearest, bit for bit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxlowfp import nvfp4
+from jaxlowfp.ptq.formats import (QuantizedWeight, TensorFormat, hif8_fake_quantize, hif8_scale, mxfp4_column,
+                                  mxfp4_fix, nvfp4_column, nvfp4_fix, pack_nvfp4)
+
+_HI = lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GPTQ:
+    """GPTQ settings.
+
+    Attributes:
+      damp_percent: λ as a percentage of the mean Hessian diagonal (GPTQ's default 1 %); raised x10 (up to
+        three times) if the Cholesky factorization fails.
+      block_size: columns per lazy-update chunk (the result does not depend on it beyond float rounding).
+      act_order: process input channels in order of decreasing H_ii (each scale group is still fixed when its
+        first column is reached, from all its columns as they stand).
+    """
+
+    damp_percent: float = 1.0
+    block_size: int = 128
+    act_order: bool = False
+
+    def __post_init__(self) -> None:
+        d = self.damp_percent
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not (0 < d < 100):
+            raise ValueError(f"damp_percent must be a number in (0, 100); got {d!r}")
+        b = self.block_size
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"block_size must be a positive int; got {b!r}")
+        if not isinstance(self.act_order, bool):
+            raise TypeError(f"act_order must be a bool; got {self.act_order!r}")
+
+    name = "gptq"
+
+
+@jax.jit
+def _inverse_cholesky(h: jax.Array, damp: jax.Array) -> jax.Array:
+    """Upper U with U^T U = (H + damp * mean(diag H) I)^-1."""
+    n = h.shape[0]
+    eye = jnp.eye(n, dtype=jnp.float32)
+    h = h + eye * (damp * jnp.mean(jnp.diag(h)))
+    lo = jnp.linalg.cholesky(h)
+    hinv = jax.scipy.linalg.cho_solve((lo, True), eye)
+    hinv = 0.5 * (hinv + hinv.T)
+    return jnp.linalg.cholesky(hinv).T
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "chunk"))
+def _gptq(w: jax.Array, u: jax.Array, group_of: jax.Array, first: jax.Array, group_cols: jax.Array,
+          params0: jax.Array, amax: jax.Array, *, fmt: TensorFormat, chunk: int):
+    """The column loop in processing order. w [out, n] and u [n, n] are permuted; group_of [n] is each column's
+    scale group, first [n] whether it is the group's first column reached, group_cols [groups, g] the processing
+    positions of each group's columns; params0 [groups, out] the initial (HiF8: final) per-row scales."""
+    out, n = w.shape
+    if fmt.kind == "nvfp4":
+        s_dec = nvfp4.global_scales(amax, fmt.rule)[1]
+
+    def fix(cols):
+        if fmt.kind == "nvfp4":
+            return nvfp4_fix(cols, fmt, amax)
+        return mxfp4_fix(cols)
+
+    def column(col, p):
+        if fmt.kind == "nvfp4":
+            return nvfp4_column(col, p, s_dec)
+        if fmt.kind == "mxfp4":
+            return mxfp4_column(col, p)
+        deq = hif8_fake_quantize(col, p[0])
+        return deq, deq
+
+    def chunk_body(c, carry):
+        w, qv, deq, params = carry
+        c1 = c * chunk
+        uc = lax.dynamic_slice_in_dim(u, c1, chunk, axis=0)  # [chunk, n]: rows of this chunk's columns
+        err = jnp.zeros((out, chunk), jnp.float32)
+
+        def current(cols, err):  # columns (positions >= the current one) as they stand
+            return w[:, cols] - jnp.matmul(err, uc[:, cols], precision=_HI)
+
+        def col_body(i, inner):
+            err, qv, deq, params = inner
+            j = c1 + i
+            wj = current(j[None], err)[:, 0]
+            g = group_of[j]
+            if fmt.kind != "hif8":
+                params = lax.cond(first[j], lambda p: p.at[g].set(fix(current(group_cols[g], err))),
+                                  lambda p: p, params)
+            q, d = column(wj, params[g])
+            err = err.at[:, i].set((wj - d) / u[j, j])
+            return err, qv.at[:, j].set(q), deq.at[:, j].set(d), params
+
+        err, qv, deq, params = lax.fori_loop(0, chunk, col_body, (err, qv, deq, params))
+        later = (jnp.arange(n) >= c1 + chunk)[None, :]
+        w = w - jnp.where(later, jnp.matmul(err, uc, precision=_HI), 0.0)
+        return w, qv, deq, params
+
+    zeros = jnp.zeros((out, n), jnp.float32)
+    _, qv, deq, params = lax.fori_loop(0, n // chunk, chunk_body, (w, zeros, zeros, params0))
+    return qv, deq, params
+
+
+def gptq_weight(kernel: jax.Array, hessian: jax.Array, fmt: TensorFormat, cfg: GPTQ = GPTQ(), *,
+                where: str = "layer") -> QuantizedWeight:
+    """GPTQ-quantize a kernel [in, out] given the Hessian H = 2/n X^T X [in, in] of its inputs (module docstring)."""
+    kernel = jnp.asarray(kernel, jnp.float32)
+    n_in, out = kernel.shape
+    h = np.array(hessian, np.float32)
+    if h.shape != (n_in, n_in):
+        raise ValueError(f"{where}: the Hessian must be [in, in] = {(n_in, n_in)}; got {h.shape}")
+    if not np.isfinite(h).all():
+        raise ValueError(f"{where}: the Hessian has non-finite values (calibration activations overflowed?)")
+    w = np.array(kernel.T)  # [out, in]
+    dead = np.diag(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    amax = jnp.max(jnp.abs(kernel))  # the global scale comes from the original weights
+    perm = np.argsort(-np.diag(h), kind="stable") if cfg.act_order else np.arange(n_in)
+    pos = np.argsort(perm)  # processing position of each original column
+    hp = jnp.asarray(h[perm][:, perm])
+    damp = cfg.damp_percent / 100.0
+    for _ in range(4):
+        u = _inverse_cholesky(hp, jnp.float32(damp))
+        if bool(jnp.all(jnp.isfinite(u))):
+            break
+        damp *= 10.0
+    else:
+        raise ValueError(f"{where}: the damped Hessian is not positive definite even with damp_percent="
+                         f"{100 * damp / 10:g}; use more calibration data")
+
+    g = fmt.group or n_in
+    n_groups = n_in // g
+    group_cols = pos.reshape(n_groups, g)  # processing positions of each group's columns
+    group_of = perm // g
+    first = np.zeros(n_in, bool)
+    first[group_cols.min(axis=1)] = True
+    if fmt.kind == "hif8":
+        params0 = jnp.full((1, out), hif8_scale(amax), jnp.float32)
+    else:
+        params0 = jnp.zeros((n_groups, out), jnp.float32)
+    chunk = int(np.gcd(n_in, cfg.block_size))
+    qv, deq, params = _gptq(jnp.asarray(w[:, perm]), u, jnp.asarray(group_of, jnp.int32), jnp.asarray(first),
+                            jnp.asarray(group_cols, jnp.int32), params0, amax, fmt=fmt, chunk=chunk)
+    inv = jnp.asarray(pos)
+    qv, deq = qv[:, inv], deq[:, inv]
+    if fmt.kind != "nvfp4":
+        return QuantizedWeight(deq.T)
+    s_dec = nvfp4.global_scales(amax, fmt.rule)[1]
+    arr = pack_nvfp4(qv, params.T, s_dec, fmt)
+    return QuantizedWeight(arr.dequantize(jnp.float32).T, arr)
