@@ -32,7 +32,7 @@ Schemes (`formats`): ``"nvfp4-static_6"``, ``"nvfp4-static_4"``, ``"nvfp4-abs_ma
 >>> res.report.quantized, res.report.unmatched, res.report.unused_rules
 ((('up_proj', 'nvfp4-mse'),), ('down_proj',), ('gate_proj',))
 """
-from jaxlowfp.ptq.api import METHODS, RTN, ActQuant, PTQResult, Rule, method_from_name, quantize
+from jaxlowfp.ptq.api import METHODS, RTN, ActQuant, PTQResult, Rule, method_from_name, quantize, smooth_model
 from jaxlowfp.ptq.calibrate import LayerStats, collect
 from jaxlowfp.ptq.export import export, load
 from jaxlowfp.ptq.formats import SCHEMES, QuantizedWeight, Scheme, TensorFormat, rtn_weight, scheme
@@ -42,5 +42,5 @@ from jaxlowfp.ptq.smooth import AWQ, Fold, SmoothQuant, llama_folds
 __all__ = [
     "METHODS", "SCHEMES", "RTN", "GPTQ", "SmoothQuant", "AWQ", "Rule", "Scheme", "TensorFormat", "Fold",
     "ActQuant", "PTQResult", "QuantizedWeight", "LayerStats", "quantize", "scheme", "method_from_name",
-    "rtn_weight", "gptq_weight", "llama_folds", "collect", "export", "load",
+    "rtn_weight", "gptq_weight", "llama_folds", "smooth_model", "collect", "export", "load",
 ]

@@ -6,7 +6,7 @@ import dataclasses
 import re
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -168,6 +168,7 @@ def quantize(
     calibration: Any = None,
     forward: Callable[[nnx.Module, Any], Any] | None = None,
     batch_size: int = 4,
+    stats: Mapping[str, calibrate.LayerStats] | None = None,
     progress: bool = True,
 ) -> PTQResult:
     """Post-training quantization of the Linear layers that `rules` select, in place.
@@ -180,6 +181,8 @@ def quantize(
       calibration: token array [n, seq] (split into `batch_size` rows) or an iterable of batches; required by
         GPTQ, SmoothQuant and AWQ; with RTN it only records the activation amax (for export).
       forward: ``forward(model, batch)`` runs the model on a calibration batch (default ``model(batch)``).
+      stats: instead of `calibration`, statistics from `jaxlowfp.ptq.collect` on this same unquantized model
+        (with ``hessian=True`` for GPTQ, samples for AWQ): one calibration pass shared by many quantize calls.
 
     Afterwards each quantized layer is still an ``nnx.Linear``: its kernel holds the dequantized quantized weights,
     and, for W4A4 / W8A8 schemes, its ``dot_general`` is an `ActQuant` that fake-quantizes the input at run time.
@@ -199,25 +202,27 @@ def quantize(
         names = list(calibrate.linear_modules(model))
         raise ValueError(f"no nnx.Linear layer matches a rule with a scheme (rules: {[r.path for r in rules]}); the "
                          f"model's Linear layers: {names[:12]}{' ...' if len(names) > 12 else ''}")
-    if calibration is None and not isinstance(m, RTN):
+    if calibration is not None and stats is not None:
+        raise ValueError("pass calibration or stats, not both")
+    if calibration is None and stats is None and not isinstance(m, RTN):
         raise ValueError(f"method {m.name!r} needs calibration data (a token array [n, seq] or batches)")
 
     mods = {"/".join(map(str, p)): x for p, x in nnx.iter_graph(model) if isinstance(x, nnx.Module)}
     folds, skipped = [], []
     if isinstance(m, (SmoothQuant, AWQ)):
-        if m.folds is None:
-            folds, skipped = smooth.llama_folds(model)
-        else:
-            folds = list(m.folds)
-        folds = [f for f in folds if any(p in targets for p in f.layers)]
-        for f in folds:
-            smooth.check_fold(mods, f)
-        if not folds:
-            raise ValueError(f"method {m.name!r}: no fold reaches a quantized layer (folds={m.folds!r}); pass "
-                             f"folds=[Fold(prev=..., layers=(...))] for this model")
-        skipped = [(p, why) for p, why in skipped if p in targets]
+        folds, skipped = _folds(model, mods, m, targets)
 
-    stats: dict[str, calibrate.LayerStats] = {}
+    if stats is not None:
+        stats = dict(stats)
+        need = [p for p in targets if p not in stats or not isinstance(stats[p], calibrate.LayerStats)]
+        if need:
+            raise ValueError(f"stats has no LayerStats for the layers {need[:4]}")
+        if isinstance(m, GPTQ) and any(stats[p].hessian is None for p in targets):
+            raise ValueError("GPTQ needs stats collected with hessian=True")
+        if isinstance(m, AWQ) and any(stats[p].samples is None for p in targets):
+            raise ValueError("AWQ needs stats collected with samples_per_batch > 0")
+    else:
+        stats = {}
     if calibration is not None:
         batches = _batches(calibration, batch_size, forward is None)
         samples = 0
@@ -227,20 +232,7 @@ def quantize(
                                   hessian=isinstance(m, GPTQ), samples_per_batch=samples, progress=progress)
 
     if isinstance(m, (SmoothQuant, AWQ)):
-        for f in _bar(folds, f"{m.name} scales", progress):
-            first = next(p for p in f.layers if p in targets)
-            st = stats[first]
-            kernels = tuple(mods[p].kernel[...] for p in f.layers)
-            if isinstance(m, SmoothQuant):
-                s = smooth.smoothquant_scales(st.amax, kernels, m.alpha)
-            else:
-                cands, losses = smooth.awq_losses(jnp.asarray(st.samples), kernels, jnp.asarray(st.abs_mean),
-                                                  scheme=targets[first], grid=m.grid)
-                s = np.asarray(cands[int(jnp.argmin(losses))])
-            smooth.apply_fold(mods, f, s)
-            for p in f.layers:  # the layers' inputs are now X / s
-                if p in stats:
-                    stats[p] = dataclasses.replace(stats[p], amax=stats[p].amax / s, abs_sum=stats[p].abs_sum / s)
+        stats = smooth_model(model, m, folds, targets, stats, progress=progress)
 
     packed = {}
     for path in _bar(list(targets), f"{m.name} weights", progress):
@@ -264,8 +256,52 @@ def quantize(
         quantized_fraction=float(done / total) if total else 0.0,
     )
     return PTQResult(report=report, method=m.name, schemes=dict(targets), packed=packed,
-                     act_amax={p: float(np.max(st.amax)) for p, st in stats.items()}, folds=tuple(folds),
+                     act_amax={p: float(np.max(stats[p].amax)) for p in targets if p in stats}, folds=tuple(folds),
                      skipped=tuple(skipped), seconds=time.perf_counter() - t0)
+
+
+def _folds(model: nnx.Module, mods: dict, m: SmoothQuant | AWQ, targets: Mapping[str, Scheme]
+           ) -> tuple[list[Fold], list[tuple[str, str]]]:
+    """The method's folds (default `llama_folds`) that reach a quantized layer, checked; and the skipped layers."""
+    if m.folds is None:
+        folds, skipped = smooth.llama_folds(model)
+    else:
+        folds, skipped = list(m.folds), []
+    folds = [f for f in folds if any(p in targets for p in f.layers)]
+    for f in folds:
+        smooth.check_fold(mods, f)
+    if not folds:
+        raise ValueError(f"method {m.name!r}: no fold reaches a quantized layer (folds={m.folds!r}); pass "
+                         f"folds=[Fold(prev=..., layers=(...))] for this model")
+    return folds, [(p, why) for p, why in skipped if p in targets]
+
+
+def smooth_model(model: nnx.Module, method: SmoothQuant | AWQ, folds: Sequence[Fold], schemes: Mapping[str, Scheme],
+                 stats: Mapping[str, calibrate.LayerStats], *, progress: bool = False
+                 ) -> dict[str, calibrate.LayerStats]:
+    """Apply SmoothQuant or AWQ scales to `folds` in place (no quantization: the model computes the same function
+    up to float32 rounding). AWQ's search uses `schemes[layer]` of the fold's first quantized layer. Returns the
+    statistics of the layers' new inputs (X / s)."""
+    mods = {"/".join(map(str, p)): x for p, x in nnx.iter_graph(model) if isinstance(x, nnx.Module)}
+    stats = dict(stats)
+    for f in _bar(list(folds), f"{method.name} scales", progress):
+        first = next(p for p in f.layers if p in schemes)
+        st = stats[first]
+        kernels = tuple(mods[p].kernel[...] for p in f.layers)
+        if isinstance(method, SmoothQuant):
+            s = smooth.smoothquant_scales(st.amax, kernels, method.alpha)
+        else:
+            if st.samples is None:
+                raise ValueError(f"AWQ needs calibration samples of {first}")
+            cands, losses = smooth.awq_losses(jnp.asarray(st.samples), kernels, jnp.asarray(st.abs_mean),
+                                              scheme=schemes[first], grid=method.grid)
+            s = np.asarray(cands[int(jnp.argmin(losses))])
+        smooth.apply_fold(mods, f, s)
+        for p in f.layers:  # the layers' inputs are now X / s
+            if p in stats:
+                stats[p] = dataclasses.replace(stats[p], amax=stats[p].amax / s, abs_sum=stats[p].abs_sum / s,
+                                               samples=None if stats[p].samples is None else stats[p].samples / s)
+    return stats
 
 
 def _bar(items: Sequence, desc: str, enabled: bool) -> Iterable:

@@ -83,10 +83,13 @@ def collect(model: nnx.Module, paths: Sequence[str], batches: Iterable[Any], *,
         for p in paths:
             mods[p].dot_general = _Recorder(p, sink)
         forward(m, batch)
-        out = {}
+        out, done = {}, {}
         for p in paths:
             if p not in sink:
                 raise ValueError(f"calibration: layer {p!r} was not called by the forward pass")
+            if id(sink[p]) in done:  # layers fed the very same array (q/k/v, gate/up): reduce it once
+                out[p] = done[id(sink[p])]
+                continue
             x = sink[p].reshape(-1, sink[p].shape[-1]).astype(jnp.float32)
             a = jnp.abs(x)
             st = {"amax": jnp.max(a, axis=0), "abs_sum": jnp.sum(a, axis=0), "tokens": jnp.int32(x.shape[0])}
@@ -95,7 +98,7 @@ def collect(model: nnx.Module, paths: Sequence[str], batches: Iterable[Any], *,
             if samples_per_batch:
                 k = min(samples_per_batch, x.shape[0])
                 st["samples"] = x[np.linspace(0, x.shape[0] - 1, k).round().astype(np.int32)]
-            out[p] = st
+            out[p] = done[id(sink[p])] = st
         return out
 
     total: dict[str, dict[str, Any]] = {}

@@ -1,0 +1,358 @@
+"""``python -m train ptq``: the Four Over Six paper's PTQ experiment on a real checkpoint (`jaxlowfp.ptq`).
+
+    python -m train ptq --model smollm2-135m          # defaults: about 15-20 min on 2 CPU cores
+    python -m train ptq --model smollm2-135m --full   # the full sizes (hours on a CPU)
+
+Every method (RTN, GPTQ, SmoothQuant, AWQ) x every format (NVFP4 static_6 / static_4 / 4/6 abs_max / mae / mse,
+MXFP4, HiF8; W4A4 resp. W8A8, activations fake-quantized with the current per-tensor amax) is applied to every
+attention and MLP projection of the model, from one calibration pass over the training parts of the three texts
+(the Hessians, activation maxima and samples do not depend on the format). Each quantized model is scored on the
+held-out texts of `train.text_eval` (word perplexity) and the multiple-choice task; the report
+``<out>/report.md`` (default ``runs/ptq-<model>/``) has the table, ``perplexity.png`` (word perplexity by format,
+one line per method) and, per method, whether Four Over Six beat static_6 and by how much of the gap to high
+precision. ``--export`` also writes the GPTQ + nvfp4-mse model as a compressed-tensors NVFP4 checkpoint and checks
+that it reloads to bit-identical logits.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["main", "parse_args"]
+
+METHODS = ("rtn", "gptq", "smoothquant", "awq")
+FORMATS = ("nvfp4-static_6", "nvfp4-static_4", "nvfp4-abs_max", "nvfp4-mae", "nvfp4-mse", "mxfp4", "hif8")
+FOUR_OVER_SIX = ("nvfp4-abs_max", "nvfp4-mae", "nvfp4-mse")
+LAYERS = r".*(attn|mlp)/\w+_proj"
+# default sizes: the whole grid in about 15-20 minutes on 2 CPU cores; --full: the paper-like sizes
+SMALL = {"calib_seqs": 8, "calib_len": 256, "max_tokens": 512, "max_length": 512, "mc_items": 16}
+FULL = {"calib_seqs": 128, "calib_len": 512, "max_tokens": 100_000, "max_length": 2048, "mc_items": 400}
+
+
+def _list(text: str, allowed: Sequence[str], what: str, p: argparse.ArgumentParser) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in items if t not in allowed]
+    if bad or not items:
+        p.error(f"--{what}: unknown {bad or text!r}; allowed: {', '.join(allowed)}")
+    return items
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m train ptq", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m",
+                   help="registry name, .gguf file or Hugging Face directory (default: %(default)s)")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated, from: " + ", ".join(METHODS))
+    p.add_argument("--formats", default=",".join(FORMATS), help="comma-separated, from: " + ", ".join(FORMATS))
+    p.add_argument("--weights-only", action="store_true", help="W4A16 / W8A16: activations in high precision")
+    p.add_argument("--weight-block", default="1x16", choices=("1x16", "16x16"), help="NVFP4 weight blocks")
+    p.add_argument("--layers", default=LAYERS, help="regex of the Linear paths to quantize (default: %(default)s)")
+    p.add_argument("--full", action="store_true", help="full sizes: " + ", ".join(f"{k}={v}" for k, v in FULL.items()))
+    for k, v in SMALL.items():
+        p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"(default {v}; --full: {FULL[k]})")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default: %(default)s)")
+    p.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength (default: %(default)s)")
+    p.add_argument("--awq-grid", type=int, default=10, help="AWQ grid points in [0, 1) (default: %(default)s)")
+    p.add_argument("--damp", type=float, default=1.0, help="GPTQ damping, %% of mean diag H (default: %(default)s)")
+    p.add_argument("--act-order", action="store_true", help="GPTQ act-order")
+    p.add_argument("--export", action="store_true",
+                   help="export the gptq / nvfp4-mse model (compressed-tensors NVFP4) to <out>/export and check reload")
+    p.add_argument("--out", default=None, help="report directory (default: runs/ptq-<model>)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the multiple-choice task (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = p.parse_args(list(argv))
+    args.methods = _list(args.methods, METHODS, "methods", p)
+    args.formats = _list(args.formats, FORMATS, "formats", p)
+    for k in SMALL:
+        v = getattr(args, k)
+        if v is None:
+            setattr(args, k, (FULL if args.full else SMALL)[k])
+        elif v < (0 if k == "mc_items" else 1):
+            p.error(f"--{k.replace('_', '-')} must be positive; got {v}")
+    if args.batch_size < 1 or args.awq_grid < 1:
+        p.error("--batch-size and --awq-grid must be positive")
+    if not 0 <= args.alpha <= 1:
+        p.error(f"--alpha must be in [0, 1]; got {args.alpha}")
+    args.weight_block = (16, 16) if args.weight_block == "16x16" else (1, 16)
+    if args.weight_block != (1, 16) and not any(f.startswith("nvfp4") for f in args.formats):
+        p.error("--weight-block 16x16 applies to NVFP4 formats only")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def calibration_tokens(tok: Any, n_seqs: int, seq_len: int) -> Any:
+    """int32 [n_seqs, seq_len]: consecutive chunks of the *training* parts of the three texts (Shakespeare, Python
+    standard library, the first 90 % of Alice), an equal share from each, so nothing evaluated is calibrated on."""
+    import numpy as np
+
+    from train.data import VAL_FRACTION, load_domain
+    from train.text_eval import prose_text
+
+    prose = prose_text()
+    sources = [bytes(load_domain("shakespeare").train[: 400_000]).decode("utf-8", "replace"),
+               bytes(load_domain("python").train[: 400_000]).decode("utf-8", "replace"),
+               prose[: len(prose) - max(1, int(len(prose) * VAL_FRACTION))]]
+    rows = []
+    for i, text in enumerate(sources):
+        want = n_seqs // len(sources) + (1 if i < n_seqs % len(sources) else 0)
+        ids = tok.encode(text[: 8 * seq_len * max(want, 1)])
+        for j in range(want):
+            chunk = ids[j * seq_len: (j + 1) * seq_len]
+            if len(chunk) < seq_len:
+                raise SystemExit(f"error: not enough calibration text for {n_seqs} x {seq_len} tokens")
+            rows.append(chunk)
+    return np.asarray(rows, np.int32)
+
+
+def model_name(model: str) -> str:
+    """A directory-safe name of a registry name or checkpoint path."""
+    name = Path(model).stem if ("/" in model or model.endswith(".gguf")) else model
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "model"
+
+
+def _restore(graphdef: Any, state: Any) -> Any:
+    from flax import nnx
+
+    return nnx.merge(graphdef, state)
+
+
+def _evaluate(model: Any, tok: Any, texts: dict, task: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from train.text_eval import perplexity, score_choices_tokens
+
+    t0 = time.perf_counter()
+    kw = dict(max_tokens=args.max_tokens, max_length=args.max_length, stride=args.max_length,
+              batch_size=1, progress=not args.no_progress)
+    # each text as one document: every text is then one window of the same shape (one compilation per format)
+    out = {name: perplexity(model, tok, ["\n\n".join(docs)], name=name, **kw).word_perplexity
+           for name, docs in texts.items()}
+    if task is not None:
+        mc = score_choices_tokens(model, tok, task, max_length=args.max_length, batch_size=4 * args.batch_size,
+                                  progress=not args.no_progress)
+        out["acc"], out["acc_norm"] = mc["acc"], mc["acc_norm"]
+    out["eval_s"] = time.perf_counter() - t0
+    return out
+
+
+def _geomean(vals: Sequence[float]) -> float:
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if all(v > 0 and math.isfinite(v) for v in vals) \
+        else math.inf
+
+
+def _table(rows: list[dict], texts: Sequence[str], mc: bool) -> str:
+    head = ["method", "format"] + [f"{t} wppl" for t in texts] + ["mean wppl"]
+    head += ["MC acc", "MC acc_norm"] if mc else []
+    head += ["PTQ s", "eval s"]
+    lines = ["| " + " | ".join(head) + " |", "|:---|:---|" + "---:|" * (len(head) - 2)]
+    for r in rows:
+        cells = [r["method"], r["format"]] + [f"{r[t]:.2f}" for t in texts] + [f"{r['mean']:.2f}"]
+        cells += [f"{r['acc']:.3f}", f"{r['acc_norm']:.3f}"] if mc else []
+        cells += [f"{r['ptq_s']:.0f}", f"{r['eval_s']:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def verdicts(rows: list[dict], hp: float) -> list[str]:
+    """Per method: did the 4/6 rules beat static_6 (mean word perplexity), and how much of the gap to high
+    precision they closed: (ppl_static6 - ppl_rule) / (ppl_static6 - ppl_hp)."""
+    out = []
+    for method in dict.fromkeys(r["method"] for r in rows if r["method"] != "none"):
+        by = {r["format"]: r["mean"] for r in rows if r["method"] == method}
+        s6 = by.get("nvfp4-static_6")
+        rules = [f for f in FOUR_OVER_SIX if f in by]
+        if s6 is None or not rules:
+            continue
+        gap = s6 - hp
+        parts = []
+        for f in rules:
+            closed = (s6 - by[f]) / gap if gap > 0 else float("nan")
+            word = "beat" if by[f] < s6 else "did not beat"
+            parts.append(f"{f.split('-')[1]} {by[f]:.2f} ({word} static_6 {s6:.2f}; {100 * closed:+.0f} % of the gap "
+                         f"to high precision {hp:.2f})")
+        wins = sum(by[f] < s6 for f in rules)
+        out.append(f"- **{method}**: 4/6 beat static_6 with {wins} of {len(rules)} rules: " + "; ".join(parts) + ".")
+    return out
+
+
+def _plot(rows: list[dict], texts: Sequence[str], hp_row: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fmts = list(dict.fromkeys(r["format"] for r in rows if r["method"] != "none"))
+    methods = list(dict.fromkeys(r["method"] for r in rows if r["method"] != "none"))
+    cols = list(texts) + ["mean"]
+    fig, axes = plt.subplots(1, len(cols), figsize=(4.2 * len(cols), 4), squeeze=False)
+    for ax, t in zip(axes[0], cols):
+        for m in methods:
+            by = {r["format"]: r[t] for r in rows if r["method"] == m}
+            ax.plot(range(len(fmts)), [by.get(f, math.nan) for f in fmts], marker="o", label=m)
+        ax.axhline(hp_row[t], color="k", linestyle="--", linewidth=1, label="high precision")
+        ax.set_xticks(range(len(fmts)))
+        ax.set_xticklabels([f.replace("nvfp4-", "") for f in fmts], rotation=45, ha="right")
+        ax.set_yscale("log")
+        ax.set_title(f"{t} word perplexity" if t != "mean" else "geometric mean")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def hf_config(cfg: Any) -> dict:
+    """A Hugging Face ``config.json`` for a `train.model.ModelConfig` (Llama; Qwen2 with q/k/v bias; Qwen3 with
+    q/k norm)."""
+    arch = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+    return {"architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                               "qwen3": "Qwen3ForCausalLM"}[arch]], "model_type": arch,
+            "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
+            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+            "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "vocab_size": cfg.vocab,
+            "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": cfg.tie_embeddings,
+            "hidden_act": "silu", "torch_dtype": "float32"}
+
+
+def export_and_check(model: Any, result: Any, graphdef: Any, hp_state: Any, calib: Any, out: Path) -> str:
+    """Export the model (HF tensor names), reload it into a fresh copy and compare logits bit for bit."""
+    import jax.numpy as jnp
+
+    from jaxlowfp import ptq
+    from train.models.common import tensor_specs
+
+    names = {s.path: s.hf for s in tensor_specs(model.config)}
+    ptq.export(model, result, out, tensor_names=names, model_config=hf_config(model.config))
+    fresh = _restore(graphdef, hp_state)
+    ptq.load(fresh, out)
+    x = jnp.asarray(calib[:1, :64])
+    same = bool(jnp.all(model(x) == fresh(x)))
+    size = sum(f.stat().st_size for f in out.iterdir())
+    return (f"exported {result.method} / nvfp4-mse to `{out}` ({size / 2**20:.0f} MiB, compressed-tensors "
+            f"nvfp4-pack-quantized); reloaded logits {'bit-identical' if same else 'DIFFER'}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    import numpy as np
+    from flax import nnx
+
+    from jaxlowfp import ptq
+    from train import evaluate as ev
+    from train.data import DataError, load_domain
+    from jaxlowfp.ptq.calibrate import linear_modules
+    from train.models import CheckpointError, load
+    from train.text_eval import load_texts
+
+    t_all = time.perf_counter()
+    try:
+        model, tok = load(args.model, dtype="float32")
+    except CheckpointError as e:
+        raise SystemExit(f"error: {e}") from e
+    load_s = time.perf_counter() - t_all
+    print(f"model {args.model}: {model.config.num_params() / 1e6:.1f} M parameters, loaded in {load_s:.0f} s",
+          file=sys.stderr)
+    try:
+        texts = load_texts()
+        calib = calibration_tokens(tok, args.calib_seqs, args.calib_len)
+    except DataError as e:
+        raise SystemExit(f"error: {e}") from e
+    task = ev.build_choice_task(load_domain("shakespeare").val, n_items=args.mc_items, seed=args.seed) \
+        if args.mc_items else None
+    graphdef, hp_state = nnx.split(model)
+    layers = [p for p in linear_modules(model)
+              if ptq.Rule(path=args.layers, scheme=None).matches(p)]
+    if not layers:
+        raise SystemExit(f"error: --layers {args.layers!r} matches no Linear of the model")
+
+    t0 = time.perf_counter()
+    need_h = "gptq" in args.methods
+    samples = 512 if "awq" in args.methods else 0
+    batches = [calib[i:i + args.batch_size] for i in range(0, len(calib), args.batch_size)]
+    stats = ptq.collect(model, layers, batches, hessian=need_h, samples_per_batch=-(-samples // len(batches)),
+                        progress=not args.no_progress)
+    calib_s = time.perf_counter() - t0
+    print(f"calibration: {calib.shape[0]} x {calib.shape[1]} tokens, {len(layers)} layers, {calib_s:.0f} s",
+          file=sys.stderr)
+
+    names = list(texts)
+    rows: list[dict] = []
+    hp = _evaluate(model, tok, texts, task, args)
+    hp_row = {"method": "none", "format": "high precision", **hp, "ptq_s": 0.0,
+              "mean": _geomean([hp[t] for t in names])}
+    rows.append(hp_row)
+    print(_row_line(hp_row, names), file=sys.stderr)
+    methods = {"rtn": ptq.RTN(), "gptq": ptq.GPTQ(damp_percent=args.damp, act_order=args.act_order),
+               "smoothquant": ptq.SmoothQuant(alpha=args.alpha), "awq": ptq.AWQ(grid=args.awq_grid)}
+    export_line = None
+    for fmt in args.formats:
+        sch = ptq.scheme(fmt, weights_only=args.weights_only,
+                         weight_block=args.weight_block if fmt.startswith("nvfp4") else (1, 16))
+        for method in args.methods:
+            m = _restore(graphdef, hp_state)
+            res = ptq.quantize(m, [ptq.Rule(path=args.layers, scheme=sch)], method=methods[method], stats=stats,
+                               progress=not args.no_progress)
+            r = _evaluate(m, tok, texts, task, args)
+            row = {"method": method, "format": fmt, **r, "ptq_s": res.seconds, "mean": _geomean([r[t] for t in names])}
+            rows.append(row)
+            print(_row_line(row, names), file=sys.stderr)
+            if args.export and method == "gptq" and fmt == "nvfp4-mse":
+                out_dir = Path(args.out or f"runs/ptq-{model_name(args.model)}") / "export"
+                export_line = export_and_check(m, res, graphdef, hp_state, calib, out_dir)
+                print(export_line, file=sys.stderr)
+            del m, res
+    if args.export and export_line is None:
+        export_line = "export skipped: --export needs gptq in --methods and nvfp4-mse in --formats"
+    total = time.perf_counter() - t_all
+    out = Path(args.out or f"runs/ptq-{model_name(args.model)}")
+    out.mkdir(parents=True, exist_ok=True)
+    _plot(rows, names, hp_row, out / "perplexity.png")
+    table = _table(rows, names, task is not None)
+    verdict = verdicts(rows, hp_row["mean"])
+    sizes = (f"calibration {args.calib_seqs} x {args.calib_len} tokens (training parts of the three texts, one pass "
+             f"shared by every method and format, {calib_s:.0f} s); evaluation: word perplexity on at most "
+             f"{args.max_tokens} tokens of each held-out text in windows of {args.max_length}, "
+             f"{args.mc_items} multiple-choice items (chance 0.25)")
+    scheme_txt = ("weights only (W4A16 / W8A16)" if args.weights_only else
+                  "W4A4 (HiF8: W8A8), activations fake-quantized with their current per-tensor amax")
+    report = "\n\n".join([
+        f"# Post-training quantization of {args.model}",
+        f"Layers: every Linear matching `{args.layers}` ({len(layers)} of "
+        f"{len(linear_modules(model))}); {scheme_txt}; NVFP4 weight blocks "
+        f"{'x'.join(map(str, args.weight_block))}. Methods: RTN; GPTQ (damp {args.damp} %, act-order "
+        f"{args.act_order}, NVFP4-aware: scale and 4/6 choice fixed when a block is reached); SmoothQuant "
+        f"(alpha {args.alpha}) and AWQ (grid {args.awq_grid}), both folded into the preceding RMSNorm / up_proj, "
+        f"then RTN. {sizes}.",
+        table,
+        "Four Over Six against static_6 (geometric mean of the word perplexities; the paper reports 4/6 lowering "
+        "perplexity relative to standard NVFP4 under every PTQ method it tests):",
+        "\n".join(verdict) if verdict else "(no static_6 / 4/6 pair in this run)",
+        "![perplexity](perplexity.png)",
+        *([export_line + "."] if export_line else []),
+        f"Command: `python -m train ptq {' '.join(sys.argv[1:] if argv is None else argv)}`; total wall time "
+        f"{total:.0f} s (model loading {load_s:.0f} s).",
+    ]) + "\n"
+    (out / "report.md").write_text(report)
+    (out / "results.json").write_text(json.dumps({"rows": rows, "total_s": total, "calib_s": calib_s,
+                                                  "settings": {k: v for k, v in vars(args).items()}}, indent=1,
+                                                 default=str))
+    print(table)
+    print("\n".join(verdict))
+    if export_line:
+        print(export_line)
+    print(f"total wall time {total:.0f} s; report: {out / 'report.md'}")
+    return 0
+
+
+def _row_line(r: dict, names: Sequence[str]) -> str:
+    ppl = ", ".join(f"{t} {r[t]:.2f}" for t in names)
+    mc = f", MC acc {r['acc']:.3f}" if "acc" in r else ""
+    return f"{r['method']:>11} {r['format']:<15} word ppl {ppl}{mc} (PTQ {r['ptq_s']:.0f} s, eval {r['eval_s']:.0f} s)"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
