@@ -152,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     mc = None
     if args.mc_items:
         task = ev.build_choice_task(load_domain("shakespeare").val, n_items=args.mc_items, seed=args.seed)
-        mc = score_choices_tokens(model, tok, task, max_length=args.max_length, batch_size=2 * args.batch_size,
+        mc = score_choices_tokens(model, tok, task, max_length=args.max_length, batch_size=args.batch_size,
                                   progress=not args.no_progress)
     wall = time.perf_counter() - t0
     scored = sum(s.tokens for s in scores)

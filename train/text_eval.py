@@ -90,8 +90,8 @@ def rolling_requests(tokens: Sequence[int], *, prefix_token: int, max_length: in
 
 
 def _bucket(n: int) -> int:
-    """Padded sequence length: a multiple of 64 (few distinct shapes, few compilations)."""
-    return -(-n // 64) * 64
+    """Padded sequence length: a power of two >= 64 (few distinct shapes, so few compilations)."""
+    return max(64, 1 << (n - 1).bit_length())
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -108,8 +108,9 @@ def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size
     """Log-likelihood (float64 [n]) of every request, and throughput stats.
 
     Requests are sorted by length and batched with right padding (a causal model never looks right, so padding
-    needs no attention mask) to a multiple of 64. Stats: ``tokens`` (model inputs, padding excluded),
-    ``scored`` tokens, ``seconds`` and ``tokens_per_s`` (inputs per wall second, compilation included).
+    needs no attention mask) to a power of two >= 64, capped at ``max_seq_len``. Stats: ``tokens`` (model inputs,
+    padding excluded), ``scored`` tokens, ``seconds`` and ``tokens_per_s`` (inputs per wall second, compilation
+    included).
     The model is not changed (state written by the forward pass, e.g. amax histories, is dropped).
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
