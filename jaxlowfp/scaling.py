@@ -21,6 +21,23 @@ Algorithms (``DelayedScaling.algorithm``), over the recorded amaxes ``a_0 .. a_{
 ``CurrentScaling`` estimates from the tensor itself (``est_t = a_t``): no delay, no clipping by the scale, but the
 scale moves with every batch and costs a reduction over the tensor before quantizing.
 
+Conventions (``DelayedScaling.convention``): ``"default"`` is the above. ``"te"`` and ``"flax"`` reproduce Transformer
+Engine's delayed scaling and Flax's ``fp8_ops`` (which follows it) bit for bit, with ``A_t`` the window value of the
+algorithm over the recorded amaxes (the empty slots of the buffer count as 0)::
+
+    est_t   = A_t * 2**margin  if A_t is finite and > 0,  else est_{t-1}   (est_{-1} = 0: the scale starts at 1)
+    sf_t    = target_max / est_t                     # TE's quantization multiplier;  1 when est_t is 0
+    scale_t = 1 / sf_t                               # the dequant multiplier: two roundings, not est_t / target_max
+    state'  = record(state, a_t)                     # a NaN/Inf amax is recorded too: it freezes the scale
+                                                     # (est_t = est_{t-1}) until it leaves the window
+
+They differ only in the quantizer (:mod:`jaxlowfp.qat`): TE multiplies ``x * sf_t``, Flax divides ``x / scale_t``.
+``margin`` must be an integer there (TE's is an int; Flax's is always 0). See ``docs/from_flax_fp8_and_te.md``.
+
+Delayed scaling of a *backward* tensor (the output gradient of a quantized matmul) keeps the same
+:class:`AmaxHistory`; the amax the backward pass sees leaves it as a gradient, a :class:`PendingAmax`, and is
+recorded at the next forward pass (:func:`record_pending`), so the history is explicit state of the step.
+
 :func:`merge` combines the states of microbatches or replicas that ran the same step from the same state: slot by
 slot maximum of the ring buffers, so the merged history is what one step over the whole batch would have recorded.
 """
@@ -38,22 +55,31 @@ from jax import lax
 
 from jaxlowfp._core.bits import ieee_div
 from jaxlowfp._core.checks import integer, number, one_of, positive_finite
+from jaxlowfp._core.reduce import abs_max
 
 __all__ = [
     "SCHEMA_VERSION",
     "ALGORITHMS",
+    "CONVENTIONS",
     "AmaxHistory",
+    "PendingAmax",
     "DelayedScaling",
     "CurrentScaling",
     "Scaling",
     "merge",
     "merge_across",
     "check_version",
+    "record_pending",
+    "pending_amaxes",
+    "with_pending_amaxes",
 ]
 
 SCHEMA_VERSION = 1
 ALGORITHMS = ("most_recent", "max_window", "max", "ema")
 Algorithm = Literal["most_recent", "max_window", "max", "ema"]
+CONVENTIONS = ("default", "te", "flax")
+Convention = Literal["default", "te", "flax"]
+_TE_ALGORITHMS = ("max_window", "most_recent")  # TE's amax_compute_algo "max" and "most_recent"
 
 
 class AmaxHistory(NamedTuple):
@@ -77,6 +103,30 @@ class AmaxHistory(NamedTuple):
     version: jax.Array
     peak: jax.Array
     ema: jax.Array
+
+
+class PendingAmax(NamedTuple):
+    """The amax a backward pass saw, on its way into an :class:`AmaxHistory` (delayed gradient scaling).
+
+    A quantized matmul whose output gradient uses delayed scaling takes this pytree as an input and defines its
+    *gradient* as the amax of the output gradient: differentiate the loss w.r.t. it as well (``jaxlowfp.training``
+    does) and store that gradient as the new value; the next forward pass records it (:func:`record_pending`)
+    before the backward pass reads the history. A layer called several times in one step, with its state threaded
+    from call to call, reports the maximum over the calls.
+
+    Attributes:
+      seen: f32[] 1 if a backward pass reported an amax since the last forward pass, else 0.
+      amax: f32[] that amax (NaN or Inf if the gradient held one).
+    """
+
+    seen: jax.Array
+    amax: jax.Array
+
+    @staticmethod
+    def none() -> PendingAmax:
+        """Nothing pending (the value a forward pass leaves behind)."""
+        zero = jnp.zeros((), jnp.float32)
+        return PendingAmax(seen=zero, amax=zero)
 
 
 def _init_state(history_len: int) -> AmaxHistory:
@@ -111,16 +161,19 @@ def _check_state(state: AmaxHistory, history_len: int, owner: str) -> None:
         )
 
 
-def _record(state: AmaxHistory, a: jax.Array, estimate: jax.Array, ema_decay: float) -> AmaxHistory:
-    """Record amax `a` (skipped and counted if non-finite) and remember `estimate` as the one used."""
+def _record(state: AmaxHistory, a: jax.Array, estimate: jax.Array, ema_decay: float,
+            keep_nonfinite: bool = False) -> AmaxHistory:
+    """Record amax `a` (a non-finite one is counted, and skipped unless `keep_nonfinite`) and remember `estimate`
+    as the one used. ``peak`` and ``ema`` only ever see finite amaxes."""
     finite = jnp.isfinite(a)
     n = state.history.shape[0]
     written = lax.dynamic_update_index_in_dim(state.history, a, state.count % n, 0)
     first = state.count == 0
     ema = jnp.where(first, a, ema_decay * state.ema + (1.0 - ema_decay) * a)
+    recorded = jnp.bool_(True) if keep_nonfinite else finite
     return AmaxHistory(
-        history=jnp.where(finite, written, state.history),
-        count=state.count + finite.astype(jnp.int32),
+        history=jnp.where(recorded, written, state.history),
+        count=state.count + recorded.astype(jnp.int32),
         estimate=estimate,
         nonfinite=state.nonfinite + (~finite).astype(jnp.int32),
         version=state.version,
@@ -136,6 +189,13 @@ def _guarded_scale(amax_est: Any, target_max: float) -> jax.Array:
     return jnp.where(ok, ieee_div(jnp.where(ok, est, 1.0), target_max), jnp.float32(1.0))
 
 
+def _te_multiplier(amax_est: Any, target_max: float) -> jax.Array:
+    """TE's ``sf = target_max / est`` (IEEE division); 1 when the estimate is 0, NaN or Inf."""
+    est = jnp.asarray(amax_est).astype(jnp.float32)
+    ok = jnp.isfinite(est) & (est > 0)
+    return jnp.where(ok, ieee_div(target_max, jnp.where(ok, est, 1.0)), jnp.float32(1.0))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DelayedScaling:
     """Delayed per-tensor scaling: the scale of step t comes from amaxes recorded at steps < t.
@@ -147,6 +207,10 @@ class DelayedScaling:
       target_max: the value the estimate maps to: ``scale = estimate / target_max`` (15 for HiF8 activations).
       margin: the estimate is multiplied by ``2**margin`` (>= 0; headroom against growth).
       ema_decay: d in (0, 1) for "ema".
+      convention: "default", or "te" / "flax" to reproduce Transformer Engine / Flax ``fp8_ops`` exactly (initial
+        scale 1, ``scale = 1 / (target_max / est)``, non-finite amaxes recorded and freezing the scale; module
+        docstring). "te" and "flax" take the algorithms "max_window" (their "max") and "most_recent", and an
+        integer margin.
 
     >>> s = DelayedScaling(algorithm="max_window", history_len=2, target_max=15.0)
     >>> st = s.init()
@@ -161,9 +225,11 @@ class DelayedScaling:
     target_max: float
     margin: float = 0.0
     ema_decay: float = 0.9
+    convention: Convention = "default"
 
     def __post_init__(self) -> None:
         one_of(self.algorithm, ALGORITHMS, "algorithm")
+        one_of(self.convention, CONVENTIONS, "convention")
         object.__setattr__(self, "history_len", integer(self.history_len, "history_len", minimum=1))
         object.__setattr__(self, "target_max", positive_finite(self.target_max, "target_max"))
         object.__setattr__(self, "margin", number(self.margin, "margin", lo=0.0, hi=math.inf, hi_open=True,
@@ -171,16 +237,33 @@ class DelayedScaling:
                                                           "2**margin)"))
         object.__setattr__(self, "ema_decay", number(self.ema_decay, "ema_decay", lo=0.0, hi=1.0, lo_open=True,
                                                      hi_open=True))
+        if self.convention != "default":
+            if self.algorithm not in _TE_ALGORITHMS:
+                raise ValueError(f"convention={self.convention!r} has the algorithms {_TE_ALGORITHMS} (TE's 'max' "
+                                 f"over its window and 'most_recent'); got algorithm={self.algorithm!r}")
+            if self.margin != int(self.margin):
+                raise ValueError(f"convention={self.convention!r} needs an integer margin (TE's margin is an int, "
+                                 f"Flax's is 0); got margin={self.margin!r}")
 
     def init(self) -> AmaxHistory:
-        """Empty state: nothing recorded, so the first step falls back to the current amax."""
+        """Empty state: nothing recorded, so the first step falls back to the current amax (convention "default")
+        or to scale 1 ("te", "flax")."""
         return _init_state(self.history_len)
 
     def amax_estimate(self, state: AmaxHistory, x_amax: Any) -> jax.Array:
-        """f32[] estimate for this step from amaxes recorded before it; `x_amax` (this step's) if none yet."""
+        """f32[] estimate for this step from amaxes recorded before it; `x_amax` (this step's) if none yet.
+
+        Conventions "te"/"flax": the last estimate (0 at first) when the window value is 0, NaN or Inf."""
         _check_state(state, self.history_len, "DelayedScaling")
         a = _as_amax(x_amax)
         c, n = state.count, self.history_len
+        if self.convention != "default":
+            if self.algorithm == "max_window":  # the whole buffer, unwritten slots 0; a recorded NaN propagates
+                window = abs_max(jnp.where(jnp.arange(n) < c, state.history, 0.0))
+            else:
+                window = jnp.where(c > 0, state.history[(c - 1) % n], 0.0)
+            ok = jnp.isfinite(window) & (window > 0)
+            return jnp.where(ok, window * (2.0**self.margin), state.estimate)
         if self.algorithm == "most_recent":
             est = state.history[(c - 1) % n]
         elif self.algorithm == "max_window":
@@ -193,13 +276,22 @@ class DelayedScaling:
         return est * (2.0**self.margin) if self.margin else est
 
     def update(self, state: AmaxHistory, x_amax: Any) -> AmaxHistory:
-        """Record this step's amax (after use). A NaN/Inf amax is not recorded; ``nonfinite`` counts it."""
+        """Record this step's amax (after use). A NaN/Inf amax is not recorded (convention "default") or recorded
+        ("te", "flax"); ``nonfinite`` counts it either way."""
         est = self.amax_estimate(state, x_amax)
-        return _record(state, _as_amax(x_amax), est, self.ema_decay)
+        return _record(state, _as_amax(x_amax), est, self.ema_decay, keep_nonfinite=self.convention != "default")
 
     def scale(self, amax_est: Any) -> jax.Array:
-        """Dequant multiplier ``amax_est / target_max`` (IEEE division); 1 when the estimate is 0, NaN or Inf."""
-        return _guarded_scale(amax_est, self.target_max)
+        """Dequant multiplier ``amax_est / target_max`` (IEEE division; "te"/"flax": ``1 / (target_max /
+        amax_est)``, two IEEE divisions); 1 when the estimate is 0, NaN or Inf."""
+        if self.convention == "default":
+            return _guarded_scale(amax_est, self.target_max)
+        return ieee_div(1.0, _te_multiplier(amax_est, self.target_max))
+
+    def multiplier(self, amax_est: Any) -> jax.Array:
+        """The quantization multiplier ``x -> x * multiplier`` of convention "te": ``target_max / amax_est`` (TE's
+        ``scale``; ``scale(est) == 1 / multiplier(est)``); 1 when the estimate is 0, NaN or Inf."""
+        return _te_multiplier(amax_est, self.target_max)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -241,7 +333,19 @@ Scaling = DelayedScaling | CurrentScaling
 
 
 def _is_history(x: Any) -> bool:
-    return isinstance(x, AmaxHistory)
+    return isinstance(x, (AmaxHistory, PendingAmax))
+
+
+def _merge_pending(p: PendingAmax, axis_name: Any = None) -> PendingAmax:
+    """Max over replicas (a leading axis, or `axis_name`): the amax of the union of their gradients."""
+    amax = jnp.where(p.seen > 0, p.amax, 0.0)
+    nan = jnp.isnan(amax)
+    if axis_name is None:
+        return PendingAmax(seen=jnp.max(p.seen, axis=0),
+                           amax=jnp.where(jnp.any(nan, axis=0), jnp.nan, jnp.max(amax, axis=0)))
+    any_nan = lax.pmax(nan.astype(jnp.int32), axis_name) > 0
+    return PendingAmax(seen=lax.pmax(p.seen, axis_name),
+                       amax=jnp.where(any_nan, jnp.nan, lax.pmax(jnp.where(nan, 0.0, amax), axis_name)))
 
 
 def _merge_stacked(s: AmaxHistory) -> AmaxHistory:
@@ -287,6 +391,7 @@ def merge(states: Sequence[Any] | Any) -> Any:
       increasing in the new amax, that is the EMA of the max amax);
     - ``nonfinite``: the max (> 0 iff some replica saw a non-finite amax; a lower bound on the steps that did).
 
+    Every :class:`PendingAmax` merges to the max amax (NaN if any replica's is NaN) of the replicas that saw one.
     Merging is idempotent: ``merge([s, s]) == s``.
     """
     if isinstance(states, list) or type(states) is tuple:
@@ -301,6 +406,8 @@ def merge(states: Sequence[Any] | Any) -> Any:
         stacked = states
 
     def one(s):
+        if isinstance(s, PendingAmax):
+            return _merge_pending(s)
         return _merge_stacked(s) if isinstance(s, AmaxHistory) else s
 
     return jax.tree.map(one, stacked, is_leaf=_is_history)
@@ -313,6 +420,8 @@ def merge_across(states: Any, axis_name: Any) -> Any:
     """
 
     def one(s):
+        if isinstance(s, PendingAmax):
+            return _merge_pending(s, axis_name)
         if not isinstance(s, AmaxHistory):
             return s
         n = s.history.shape[-1]
@@ -347,3 +456,44 @@ def check_version(states: Any) -> Any:
                     f"{SCHEMA_VERSION}"
                 )
     return states
+
+
+def record_pending(scaling: Scaling, state: AmaxHistory, pending: PendingAmax) -> AmaxHistory:
+    """`state` with the amax a backward pass reported recorded (``scaling.update``), if it reported one."""
+    if not isinstance(pending, PendingAmax):
+        raise TypeError(f"pending must be a PendingAmax; got {type(pending).__name__}")
+    updated = scaling.update(state, pending.amax)
+    return jax.tree.map(lambda n, o: jnp.where(pending.seen > 0, n, o), updated, state)
+
+
+def _is_pending(x: Any) -> bool:
+    return isinstance(x, PendingAmax)
+
+
+def pending_amaxes(tree: Any) -> Any:
+    """`tree` (a ``RecipeState``, a model's quantization state, a Linen collection) with every leaf that is not
+    part of a :class:`PendingAmax` replaced by None: the part of the state to differentiate the loss w.r.t.
+
+    The gradient of the loss w.r.t. it is the new value of those leaves (:func:`with_pending_amaxes`)::
+
+        pend = scaling.pending_amaxes(qstate)
+        (loss, new_qstate), (g_params, g_pend) = jax.value_and_grad(
+            lambda p, q: loss_fn(p, scaling.with_pending_amaxes(qstate, q)), argnums=(0, 1), has_aux=True
+        )(params, pend)
+        new_qstate = scaling.with_pending_amaxes(new_qstate, g_pend)
+    """
+    return jax.tree.map(lambda x: x if _is_pending(x) else None, tree, is_leaf=_is_pending)
+
+
+def with_pending_amaxes(tree: Any, pendings: Any) -> Any:
+    """`tree` with its :class:`PendingAmax` entries replaced, in order, by those of `pendings` (the output of
+    :func:`pending_amaxes` or its gradient)."""
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_pending)
+    new = [p for p in jax.tree.leaves(pendings, is_leaf=_is_pending)]
+    slots = [i for i, leaf in enumerate(leaves) if _is_pending(leaf)]
+    if len(new) != len(slots) or not all(_is_pending(p) for p in new):
+        raise ValueError(f"with_pending_amaxes: `tree` holds {len(slots)} PendingAmax, `pendings` "
+                         f"{len(new)} (pass the output of pending_amaxes(tree) or its gradient)")
+    for i, p in zip(slots, new):
+        leaves[i] = PendingAmax(*(jnp.asarray(v, jnp.float32) for v in p))
+    return treedef.unflatten(leaves)

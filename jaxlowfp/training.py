@@ -3,13 +3,15 @@
 The model is split once into a ``graphdef`` and state pytrees (:func:`split`)::
 
     params   nnx.Param                   differentiated, updated by optax
-    qstate   jaxlowfp.nnx.AmaxState      amax histories of the quantized layers (delayed scaling)
+    qstate   jaxlowfp.nnx.AmaxState      amax histories of the quantized layers (delayed scaling); its
+                                         ``scaling.PendingAmax`` slots (delayed gradient scaling) are differentiated
+                                         too, and their gradient, the output-gradient amax, is their new value
     rest     everything else             rng counters of stochastic rounding, the observe-only flags, last stats
 
 One step, for ``k = microbatches``::
 
     observe  = warmup.observe_only(step)            (traced: crossing the warmup boundary does not retrace)
-    for each microbatch i (lax.scan):  loss_i, grads_i, qstate_i = value_and_grad(loss_fn)(params; qstate, rest)
+    for each microbatch i (lax.scan):  loss_i, grads_i, qstate_i = value_and_grad(loss_fn)(params, pending; ...)
     grads    = mean_i grads_i;  loss = mean_i loss_i;  qstate' = scaling.merge(qstate_1 .. qstate_k)   (max)
     ok       = loss, grads finite and no non-finite value in a quantized tensor
     params', opt_state' = optax update            (all of params, opt_state, qstate, rest kept as they were if not ok)
@@ -157,15 +159,23 @@ def make_step(
         raise TypeError(f"loss_fn must be callable as loss_fn(model, batch) -> (loss, aux); got {loss_fn!r}")
 
     def grads_of(params, qstate, rest, batch, observe):
-        def loss_of(p):
-            model = nnx.merge(graphdef, p, qstate, rest, copy=True)  # fresh Variables: mutable in this trace
+        def loss_of(p, pending=None):
+            q = qstate if pending is None else scaling.with_pending_amaxes(qstate, pending)
+            model = nnx.merge(graphdef, p, q, rest, copy=True)  # fresh Variables: mutable in this trace
             set_observe_only(model, observe)
             loss, _ = loss_fn(model, batch)
             _, _, new_q, new_rest = split(model)
             return loss, (new_q, new_rest)
 
-        (loss, (new_q, new_rest)), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
-        return loss, grads, new_q, new_rest
+        pending = scaling.pending_amaxes(qstate)
+        if not jax.tree.leaves(pending):  # no delayed gradient scaling: differentiate w.r.t. the params only
+            (loss, (new_q, new_rest)), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+            return loss, grads, new_q, new_rest
+        # Delayed gradient scaling: the backward passes report their output-gradient amaxes as the gradient
+        # w.r.t. the pending slots of qstate, which becomes their new value (recorded at the next forward pass).
+        (loss, (new_q, new_rest)), (grads, reported) = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)(
+            params, pending)
+        return loss, grads, scaling.with_pending_amaxes(new_q, reported), new_rest
 
     def split_batch(batch):
         def one(x):

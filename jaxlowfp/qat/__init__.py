@@ -7,6 +7,7 @@ One quantized tensor, per step (``spec`` a :class:`QuantSpec`, ``state`` its :cl
     est   = spec.scaling.amax_estimate(state, amax)  (delayed: from earlier steps; current: amax)
     scale = est / target_max                         (1 when est is 0, NaN or Inf)
     y     = fmt.round(clip(x * (1 / scale), +-c)) * scale     c = target_max ("target") or fmt.max_finite ("format")
+    y     = where(isfinite(x), y, x)                 (non-finite elements pass through: see below)
     dy/dx = 1  (ste="identity")   or   [|x / scale| <= c]  (ste="masked")
     state' = spec.scaling.update(state, amax)
 
@@ -14,10 +15,27 @@ One quantized tensor, per step (``spec`` a :class:`QuantSpec`, ``state`` its :cl
 statistics, so the amax history is warm when quantization starts.
 
 A matmul (:func:`dot_general`, :func:`linear`) fake-quantizes its activation (lhs) and weight (rhs) operands per a
-:class:`Recipe`. If the recipe quantizes gradients, the backward pass quantizes the output gradient with current
-scaling (no state in the backward), optionally with stochastic rounding and a 16-point Hadamard transform on both
-weight-gradient operands; block-scaled (NVFP4) operands are re-quantized from high precision along the axis the
-backward GEMM contracts, never reusing forward block scales.
+:class:`Recipe`. If the recipe quantizes gradients, the backward pass quantizes the output gradient, optionally with
+stochastic rounding and a 16-point Hadamard transform on both weight-gradient operands; block-scaled (NVFP4) operands
+are re-quantized from high precision along the axis the backward GEMM contracts, never reusing forward block scales.
+The backward pass recomputes the quantized forward operands from the high-precision ones (same estimates and keys,
+so bit for bit) instead of keeping both copies alive.
+
+Delayed scaling of the output gradient (``fp8_delayed``: E4M3 forward, E5M2 gradients, as Transformer Engine and
+Flax's ``fp8_ops``) keeps the gradient's :class:`~jaxlowfp.scaling.AmaxHistory` in ``RecipeState.grad``: explicit
+state, no hidden collection. The backward pass reads it, and reports the gradient's amax as the *gradient* of the
+loss w.r.t. ``RecipeState.grad_pending``; the step keeps that gradient as the new ``grad_pending``
+(:func:`jaxlowfp.scaling.pending_amaxes`, done by :func:`jaxlowfp.training.make_step`), and the next call records it
+into ``grad`` before its backward pass uses it.
+
+Non-finite values, one policy for every format and path (jnp, Pallas kernel, NVFP4): a NaN or +-Inf element of a
+quantized tensor comes out of the fake-quantizer unchanged (``y = where(isfinite(x), y_q, x)``, as high precision
+would carry it), so it reaches the loss instead of being clipped to a finite value; ``QuantStats.nonfinite_count``
+counts it (``nonfinite_quantized`` in the train metrics, a step with a non-zero count is skipped like a non-finite
+loss). The other elements of such a tensor are quantized with whatever scale the non-finite amax leaves (delayed
+scaling: the history's; current scaling: the fallback scale 1 for the 8-bit formats, NaN for NVFP4, whose block
+scales come from the global amax): the step is skipped anyway. The int32 counters are exact: tensors of 2**31
+elements or more are refused with an error.
 
 >>> import jax.numpy as jnp
 >>> from jaxlowfp import qat, scaling
@@ -40,6 +58,7 @@ from jaxlowfp.qat.spec import (
     Recipe,
     RecipeState,
     RecipeStats,
+    fp8_delayed,
     hif8_w8a8,
     nvfp4_training,
     nvfp4_w4a4,
@@ -58,6 +77,7 @@ __all__ = [
     "dot_general",
     "linear",
     "hif8_w8a8",
+    "fp8_delayed",
     "nvfp4_w4a4",
     "nvfp4_training",
 ]

@@ -4,8 +4,12 @@
     est   = spec.scaling.amax_estimate(state, amax)  (delayed: from earlier steps; current: amax)
     scale = est / target_max                         (1 when est is 0, NaN or Inf)
     y     = fmt.round(clip(x * (1 / scale), +-c)) * scale     c = target_max ("target") or fmt.max_finite ("format")
+    y     = where(isfinite(x), y, x)                 (NaN/Inf elements pass through unchanged, every format)
     dy/dx = 1  (ste="identity")   or   [|x / scale| <= c]  (ste="masked")
     state' = spec.scaling.update(state, amax)
+
+Conventions "te" and "flax" of :class:`~jaxlowfp.scaling.DelayedScaling` round ``x * (target_max / est)`` and
+``x / scale`` instead of ``x * (1 / scale)``, as Transformer Engine and Flax's ``fp8_ops`` do.
 """
 from __future__ import annotations
 
@@ -16,11 +20,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxlowfp import dispatch, formats, nvfp4
+from jaxlowfp._core.bits import ieee_div
 from jaxlowfp._core.checks import bool_flag, float_input, number
 from jaxlowfp._core.nvfp4_blocks import global_scales
 from jaxlowfp._core.reduce import abs_max
 from jaxlowfp._core.scaled import saturation_bound, scaled_round_mask
-from jaxlowfp.qat.spec import KERNELS, QuantSpec, QuantStats
+from jaxlowfp.qat.spec import KERNELS, QuantSpec, QuantStats, check_size, convention
 from jaxlowfp.scaling import AmaxHistory, DelayedScaling
 
 
@@ -33,10 +38,12 @@ def scaled_round(
 
     Returns ``(y, saturated_count)`` with ``saturated_count = #{|f32(x)| > bound}`` (int32; +-Inf counts, NaN
     not); `bound` defaults to ``clip * scale`` (see :func:`saturation_bound`). `scale` is a positive finite float32
-    scalar, `clip` a static number in (0, fmt.max_finite].
+    scalar, `clip` a static number in (0, fmt.max_finite]. This is the kernel's twin: a NaN stays NaN but an Inf
+    is clipped like any large value (the QAT ops then pass non-finite elements through; :func:`fake_quant`).
     """
     fmt = formats.get(fmt)
     x = float_input(x, "x")
+    check_size(x.shape, "x")
     clip = number(clip, "clip", lo=0.0, hi=fmt.max_finite, lo_open=True,
                   allowed=f"a static number in (0, {fmt.max_finite}], the range of {fmt.name}")
     scale = jnp.asarray(jnp.float32(scale) if isinstance(scale, float) else scale)
@@ -77,14 +84,58 @@ class _Quantized(NamedTuple):
     estimate: jax.Array
 
 
+class Rounded(NamedTuple):
+    y: jax.Array  # the fake-quantized value, non-finite inputs passed through
+    sat: jax.Array | None  # bool, where the value was clipped (None: nothing can be, NVFP4 with current scaling)
+    scale: jax.Array  # f32[] dequant multiplier (NVFP4: the per-tensor decode scale)
+    counts: Any  # the fused kernel's result (amax, saturated and underflow counts), else None
+
+
+def fused_kernel(spec: QuantSpec, x: jax.Array) -> bool:
+    """Whether `x` goes through the fused Pallas HiF8 kernel (one pass: value, amax and counters)."""
+    return spec.format == "hif8" and convention(spec) == "default" and dispatch.resolve_impl(
+        spec.impl, kernel=KERNELS["hif8"], backend=spec.backend, config={"dtype": str(x.dtype)}) == "pallas"
+
+
+def round_with(xs: jax.Array, spec: QuantSpec, est: jax.Array, key: Any, axis: int = -1) -> Rounded:
+    """Fake-quantize `xs` (no gradient) with the amax estimate `est`: a pure function of its arguments, so the
+    backward pass of a matmul recomputes exactly the forward's operands from high precision.
+
+    Non-finite elements of `xs` come out unchanged (``y = where(isfinite(x), y_q, x)``, every format and path).
+    """
+    if spec.is_nvfp4:
+        delayed = isinstance(spec.scaling, DelayedScaling)
+        yq = nvfp4_fake_quant(xs, spec, est if delayed else None, key, axis)
+        sat = (jnp.abs(xs) > est) if delayed else None
+        scale, counts = global_scales(est, spec.rule)[1], None  # S_dec = 1 / S_enc
+    else:
+        sc, conv, c = spec.scaling, convention(spec), spec.clip_bound
+        scale = sc.scale(est)
+        if conv == "default":
+            bound = saturation_bound(scale, c, est if spec.clip == "target" else None)
+            if fused_kernel(spec, xs):  # the kernel stays as it is; the non-finite policy is applied after it
+                counts = dispatch.kernel(KERNELS["hif8"], spec.backend)(xs, scale, c, bound=bound)
+                yq = counts.y
+                sat = jnp.abs(xs.astype(jnp.float32)) > bound
+            else:
+                yq, sat = scaled_round_mask(xs, scale, c, spec.element_format, bound)
+                counts = None
+        else:  # TE multiplies by its quantization scale, Flax divides by the dequant scale (IEEE division: XLA
+            xf = xs.astype(jnp.float32)  # may turn a plain `/` by a scalar into a reciprocal multiply)
+            t = xf * sc.multiplier(est) if conv == "te" else ieee_div(xf, scale)
+            yq = (spec.element_format.round(jnp.clip(t, -c, c)) * scale).astype(xs.dtype)
+            sat, counts = jnp.abs(t) > c, None
+    return Rounded(jnp.where(jnp.isfinite(xs), yq, xs), sat, scale, counts)
+
+
 def quantize(x: jax.Array, state: AmaxHistory, spec: QuantSpec, observe: bool | jax.Array,
               key: Any, axis: int = -1) -> _Quantized:
     """Quantize `x` (no gradient): value, STE mask, new state and stats. NVFP4 blocks run along `axis`."""
     if x.size == 0:
         raise ValueError(f"cannot quantize an empty array (shape {x.shape})")
+    check_size(x.shape, "the quantized tensor")
     xs = lax.stop_gradient(x)
-    fused = spec.format == "hif8" and dispatch.resolve_impl(
-        spec.impl, kernel=KERNELS["hif8"], backend=spec.backend, config={"dtype": str(x.dtype)}) == "pallas"
+    fused = fused_kernel(spec, x)
     if fused and isinstance(spec.scaling, DelayedScaling):
         # The kernel returns amax from its own pass; a delayed estimate needs this step's amax only while the
         # history is empty (its fallback), so the separate reduction runs only then.
@@ -95,36 +146,32 @@ def quantize(x: jax.Array, state: AmaxHistory, spec: QuantSpec, observe: bool | 
     est = spec.scaling.amax_estimate(state, amax)
     if spec.is_nvfp4:
         need_key(spec, key, "QuantSpec(format='nvfp4')")
-        delayed = isinstance(spec.scaling, DelayedScaling)
-        yq = nvfp4_fake_quant(xs, spec, est if delayed else None, key, axis)
-        sat = (jnp.abs(xs) > est) if delayed else jnp.zeros(xs.shape, jnp.bool_)
-        scale = global_scales(est, spec.rule)[1]  # S_dec = 1 / S_enc
-        n_sat, n_under = jnp.sum(sat, dtype=jnp.int32), jnp.sum((xs != 0) & (yq == 0), dtype=jnp.int32)
+    r = round_with(xs, spec, est, key, axis)
+    if r.counts is not None:
+        amax, n_sat, n_under = r.counts.amax, r.counts.saturated_count, r.counts.underflow_count
     else:
-        scale = spec.scaling.scale(est)
-        bound = saturation_bound(scale, spec.clip_bound, est if spec.clip == "target" else None)
-        if fused:
-            # one pass: y, amax, saturated and underflow counts
-            r = dispatch.kernel(KERNELS["hif8"], spec.backend)(xs, scale, spec.clip_bound, bound=bound)
-            yq, amax, n_sat, n_under = r.y, r.amax, r.saturated_count, r.underflow_count
-            sat = (jnp.abs(xs.astype(jnp.float32)) > bound) if spec.ste == "masked" else None
-        else:
-            yq, sat = scaled_round_mask(xs, scale, spec.clip_bound, spec.element_format, bound)
-            n_sat, n_under = jnp.sum(sat, dtype=jnp.int32), jnp.sum((xs != 0) & (yq == 0), dtype=jnp.int32)
+        n_sat = jnp.zeros((), jnp.int32) if r.sat is None else jnp.sum(r.sat, dtype=jnp.int32)
+        n_under = jnp.sum((xs != 0) & (r.y == 0), dtype=jnp.int32)
     new_state = spec.scaling.update(state, amax)
     n = float(x.size)
     stats = QuantStats(
         amax=amax,
         amax_estimate=est,
-        scale=scale,
+        scale=r.scale,
         saturated_fraction=n_sat.astype(jnp.float32) / n,
         underflow_fraction=n_under.astype(jnp.float32) / n,
         nonfinite_count=jnp.sum(~jnp.isfinite(xs), dtype=jnp.int32),
     )
     keep = None  # identity STE, or masked but observing (nothing was clipped)
     if spec.ste == "masked" and observe is not True:
-        keep = ~sat if observe is False else jnp.logical_or(observe, ~sat)
-    return _Quantized(select(observe, xs, yq), keep, new_state, stats, est)
+        keep = keep_mask(r.sat, observe, xs.shape)
+    return _Quantized(select(observe, xs, r.y), keep, new_state, stats, est)
+
+
+def keep_mask(sat: jax.Array | None, observe: bool | jax.Array, shape: tuple) -> jax.Array:
+    """Where the masked STE lets the gradient pass: not clipped, or observing."""
+    keep = jnp.ones(shape, jnp.bool_) if sat is None else ~sat
+    return keep if observe is False else jnp.logical_or(observe, keep)
 
 
 @jax.custom_vjp

@@ -6,17 +6,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jaxlowfp._core.checks import bool_flag, float_input
+from jaxlowfp._core.reduce import abs_max
 from jaxlowfp.hadamard import hadamard16
-from jaxlowfp.qat.fake_quant import need_key, nvfp4_fake_quant, quantize, select, straight_through
-from jaxlowfp.qat.spec import QuantSpec, Recipe, RecipeState, RecipeStats
-from jaxlowfp.scaling import CurrentScaling, DelayedScaling
+from jaxlowfp.qat.fake_quant import (keep_mask, need_key, nvfp4_fake_quant, quantize, round_with, select,
+                                     straight_through)
+from jaxlowfp.qat.spec import QuantSpec, Recipe, RecipeState, RecipeStats, check_size
+from jaxlowfp.scaling import AmaxHistory, CurrentScaling, DelayedScaling, PendingAmax, record_pending
 
 def _normalize_dn(dn: Any) -> tuple:
     try:
@@ -57,29 +59,62 @@ def _maybe_hadamard(x: jax.Array, on: bool) -> jax.Array:
     return hadamard16(x, axis=0).astype(x.dtype)
 
 
+class _Ctx(NamedTuple):
+    """What the backward pass needs besides the high-precision operands (all scalars or keys)."""
+
+    est_l: jax.Array | None  # the forward's amax estimates: the quantized operands are recomputed from them
+    est_r: jax.Array | None
+    key_l: jax.Array | None  # the forward's stochastic-rounding keys
+    key_r: jax.Array | None
+    key_g: jax.Array | None  # the backward's
+    observe: jax.Array | None  # a traced observe-only flag (None: static, in the config)
+    grad_hist: AmaxHistory | None  # delayed gradient scaling: the output gradient's history
+
+
+def _requantize(x: jax.Array, spec: QuantSpec | None, est: Any, key: Any, axis: int,
+                observe: bool | jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """The forward's quantized operand and masked-STE mask, recomputed from high precision (bit for bit)."""
+    if spec is None:
+        return x, None
+    r = round_with(x, spec, est, key, axis)
+    keep = keep_mask(r.sat, observe, x.shape) if spec.ste == "masked" and observe is not True else None
+    return select(observe, x, r.y), keep
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _qdot(cfg: _DotConfig, lhs, rhs, lhs_q, rhs_q, est_l, est_r, keep_l, keep_r, key, observe):
-    return _dot(cfg, lhs_q, rhs_q)
-
-
-def _qdot_fwd(cfg, lhs, rhs, lhs_q, rhs_q, est_l, est_r, keep_l, keep_r, key, observe):
+def _qdot(cfg: _DotConfig, lhs, rhs, lhs_q, rhs_q, ctx: _Ctx, pending):
     out = _dot(cfg, lhs_q, rhs_q)
-    return out, (lhs, rhs, lhs_q, rhs_q, est_l, est_r, keep_l, keep_r, key, observe)
+    return out if pending is None else (out, PendingAmax.none())
 
 
-def _qdot_bwd(cfg, res, g):
-    lhs, rhs, lhs_q, rhs_q, est_l, est_r, keep_l, keep_r, key, observe = res
-    observe = cfg.observe if cfg.observe is not None else observe
+def _qdot_fwd(cfg, lhs, rhs, lhs_q, rhs_q, ctx, pending):
+    # Residuals: the high-precision operands (alive anyway: the weight is a parameter, the activation usually the
+    # previous layer's residual) and scalars; the quantized copies are recomputed in the backward pass.
+    return _qdot(cfg, lhs, rhs, lhs_q, rhs_q, ctx, pending), (lhs, rhs, ctx)
+
+
+def _qdot_bwd(cfg, res, ct):
+    lhs, rhs, ctx = res
     r = cfg.recipe
+    g, ct_pending = ct if r.delayed_grad else (ct, None)
+    observe = cfg.observe if cfg.observe is not None else ctx.observe
     gs = r.grad
-    k_d, k_w = (None, None) if key is None else tuple(jax.random.split(key))
+    k_d, k_w = (None, None) if ctx.key_g is None else tuple(jax.random.split(ctx.key_g))
     block_scaled = gs.is_nvfp4 or gs.hadamard or any(s is not None and s.is_nvfp4 for s in (r.weight, r.activation))
+    lhs_q, keep_l = _requantize(lhs, r.activation, ctx.est_l, ctx.key_l, -1, observe)
+    rhs_q, keep_r = _requantize(rhs, r.weight, ctx.est_r, ctx.key_r, 0, observe)
 
     # dgrad = g . rhs^T (contracts rhs's free axis M, the last axis of g and of rhs [K, M])
-    g_d = _quantize_grad(g, gs, k_d, axis=-1)
+    pending_ct = None
+    if r.delayed_grad:  # scale from the history; this gradient's amax leaves as the gradient of `pending`
+        a_g = abs_max(g).astype(jnp.float32)
+        g_d = round_with(g, gs, gs.scaling.amax_estimate(ctx.grad_hist, a_g), k_d, axis=-1).y
+        pending_ct = PendingAmax(seen=jnp.ones((), jnp.float32), amax=jnp.maximum(a_g, ct_pending.amax))
+    else:
+        g_d = _quantize_grad(g, gs, k_d, axis=-1)
     w_d = rhs_q
     if r.weight is not None and r.weight.is_nvfp4:
-        w_d = nvfp4_fake_quant(rhs, r.weight, _global_amax(r.weight, est_r), None, axis=1)
+        w_d = nvfp4_fake_quant(rhs, r.weight, _global_amax(r.weight, ctx.est_r), None, axis=1)
     w_d = select(observe, rhs, w_d)
     g_d = select(observe, g, g_d)
     _, vjp_l = jax.vjp(lambda a: _dot(cfg, a, w_d), lhs_q)
@@ -92,7 +127,7 @@ def _qdot_bwd(cfg, res, g):
         x_w = _maybe_hadamard(x2, gs.hadamard)
         if r.activation is not None:
             if r.activation.is_nvfp4:
-                amax = None if gs.hadamard else _global_amax(r.activation, est_l)  # after the RHT: recomputed
+                amax = None if gs.hadamard else _global_amax(r.activation, ctx.est_l)  # after the RHT: recomputed
                 x_w = nvfp4_fake_quant(x_w, r.activation, amax, None, axis=0)
             elif gs.hadamard:
                 current = dataclasses.replace(r.activation, scaling=CurrentScaling(
@@ -114,7 +149,7 @@ def _qdot_bwd(cfg, res, g):
         dl = jnp.where(keep_l, dl, jnp.zeros((), dl.dtype))
     if keep_r is not None:
         dr = jnp.where(keep_r, dr, jnp.zeros((), dr.dtype))
-    return dl.astype(lhs.dtype), dr.astype(rhs.dtype), None, None, None, None, None, None, None, None
+    return dl.astype(lhs.dtype), dr.astype(rhs.dtype), None, None, None, pending_ct
 
 
 _qdot.defvjp(_qdot_fwd, _qdot_bwd)
@@ -140,8 +175,11 @@ def dot_general(
     """``lax.dot_general`` with `lhs` (activation) and `rhs` (weight) fake-quantized per `recipe`.
 
     Forward: ``dot_general(Q_a(lhs), Q_w(rhs))``; the new state records both amaxes. Backward: straight-through
-    for both operands (masked per ``ste``). With ``recipe.grad`` set, the output gradient is quantized (current
-    scaling; stochastic rounding with a key split from `key`) before the dgrad and wgrad GEMMs; NVFP4 operands are
+    for both operands (masked per ``ste``). With ``recipe.grad`` set, the output gradient is quantized (stochastic
+    rounding with a key split from `key`) before the dgrad and wgrad GEMMs, the quantized forward operands are
+    recomputed from high precision (not saved), and with delayed gradient scaling the scale comes from
+    ``state.grad`` while the gradient's amax leaves as the gradient w.r.t. ``state.grad_pending`` (keep it as that
+    field's new value; :func:`jaxlowfp.scaling.pending_amaxes`). NVFP4 operands are
     re-quantized from high precision with blocks along the GEMM's contraction axis, and ``grad.hadamard`` rotates
     both wgrad operands along the token axis. NVFP4 and Hadamard need the linear layout ``lhs [..., K]``,
     ``rhs [K, M]``; the per-tensor 8-bit formats accept any dimension numbers. ``observe_only`` makes forward and
@@ -170,6 +208,11 @@ def dot_general(
     for role, spec in (("activation", recipe.activation), ("weight", recipe.weight), ("grad", recipe.grad)):
         if spec is not None:
             need_key(spec, key, f"recipe.{role}")
+    if recipe.delayed_grad and not (isinstance(state.grad, AmaxHistory)
+                                    and isinstance(state.grad_pending, PendingAmax)):
+        raise ValueError(f"recipe {recipe.name!r} scales the output gradient with delayed scaling, but the state has "
+                         f"no gradient history (grad={type(state.grad).__name__}, grad_pending="
+                         f"{type(state.grad_pending).__name__}); build the state with recipe.init()")
     if recipe.activation is not None:
         qa = quantize(lhs, state.activation, recipe.activation, observe, keys[0], axis=-1)
         lhs_q, keep_l, st_a, stats_a, est_l = qa
@@ -182,12 +225,21 @@ def dot_general(
         rhs_q, keep_r, st_w, stats_w, est_r = lax.stop_gradient(rhs), None, state.weight, None, None
     static_obs = observe if isinstance(observe, bool) else None
     cfg = _DotConfig(dn, precision, preferred_element_type, recipe, static_obs)
+    grad_hist, pending = state.grad, state.grad_pending
     if recipe.grad is None:
         out = _dot(cfg, straight_through(lhs, lhs_q, keep_l), straight_through(rhs, rhs_q, keep_r))
     else:
+        check_size(jax.eval_shape(lambda a, b: _dot(cfg, a, b), lhs_q, rhs_q).shape, "the output gradient")
         traced_obs = None if static_obs is not None else observe
-        out = _qdot(cfg, lhs, rhs, lhs_q, rhs_q, est_l, est_r, keep_l, keep_r, keys[2], traced_obs)
-    return out, RecipeState(weight=st_w, activation=st_a), RecipeStats(weight=stats_w, activation=stats_a)
+        ctx = _Ctx(est_l, est_r, keys[0], keys[1], keys[2], traced_obs, None)
+        if recipe.delayed_grad:  # record the amax the last backward pass reported, then hand the history over
+            grad_hist = record_pending(recipe.grad.scaling, state.grad, lax.stop_gradient(pending))
+            out, pending = _qdot(cfg, lhs, rhs, lhs_q, rhs_q, ctx._replace(grad_hist=lax.stop_gradient(grad_hist)),
+                                 pending)
+        else:
+            out = _qdot(cfg, lhs, rhs, lhs_q, rhs_q, ctx, None)
+    new_state = RecipeState(weight=st_w, activation=st_a, grad=grad_hist, grad_pending=pending)
+    return out, new_state, RecipeStats(weight=stats_w, activation=stats_a)
 
 
 def linear(

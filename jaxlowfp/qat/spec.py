@@ -1,5 +1,6 @@
 """What a QAT matmul quantizes: :class:`QuantSpec` (one tensor), :class:`Recipe` (weights, activations, gradients),
-their state and statistics pytrees, and the recipe factories (``hif8_w8a8``, ``nvfp4_w4a4``, ``nvfp4_training``)."""
+their state and statistics pytrees, and the recipe factories (``hif8_w8a8``, ``nvfp4_w4a4``, ``nvfp4_training``,
+``fp8_delayed``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +12,7 @@ import numpy as np
 from jaxlowfp import dispatch, formats
 from jaxlowfp._core.checks import one_of
 from jaxlowfp._core.nvfp4_blocks import BLOCK_SHAPES, RULES
-from jaxlowfp.scaling import AmaxHistory, CurrentScaling, DelayedScaling, Scaling
+from jaxlowfp.scaling import AmaxHistory, CurrentScaling, DelayedScaling, PendingAmax, Scaling
 
 FORMATS = ("hif8", "e4m3", "e5m2", "nvfp4")
 CLIPS = ("target", "format")
@@ -21,6 +22,23 @@ NVFP4_RULES = RULES
 NVFP4_BLOCKS = BLOCK_SHAPES
 NVFP4_ELEMENT_MAX = 6.0  # E2M1
 KERNELS = {"hif8": "hif8.scaled_fake_quant", "nvfp4": "nvfp4.fake_quantize"}  # kernel names in jaxlowfp.dispatch
+MAX_ELEMENTS = 2**31 - 1  # the int32 counters of QuantStats (sums over the tensor) are exact up to here
+
+
+def convention(spec: QuantSpec) -> str:
+    """The scaling convention of `spec` ("default" for current scaling)."""
+    return getattr(spec.scaling, "convention", "default")
+
+
+def check_size(shape: tuple, what: str) -> None:
+    """Refuse tensors whose element count the int32 counters cannot hold (a trace-time check of the shape)."""
+    n = 1
+    for d in shape:
+        n *= int(d)
+    if n > MAX_ELEMENTS:
+        raise ValueError(f"{what} has {n} elements (shape {tuple(shape)}); the quantizer's int32 counters "
+                         f"(QuantStats) hold at most 2**31 - 1 = {MAX_ELEMENTS}: split the tensor (e.g. the matmul "
+                         f"along its rows) into parts below that")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,6 +90,9 @@ class QuantSpec:
             )
         one_of(self.clip, CLIPS, "clip")
         one_of(self.ste, STES, "ste")
+        if self.impl == "pallas" and getattr(self.scaling, "convention", "default") != "default":
+            raise ValueError(f"impl='pallas': the kernel scales by 1 / scale, not the way convention="
+                             f"{self.scaling.convention!r} does; use impl='xla' or 'auto'")
         one_of(self.rounding, ROUNDINGS, "rounding")
         if not isinstance(self.hadamard, bool):
             raise TypeError(f"hadamard must be a bool; got {self.hadamard!r}")
@@ -162,10 +183,30 @@ class QuantStats(NamedTuple):
 
 
 class RecipeState(NamedTuple):
-    """Scale state of one quantized matmul: amax histories of the weight (rhs) and activation (lhs) operands."""
+    """Scale state of one quantized matmul: amax histories of the weight (rhs) and activation (lhs) operands and,
+    when the output gradient uses delayed scaling, its history and the amax the last backward pass reported.
+
+    ``grad_pending`` is the part of the state a backward pass writes: differentiate the loss w.r.t. it too and
+    keep that gradient as its new value (:func:`jaxlowfp.scaling.pending_amaxes`); the next call records it into
+    ``grad`` before the backward pass reads ``grad``. Both are None for recipes without delayed gradient scaling
+    (and then the pytree has the leaves of the two-field state of earlier versions, so old checkpoints load).
+    """
 
     weight: AmaxHistory | None
     activation: AmaxHistory | None
+    grad: AmaxHistory | None = None
+    grad_pending: PendingAmax | None = None
+
+
+def _recipe_state_flatten(rs: RecipeState) -> tuple[list, tuple[str, ...]]:
+    # The gradient fields are children only when set: a state without them has exactly the key paths of the
+    # two-field RecipeState of earlier versions, so orbax restores their checkpoints into it.
+    names = ("weight", "activation") + tuple(f for f in ("grad", "grad_pending") if getattr(rs, f) is not None)
+    return [(jax.tree_util.GetAttrKey(n), getattr(rs, n)) for n in names], names
+
+
+jax.tree_util.register_pytree_with_keys(
+    RecipeState, _recipe_state_flatten, lambda names, children: RecipeState(**dict(zip(names, children))))
 
 
 class RecipeStats(NamedTuple):
@@ -182,8 +223,10 @@ class Recipe:
     Attributes:
       weight, activation: :class:`QuantSpec` of the rhs / lhs operand, or None (kept in high precision).
       grad: :class:`QuantSpec` of the output gradient in the backward pass, or None (straight-through backward in
-        the operands' precision). Must use :class:`~jaxlowfp.scaling.CurrentScaling`: the backward has no state.
-        ``grad.hadamard`` applies the 16-point Hadamard transform to both weight-gradient operands.
+        the operands' precision). :class:`~jaxlowfp.scaling.CurrentScaling`, or (8-bit formats without Hadamard)
+        :class:`~jaxlowfp.scaling.DelayedScaling`: its history is ``RecipeState.grad``, fed through
+        ``RecipeState.grad_pending``. ``grad.hadamard`` applies the 16-point Hadamard transform to both
+        weight-gradient operands.
       name: a label for reports.
     """
 
@@ -203,11 +246,17 @@ class Recipe:
         if self.weight is None and self.activation is None and self.grad is None:
             raise ValueError("a Recipe that quantizes nothing would run in high precision; set weight, activation "
                              "or grad (or call the plain op without a recipe)")
-        if self.grad is not None and not isinstance(self.grad.scaling, CurrentScaling):
-            raise ValueError(f"grad must use CurrentScaling (the backward pass carries no state); got "
-                             f"{type(self.grad.scaling).__name__}")
+        if self.delayed_grad and (self.grad.is_nvfp4 or self.grad.hadamard):
+            raise ValueError(f"delayed scaling of the output gradient is implemented for the per-tensor 8-bit "
+                             f"formats without Hadamard; got grad format={self.grad.format!r}, hadamard="
+                             f"{self.grad.hadamard} (use CurrentScaling for grad)")
         if not isinstance(self.name, str):
             raise TypeError(f"name must be a str; got {self.name!r}")
+
+    @property
+    def delayed_grad(self) -> bool:
+        """Whether the output gradient uses delayed scaling (the state then has ``grad`` and ``grad_pending``)."""
+        return self.grad is not None and isinstance(self.grad.scaling, DelayedScaling)
 
     @property
     def needs_key(self) -> bool:
@@ -215,10 +264,12 @@ class Recipe:
         return any(s is not None and s.rounding == "stochastic" for s in (self.weight, self.activation, self.grad))
 
     def init(self) -> RecipeState:
-        """Fresh state: one amax history per quantized forward operand."""
+        """Fresh state: one amax history per quantized forward operand (and the output gradient's, if delayed)."""
         return RecipeState(
             weight=None if self.weight is None else self.weight.init(),
             activation=None if self.activation is None else self.activation.init(),
+            grad=self.grad.init() if self.delayed_grad else None,
+            grad_pending=PendingAmax.none() if self.delayed_grad else None,
         )
 
 
@@ -249,3 +300,22 @@ def nvfp4_training(rule: str = "mse") -> Recipe:
     )
 
 
+
+
+def fp8_delayed(
+    *, history_len: int = 1024, margin: int = 0, algorithm: str = "max_window", convention: str = "default"
+) -> Recipe:
+    """FP8 with delayed scaling, as in Transformer Engine and Flax ``fp8_ops``: E4M3 weights and activations, E5M2
+    output gradients, each with its own amax history (max over the last `history_len` = 1024 steps), the amax
+    mapped to the format's max (448, 57344) and values clipped there; straight-through backward.
+
+    ``convention="flax"`` reproduces ``flax.linen.fp8_ops.Fp8DotGeneralOp`` bit for bit (outputs, gradients,
+    histories), ``"te"`` Transformer Engine's scales and codes; see ``docs/from_flax_fp8_and_te.md``."""
+    def spec(fmt: str, target: float) -> QuantSpec:
+        s = DelayedScaling(algorithm=algorithm, history_len=history_len, target_max=target, margin=margin,
+                           convention=convention)
+        return QuantSpec(format=fmt, scaling=s, clip="format", ste="identity")
+
+    fwd = spec("e4m3", formats.E4M3.max_finite)
+    return Recipe(weight=fwd, activation=fwd, grad=spec("e5m2", formats.E5M2.max_finite),
+                  name=f"fp8_delayed_{convention}" if convention != "default" else "fp8_delayed")
