@@ -199,6 +199,10 @@ def train(model: nnx.Module, stream: Any, *, steps: int, tx: optax.GradientTrans
     lead = jax.process_index() == 0  # multi-host: one process writes files (orbax coordinates checkpoints)
     if not resume and ckpt_dir.exists() and lead:
         shutil.rmtree(ckpt_dir)
+    if jax.process_count() > 1:  # nobody opens the checkpoint directory before the lead has cleared it
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"jaxlowfp.train:{out_dir}:cleared")
     mesh = mesh if mesh is not None else mesh_lib.make_mesh(None)
 
     graphdef, state = init_state(model, tx)
