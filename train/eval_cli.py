@@ -44,12 +44,14 @@ def parse_eval_args(argv: Sequence[str]) -> argparse.Namespace:
     _model_arg(p)
     p.add_argument("--texts", default="shakespeare,python,prose",
                    help="comma-separated texts to score (default: %(default)s)")
-    p.add_argument("--max-tokens", type=_positive, default=3072,
+    p.add_argument("--max-tokens", type=_positive, default=4096,
                    help="tokens scored per text (default: %(default)s)")
     p.add_argument("--max-length", type=_positive, default=512,
                    help="rolling-window length in tokens (default: %(default)s)")
     p.add_argument("--stride", type=_positive, default=None,
-                   help="new tokens scored per window after the first (default: max-length / 2)")
+                   help="new tokens scored per window after the first; less than --max-length gives every later "
+                        "window max-length - stride tokens of extra context (default: max-length, lm-eval's "
+                        "disjoint windows)")
     p.add_argument("--batch-size", type=_positive, default=8, help="sequences per forward pass (default: %(default)s)")
     p.add_argument("--mc-items", type=int, default=48,
                    help="multiple-choice items from held-out Shakespeare, 0 to skip (default: %(default)s)")
@@ -68,7 +70,7 @@ def parse_eval_args(argv: Sequence[str]) -> argparse.Namespace:
     bad = [t for t in args.texts if t not in TEXTS]
     if bad or not args.texts:
         p.error(f"--texts: unknown {bad}; allowed: {', '.join(TEXTS)}")
-    args.stride = args.stride or max(1, args.max_length // 2)
+    args.stride = args.stride or args.max_length
     if args.stride > args.max_length:
         p.error(f"--stride {args.stride} must be <= --max-length {args.max_length}")
     if args.mc_items < 0:

@@ -207,9 +207,9 @@ def perplexity(model: nnx.Module, tokenizer: Any, docs: Iterable[str], *, name: 
 
     ``max_tokens`` caps the tokens scored: documents are taken in order, the last one cut to fit (its text is then
     the decoded kept tokens, so words and bytes count exactly what was scored). ``stride`` defaults to
-    ``max_length // 2``. ``prefix_token`` defaults to the tokenizer's BOS id, else its EOS id.
+    ``max_length`` (lm-eval's disjoint windows). ``prefix_token`` defaults to the tokenizer's BOS id, else its EOS id.
     """
-    stride = max_length // 2 if stride is None else stride
+    stride = max_length if stride is None else stride
     if max_length > model.config.max_seq_len:
         raise ValueError(f"max_length={max_length} exceeds the model's max_seq_len={model.config.max_seq_len}")
     prefix = prefix_token if prefix_token is not None else (
