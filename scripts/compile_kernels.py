@@ -532,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         return _worker(args.worker, args.worker_out)
+    load = os.getloadavg()[0]
     try:
         stats, errors, seconds = run_targets(args.targets, jobs=args.jobs)
     except CompileCheckError as e:
@@ -562,7 +563,8 @@ def main(argv: list[str] | None = None) -> int:
             "function, at the kernel's default block configuration. Shapes are ragged (a partial last tile) so the "
             "masked paths are compiled. A spill, a compile error or shared memory above the target's per-block "
             "limit fails the run. Wall time per target (2 at a time): "
-            + ", ".join(f"{t} {s:.0f} s" for t, s in seconds.items()) + ".\n\n" + body
+            + ", ".join(f"{t} {s:.0f} s" for t, s in seconds.items())
+            + f" (load average {load:.1f} at the start).\n\n" + body
             + (f"\n\n**{len(errors)} problem(s)** (the run fails):\n\n" + "\n".join(f"- {e}" for e in errors)
                if errors else "\n\nNo spills, no compile errors, no shared-memory overflow.")
         ))

@@ -9,7 +9,7 @@
       are checked against numpy.
   (b) GB/s and fraction of a device copy (a jitted ``-x``: one read, one write) for the HiF8 kernel and NVFP4
       ``static_6`` and 4/6 ``mse`` (quantize and fake-quantize, 1x16), per backend and for the jnp twin, and the
-      4/6 overhead over ``static_6`` (the cases and timer of bench/gpu_kernels.py, default block configuration).
+      4/6 overhead over ``static_6`` (bench/gpu_kernels.py's timer and table, default block configuration).
   (c) The HiF8 W8A8 QAT train step (Pallas and jnp quantizers) against the high-precision step, bfloat16 compute,
       on the demo model.
   (d) The configurations that passed (a) go to ``jaxlowfp/verified_kernels.json`` (merged with the entries of
@@ -271,20 +271,45 @@ def exact_table(results: list[ExactResult]) -> str:
 # ---- (b) throughput ----------------------------------------------------------------------------------------------
 
 
+def throughput_cases(backend: str) -> list:
+    """bench/gpu_kernels.py ``Case``s for (b): HiF8 and NVFP4 static_6 / mse (quantize and fake-quantize, 1x16),
+    the kernel at its default configuration with `backend`, the twin forced to the jnp code (``impl="xla"``),
+    compared bit for bit (no near-tie allowance)."""
+    import gpu_kernels as bench
+
+    entries = kernel_entries()
+
+    def cfg(kernel: str) -> dict:
+        return {"backend": backend} if "backend" in inspect.signature(entries[kernel]).parameters else {}
+
+    hif8 = bench.hif8_case(quick=True)  # its twin is jnp (qat.scaled_round and reductions)
+    cases = [dataclasses.replace(hif8, name=f"{hif8.name} [{backend}]", configs=(cfg(hif8.kernel),))]
+    amax = jnp.float32(40.0)  # a supplied global amax: the kernel alone, no XLA amax pass
+    for kernel, twin, label in (("nvfp4.quantize", nvfp4.quantize, "quantize"),
+                                ("nvfp4.fake_quantize", nvfp4.fake_quantize, "fake-quant")):
+        entry, fake = entries[kernel], kernel == "nvfp4.fake_quantize"
+        for rule in ("static_6", "mse"):
+            cases.append(bench.Case(
+                name=f"NVFP4 {label} {rule} 1x16 [{backend}]", kernel=kernel,
+                xla=lambda x, twin=twin, rule=rule: twin(x, rule=rule, global_amax=amax, impl="xla"),
+                pallas=lambda x, c, interpret, entry=entry, rule=rule: entry(
+                    x, rule=rule, global_amax=amax, interpret=interpret, **c),
+                configs=(cfg(kernel),),
+                bytes_moved=(lambda x: 2 * x.size * x.dtype.itemsize) if fake else (
+                    lambda x: x.size * x.dtype.itemsize + x.size // 2 + x.size // 16),
+                compare=lambda want, got: (count_mismatches(_leaves(want), _leaves(got)), 0),
+            ))
+    return cases
+
+
 def throughput(shape: tuple[int, int], dtype: Any, *, interpret: bool = False, iters: int = 20,
-               reps: int = 5) -> tuple[list[list], list[str], list[str]]:
-    """(header, rows, notes): bench/gpu_kernels.py's quick cases (HiF8; NVFP4 static_6 and mse, quantize and
-    fake-quantize) with the kernel's default configuration, once per backend."""
+               reps: int = 5) -> tuple[list[str], list[list], list[str]]:
+    """(header, rows, notes) of bench/gpu_kernels.py's ``run`` over :func:`throughput_cases`, once per backend."""
     import gpu_kernels as bench
 
     rows, notes = [], []
-    entries = kernel_entries()
-    for b in backends(entries["nvfp4.quantize"]):
-        cases = []
-        for c in bench.all_cases(quick=True):
-            cfg = {"backend": b} if "backend" in inspect.signature(entries[c.kernel]).parameters else {}
-            cases.append(dataclasses.replace(c, name=f"{c.name} [{b}]", configs=(cfg,)))
-        r, n = bench.run([shape], [dtype], cases, interpret=interpret, iters=iters, reps=reps)
+    for b in backends(kernel_entries()["nvfp4.quantize"]):
+        r, n = bench.run([shape], [dtype], throughput_cases(b), interpret=interpret, iters=iters, reps=reps)
         rows += r
         notes += n
     return bench.HEADER, rows, notes

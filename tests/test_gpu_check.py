@@ -93,6 +93,25 @@ def test_exact_check_catches_a_wrong_kernel(monkeypatch):
     assert "FAIL" in gc.exact_table([wrong, raised])
 
 
+def test_throughput_table_in_interpret_mode(monkeypatch):
+    """(b)'s cases time the jnp twin (impl="xla", never "auto", which picks the kernel on a GPU) and the kernel,
+    and the table logic runs (interpret mode: timings mean nothing)."""
+    calls = []
+    for name in ("quantize", "fake_quantize"):
+        real = getattr(gc.nvfp4, name)
+
+        def spy(x, real=real, **kw):
+            calls.append(kw.get("impl"))
+            return real(x, **kw)
+
+        monkeypatch.setattr(gc.nvfp4, name, spy)
+    header, rows, notes = gc.throughput((16, 64), jnp.bfloat16, interpret=True, iters=1, reps=1)
+    assert len(rows) == 5 and all(len(r) == len(header) for r in rows)
+    assert all(r[-2:] == ["0", "0"] for r in rows), rows  # exact, no near-ties
+    assert calls and set(calls) == {"xla"}
+    assert sum("4/6 overhead" in n for n in notes) == 2
+
+
 def test_hif8_oracle_counts():
     x = np.array([0.0, -0.0, 1e-39, 2.0, np.inf, np.nan, 5.0], np.float32)
     y = np.array([0.0, -0.0, 0.0, 2.0, 15.0, np.nan, 0.0], np.float32)
