@@ -487,6 +487,165 @@ def test_nvfp4_training_needs_a_key_and_is_reproducible():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Backward residuals, delayed gradient scaling, state schema
+
+GRAD_RECIPES = {
+    "hif8_grad": dataclasses.replace(qat.hif8_w8a8(), grad=GRAD_HIF8),
+    "masked_grad": dataclasses.replace(qat.hif8_w8a8(), grad=GRAD_HIF8, activation=dataclasses.replace(
+        qat.hif8_w8a8().activation, ste="masked")),
+    "nvfp4_training": qat.nvfp4_training(rule="static_6"),
+    "fp8_delayed": qat.fp8_delayed(history_len=4),
+}
+
+
+@pytest.mark.parametrize("name", list(GRAD_RECIPES))
+def test_backward_keeps_only_the_high_precision_operands(name):
+    """The quantized matmul's backward recomputes Q(x) and Q(w) (and the masked-STE masks) from x and w with the
+    forward's estimates and keys, so its residuals are x and w themselves plus scalars: half the memory of
+    keeping the quantized copies too (4 operand-sized arrays before). The gradients stay bit for bit those of
+    the tests above (and of the code before the change)."""
+    r = GRAD_RECIPES[name]
+    x, w = _operands()
+    _, vjp = jax.vjp(lambda a, b: qat.linear(a, b, recipe=r, state=r.init(), key=jax.random.key(0))[0], x, w)
+    arrays = [leaf for leaf in jax.tree.leaves(vjp) if getattr(leaf, "ndim", 0) >= 1]
+    history = [(r.grad.scaling.history_len,)] if r.delayed_grad else []  # the gradient's amax history
+    assert sorted(a.shape for a in arrays) == sorted([x.shape, w.shape, *history])
+    assert sum(a.nbytes for a in arrays) == x.nbytes + w.nbytes + 4 * sum(h[0] for h in history)
+
+
+def _fp8_grad_step(r):
+    @jax.jit
+    def step(x, w, st, g):
+        def f(a, b, pend):
+            out, new, _ = qat.linear(a, b, recipe=r, state=st._replace(grad_pending=pend))
+            return out, new
+
+        _, vjp, new = jax.vjp(f, x, w, st.grad_pending, has_aux=True)
+        dx, dw, reported = vjp(g)
+        return dx, dw, new._replace(grad_pending=reported)
+
+    return step
+
+
+def test_delayed_gradient_scaling_uses_earlier_gradient_amaxes():
+    """fp8_delayed (default convention): the output gradient is quantized to E5M2 with the max of the amaxes of
+    the earlier steps' gradients (the current one while there are none: step 0); each backward pass reports its
+    gradient's amax, recorded at the next call. Reference: numpy + ml_dtypes casts."""
+    r = qat.fp8_delayed(history_len=3)
+    step = _fp8_grad_step(r)
+    x, w = _operands()
+    st = r.init()
+    fq = jax.jit(qat.fake_quant, static_argnums=2)
+    amaxes = []
+    for t, mult in enumerate([1.0, 100.0, 0.01, 1.0, 1.0, 3.0]):
+        g = heavy_tailed(40 + t, (x.shape[0], w.shape[1])) * mult
+        xq, _, _ = fq(x, st.activation, r.activation)
+        wq, _, _ = fq(w, st.weight, r.weight)
+        dx, dw, new = step(x, w, st, g)
+        a_g = np.float32(np.max(np.abs(np.asarray(g))))
+        est = max(amaxes[-3:]) if amaxes else a_g
+        gq = ref_scaled_round(g, est / np.float32(57344.0), 57344.0, "e5m2")[0]
+        _, vjp = jax.vjp(lambda a, b: lax.dot_general(a, b, LINEAR), xq, wq)
+        rx, rw = vjp(jnp.asarray(gq))
+        np.testing.assert_array_equal(np.asarray(dx), np.asarray(rx), err_msg=f"step {t}")
+        np.testing.assert_array_equal(np.asarray(dw), np.asarray(rw), err_msg=f"step {t}")
+        assert float(new.grad_pending.seen) == 1.0 and float(new.grad_pending.amax) == a_g
+        assert int(new.grad.count) == t  # this step's amax is still pending
+        amaxes.append(a_g)
+        st = new
+    flushed = scaling.record_pending(r.grad.scaling, st.grad, st.grad_pending)
+    assert int(flushed.count) == 6 and sorted(np.asarray(flushed.history).tolist()) == sorted(amaxes[-3:])
+
+
+def test_a_layer_called_twice_with_its_state_threaded_reports_the_larger_amax():
+    r = qat.fp8_delayed(history_len=4)
+    x, w = _operands()
+    g1, g2 = heavy_tailed(50, (32, 16)), heavy_tailed(51, (32, 16)) * 7.0
+    st = r.init()
+
+    def loss(pend):
+        s = st._replace(grad_pending=pend)
+        y1, s, _ = qat.linear(x, w, recipe=r, state=s)
+        y2, s, _ = qat.linear(x * 2.0, w, recipe=r, state=s)
+        return jnp.sum(y1 * g1) + jnp.sum(y2 * g2), s
+
+    reported, after = jax.jit(jax.grad(loss, has_aux=True))(st.grad_pending)
+    assert float(reported.seen) == 1.0
+    assert float(reported.amax) == max(float(jnp.max(jnp.abs(g1))), float(jnp.max(jnp.abs(g2))))
+    assert float(after.grad_pending.seen) == 0.0  # the forward left nothing pending: the gradient carries it
+    with pytest.raises(ValueError, match="no gradient history"):
+        qat.linear(x, w, recipe=r, state=qat.RecipeState(weight=st.weight, activation=st.activation))
+
+
+def test_recipe_state_without_gradient_fields_has_the_old_key_paths_and_old_checkpoints_load(tmp_path):
+    """A RecipeState of a recipe without delayed gradient scaling flattens to exactly the key paths of the
+    two-field RecipeState of earlier versions, so their orbax checkpoints restore into it; a state with the
+    gradient fields round-trips too. (AmaxHistory is unchanged: scaling.SCHEMA_VERSION stays 1.)"""
+    import collections
+
+    import orbax.checkpoint as ocp
+
+    OldRecipeState = collections.namedtuple("RecipeState", ["weight", "activation"])  # what earlier versions saved
+    r = qat.hif8_w8a8(history_len=4)
+    _, st, _ = jax.jit(lambda a, b, s: qat.linear(a, b, recipe=r, state=s))(*_operands(), r.init())
+    old = OldRecipeState(st.weight, st.activation)
+    paths = lambda t: [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(t)[0]]  # noqa
+    assert paths(st) == paths(old)
+    delayed = qat.fp8_delayed(history_len=4).init()
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "old", {"layer": old})
+        ckpt.save(tmp_path / "new", {"layer": delayed})
+        ckpt.wait_until_finished()
+        restored = ckpt.restore(tmp_path / "old", {"layer": jax.tree.map(ocp.utils.to_shape_dtype_struct, st)})
+        restored_new = ckpt.restore(tmp_path / "new",
+                                    {"layer": jax.tree.map(ocp.utils.to_shape_dtype_struct, delayed)})
+    assert isinstance(restored["layer"], qat.RecipeState) and restored["layer"].grad is None
+    chex.assert_trees_all_equal(restored["layer"], st)
+    assert isinstance(restored_new["layer"].grad_pending, scaling.PendingAmax)
+    chex.assert_trees_all_equal(restored_new["layer"], delayed)
+    scaling.check_version(restored)
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_train_step_records_the_output_gradient_amax(microbatches):
+    """jaxlowfp.training.make_step differentiates w.r.t. the pending slots too: after a step, the pending amax of
+    a one-layer model is max|dL/dy| (over microbatches), dL/dy computed independently from the model's output."""
+    from flax import nnx
+
+    from jaxlowfp import nnx as qnnx
+    from jaxlowfp import training
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.up_proj = nnx.Linear(16, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return self.up_proj(x)
+
+    model = Net(nnx.Rngs(0))
+    qnnx.quantize(model, [qnnx.Rule(path="up_proj", recipe=qat.fp8_delayed(history_len=4))])
+    loss_fn = lambda m, b: (jnp.mean((m(b["x"]) - b["t"]) ** 2), {})  # noqa: E731
+    graphdef, state = training.init(model, optax.sgd(0.1))
+    step = jax.jit(training.make_step(graphdef, optax.sgd(0.1), loss_fn, microbatches=microbatches))
+    want = []
+    for t in range(2):
+        batch = {"x": heavy_tailed(60 + t, (8, 16)), "t": heavy_tailed(70 + t, (8, 8))}
+        n = 8 // microbatches  # each microbatch runs from the state the step began with
+        y = [nnx.merge(graphdef, state.params, state.qstate, state.rest, copy=True)(batch["x"][i:i + n])
+             for i in range(0, 8, n)]
+        dl_dy = [jax.grad(lambda v, t=batch["t"][i * n:(i + 1) * n]: jnp.mean((v - t) ** 2))(v)
+                 for i, v in enumerate(y)]
+        want.append(max(float(jnp.max(jnp.abs(d))) for d in dl_dy))
+        state, m = step(state, batch)
+        assert bool(m["finite"])
+        rs = state.qstate["up_proj"]["amax"].get_value()
+        assert float(rs.grad_pending.seen) == 1.0
+        np.testing.assert_allclose(float(rs.grad_pending.amax), want[-1], rtol=1e-6)
+    assert int(rs.grad.count) == 1
+    np.testing.assert_allclose(float(rs.grad.history[0]), want[0], rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Warmup
 
 

@@ -231,11 +231,71 @@ def test_check_version_rejects_other_schema():
         (dict(target_max=15.0, ema_decay=1.0), ValueError, "ema_decay"),
         (dict(target_max=15.0, ema_decay=0.0), ValueError, "ema_decay"),
         (dict(target_max=15.0, ema_decay=-0.5), ValueError, "ema_decay"),
+        (dict(target_max=15.0, convention="transformer_engine"), ValueError, "convention"),
+        (dict(target_max=15.0, convention="te", algorithm="ema"), ValueError, "most_recent"),
+        (dict(target_max=15.0, convention="flax", margin=0.5), ValueError, "integer margin"),
     ],
 )
 def test_bad_configuration_raises_at_construction(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         DelayedScaling(**kwargs)
+
+
+# Conventions "te" / "flax": window over the whole buffer (empty slots 0), scale 1 until something finite and > 0
+# is in the window, scale = 1 / (448 / est), non-finite amaxes recorded and freezing the estimate.
+TE_STREAM = [0.0, 2.0, INF, 3.0, 1.0, 0.5, NAN, 4.0]
+TE_HAND = {  # estimate used at each step (0 = none yet: scale 1), L = 2, margin 0 and 1
+    ("max_window", 0): [0, 0, 2, 2, 2, 3, 1, 1],  # Inf in the window at steps 3, 4; NaN at 7: frozen
+    ("most_recent", 0): [0, 0, 2, 2, 3, 1, 0.5, 0.5],
+    ("max_window", 1): [0, 0, 4, 4, 4, 6, 2, 2],
+}
+
+
+@pytest.mark.parametrize("algorithm, margin", list(TE_HAND))
+@pytest.mark.parametrize("convention", ["te", "flax"])
+def test_te_convention_estimates_scales_and_recording(algorithm, margin, convention):
+    s = DelayedScaling(algorithm=algorithm, history_len=2, target_max=448.0, margin=margin, convention=convention)
+    est, st = _run(s, TE_STREAM)
+    assert est == TE_HAND[(algorithm, margin)]
+    for e in est:
+        want = np.float32(1.0) if e == 0 else np.float32(1.0) / (np.float32(448.0) / np.float32(e))
+        assert float(s.scale(jnp.float32(e))) == want
+        assert float(s.multiplier(jnp.float32(e))) == (1.0 if e == 0 else np.float32(448.0) / np.float32(e))
+    assert int(st.count) == len(TE_STREAM) and int(st.nonfinite) == 2  # recorded and counted
+    assert np.isnan(np.asarray(st.history)).sum() == 1  # the NaN is in the buffer
+    assert float(st.peak) == 4.0  # peak and ema see finite amaxes only
+    default = DelayedScaling(algorithm=algorithm, history_len=2, target_max=448.0, margin=margin)
+    assert int(_run(default, TE_STREAM)[1].count) == len(TE_STREAM) - 2  # the default skips them
+
+
+def test_pending_amax_record_and_merge():
+    s = DelayedScaling(history_len=4, target_max=57344.0)
+    st = s.update(s.init(), jnp.float32(2.0))
+    P = scaling.PendingAmax
+    chex.assert_trees_all_equal(scaling.record_pending(s, st, P.none()), st)  # nothing reported: unchanged
+    chex.assert_trees_all_equal(scaling.record_pending(s, st, P(jnp.float32(1), jnp.float32(5.0))),
+                                s.update(st, jnp.float32(5.0)))
+    one = lambda seen, amax: P(jnp.float32(seen), jnp.float32(amax))  # noqa: E731
+    m = scaling.merge([one(1, 2.0), one(0, 99.0), one(1, 5.0)])  # an unseen replica's value does not count
+    assert float(m.seen) == 1 and float(m.amax) == 5.0
+    assert np.isnan(float(scaling.merge([one(1, 2.0), one(1, NAN)]).amax))
+    assert float(scaling.merge([one(0, 0.0), one(0, 0.0)]).seen) == 0
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), one(1, 2.0), one(0, 99.0), one(1, NAN))
+    across = jax.vmap(lambda p: scaling.merge_across(p, "r"), axis_name="r")(stacked)
+    assert np.isnan(np.asarray(across.amax)).all() and (np.asarray(across.seen) == 1).all()
+
+
+def test_pending_amaxes_select_and_replace():
+    from jaxlowfp import qat
+
+    tree = {"a": qat.fp8_delayed(history_len=4).init(), "b": qat.hif8_w8a8().init(), "c": jnp.ones(3)}
+    pend = scaling.pending_amaxes(tree)
+    assert jax.tree.leaves(pend) == jax.tree.leaves(tree["a"].grad_pending)  # only the PendingAmax leaves
+    new = scaling.with_pending_amaxes(tree, [scaling.PendingAmax(jnp.float32(1), jnp.float32(3.0))])
+    assert float(new["a"].grad_pending.amax) == 3.0
+    chex.assert_trees_all_equal(new["b"], tree["b"])
+    with pytest.raises(ValueError, match="holds 1 PendingAmax, `pendings` 0"):
+        scaling.with_pending_amaxes(tree, [])
 
 
 def test_misuse_raises_clearly():
