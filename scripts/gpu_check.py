@@ -26,6 +26,7 @@ Runs with the GPU machine's own python3 against the source tree (jax >= 0.11, no
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import datetime
 import inspect
@@ -239,20 +240,26 @@ def check_case(case: Case, sets: dict[str, np.ndarray], *, interpret: bool) -> d
     return out
 
 
-def check_exact(cases: list[Case], *, interpret: bool = False, small: bool = False,
+def check_exact(cases: list[Case], *, interpret: bool = False, small: bool = False, threads: int = 1,
                 log: Callable[[str], None] = print) -> list[ExactResult]:
-    """(a) for `cases`; a kernel that raises is a failed case with its error, not a crash."""
-    results = []
-    for case in cases:
+    """(a) for `cases`, in order; a kernel that raises is a failed case with its error, not a crash.
+
+    `threads` > 1 checks several cases at once, so their compilations (Triton, ptxas: seconds each) overlap.
+    """
+    def one(case: Case) -> ExactResult:
         shape = case_shape(case, small)
         try:
-            mism = check_case(case, input_sets(shape), interpret=interpret)
-            res = ExactResult(case=case, shape=shape, mismatches=mism)
+            res = ExactResult(case=case, shape=shape, mismatches=check_case(case, input_sets(shape),
+                                                                             interpret=interpret))
         except Exception as e:  # noqa: BLE001 - recorded with the configuration
             res = ExactResult(case=case, shape=shape, mismatches={}, error=f"{type(e).__name__}: {str(e)[:300]}")
-        results.append(res)
         log(f"  {case.label} {shape[0]}x{shape[1]}: " + ("exact" if res.passed else res.error or str(res.mismatches)))
-    return results
+        return res
+
+    if threads <= 1:
+        return [one(c) for c in cases]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
+        return list(pool.map(one, cases))
 
 
 def exact_table(results: list[ExactResult]) -> str:
@@ -422,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interpret", action="store_true",
                     help="no GPU needed: Pallas interpret mode, tiny shapes, 'tiny' model; writes nothing")
     ap.add_argument("--only", default="", help="comma-separated substrings: check only matching configurations")
+    ap.add_argument("--threads", type=int, default=4,
+                    help="(a): configurations checked at once, so compilations overlap (1: one after another)")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--no-write", action="store_true", help="leave verified_kernels.json and RESULTS.md alone")
@@ -447,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"(a) {len(cases)} kernel configurations against their twins on {dev.device_kind}", flush=True)
     t = time.perf_counter()
     results = check_exact(cases, interpret=args.interpret, small=args.interpret,
-                          log=lambda s: print(s, flush=True))
+                          threads=1 if args.interpret else args.threads, log=lambda s: print(s, flush=True))
     timing["(a) exactness"] = time.perf_counter() - t
     failed = [r for r in results if not r.passed]
     parts = [f"**(a) Kernels against their jnp twins, bit for bit** ({len(results) - len(failed)} of {len(results)} "
