@@ -55,12 +55,15 @@ MOSAIC_MIN = KernelRequirements(min_compute_capability=90, why="Mosaic GPU needs
 KERNELS: dict[str, dict[str, KernelTarget]] = {
     "hif8.scaled_fake_quant": {
         "triton": KernelTarget(target="pallas_kernels.hif8:scaled_fake_quant", requires=TRITON_MIN),
+        "mosaic": KernelTarget(target="pallas_kernels.mosaic_hif8:scaled_fake_quant", requires=MOSAIC_MIN),
     },
     "nvfp4.quantize": {
         "triton": KernelTarget(target="pallas_kernels.nvfp4:quantize", requires=TRITON_MIN),
+        "mosaic": KernelTarget(target="pallas_kernels.mosaic_nvfp4:quantize", requires=MOSAIC_MIN),
     },
     "nvfp4.fake_quantize": {
         "triton": KernelTarget(target="pallas_kernels.nvfp4:fake_quantize", requires=TRITON_MIN),
+        "mosaic": KernelTarget(target="pallas_kernels.mosaic_nvfp4:fake_quantize", requires=MOSAIC_MIN),
     },
 }
 
