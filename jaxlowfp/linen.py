@@ -9,6 +9,19 @@ Collections: `AMAX_COLLECTION` holds each layer's `RecipeState` (the functional 
 `PHASE_COLLECTION` the observe-only flag (bool scalar), `STATS_COLLECTION` the last `RecipeStats`, written only
 when that collection is mutable. Nothing is recorded while initializing, so `init`'s dummy input leaves no trace
 in the histories. Same recipes and numerics as `jaxlowfp.nnx.QuantLinear` (both call `jaxlowfp.qat`).
+
+Delayed gradient scaling (`qat.fp8_delayed()`): the backward pass reports each layer's output-gradient amax as the
+gradient w.r.t. the `PendingAmax` slots of `AMAX_COLLECTION`; differentiate w.r.t. them as well and keep that
+gradient (Flax's fp8 ops do the same with their `_overwrite_with_gradient` collection, implicitly)::
+
+    amax = variables["amax_state"]
+    def loss(params, pend):
+        v = {**variables, "params": params, "amax_state": scaling.with_pending_amaxes(amax, pend)}
+        y, upd = dense.apply(v, x, mutable=["amax_state"])
+        return loss_of(y), upd["amax_state"]
+    (l, new_amax), (g_params, reported) = jax.value_and_grad(loss, (0, 1), has_aux=True)(
+        variables["params"], scaling.pending_amaxes(amax))
+    variables["amax_state"] = scaling.with_pending_amaxes(new_amax, reported)
 """
 from __future__ import annotations
 

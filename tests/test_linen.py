@@ -150,3 +150,37 @@ def test_stochastic_rounding_recipe_draws_from_the_quant_rng_stream():
     assert not np.array_equal(np.asarray(g1["kernel"]), np.asarray(g2["kernel"]))  # the key reaches the rounding
     with pytest.raises(flax.errors.InvalidRngError, match="quant"):
         dense.apply(variables, x)  # no 'quant' rng: flax names the missing stream
+
+
+def test_delayed_gradient_scaling_through_linen_collections():
+    """fp8_delayed in a two-layer Linen MLP: differentiate w.r.t. the params and the pending slots of the amax
+    collection (scaling.pending_amaxes); each layer reports its output-gradient amax (the last layer's is the
+    cotangent it was given) and the next apply records it into the layer's gradient history."""
+    from jaxlowfp import scaling
+
+    model = MLP(recipe=qat.fp8_delayed(history_len=4))
+    variables = model.init(jax.random.key(0), X)
+    cot = jax.random.normal(jax.random.key(5), (4, 16)) * 3.0
+
+    @jax.jit
+    def step(variables):
+        amax = variables[jlinen.AMAX_COLLECTION]
+
+        def loss(params, pend):
+            v = {**variables, "params": params, jlinen.AMAX_COLLECTION: scaling.with_pending_amaxes(amax, pend)}
+            y, upd = model.apply(v, X, mutable=[jlinen.AMAX_COLLECTION])
+            return jnp.sum(y * cot), upd[jlinen.AMAX_COLLECTION]
+
+        (_, new_amax), (grads, reported) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+            variables["params"], scaling.pending_amaxes(amax))
+        return {**variables, jlinen.AMAX_COLLECTION: scaling.with_pending_amaxes(new_amax, reported)}, grads
+
+    v1, grads = step(variables)
+    rs = {k: v1[jlinen.AMAX_COLLECTION][k]["QuantDotGeneral_0"]["recipe_state"] for k in ("up", "down")}
+    assert all(float(r.grad_pending.seen) == 1.0 for r in rs.values())
+    assert float(rs["down"].grad_pending.amax) == float(jnp.max(jnp.abs(cot)))
+    assert float(rs["up"].grad_pending.amax) > 0 and all(int(r.grad.count) == 0 for r in rs.values())
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+    v2, _ = step(v1)
+    down = v2[jlinen.AMAX_COLLECTION]["down"]["QuantDotGeneral_0"]["recipe_state"]
+    assert int(down.grad.count) == 1 and float(down.grad.history[0]) == float(jnp.max(jnp.abs(cot)))

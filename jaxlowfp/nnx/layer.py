@@ -18,7 +18,11 @@ from jaxlowfp import qat
 from jaxlowfp._core.checks import bool_flag
 
 class AmaxState(nnx.Variable):
-    """A QuantLinear's `RecipeState` (amax histories): the functional QAT state, separate from `nnx.Param`."""
+    """A QuantLinear's `RecipeState` (amax histories): the functional QAT state, separate from `nnx.Param`.
+
+    With delayed gradient scaling its `PendingAmax` slot is written by the backward pass, as a gradient:
+    `jaxlowfp.training.make_step` differentiates w.r.t. it (see `jaxlowfp.scaling.pending_amaxes` for a custom
+    loop); a loop that differentiates w.r.t. the params only leaves the gradient history empty."""
 
 
 class QuantStatsState(nnx.Variable):
