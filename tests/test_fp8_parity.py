@@ -278,3 +278,46 @@ def test_te_multiplies_and_flax_divides():
         state = spec.scaling.update(spec.init(), est)  # the window now holds est
         y, _, _ = qat.fake_quant(jnp.asarray(xs), state, spec)
         np.testing.assert_array_equal(np.asarray(y), want, err_msg=conv)
+
+
+def _dot_precisions(fn, *args) -> set[str]:
+    """The precisions of every dot_general in the jaxpr of `fn` (sub-jaxprs included); None counts as DEFAULT."""
+    from jax.extend import core
+
+    found = set()
+
+    def walk(j):
+        for e in j.eqns:
+            if e.primitive.name == "dot_general":
+                p = e.params["precision"]
+                p = p[0] if isinstance(p, tuple) else p
+                found.add("DEFAULT" if p is None else p.name)
+            for v in e.params.values():
+                for sub in v if isinstance(v, (list, tuple)) else [v]:
+                    if isinstance(sub, (core.ClosedJaxpr, core.Jaxpr)):
+                        walk(sub.jaxpr if isinstance(sub, core.ClosedJaxpr) else sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def test_flax_convention_runs_the_backward_gemms_at_highest_as_flax_does():
+    """Fp8DotGeneralOp's forward GEMM runs at DEFAULT and its backward GEMMs at HIGHEST. On CPU the two agree for
+    float32; on GPUs DEFAULT may mean TF32, so convention="flax" uses the same precisions (checked on the jaxprs)."""
+    x, g = jnp.ones((4, 8)), jnp.ones((4, 3))
+    fm = nn.Dense(3, dot_general_cls=fp8_ops.Fp8DotGeneralOp)
+    fv = fm.init(jax.random.key(0), x)
+
+    def flax_grads(p, o, a, c):
+        return jax.vjp(lambda p, o, a: fm.apply({"params": p, OWG: o}, a), p, o, a)[1](c)
+
+    def ours(conv):
+        om = nn.Dense(3, dot_general_cls=jlinen.quant_dot_general_cls(qat.fp8_delayed(convention=conv)))
+        ov = om.init(jax.random.key(0), x)
+        return _dot_precisions(lambda p, a, c: jax.vjp(lambda p, a: om.apply({**ov, "params": p}, a), p, a)[1](c),
+                               ov["params"], x, g)
+
+    theirs = _dot_precisions(flax_grads, fv["params"], fv[OWG], x, g)
+    assert theirs == {"DEFAULT", "HIGHEST"}
+    assert ours("flax") == theirs
+    assert ours("te") == {"DEFAULT"}  # TE's GEMMs are its own; "te" leaves the caller's precision

@@ -17,7 +17,7 @@ from jaxlowfp._core.reduce import abs_max
 from jaxlowfp.hadamard import hadamard16
 from jaxlowfp.qat.fake_quant import (keep_mask, need_key, nvfp4_fake_quant, quantize, round_with, select,
                                      straight_through)
-from jaxlowfp.qat.spec import QuantSpec, Recipe, RecipeState, RecipeStats, check_size
+from jaxlowfp.qat.spec import QuantSpec, Recipe, RecipeState, RecipeStats, check_size, convention
 from jaxlowfp.scaling import AmaxHistory, CurrentScaling, DelayedScaling, PendingAmax, record_pending
 
 def _normalize_dn(dn: Any) -> tuple:
@@ -99,6 +99,8 @@ def _qdot_bwd(cfg, res, ct):
     g, ct_pending = ct if r.delayed_grad else (ct, None)
     observe = cfg.observe if cfg.observe is not None else ctx.observe
     gs = r.grad
+    if convention(gs) == "flax":  # Flax's fp8 dot runs its backward GEMMs at HIGHEST (TF32 matters on GPUs)
+        cfg = dataclasses.replace(cfg, precision=lax.Precision.HIGHEST)
     k_d, k_w = (None, None) if ctx.key_g is None else tuple(jax.random.split(ctx.key_g))
     block_scaled = gs.is_nvfp4 or gs.hadamard or any(s is not None and s.is_nvfp4 for s in (r.weight, r.activation))
     lhs_q, keep_l = _requantize(lhs, r.activation, ctx.est_l, ctx.key_l, -1, observe)
