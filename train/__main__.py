@@ -9,10 +9,16 @@
 3. Evaluate every arm (domain-B and domain-A validation loss: the latter is forgetting; a multiple-choice task
    from held-out domain-A text; loss APE against the high-precision arm), print the table and write
    ``<run_dir>/report.md`` with plots.
+
+Other jobs of the same command (`train.grid` defines their arms): ``--grid paper`` runs the Max-Window paper's
+grid in step 2 (scalings x high/low learning rate x warmup, each arm's loss APE against the high-precision arm at
+its learning rate); ``--grid fouroversix`` replaces steps 1-2 by pretraining from scratch with NVFP4 training
+(static_6 against the Four Over Six rules against high precision); ``--model smollm2-135m`` continues a real
+checkpoint on the Python domain (`train.real_qat`). Subcommands (`SUBCOMMANDS`): ``eval``, ``generate``,
+``stream`` (delayed scaling on a real model without training, `train.stream_cli`).
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import json
 import logging
@@ -25,28 +31,19 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxlowfp import qat
-from jaxlowfp.nnx import paper_rules, quantize
 from train import evaluate as ev
 from train import mesh as mesh_lib
+from train.arms import RuleError, quantize_arm, stats_layer, train_arm
 from train.checkpoint import Checkpointer
 from train.config import ArmSpec, TrainConfig, arm_specs, parse_args, pretrain_key
 from train.data import BatchStream, DataError, Domain, load_domain
+from train.grid import make_recipe  # noqa: F401  (re-exported: the recipe of an arm)
 from train.loop import RunResult, make_optimizer, make_schedule, split_model, train
-from train.model import PRESETS, Llama, loss_fn
-from train.report import format_table, summary_rows, write_report
+from train.model import Llama, loss_fn, preset
+from train.report import (GRID_COLUMNS, PRETRAIN_COLUMNS, add_final_gaps, format_table, fouroversix_notes,
+                          grid_notes, summary_rows, write_report)
 
 log = logging.getLogger("train")
-
-
-def make_recipe(arm: ArmSpec) -> qat.Recipe:
-    """The `jaxlowfp.qat.Recipe` of a quantized arm: HiF8 W8A8 with the arm's delayed scaling, or NVFP4 W4A4
-    with Four Over Six block scaling (the MAE rule, which the Four Over Six paper prefers for training)."""
-    if arm.format == "hif8":
-        return qat.hif8_w8a8(algorithm=arm.algorithm, history_len=arm.history_len, target_max=15.0)
-    if arm.format == "nvfp4":
-        return qat.nvfp4_w4a4(rule="mae")
-    raise ValueError(f"arm {arm.name!r} has format {arm.format!r}; no recipe for it")
 
 
 def _stream(tokens: np.ndarray, cfg: TrainConfig, seed: int) -> BatchStream:
@@ -59,7 +56,7 @@ def _progress(cfg: TrainConfig) -> bool:
 
 
 def _new_model(cfg: TrainConfig) -> Llama:
-    return Llama(PRESETS[cfg.preset], rngs=nnx.Rngs(cfg.seed))
+    return Llama(preset(cfg.preset, dtype=cfg.dtype), rngs=nnx.Rngs(cfg.seed))
 
 
 def pretrain(cfg: TrainConfig, domain_a: Domain, mesh: mesh_lib.Mesh) -> tuple[nnx.State, dict[str, Any]]:
@@ -108,34 +105,25 @@ def evaluate(model: nnx.Module, cfg: TrainConfig, domain_a: Domain, domain_b: Do
 
 
 def _stats_layer(cfg: TrainConfig) -> str:
-    """The layer whose amax telemetry is logged: the first quantized block's down_proj (its input, the SwiGLU
-    product, has the heaviest tails)."""
+    """The layer whose amax telemetry the report plots (see `train.arms.stats_layer`)."""
     return f"blocks/{cfg.keep_first}/mlp/down_proj"
 
 
 def run_arm(cfg: TrainConfig, arm: ArmSpec, params: nnx.State, domain_b: Domain, mesh: mesh_lib.Mesh
             ) -> tuple[Llama, RunResult]:
+    """One continued-pretraining arm on domain B from the pretrained `params`."""
     model = _new_model(cfg)
     nnx.update(model, params)
-    n_blocks = PRESETS[cfg.preset].n_layers
-    stats_layer = None
-    if arm.format != "none":
-        report = quantize(model, paper_rules(n_blocks, keep_first=cfg.keep_first, keep_last=cfg.keep_last,
-                                             recipe=make_recipe(arm)))
+    report = quantize_arm(model, arm, keep_first=cfg.keep_first, keep_last=cfg.keep_last, seed=cfg.seed)
+    if report is not None:
         log.info("arm %s: %s", arm.name, "; ".join(str(report).splitlines()[-2:]))
-        stats_layer = _stats_layer(cfg)
-    schedule = make_schedule(cfg.lr, kind=cfg.schedule, total_steps=cfg.steps, warmup_steps=cfg.lr_warmup_steps)
-    tx = make_optimizer(schedule, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip)
-    warmup = qat.Warmup(steps=arm.warmup_steps) if arm.format != "none" and arm.warmup_steps > 0 else None
-    res = train(model, _stream(domain_b.train, cfg, cfg.seed + 1), steps=cfg.steps, tx=tx, schedule=schedule,
-                loss_fn=loss_fn, out_dir=Path(cfg.run_dir) / arm.name, warmup=warmup, stats_layer=stats_layer,
-                mesh=mesh, checkpoint_every=cfg.checkpoint_every, resume=cfg.resume,
-                progress=_progress(cfg), desc=arm.name, meta={"config": cfg.to_json(), "arm": dataclasses.asdict(arm)})
+    res = train_arm(model, arm, _stream(domain_b.train, cfg, cfg.seed + 1), cfg, steps=cfg.steps, lr=arm.lr,
+                    schedule=cfg.schedule, out_dir=Path(cfg.run_dir) / arm.name, mesh=mesh,
+                    stats=stats_layer(arm, cfg.keep_first), meta={"config": cfg.to_json()})
     return model, res
 
 
-def run(cfg: TrainConfig) -> list[dict[str, Any]]:
-    t0 = time.perf_counter()
+def _setup(cfg: TrainConfig) -> tuple[mesh_lib.Mesh, Domain, Domain, Path]:
     mesh = mesh_lib.make_mesh(cfg.mesh)
     if cfg.batch_size % (mesh.shape["data"] * mesh.shape["fsdp"]):
         raise SystemExit(f"--batch-size {cfg.batch_size} is not divisible by the {mesh.size} devices of the mesh")
@@ -147,12 +135,37 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(cfg.to_json(), indent=1))
-
     log.info("domain A: %d train / %d val bytes; domain B: %d train / %d val bytes; mesh %s",
              len(domain_a.train), len(domain_a.val), len(domain_b.train), len(domain_b.val), dict(mesh.shape))
+    return mesh, domain_a, domain_b, run_dir
+
+
+def _choice_task(cfg: TrainConfig, domain_a: Domain) -> ev.ChoiceTask:
+    return ev.build_choice_task(domain_a.val, n_items=cfg.mc_items, context_len=cfg.seq_len // 2 + cfg.seq_len // 4,
+                                continuation_len=max(cfg.seq_len // 4, 2), seed=cfg.seed)
+
+
+def run(cfg: TrainConfig) -> list[dict[str, Any]]:
+    """The job `cfg` asks for: a real checkpoint (`train.real_qat`), the fouroversix pretraining grid, or
+    continued pretraining of the byte-level model (the demo's three arms or the paper's grid)."""
+    if cfg.model is not None:
+        from train import real_qat
+
+        return real_qat.run(cfg)
+    try:
+        if cfg.grid == "fouroversix":
+            return run_fouroversix(cfg)
+        return run_continued(cfg)
+    except RuleError as e:
+        raise SystemExit(f"error: {e}") from e
+
+
+def run_continued(cfg: TrainConfig) -> list[dict[str, Any]]:
+    """Pretrain on domain A (cached), continue on domain B in every arm, evaluate, print the table, report."""
+    t0 = time.perf_counter()
+    mesh, domain_a, domain_b, run_dir = _setup(cfg)
     params, pre = pretrain(cfg, domain_a, mesh)
-    task = ev.build_choice_task(domain_a.val, n_items=cfg.mc_items, context_len=cfg.seq_len // 2 + cfg.seq_len // 4,
-                             continuation_len=max(cfg.seq_len // 4, 2), seed=cfg.seed)
+    task = _choice_task(cfg, domain_a)
 
     base = _new_model(cfg)
     nnx.update(base, params)
@@ -161,7 +174,8 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     log.info("pretrained model: domain-B val loss %.4f, domain-A val loss %.4f", start_row["val_loss_b"],
              start_row["val_loss_a"])
     arms = []
-    for arm in arm_specs(cfg):
+    specs = arm_specs(cfg)
+    for arm in specs:
         t_arm = time.perf_counter()
         log.info("arm %s (%s): %d steps on domain B", arm.name, arm.label, cfg.steps)
         model, res = run_arm(cfg, arm, params, domain_b, mesh)
@@ -170,17 +184,64 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
         log.info("arm %s done in %.0f s (training %.0f s, %d skipped steps): domain-B val loss %.4f, domain-A "
                  "val loss %.4f", arm.name, wall, res.wall_s, int(res.state.skipped), metrics["val_loss_b"],
                  metrics["val_loss_a"])
-        arms.append({"name": arm.name, "label": arm.label, "dir": str(run_dir / arm.name), **metrics,
-                     "wall_s": wall})
-    rows = [start_row, *summary_rows(arms, baseline="hp" if "hp" in cfg.arms else None)]
+        entry = {"name": arm.name, "label": arm.label, "dir": str(run_dir / arm.name), **metrics, "wall_s": wall}
+        if cfg.grid is not None:
+            entry |= {"baseline": arm.baseline, "lr": arm.lr, "role": arm.role}
+        arms.append(entry)
+    baseline = "hp" if "hp" in cfg.arms else None
+    columns = GRID_COLUMNS if cfg.grid is not None else None
+    rows = [start_row, *summary_rows(arms, baseline=baseline)]
     total = time.perf_counter() - t0
-    print(format_table(rows))
+    print(format_table(rows) if columns is None else format_table(rows, columns=columns))
     pre_s = "reused from cache" if pre["cached"] else f"{pre['wall_s']:.0f} s"
     print(f"total wall time {total:.0f} s (pretraining: {pre_s})")
     if jax.process_index() == 0:
         layer = _stats_layer(cfg)
+        extra = {}
+        if cfg.grid is not None:
+            extra = dict(columns=columns, notes=grid_notes(rows, arms, specs),
+                         title="The Max-Window paper's grid: HiF8 W8A8 QAT, continued pretraining report")
+        path = write_report(run_dir, arms, rows=rows, baseline=baseline, config=cfg.to_json(), total_wall_s=total,
+                            amax_layer=layer, **extra)
+        (run_dir / "results.json").write_text(json.dumps({"rows": rows, "total_wall_s": total}, indent=1))
+        print(f"report: {path}")
+    return rows
+
+
+def run_fouroversix(cfg: TrainConfig) -> list[dict[str, Any]]:
+    """Pretrain the byte-level model from scratch on domain A in every arm (`train.grid`: high precision, and
+    NVFP4 training with the static_6 and Four Over Six block rules): same initialisation, data order and seed;
+    evaluate, print the table (final loss gap to high precision per rule) and write the report."""
+    t0 = time.perf_counter()
+    mesh, domain_a, domain_b, run_dir = _setup(cfg)
+    task = _choice_task(cfg, domain_a)
+    arms = []
+    for arm in arm_specs(cfg):
+        t_arm = time.perf_counter()
+        log.info("arm %s (%s): %d pretraining steps on domain A", arm.name, arm.label, cfg.pretrain_steps)
+        model = _new_model(cfg)
+        report = quantize_arm(model, arm, keep_first=0, keep_last=0, seed=cfg.seed)
+        if report is not None:
+            log.info("arm %s: %s", arm.name, "; ".join(str(report).splitlines()[-2:]))
+        res = train_arm(model, arm, _stream(domain_a.train, cfg, cfg.seed), cfg, steps=cfg.pretrain_steps,
+                        lr=arm.lr, schedule="cosine", out_dir=run_dir / arm.name, mesh=mesh,
+                        stats=stats_layer(arm, 0), meta={"config": cfg.to_json()})
+        metrics = evaluate(model, cfg, domain_a, domain_b, task)
+        wall = time.perf_counter() - t_arm
+        log.info("arm %s done in %.0f s (%d skipped steps): domain-A val loss %.4f", arm.name, wall,
+                 int(res.state.skipped), metrics["val_loss_a"])
+        arms.append({"name": arm.name, "label": arm.label, "dir": str(run_dir / arm.name), **metrics,
+                     "wall_s": wall, "baseline": arm.baseline, "skipped": int(res.state.skipped)})
+    rows = add_final_gaps(summary_rows(arms, baseline="hp" if "hp" in cfg.arms else None), arms)
+    total = time.perf_counter() - t0
+    print(format_table(rows, columns=PRETRAIN_COLUMNS))
+    print(f"total wall time {total:.0f} s")
+    if jax.process_index() == 0:
         path = write_report(run_dir, arms, rows=rows, baseline="hp" if "hp" in cfg.arms else None,
-                            config=cfg.to_json(), total_wall_s=total, amax_layer=layer)
+                            config=cfg.to_json(), total_wall_s=total, columns=PRETRAIN_COLUMNS,
+                            notes=fouroversix_notes(rows, arms),
+                            title="NVFP4 pretraining from scratch: static_6 vs Four Over Six vs high precision",
+                            loss_title="pretraining on domain A")
         (run_dir / "results.json").write_text(json.dumps({"rows": rows, "total_wall_s": total}, indent=1))
         print(f"report: {path}")
     return rows
