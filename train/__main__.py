@@ -248,7 +248,12 @@ def run_fouroversix(cfg: TrainConfig) -> list[dict[str, Any]]:
 
 
 # `python -m train <name> ...` runs the subcommand module's `main(argv)`; without a subcommand, the demo job.
-SUBCOMMANDS: dict[str, str] = {"eval": "train.eval_cli", "generate": "train.generate_cli", "ptq": "train.ptq_cli"}
+SUBCOMMANDS: dict[str, str] = {
+    "eval": "train.eval_cli",
+    "generate": "train.generate_cli",
+    "ptq": "train.ptq_cli",
+    "stream": "train.stream_cli",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
