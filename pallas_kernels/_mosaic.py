@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any
 
 import jax
@@ -54,19 +55,31 @@ MIN_JAX = "0.11.2"  # oldest release the kernels were checked on (interpreter an
 THREADS = 128  # CUDA threads of one Mosaic GPU program (one warpgroup)
 
 
+def _version(v: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in v.split(".")[:3] if p.isdigit())
+
+
 @functools.lru_cache(maxsize=1)
 def _plgpu():
-    """``jax.experimental.pallas.mosaic_gpu`` if it has everything the kernels use, else the reason it does not."""
+    """``(plgpu, None)`` if ``jax.experimental.pallas.mosaic_gpu`` has what the kernels use, else ``(None, why)``."""
+    if _version(jax.__version__) < _version(MIN_JAX):
+        return None, "older releases lack the Mosaic GPU interpreter or lower Pallas on GPU differently"
     try:
         from jax.experimental.pallas import mosaic_gpu as plgpu
     except ImportError as e:  # e.g. a JAX built without Mosaic GPU
         return None, f"jax.experimental.pallas.mosaic_gpu cannot be imported ({e})"
-    missing = [a for a in ("kernel", "load", "layout_cast", "Layout", "CompilerParams", "LoweringSemantics",
-                           "InterpretGPUParams") if not hasattr(plgpu, a)]
+    missing = [a for a in ("kernel", "load", "layout_cast", "broadcasted_iota", "Layout", "CompilerParams",
+                           "LoweringSemantics", "InterpretGPUParams") if not hasattr(plgpu, a)]
     if not missing:
         missing += [f"Layout.{a}" for a in ("WG_STRIDED", "TCGEN05_TMEM_NATIVE") if not hasattr(plgpu.Layout, a)]
-        fields = {f.name for f in dataclasses.fields(plgpu.CompilerParams)}
-        missing += [f"CompilerParams.{a}" for a in ("lowering_semantics",) if a not in fields]
+        missing += ["CompilerParams(lowering_semantics=)"] * ("lowering_semantics" not in {
+            f.name for f in dataclasses.fields(plgpu.CompilerParams)})
+        missing += ["InterpretGPUParams(detect_races=)"] * ("detect_races" not in {
+            f.name for f in dataclasses.fields(plgpu.InterpretGPUParams)})
+        params = set(inspect.signature(plgpu.kernel).parameters)
+        missing += [f"kernel({a}=)" for a in ("out_type", "grid", "grid_names", "compiler_params", "interpret")
+                    if a not in params]
+        missing += [f"load({a}=)" for a in ("layout", "optimized") if a not in inspect.signature(plgpu.load).parameters]
     if missing:
         return None, f"jax.experimental.pallas.mosaic_gpu lacks {', '.join(missing)}"
     return plgpu, None

@@ -67,7 +67,7 @@ def _kernel(p_ref, x_ref, y_ref, amax_ref, sat_ref, nonfinite_ref, nan_ref, unde
     under_ref[i] = count((x != 0.0) & (y.astype(jnp.float32) == 0.0))
 
 
-def _call(params, x, *, block: int, valid: int, clip: float, interpret):
+def _call(params, x, *, block: int, valid: int, clip: float, interpret, rest: bool = False):
     """The kernel over the 1-D `x` (a multiple of `block` long): y and five partials per program."""
     plgpu = mg.require()
     grid = x.size // block
@@ -79,7 +79,7 @@ def _call(params, x, *, block: int, valid: int, clip: float, interpret):
         grid_names=("i",),
         compiler_params=mg.compiler_params(),
         interpret=interpret,
-        kernel_name="hif8_scaled_fake_quant",
+        kernel_name="hif8_scaled_fake_quant" + ("_rest" if rest else ""),  # _rest: the padded remainder
     )(params, x)
 
 
@@ -97,7 +97,7 @@ def _scaled_fake_quant(x, scale, bound, *, clip: float, interpret, block: int):
         rest = n - body
         width = mg.round_up(rest, mg.THREADS * mg.vector_length(x.dtype))
         padded = jnp.zeros((width,), x.dtype).at[:rest].set(flat[body:])
-        y_rest, *p = _call(params, padded, block=width, valid=rest, clip=clip, interpret=interpret)
+        y_rest, *p = _call(params, padded, block=width, valid=rest, clip=clip, interpret=interpret, rest=True)
         parts.append(p)
         y = y_rest[:rest] if y is None else lax.dynamic_update_slice(y, y_rest[:rest], (body,))
     amax, sat, nonfinite, nan, under = (jnp.concatenate(c) for c in zip(*parts))

@@ -218,7 +218,7 @@ def _over_rows(errs: list, rule: str):
 # ---- wrapper -----------------------------------------------------------------------------------------------------
 
 
-def _call(params, xb, programs: int, *, rule: str, tile: bool, fake: bool, blocks: int, interpret):
+def _call(params, xb, programs: int, *, rule: str, tile: bool, fake: bool, blocks: int, interpret, rest=False):
     """The kernel over the first `programs` programs of `xb` ([nb, 16] block rows for 1x16, [rows, K/16, 16] for
     16x16); outputs cover all of `xb` (what lies beyond those programs is left unwritten)."""
     plgpu = mg.require()
@@ -237,7 +237,8 @@ def _call(params, xb, programs: int, *, rule: str, tile: bool, fake: bool, block
         body = functools.partial(_kernel_1x16, rule=rule, blocks=blocks, fake=fake)
     return plgpu.kernel(
         body, out_type=tuple(out), grid=grid, grid_names=names, compiler_params=mg.compiler_params(),
-        interpret=interpret, kernel_name=f"nvfp4_{'fake_' if fake else ''}quantize_{rule}{'_16x16' if tile else ''}",
+        interpret=interpret,
+        kernel_name=f"nvfp4_{'fake_' if fake else ''}quantize_{rule}{'_16x16' if tile else ''}{'_rest' if rest else ''}",
     )(params, xb)
 
 
@@ -254,7 +255,7 @@ def _padded_call(params, xb, axis: int, per_program: int, **kw):
         pad = [(0, 0)] * xb.ndim
         pad[axis] = (0, width - (n - body))
         rest = jnp.pad(lax.slice_in_dim(xb, body, n, axis=axis), pad)
-        tail = _call(params, rest, 1, **(kw if kw["tile"] else dict(kw, blocks=width)))
+        tail = _call(params, rest, 1, rest=True, **(kw if kw["tile"] else dict(kw, blocks=width)))
         tail = [lax.slice_in_dim(t, 0, n - body, axis=axis) for t in tail]
         outs = tail if outs is None else [
             lax.dynamic_update_slice_in_dim(o, t, body, axis=axis) for o, t in zip(outs, tail)]
