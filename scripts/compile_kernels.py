@@ -29,7 +29,6 @@ import concurrent.futures
 import dataclasses
 import importlib
 import importlib.metadata
-import inspect
 import json
 import mmap
 import os
@@ -145,7 +144,7 @@ class Config:
       dtype: input dtype name ("float32" or "bfloat16").
       shape: input shape (rows, K).
       rule, block_shape: NVFP4 only (None for HiF8).
-      backend: "triton" (default today), or "mosaic" once ``pallas_kernels`` takes ``backend=``.
+      backend: a Pallas backend of the kernel in ``jaxlowfp.dispatch.KERNELS`` ("triton", "mosaic").
     """
 
     kernel: str
@@ -160,6 +159,8 @@ class Config:
             raise ValueError(f"dtype must be 'float32' or 'bfloat16'; got {self.dtype!r}")
         if self.backend not in ("triton", "mosaic"):
             raise ValueError(f"backend must be 'triton' or 'mosaic'; got {self.backend!r}")
+        if (self.rule is None) != (self.kernel in HIF8_KERNELS):
+            raise ValueError(f"rule and block_shape are given for the NVFP4 kernels only; got {self}")
         if (self.rule is None) != (self.block_shape is None):
             raise ValueError("rule and block_shape go together (NVFP4) or are both None (HiF8)")
 
@@ -174,38 +175,26 @@ class Config:
         return " ".join(parts)
 
 
-def _kernel_entries() -> dict[str, Callable]:
-    from pallas_kernels import hif8 as phif8
-    from pallas_kernels import nvfp4 as pnvfp4
-
-    return {
-        "hif8.scaled_fake_quant": phif8.scaled_fake_quant,
-        "nvfp4.quantize": pnvfp4.quantize,
-        "nvfp4.fake_quantize": pnvfp4.fake_quantize,
-    }
+HIF8_KERNELS = ("hif8.scaled_fake_quant",)  # called as (x, scale, clip)
+NVFP4_KERNELS = ("nvfp4.quantize", "nvfp4.fake_quantize")  # called as (x, rule=, block_shape=)
 
 
-def backends(entry: Callable) -> tuple[str, ...]:
-    """The Pallas backends a kernel entry point offers: ("triton",) until it grows a ``backend=`` argument."""
-    return ("triton", "mosaic") if "backend" in inspect.signature(entry).parameters else ("triton",)
-
-
-def all_configs() -> list[Config]:
-    """Every kernel x rule x block shape x dtype (x backend), once each, at a ragged shape."""
+def all_configs(backends: tuple[str, ...] = ("triton",)) -> list[Config]:
+    """Every kernel x rule x block shape x dtype, once each, at a ragged shape, for each of `backends` the kernel
+    has in ``jaxlowfp.dispatch.KERNELS``."""
     from jaxlowfp import dispatch, nvfp4
 
-    entries = _kernel_entries()
-    if set(entries) != set(dispatch.KERNELS):
-        raise CompileCheckError(
-            f"scripts/compile_kernels.py knows {sorted(entries)} but jaxlowfp.dispatch.KERNELS has "
-            f"{sorted(dispatch.KERNELS)}: add the new kernel here"
-        )
+    unknown = set(dispatch.KERNELS) - set(HIF8_KERNELS + NVFP4_KERNELS)
+    if unknown:
+        raise CompileCheckError(f"scripts/compile_kernels.py does not know how to call {sorted(unknown)} "
+                                "(jaxlowfp.dispatch.KERNELS): add it here")
     out = []
     for dtype in ("float32", "bfloat16"):
-        for backend in backends(entries["hif8.scaled_fake_quant"]):
-            out.append(Config(kernel="hif8.scaled_fake_quant", dtype=dtype, shape=RAGGED_1X16, backend=backend))
-        for kernel in ("nvfp4.quantize", "nvfp4.fake_quantize"):
-            for backend in backends(entries[kernel]):
+        for kernel in sorted(dispatch.KERNELS, key=lambda k: (k not in HIF8_KERNELS, k != "nvfp4.quantize")):
+            for backend in (b for b in backends if b in dispatch.KERNELS[kernel]):
+                if kernel in HIF8_KERNELS:
+                    out.append(Config(kernel=kernel, dtype=dtype, shape=RAGGED_1X16, backend=backend))
+                    continue
                 for rule in nvfp4.RULES:
                     for bs in nvfp4.BLOCK_SHAPES:
                         shape = RAGGED_16X16 if bs[0] > 1 else RAGGED_1X16
@@ -214,18 +203,27 @@ def all_configs() -> list[Config]:
     return out
 
 
+def min_compute_capability(config: Config) -> int:
+    """The kernel's minimum, e.g. 80 (``jaxlowfp.dispatch.KERNELS``)."""
+    from jaxlowfp import dispatch
+
+    return dispatch.KERNELS[config.kernel][config.backend].requires.min_compute_capability
+
+
 def build(config: Config) -> tuple[Callable, tuple]:
-    """(function, abstract arguments) that compile `config`'s kernel: its public entry point, not interpreted."""
+    """(function, abstract arguments) that compile `config`'s kernel: its Pallas entry point (found through
+    ``jaxlowfp.dispatch.kernel``), compiled, not interpreted."""
     import jax
     import jax.numpy as jnp
 
-    entry = _kernel_entries()[config.kernel]
-    extra = {} if config.backend == "triton" else {"backend": config.backend}
+    from jaxlowfp import dispatch
+
+    entry = dispatch.kernel(config.kernel, config.backend)
     x = jax.ShapeDtypeStruct(config.shape, jnp.dtype(config.dtype))
     if config.rule is None:
-        fn = lambda x, s: entry(x, s, 15.0, interpret=False, **extra)  # noqa: E731
+        fn = lambda x, s: entry(x, s, 15.0, interpret=False)  # noqa: E731
         return fn, (x, jax.ShapeDtypeStruct((), jnp.float32))
-    fn = lambda x: entry(x, rule=config.rule, block_shape=config.block_shape, interpret=False, **extra)  # noqa: E731
+    fn = lambda x: entry(x, rule=config.rule, block_shape=config.block_shape, interpret=False)  # noqa: E731
     return fn, (x,)
 
 
@@ -342,11 +340,12 @@ def _cuda_dir(work: Path, real_ptxas: Path) -> Path:
     return work
 
 
-def _major(config_text: str) -> int:
-    m = re.search(r"cuda_compute_capability \{\s*major: (\d+)", config_text)
+def _capability(config_text: str) -> int:
+    """e.g. 90 for the target description's ``cuda_compute_capability { major: 9 }`` (minor 0 is left out)."""
+    m = re.search(r"cuda_compute_capability \{\s*major: (\d+)(?:\s*minor: (\d+))?", config_text)
     if m is None:
         raise CompileCheckError("the target description has no cuda_compute_capability")
-    return int(m.group(1))
+    return 10 * int(m.group(1)) + int(m.group(2) or 0)
 
 
 def _smem_limit(config_text: str) -> int:
@@ -379,8 +378,8 @@ def compile_target(target: str, configs: list[Config], *, log: Callable[[str], N
     with tempfile.TemporaryDirectory(prefix="compile_kernels_") as tmp:
         for i, config in enumerate(configs):
             where = f"{config.label} for {target}"
-            if config.backend == "mosaic" and _major(text) < 9:
-                log(f"  {where}: skipped (Mosaic GPU needs sm_90 or newer)")
+            if _capability(text) < min_compute_capability(config):
+                log(f"  {where}: skipped (needs compute capability {min_compute_capability(config) / 10:.1f})")
                 continue
             work = _cuda_dir(Path(tmp) / str(i), real_ptxas)
             t0 = time.perf_counter()
@@ -445,8 +444,8 @@ def _stats(target: str, config: Config, lowered_text: str, work: Path, smem_limi
 # ---- driver: one subprocess per target, a pool of at most `jobs` -------------------------------------------------
 
 
-def _worker(target: str, out: Path) -> int:
-    stats, errors = compile_target(target, all_configs(), log=lambda s: print(s, flush=True))
+def _worker(target: str, out: Path, backends: tuple[str, ...]) -> int:
+    stats, errors = compile_target(target, all_configs(backends), log=lambda s: print(s, flush=True))
     out.write_text(json.dumps({"stats": [dataclasses.asdict(s) for s in stats], "errors": errors}))
     return 0
 
@@ -458,9 +457,11 @@ def _from_json(d: dict) -> KernelStats:
     return KernelStats(config=Config(**c), **{**d, "grid": tuple(d["grid"]), "other_spills": tuple(d["other_spills"])})
 
 
-def run_targets(targets: list[str], *, jobs: int = DEFAULT_JOBS, timeout: float = 1800.0,
-                log: Callable[[str], None] = print) -> tuple[list[KernelStats], list[str], dict[str, float]]:
-    """Compile every configuration for each target, one subprocess per target: (stats, errors, seconds per target)."""
+def run_targets(targets: list[str], *, backends: tuple[str, ...] = ("triton",), jobs: int = DEFAULT_JOBS,
+                timeout: float = 1800.0, log: Callable[[str], None] = print,
+                ) -> tuple[list[KernelStats], list[str], dict[str, float]]:
+    """Compile every configuration of `backends` for each target, one subprocess per target: (stats, errors,
+    seconds per target)."""
     check_toolchain()
     unknown = [t for t in targets if t not in {**TARGETS, **EXTRA_TARGETS}]
     if unknown:
@@ -475,7 +476,8 @@ def run_targets(targets: list[str], *, jobs: int = DEFAULT_JOBS, timeout: float 
             out = Path(tmp) / "result.json"
             t0 = time.perf_counter()
             try:
-                proc = subprocess.run([sys.executable, __file__, "--worker", target, "--worker-out", str(out)],
+                proc = subprocess.run([sys.executable, __file__, "--worker", target, "--worker-out", str(out),
+                                       "--backends", *backends],
                                       env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                                       check=False)
             except subprocess.TimeoutExpired:
@@ -526,15 +528,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--targets", nargs="+", default=list(TARGETS), metavar="TARGET",
                     help=f"targets to compile for (default: {list(TARGETS)}; also {list(EXTRA_TARGETS)})")
     ap.add_argument("--jobs", type=int, default=DEFAULT_JOBS, help="targets compiled at once (1 or 2)")
+    ap.add_argument("--backends", nargs="+", default=["triton"], choices=["triton", "mosaic"],
+                    help="Pallas backends to compile (default: triton; Mosaic GPU kernels compile for sm_90+ only, "
+                         "and ptxas is not asked about them: the table says 'compiled')")
     ap.add_argument("--no-write", action="store_true", help="print only; do not touch bench/RESULTS.md")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        return _worker(args.worker, args.worker_out)
+        return _worker(args.worker, args.worker_out, tuple(args.backends))
     load = os.getloadavg()[0]
     try:
-        stats, errors, seconds = run_targets(args.targets, jobs=args.jobs)
+        stats, errors, seconds = run_targets(args.targets, backends=tuple(args.backends), jobs=args.jobs)
     except CompileCheckError as e:
         print(f"scripts/compile_kernels.py: {e}", file=sys.stderr)
         return 1

@@ -44,9 +44,12 @@ def test_committed_verified_table_has_the_schema():
 def test_cases_cover_every_kernel_rule_block_and_dtype():
     from jaxlowfp import dispatch, nvfp4
 
-    cases = gc.all_cases()
+    cases = gc.all_cases(("triton",))
     assert {c.kernel for c in cases} == set(dispatch.KERNELS) and len(cases) == len(set(cases))
     assert len([c for c in cases if c.rule]) == 2 * len(nvfp4.RULES) * len(nvfp4.BLOCK_SHAPES) * 2
+    every = gc.all_cases()
+    assert {(c.kernel, c.backend) for c in every} == {(k, b) for k in dispatch.KERNELS for b in dispatch.KERNELS[k]}
+    assert len(every) == len(cases) * len(dispatch.BACKENDS)
     sets = gc.input_sets(gc.case_shape(cases[0], small=False))
     assert set(sets) == {"lognormal", "x1e-4", "x1e4", "specials"}
     s = sets["specials"]
@@ -61,7 +64,7 @@ PICKED = ["hif8.scaled_fake_quant [triton] - - float32", "nvfp4.quantize [triton
 
 def test_exact_in_interpret_mode():
     """The (a) comparison on three configurations (every kernel) in Pallas interpret mode, two at a time: exact."""
-    cases = [c for c in gc.all_cases() if c.label in PICKED]
+    cases = [c for c in gc.all_cases(("triton",)) if c.label in PICKED]
     assert len(cases) == 3
     results = gc.check_exact(cases, interpret=True, small=True, threads=2, log=lambda s: None)
     assert [r.case for r in results] == cases
@@ -74,17 +77,17 @@ def test_exact_in_interpret_mode():
 
 def test_exact_check_catches_a_wrong_kernel(monkeypatch):
     """A kernel off by one code in one element, and one that raises, are failures (the check can fail)."""
-    real = gc.kernel_entries()
+    real = gc.dispatch.kernel
 
     def off_by_one(x, **kw):
-        y = real["nvfp4.fake_quantize"](x, **kw)
+        y = real("nvfp4.fake_quantize", "triton")(x, **kw)
         return y.at[3, 5].add(1.0)
 
     def broken(x, scale, clip, **kw):
         raise RuntimeError("no kernel here")
 
-    monkeypatch.setattr(gc, "kernel_entries", lambda: {**real, "nvfp4.fake_quantize": off_by_one,
-                                                       "hif8.scaled_fake_quant": broken})
+    fakes = {"nvfp4.fake_quantize": off_by_one, "hif8.scaled_fake_quant": broken}
+    monkeypatch.setattr(gc.dispatch, "kernel", lambda name, backend="triton": fakes.get(name) or real(name, backend))
     cases = [gc.Case(kernel="nvfp4.fake_quantize", backend="triton", dtype="float32", rule="static_6",
                      block_shape=(1, 16)),
              gc.Case(kernel="hif8.scaled_fake_quant", backend="triton", dtype="float32")]
@@ -106,7 +109,7 @@ def test_throughput_table_in_interpret_mode(monkeypatch):
             return real(x, **kw)
 
         monkeypatch.setattr(gc.nvfp4, name, spy)
-    header, rows, notes = gc.throughput((16, 64), jnp.bfloat16, interpret=True, iters=1, reps=1)
+    header, rows, notes = gc.throughput((16, 64), jnp.bfloat16, ("triton",), interpret=True, iters=1, reps=1)
     assert len(rows) == 5 and all(len(r) == len(header) for r in rows)
     assert all(r[-2:] == ["0", "0"] for r in rows), rows  # exact, no near-ties
     assert calls and set(calls) == {"xla"}
@@ -157,8 +160,11 @@ def test_merge_verified(tmp_path):
         gc.merge_verified(path, [], **dev)
 
 
-def test_train_steps_build():
-    """(c) builds its steps from the public step builder (running them is for the GPU: compiling takes ~30 s here)."""
-    steps, tokens = gc.build_train_steps("tiny", batch=1, seq=8, pallas=False,
+def test_train_steps_build(monkeypatch):
+    """(c) builds its steps from the public step builder (running them is for the GPU: compiling takes ~30 s here;
+    the Pallas variant is built under interpret mode, the only Pallas a CPU has)."""
+    monkeypatch.setenv(gc.dispatch.INTERPRET_ENV, "1")
+    steps, tokens = gc.build_train_steps("tiny", batch=1, seq=8, backends=("triton",),
                                          overrides=dict(d_model=32, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=64))
-    assert set(steps) == {"hp", "qat (jnp)"} and tokens.shape == (1, 9) and tokens.dtype == jnp.int32
+    assert set(steps) == {"hp", "qat (jnp)", "qat (pallas, triton)"}
+    assert tokens.shape == (1, 9) and tokens.dtype == jnp.int32

@@ -107,7 +107,9 @@ def test_configurations_cover_every_kernel_rule_block_and_dtype():
     from jaxlowfp import dispatch, nvfp4
 
     configs = ck.all_configs()
-    assert len(configs) == len(set(configs))
+    assert len(configs) == len(set(configs)) and {c.backend for c in configs} == {"triton"}
+    both = ck.all_configs(("triton", "mosaic"))
+    assert {(c.kernel, c.backend) for c in both} == {(k, b) for k in dispatch.KERNELS for b in dispatch.KERNELS[k]}
     assert {c.kernel for c in configs} == set(dispatch.KERNELS)
     want = {(k, r, tuple(b), d) for k in ("nvfp4.quantize", "nvfp4.fake_quantize") for r in nvfp4.RULES
             for b in nvfp4.BLOCK_SHAPES for d in ("float32", "bfloat16")}
