@@ -146,7 +146,7 @@ def nvfp4_cases(quick: bool) -> list[Case]:
             cases.append(Case(
                 name=f"NVFP4 {label} {rule} 1x16",
                 kernel=pnvfp4.KERNEL_FAKE_QUANTIZE if fake else pnvfp4.KERNEL_QUANTIZE,
-                xla=lambda x, twin=twin, rule=rule: twin(x, rule=rule, global_amax=amax),
+                xla=lambda x, twin=twin, rule=rule: twin(x, rule=rule, global_amax=amax, impl="xla"),
                 pallas=lambda x, cfg, interpret, entry=entry, rule=rule: entry(
                     x, rule=rule, global_amax=amax, interpret=interpret, **cfg),
                 configs=configs,

@@ -47,8 +47,11 @@ __all__ = ["quantize", "fake_quantize", "KERNEL_QUANTIZE", "KERNEL_FAKE_QUANTIZE
 
 KERNEL_QUANTIZE = "nvfp4.quantize"
 KERNEL_FAKE_QUANTIZE = "nvfp4.fake_quantize"
-DEFAULT_TILE = (16, 512)  # (bm, bn) on a GPU; bench/gpu_kernels.py sweeps this
-DEFAULT_WARPS = 4
+# (bm, bn) on a GPU and warps per program: the largest tile with no register spill on sm_80, sm_90a and sm_100a
+# for every rule (scripts/compile_kernels.py; (16, 128) still spilled 4/6 configurations); bench/gpu_kernels.py
+# sweeps it on a device
+DEFAULT_TILE = (16, 64)
+DEFAULT_WARPS = 8
 _NAN_CODE = 0x7F  # E4M3 NaN (scale of a block holding NaN or Inf)
 _ERR, _FAKE = 0, 1024  # offsets in the product table (see _tables)
 _B = ref.BLOCK
@@ -288,7 +291,7 @@ def quantize(
       interpret: True: Pallas interpret mode; False: compiled Triton; None: interpret if
         ``JAXLOWFP_PALLAS_INTERPRET=1``, else compiled on a supporting GPU, else ``PallasUnavailableError``.
       tile_shape: (bm, bn) elements per program over the ``[rows, K]`` view, powers of two, bn >= 16, bm >= 16
-        for 16x16 tiles, bm * bn <= 2^20 (default (16, 512) compiled; interpret mode uses one large tile).
+        for 16x16 tiles, bm * bn <= 2^20 (default DEFAULT_TILE compiled; interpret mode uses one large tile).
       num_warps: Triton warps per program (default 4).
     """
     cfg, x, x2, amax, static = _prepare(
