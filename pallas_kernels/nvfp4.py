@@ -292,7 +292,7 @@ def quantize(
         ``JAXLOWFP_PALLAS_INTERPRET=1``, else compiled on a supporting GPU, else ``PallasUnavailableError``.
       tile_shape: (bm, bn) elements per program over the ``[rows, K]`` view, powers of two, bn >= 16, bm >= 16
         for 16x16 tiles, bm * bn <= 2^20 (default DEFAULT_TILE compiled; interpret mode uses one large tile).
-      num_warps: Triton warps per program (default 4).
+      num_warps: Triton warps per program (default DEFAULT_WARPS).
     """
     cfg, x, x2, amax, static = _prepare(
         x, rule, block_shape, global_amax, rounding, key, interpret, tile_shape, num_warps, KERNEL_QUANTIZE
