@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from jaxlowfp import ptq
-from jaxlowfp.ptq import calibrate, export
+from jaxlowfp.ptq import calibrate, checkpoint
 from jaxlowfp.ptq.formats import TensorFormat
 from train.model import PRESETS, Llama
 
@@ -38,7 +38,7 @@ def test_gptq_reconstruction_below_rtn(layer, fmt):
     kernel, x, h = layer
     err = lambda q: float(np.linalg.norm(x @ np.asarray(kernel) - x @ np.asarray(q)))  # noqa: E731
     rtn = err(ptq.rtn_weight(kernel, fmt).kernel)
-    for cfg in (ptq.GPTQ(), ptq.GPTQ(act_order=True, block_size=32)):
+    for cfg in (ptq.GPTQ(), ptq.GPTQ(act_order=True)):  # one compilation: the order is data
         g = ptq.gptq_weight(kernel, h, fmt, cfg)
         assert err(g.kernel) < 0.8 * rtn, (cfg, err(g.kernel), rtn)
         if g.packed is not None:  # the packed codes and scales are exactly the weights the model computes with
@@ -120,7 +120,8 @@ def test_smoothing_without_quantization_keeps_outputs(tokens, method):
     before = np.asarray(model.blocks[0].mlp_norm.scale[...])
     ptq.smooth_model(model, method, folds, {p: ptq.scheme("nvfp4-mse") for p in layers}, stats)
     assert not np.allclose(np.asarray(model.blocks[0].mlp_norm.scale[...]), before)  # the outliers did move
-    np.testing.assert_allclose(np.asarray(model(tokens)), np.asarray(ref), rtol=2e-5, atol=2e-5)
+    # float32 rounding only (scales up to ~30 change the rounding; quantization would move logits by ~1e-1)
+    np.testing.assert_allclose(np.asarray(model(tokens)), np.asarray(ref), rtol=1e-4, atol=2e-4)
 
 
 def test_v_to_o_fold_without_grouped_query(tokens):
@@ -142,13 +143,19 @@ def test_methods_quantize_the_model(tokens, method):
     """Every method quantizes every matched layer onto the format's grid and moves the logits a little."""
     model = _model()
     ref = model(tokens)
-    res = ptq.quantize(model, [ptq.Rule(path=LAYERS, scheme=ptq.scheme("nvfp4-mse"))], method=method,
-                       calibration=tokens, progress=False)
-    assert len(res.report.quantized) == 7 * PRESETS["tiny"].n_layers and res.report.unmatched == ("lm_head",)
+    res = ptq.quantize(model, [ptq.Rule(path=r"blocks/(1|2)/mlp/\w+_proj", scheme=ptq.scheme("nvfp4-mse"))],
+                       method=method, calibration=tokens, progress=False)
+    assert {p for p, _ in res.report.quantized} == {f"blocks/{i}/mlp/{n}_proj" for i in (1, 2)
+                                                    for n in ("gate", "up", "down")}
+    assert len(res.report.unmatched) == 4 * 7 + 1 - 6 and res.report.unused_rules == ()
     lin = model.blocks[1].mlp.down_proj
     arr, _ = res.packed["blocks/1/mlp/down_proj"]
     np.testing.assert_array_equal(np.asarray(arr.dequantize(jnp.float32).T), np.asarray(lin.kernel[...]))
     assert isinstance(lin.dot_general, ptq.ActQuant)
+    assert set(res.act_amax) == {p for p, _ in res.report.quantized}
+    if method in ("smoothquant", "awq"):
+        assert {f.prev for f in res.folds} == {"blocks/1/mlp_norm", "blocks/1/mlp/up_proj", "blocks/2/mlp_norm",
+                                               "blocks/2/mlp/up_proj"}
     out = np.asarray(model(tokens))
     rel = np.linalg.norm(out - np.asarray(ref)) / np.linalg.norm(np.asarray(ref))
     assert 1e-4 < rel < 0.5, rel
@@ -166,15 +173,16 @@ def _unpack_compressed_tensors(packed: np.ndarray) -> np.ndarray:
 def test_export_follows_compressed_tensors_and_reloads_bit_identically(tmp_path, tokens, weights_only, block):
     model = _model()
     sch = ptq.scheme("nvfp4-mse", weights_only=weights_only, weight_block=block)
-    res = ptq.quantize(model, [ptq.Rule(path=LAYERS, scheme=sch)], method="gptq", calibration=tokens,
-                       progress=False)
+    res = ptq.quantize(model, [ptq.Rule(path=r"blocks/[12]/mlp/\w+_proj", scheme=sch)], method="gptq",
+                       calibration=tokens, progress=False)
     ptq.export(model, res, tmp_path)
-    tensors = export.read_safetensors(tmp_path / export.WEIGHTS_FILE)
+    tensors = checkpoint.read_safetensors(tmp_path / checkpoint.WEIGHTS_FILE)
     cfg = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert cfg["quant_method"] == "compressed-tensors" and cfg["format"] == "nvfp4-pack-quantized"
     assert cfg["config_groups"]["group_0"]["weights"]["group_size"] == 16
     assert (cfg["config_groups"]["group_0"]["input_activations"] is None) == weights_only
-    assert cfg["ignore"] == ["lm_head"]
+    assert "lm_head" in cfg["ignore"] and "blocks.1.attn.q_proj" in cfg["ignore"]  # Linears left in float32
+    assert len(cfg["config_groups"]["group_0"]["targets"]) == 6
     m = "blocks.2.mlp.gate_proj"
     packed, scale = tensors[f"{m}.weight_packed"], tensors[f"{m}.weight_scale"]
     gs = tensors[f"{m}.weight_global_scale"]
@@ -246,3 +254,16 @@ def test_cli_arguments():
             {"method": "rtn", "format": "nvfp4-mse", "mean": 25.0}]
     (line,) = ptq_cli.verdicts(rows, hp=20.0)
     assert "4/6 beat static_6 with 1 of 1 rules" in line and "+50 % of the gap" in line
+
+
+def test_cli_variants_start_from_the_high_precision_weights(tokens):
+    """Every method x format variant of the experiment starts from the same high-precision parameters: quantizing
+    one restored copy must not leak into the next (nnx.merge without copy shares the Variables)."""
+    from train import ptq_cli
+
+    graphdef, state = nnx.split(_model())
+    first = ptq_cli._restore(graphdef, state)
+    hp = np.asarray(first.blocks[1].mlp.up_proj.kernel[...])
+    ptq.quantize(first, [ptq.Rule(path=LAYERS, scheme=ptq.scheme("nvfp4-mse"))], progress=False)
+    assert not np.array_equal(np.asarray(first.blocks[1].mlp.up_proj.kernel[...]), hp)
+    np.testing.assert_array_equal(np.asarray(ptq_cli._restore(graphdef, state).blocks[1].mlp.up_proj.kernel[...]), hp)

@@ -31,7 +31,7 @@ FORMATS = ("nvfp4-static_6", "nvfp4-static_4", "nvfp4-abs_max", "nvfp4-mae", "nv
 FOUR_OVER_SIX = ("nvfp4-abs_max", "nvfp4-mae", "nvfp4-mse")
 LAYERS = r".*(attn|mlp)/\w+_proj"
 # default sizes: the whole grid in about 15-20 minutes on 2 CPU cores; --full: the paper-like sizes
-SMALL = {"calib_seqs": 8, "calib_len": 256, "max_tokens": 512, "max_length": 512, "mc_items": 16}
+SMALL = {"calib_seqs": 8, "calib_len": 256, "max_tokens": 512, "max_length": 512, "mc_items": 12}
 FULL = {"calib_seqs": 128, "calib_len": 512, "max_tokens": 100_000, "max_length": 2048, "mc_items": 400}
 
 
@@ -120,7 +120,7 @@ def model_name(model: str) -> str:
 def _restore(graphdef: Any, state: Any) -> Any:
     from flax import nnx
 
-    return nnx.merge(graphdef, state)
+    return nnx.merge(graphdef, state, copy=True)  # fresh Variables: quantize() must not touch the HP state
 
 
 def _evaluate(model: Any, tok: Any, texts: dict, task: Any, args: argparse.Namespace) -> dict[str, Any]:

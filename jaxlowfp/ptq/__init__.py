@@ -34,7 +34,7 @@ Schemes (`formats`): ``"nvfp4-static_6"``, ``"nvfp4-static_4"``, ``"nvfp4-abs_ma
 """
 from jaxlowfp.ptq.api import METHODS, RTN, ActQuant, PTQResult, Rule, method_from_name, quantize, smooth_model
 from jaxlowfp.ptq.calibrate import LayerStats, collect
-from jaxlowfp.ptq.export import export, load
+from jaxlowfp.ptq.checkpoint import export, load
 from jaxlowfp.ptq.formats import SCHEMES, QuantizedWeight, Scheme, TensorFormat, rtn_weight, scheme
 from jaxlowfp.ptq.gptq import GPTQ, gptq_weight
 from jaxlowfp.ptq.smooth import AWQ, Fold, SmoothQuant, llama_folds

@@ -244,8 +244,7 @@ def quantize(
             qw = rtn_weight(kernel, sch.weight)
         lin.kernel.set_value(qw.kernel.astype(lin.kernel[...].dtype))
         if qw.packed is not None:
-            amax = jnp.max(jnp.abs(jnp.asarray(kernel, jnp.float32)))
-            packed[path] = (qw.packed, nvfp4.global_scales(amax, sch.weight.rule)[0])
+            packed[path] = (qw.packed, qw.s_enc)
         if sch.activation is not None:
             lin.dot_general = ActQuant(sch.activation)
 

@@ -12,6 +12,7 @@ the last axis, the GEMM reduction axis. A ``nnx.Linear`` kernel is ``[in, out]``
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -167,19 +168,27 @@ def scheme(name: str, *, weights_only: bool = False, weight_block: tuple[int, in
 class QuantizedWeight:
     """A quantized kernel: `kernel` [in, out] float32 (the dequantized values the model computes with) and, for
     NVFP4, `packed`, the `nvfp4.NVFP4Array` of ``kernel.T`` ([out, in]: codes, E4M3 scales, global scale)
-    whose ``dequantize().T`` is `kernel` bit for bit."""
+    whose ``dequantize().T`` is `kernel` bit for bit, and `s_enc`, the encode scale ``M*E / amax`` it was made
+    with (``packed.global_scale == 1 / s_enc``)."""
 
     kernel: jax.Array
     packed: nvfp4.NVFP4Array | None = None
+    s_enc: jax.Array | None = None
+
+
+@functools.partial(jax.jit, static_argnames=("fmt",))
+def _rtn(kernel: jax.Array, fmt: TensorFormat):
+    wt = kernel.astype(jnp.float32).T
+    if fmt.kind != "nvfp4":
+        return fmt.fake_quantize(wt).T, None, None
+    arr = nvfp4.quantize(wt, rule=fmt.rule, block_shape=fmt.block_shape)
+    s_enc = nvfp4.global_scales(jnp.max(jnp.abs(wt)), fmt.rule)[0]
+    return arr.dequantize(jnp.float32).T, arr, s_enc
 
 
 def rtn_weight(kernel: jax.Array, fmt: TensorFormat) -> QuantizedWeight:
     """Round-to-nearest quantization of a kernel [in, out] (blocks along `in`), with its own amax."""
-    wt = jnp.asarray(kernel, jnp.float32).T
-    if fmt.kind == "nvfp4":
-        arr = nvfp4.quantize(wt, rule=fmt.rule, block_shape=fmt.block_shape)
-        return QuantizedWeight(arr.dequantize(jnp.float32).T, arr)
-    return QuantizedWeight(fmt.fake_quantize(wt).T)
+    return QuantizedWeight(*_rtn(jnp.asarray(kernel), fmt))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import scipy.linalg
 from jax import lax
 
 from jaxlowfp import nvfp4
@@ -63,16 +64,17 @@ class GPTQ:
     name = "gptq"
 
 
-@jax.jit
-def _inverse_cholesky(h: jax.Array, damp: jax.Array) -> jax.Array:
-    """Upper U with U^T U = (H + damp * mean(diag H) I)^-1."""
-    n = h.shape[0]
-    eye = jnp.eye(n, dtype=jnp.float32)
-    h = h + eye * (damp * jnp.mean(jnp.diag(h)))
-    lo = jnp.linalg.cholesky(h)
-    hinv = jax.scipy.linalg.cho_solve((lo, True), eye)
-    hinv = 0.5 * (hinv + hinv.T)
-    return jnp.linalg.cholesky(hinv).T
+def _inverse_cholesky(h: np.ndarray, damp: float) -> np.ndarray | None:
+    """Upper U with U^T U = (H + damp * mean(diag H) I)^-1, in float64 on the host (LAPACK); None if the damped H is
+    not positive definite. One factorization: with J the reversal, chol(J H J) = M gives H = R R^T, R = J M J
+    upper, so U = R^-1."""
+    h = h.astype(np.float64) + np.eye(len(h)) * (damp * np.mean(np.diag(h)))
+    try:
+        m = np.linalg.cholesky(h[::-1, ::-1])
+    except np.linalg.LinAlgError:
+        return None
+    r = np.ascontiguousarray(m[::-1, ::-1])
+    return scipy.linalg.solve_triangular(r, np.eye(len(h)), lower=False).astype(np.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "chunk"))
@@ -146,11 +148,11 @@ def gptq_weight(kernel: jax.Array, hessian: jax.Array, fmt: TensorFormat, cfg: G
     amax = jnp.max(jnp.abs(kernel))  # the global scale comes from the original weights
     perm = np.argsort(-np.diag(h), kind="stable") if cfg.act_order else np.arange(n_in)
     pos = np.argsort(perm)  # processing position of each original column
-    hp = jnp.asarray(h[perm][:, perm])
+    hp = h[perm][:, perm]
     damp = cfg.damp_percent / 100.0
     for _ in range(4):
-        u = _inverse_cholesky(hp, jnp.float32(damp))
-        if bool(jnp.all(jnp.isfinite(u))):
+        u = _inverse_cholesky(hp, damp)
+        if u is not None and np.isfinite(u).all():
             break
         damp *= 10.0
     else:
@@ -168,12 +170,17 @@ def gptq_weight(kernel: jax.Array, hessian: jax.Array, fmt: TensorFormat, cfg: G
     else:
         params0 = jnp.zeros((n_groups, out), jnp.float32)
     chunk = int(np.gcd(n_in, cfg.block_size))
-    qv, deq, params = _gptq(jnp.asarray(w[:, perm]), u, jnp.asarray(group_of, jnp.int32), jnp.asarray(first),
+    qv, deq, params = _gptq(jnp.asarray(w[:, perm]), jnp.asarray(u), jnp.asarray(group_of, jnp.int32), jnp.asarray(first),
                             jnp.asarray(group_cols, jnp.int32), params0, amax, fmt=fmt, chunk=chunk)
-    inv = jnp.asarray(pos)
-    qv, deq = qv[:, inv], deq[:, inv]
+    return QuantizedWeight(*_finish(qv, deq, params, jnp.asarray(pos, jnp.int32), amax, fmt=fmt))
+
+
+@functools.partial(jax.jit, static_argnames=("fmt",))
+def _finish(qv, deq, params, pos, amax, *, fmt: TensorFormat):
+    """Columns back in the original order; NVFP4: the packed array (the kernel is its dequantization)."""
+    qv, deq = qv[:, pos], deq[:, pos]
     if fmt.kind != "nvfp4":
-        return QuantizedWeight(deq.T)
-    s_dec = nvfp4.global_scales(amax, fmt.rule)[1]
+        return deq.T, None, None
+    s_enc, s_dec = nvfp4.global_scales(amax, fmt.rule)
     arr = pack_nvfp4(qv, params.T, s_dec, fmt)
-    return QuantizedWeight(arr.dequantize(jnp.float32).T, arr)
+    return arr.dequantize(jnp.float32).T, arr, s_enc
