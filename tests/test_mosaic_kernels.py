@@ -118,6 +118,8 @@ def test_nvfp4_fake_quantize_matches_twin(block_shape, dtype, rule):
     [
         ((3, 5, 160), (1, 16), "float32", "mse", False),  # 150 blocks: one program of 128 + a padded remainder
         ((2, 32, 2080), (16, 16), "bfloat16", "mae", True),  # 130 tiles across: one program + 2 padded tiles
+        ((2, 160), (1, 16), "bfloat16", "static_4", False),  # 20 blocks: only the padded remainder
+        ((48, 576), (16, 16), "float32", "mse", True),  # K < 2048: only padded programs (K = 576: SmolLM2's width)
     ],
 )
 def test_nvfp4_ragged_shapes(shape, block_shape, dtype, rule, fake):
