@@ -33,9 +33,9 @@ quantized tensor comes out of the fake-quantizer unchanged (``y = where(isfinite
 would carry it), so it reaches the loss instead of being clipped to a finite value; ``QuantStats.nonfinite_count``
 counts it (``nonfinite_quantized`` in the train metrics, a step with a non-zero count is skipped like a non-finite
 loss). The other elements of such a tensor are quantized with whatever scale the non-finite amax leaves (delayed
-scaling: the history's; current scaling: the fallback scale 1 for the 8-bit formats, NaN for NVFP4, whose block
-scales come from the global amax): the step is skipped anyway. The int32 counters are exact: tensors of 2**31
-elements or more are refused with an error.
+scaling: the history's, except that an NVFP4 16-element block holding a NaN/Inf becomes NaN; current scaling: the
+fallback scale 1 for the 8-bit formats, NaN for NVFP4, whose scales come from the global amax): the step is skipped
+anyway. The int32 counters are exact: tensors of 2**31 elements or more are refused with an error.
 
 >>> import jax.numpy as jnp
 >>> from jaxlowfp import qat, scaling
