@@ -4,6 +4,7 @@ Per block of 32 along the last axis, a power-of-two scale ``X = 2^e`` (``specs/n
 
     floor (OCP v1.0):  e = floor(log2(amax)) - emax_elem        emax_elem = 2 (E2M1), 8 (E4M3), 15 (E5M2)
     ceil  (RCEIL):     e = ceil(log2(amax / max_elem))           amax / max_elem one IEEE float32 division
+                                                                 (integer-exact: bits.div_const)
     e clamped to [-127, 127] (amax == 0 -> -127);   P_i = round_elem_satfinite(x_i / X)   (RNE, exact scaling)
     x̂_i = P_i * X
 
@@ -28,11 +29,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxlowfp import formats
-from jaxlowfp._core.bits import pow2, true_divide
+from jaxlowfp._core.bits import div_const, materialize, pow2
 from jaxlowfp._core.checks import float_dtype, float_input, one_of
-from jaxlowfp._core.nvfp4_blocks import pack_nibbles, unpack_nibbles
+from jaxlowfp._core.nvfp4_blocks import block_amax, pack_nibbles, unpack_nibbles
 from jaxlowfp._core.pytree import pytree_dataclass
-from jaxlowfp._core.reduce import abs_max
 
 __all__ = ["MXArray", "MXConfig", "ELEMENTS", "SCALE_RULES", "BLOCK", "quantize", "dequantize", "fake_quantize",
            "shared_exponent"]
@@ -88,7 +88,7 @@ def shared_exponent(blk_amax: jax.Array, elem: str, scale_rule: str) -> jax.Arra
         # floor(log2 a) = unbiased exponent for normals; subnormals (and 0) sit below -127 + emax: clamped anyway
         e = (bits >> 23).astype(jnp.int32) - 127 - _EMAX[elem]
     else:
-        r = lax.bitcast_convert_type(true_divide(blk_amax, formats.get(elem).max_finite), jnp.uint32)
+        r = lax.bitcast_convert_type(div_const(blk_amax, formats.get(elem).max_finite), jnp.uint32)  # integer-exact
         biased, mant = (r >> 23).astype(jnp.int32), r & jnp.uint32(0x7FFFFF)
         e = biased - 127 + (mant != 0).astype(jnp.int32)  # ceil(log2 r) for normal r
         # subnormal r = mant * 2^-149: ceil(log2 r) is -126 if r > 2^-127, else <= -127 (clamped below)
@@ -106,8 +106,9 @@ def _check_x(x: Any) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("cfg", "out"))
 def _run(x: jax.Array, *, cfg: MXConfig, out: str):
-    xb = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
-    e = shared_exponent(abs_max(xb, axis=-1), cfg.elem, cfg.scale_rule)
+    xb = x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    e = materialize(shared_exponent(block_amax(xb, axes=(-1,)), cfg.elem, cfg.scale_rule))  # once per block
+    xb = xb.astype(jnp.float32)
     y = xb * pow2(-jnp.minimum(e, 127), subnormal=True)[..., None]  # x / 2^e exactly (one rounding only if y is subnormal)
     if out == "fake":
         scale = jnp.where(e == 128, jnp.nan, pow2(jnp.minimum(e, 127), subnormal=True))

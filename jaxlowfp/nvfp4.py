@@ -16,10 +16,13 @@ dequantization in the original domain, ``err = Σ (((q*s)*amax)/(6*E) - x)²`` (
 sequentially over the 16 elements of a block row (TE's order); for 16x16 tiles the 16 row sums are then added
 pairwise (8+8, 4+4, 2+2, 1+1), TE's 2D order.
 
-Bit-exactness under ``jit`` (``specs/nvfp4.md`` section 8): XLA turns ``a / broadcast(c)`` into ``a * (1/c)`` and
-contracts ``err + d*d`` into an FMA; the divisions by M and by 6*E therefore divide by an
-``optimization_barrier``-ed full-size operand, and the squared errors pass through an integer ``min`` (a no-op on
-their bits) before the unrolled sequential sum, so no add ever sees a multiply.
+Bit-exactness under ``jit`` on every backend (``specs/nvfp4.md`` section 8: XLA turns ``a / broadcast(c)`` into
+``a * (1/c)`` and contracts ``err + d*d`` into an FMA): the divisions by M and by 6*E are integer-exact
+(``div_by_3_pow2``, the Pallas kernel's method), the 4/6 error's ``((q*s)*amax) / (6*E)`` is a per-block quotient
+times a power of two, and the squared errors pass through an integer ``min`` (a no-op on their bits) before the
+unrolled sequential sum, so no add ever sees a multiply. No full-size divisor, barrier or row chunking: one
+reduction reads the tensor for the block maxima (the tensor amax is taken from those), the 4/6 rules read it once
+more for both candidates' errors, and the element-wise pass writes the result.
 
 Special values: the global amax of a tensor containing NaN or Inf is not finite, and then ``global_scale`` and every
 block scale are NaN, so the whole tensor dequantizes to NaN (TE would instead fall back to ``S_enc = 1`` for Inf or
@@ -28,14 +31,28 @@ a NaN scale. Values above a supplied ``global_amax`` saturate: the block scale a
 XLA:CPU flushes float32 subnormals to zero, so tensors with amax below about 1e-30 (where ``s * S_dec`` or the
 values themselves become subnormal) are outside the bit-exact range.
 
-Stochastic rounding (gradients) rounds each scaled value to one of its two E2M1 neighbours with P(up) = fractional
-distance, so it is unbiased wherever the value does not saturate; with a 4/6 rule both candidates use the same
-draws (as the CUDA kernels do), and the per-block choice then depends on the draw.
+Stochastic rounding (gradients) rounds each scaled value ``y`` to one of its two E2M1 neighbours lo < hi with
+``P(hi) = (y - lo) / (hi - lo)``, so ``E[q] = y`` wherever ``y`` does not exceed 6. Two variants:
+
+- ``rounding="stochastic"``: the scales of round-to-nearest. Biased in two ways: the E4M3 rounding of a block
+  scale can push the block max above 6 (up to 6 * 17/16), where it saturates; and with a 4/6 rule both candidates
+  are rounded with the same draws (as the CUDA kernels) and the one with the smaller error of *its draw* is kept,
+  so the choice depends on the draw (the selection keeps draws that landed close to x).
+- ``rounding="stochastic_unbiased"``: fouroversix's ``RoundStyle.stochastic_unbiased`` (after Quartet II): every
+  constant carries ``a = 16/17``, ``S_enc = f32(M*E*a) / amax``, ``base = (blk_amax / f32(M*a)) * S_enc`` and the
+  4/6 error's ``x̂ = ((q*s)*amax) / f32(M*E*a)``, so a block max maps to ``M*a * s_exact/s`` and, as E4M3
+  rounding changes a normal scale by at most a factor 17/16, never above ``M`` (6, or 4 for the map-4 candidate):
+  nothing saturates, and ``E[x̂] = x`` up to float32 rounding. One deliberate difference from fouroversix: the 4/6
+  choice compares the round-to-nearest candidates (the ``rounding="nearest"`` rule with these constants), so it
+  does not depend on the draw; fouroversix compares the stochastically rounded candidates, which leaves the 4/6
+  selection bias in place (as large as plain "stochastic" in ``tests/test_nvfp4_stochastic.py``). Blocks whose
+  scale is subnormal or zero in E4M3 (block max below about 2^-14 of the tensor max) are still rounded coarsely.
 
 The block math lives in ``jaxlowfp._core.nvfp4_blocks`` (shared with the Pallas kernel); the 16x16 random
 Hadamard transform of the training recipe in :mod:`jaxlowfp.hadamard` (re-exported here). The public functions
-run under an internal ``jax.jit`` (static configuration, so no retrace); the 4/6 rules process
-the tensor in row chunks (``lax.map``) so their temporaries stay in cache, which changes no bit.
+run under an internal ``jax.jit`` (static configuration, so no retrace). Derivatives are those of the function
+itself: the E2M1 values and E4M3 scales are piecewise constant (zero derivative), so the only tangent runs through
+the tensor amax into ``S_dec``; for a straight-through gradient use :func:`jaxlowfp.qat.fake_quant`.
 
 >>> import jax.numpy as jnp
 >>> from jaxlowfp import nvfp4
@@ -55,29 +72,30 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jaxlowfp import dispatch
 from jaxlowfp._core.checks import one_of
 from jaxlowfp._core.nvfp4_blocks import (
     BLOCK,
     BLOCK_SHAPES,
-    FOUR_OVER_SIX,
     ROUNDINGS,
     RULES,
+    STOCHASTIC,
     NVFP4Array,
     NVFP4Config,
+    Rounding,
     Rule,
+    block_amax,
     from_blocks,
     global_scales,
     pack_nibbles,
     quantize_blocks,
     rule_constants,
+    tensor_amax,
     to_blocks,
     unpack_nibbles,
     validate_args,
 )
-from jaxlowfp._core.reduce import abs_max
 from jaxlowfp.hadamard import hadamard16, hadamard_matrix
 
 __all__ = [
@@ -86,60 +104,37 @@ __all__ = [
 ]
 
 
-_CHUNK_ELEMENTS = 1 << 18  # 4/6 runs over row chunks of about this size, so its temporaries stay in cache
-
-
-def _chunk_rows(n_rows: int, row_elems: int, rows: int) -> int:
-    """Rows per chunk: the largest power-of-two multiple of `rows` dividing n_rows within the element budget."""
-    c = rows
-    while n_rows % (2 * c) == 0 and 2 * c * row_elems <= _CHUNK_ELEMENTS:
-        c *= 2
-    return c
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "out"))
 def _run(x: jax.Array, global_amax: jax.Array | None, key: jax.Array | None, *, cfg: NVFP4Config, out: str):
     """The whole quantizer under one jit. `out`: "q" -> (codes, scales, S_dec), "fake" -> x̂ in x.dtype,
-    "map4" -> the per-block 4/6 choice."""
-    xf = x.astype(jnp.float32)
-    if x.dtype != jnp.float32:
-        xf = lax.optimization_barrier(xf)  # convert once: XLA:CPU would otherwise redo the cast in every fusion
-    amax = abs_max(xf) if global_amax is None else global_amax.astype(jnp.float32)
-    s_enc, s_dec = global_scales(amax, cfg.rule)
-    u = None if key is None else jax.random.uniform(key, x.shape, jnp.float32)
+    "map4" -> the per-block 4/6 choice.
 
-    def blocks(xs, us):  # [rows, K] slab -> (nibbles, x̂, scales, map4) in block layout
-        res = quantize_blocks(to_blocks(xs, cfg.rows), amax, s_enc, s_dec, rule=cfg.rule,
-                              u=None if us is None else to_blocks(us, cfg.rows))
-        fake = (res.values * res.scales[..., None, None]) * s_dec
-        return res.nibbles, fake, res.scales, res.map4
-
-    k = x.shape[-1]
-    x2 = xf.reshape(-1, k)  # 2D tiles stay whole: the row count of every chunk is a multiple of 16
-    u2 = None if u is None else u.reshape(-1, k)
-    n = x2.shape[0]
-    c = _chunk_rows(n, k, cfg.rows) if cfg.rule in FOUR_OVER_SIX else n
-    if c == n:
-        nib, fake, scales, map4 = blocks(x2, u2)
-    else:  # the per-block math is independent across blocks, so chunking changes no bit
-        xs = x2.reshape(n // c, c, k)
-        us = None if u2 is None else u2.reshape(n // c, c, k)
-        outs = lax.map(lambda a: blocks(*a), (xs, us))
-        nib, fake, scales, map4 = (o.reshape(-1, *o.shape[2:]) for o in outs)  # merge chunk and block-row axes
-    scale_shape = (*x.shape[:-1], k // BLOCK) if cfg.rows == 1 else (*x.shape[:-2], x.shape[-2] // BLOCK, k // BLOCK)
+    Passes over the tensor: one reduction (block maxima; the tensor max is taken from them), one more for the 4/6
+    errors (a loop over blocks, both candidates at once), and the element-wise pass; nothing full-size in between.
+    """
+    xb = to_blocks(x, cfg.rows)  # in x's dtype: converted to float32 inside each pass
+    blk = block_amax(xb)
+    amax = tensor_amax(blk) if global_amax is None else global_amax.astype(jnp.float32)
+    s_enc, s_dec = global_scales(amax, cfg.rule, cfg.rounding)
+    u = None if key is None else to_blocks(jax.random.uniform(key, x.shape, jnp.float32), cfg.rows)
+    res = quantize_blocks(xb, amax, s_enc, s_dec, rule=cfg.rule, rounding=cfg.rounding, u=u, blk_amax=blk)
+    scale_shape = (*x.shape[:-1], x.shape[-1] // BLOCK) if cfg.rows == 1 else (
+        *x.shape[:-2], x.shape[-2] // BLOCK, x.shape[-1] // BLOCK)
     if out == "map4":
-        return map4.reshape(scale_shape)
+        return res.map4.reshape(scale_shape)
     if out == "fake":
+        fake = (res.values * res.scales[..., None, None]) * s_dec
         return from_blocks(fake, x.shape, cfg.rows).astype(x.dtype)
-    codes = pack_nibbles(from_blocks(nib, x.shape, cfg.rows))
-    return codes, scales.reshape(scale_shape).astype(jnp.float8_e4m3fn), s_dec
+    codes = pack_nibbles(from_blocks(res.nibbles, x.shape, cfg.rows))
+    return codes, res.scales.reshape(scale_shape).astype(jnp.float8_e4m3fn), s_dec
 
 
 def _use_pallas(impl: str, kernel: str, rounding: str, backend: str, config: dict[str, Any]) -> bool:
     one_of(impl, dispatch.IMPLS, "impl")
-    if rounding == "stochastic":
+    if rounding in STOCHASTIC:
         if impl == "pallas":
-            raise ValueError("impl='pallas': the NVFP4 kernel has no stochastic rounding; use impl='xla' or 'auto'")
+            raise ValueError(f"impl='pallas': the NVFP4 kernel has no stochastic rounding (got rounding={rounding!r}); "
+                             f"use impl='xla' or 'auto'")
         return False
     return dispatch.resolve_impl(impl, kernel=kernel, backend=backend, config=config) == "pallas"
 
@@ -156,7 +151,7 @@ def quantize(
     rule: Rule = "mse",
     block_shape: tuple[int, int] = (1, 16),
     global_amax: Any = None,
-    rounding: Literal["nearest", "stochastic"] = "nearest",
+    rounding: Rounding = "nearest",
     key: jax.Array | None = None,
     impl: Literal["auto", "xla", "pallas"] = "auto",
     backend: Literal["triton", "mosaic"] = "triton",
@@ -169,8 +164,9 @@ def quantize(
       block_shape: (1, 16), or (16, 16) tiles over the last two axes (one scale and one 4/6 choice per tile).
       global_amax: a float scalar >= 0 used instead of max|x| (delayed or all-reduced amax): values above it
         saturate, and a negative or non-finite one makes every scale NaN; see the module docstring.
-      rounding: "nearest" (RNE) or "stochastic" (unbiased, reproducible from `key`).
-      key: PRNG key, required for (and only for) stochastic rounding.
+      rounding: "nearest" (RNE), "stochastic" or "stochastic_unbiased" (reproducible from `key`; see the module
+        docstring: only the latter is unbiased with 4/6 rules and at saturating block maxima).
+      key: PRNG key, required for (and only for) the stochastic roundings.
       impl: "auto" (the Pallas kernel where it is recorded as verified on this GPU, else this jnp code), "xla",
         or "pallas" (the kernel, bit-identical, or a clear error where it cannot run; no stochastic rounding).
       backend: the Pallas backend under ``impl="pallas"``/``"auto"``: "triton" (sm_80+) or "mosaic" (Mosaic GPU,
@@ -198,7 +194,7 @@ def fake_quantize(
     rule: Rule = "mse",
     block_shape: tuple[int, int] = (1, 16),
     global_amax: Any = None,
-    rounding: Literal["nearest", "stochastic"] = "nearest",
+    rounding: Rounding = "nearest",
     key: jax.Array | None = None,
     impl: Literal["auto", "xla", "pallas"] = "auto",
     backend: Literal["triton", "mosaic"] = "triton",

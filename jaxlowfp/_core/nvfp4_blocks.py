@@ -1,12 +1,16 @@
 """The per-block NVFP4 / Four Over Six math, the quantized-array type and argument checks (specs/nvfp4.md).
 
-Shared by :mod:`jaxlowfp.nvfp4` (the public API: jit, chunking, kernel dispatch) and the Pallas kernel
+Shared by :mod:`jaxlowfp.nvfp4` (the public API: jit, kernel dispatch) and the Pallas kernel
 (``pallas_kernels/nvfp4.py``), which reproduces :func:`quantize_blocks` bit for bit. Two-level scaling, every step
 one IEEE float32 rounding::
 
     S_enc  = min(M*E / amax, FLT_MAX)   (1 if amax == 0);   S_dec = 1 / S_enc
     base   = (blk_amax / M) * S_enc;    s = E4M3_RNE_satfinite(base)   (4/6: s4 = e4m3(base * 1.5))
     inv    = min(1 / (s * S_dec), FLT_MAX);   q_i = E2M1_RNE_satfinite(x_i * inv);   x̂_i = (q_i * s) * S_dec
+
+No operation needs a full-size divisor, a barrier or row chunking: divisions by constants are integer-exact
+(:func:`~jaxlowfp._core.bits.div_const`), the 4/6 error's ``((q*s)*amax) / (M*E)`` is a per-block quotient times a
+power of two (:func:`_block_errors`), and each reduction reads the tensor once.
 """
 from __future__ import annotations
 
@@ -16,26 +20,46 @@ from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from jaxlowfp._core.bits import FLT_MAX, no_contract, true_divide
+from jaxlowfp._core.bits import FLT_MAX, SIGN, div_const, from_bits, materialize, no_contract, u32
 from jaxlowfp._core.checks import float_dtype, float_input, one_of
-from jaxlowfp._core.minifloat import E2M1, E4M3, e2m1_index, e2m1_magnitude
+from jaxlowfp._core.minifloat import E2M1, E4M3
 from jaxlowfp._core.pytree import pytree_dataclass
-from jaxlowfp._core.reduce import abs_max
 
 Rule = Literal["static_6", "static_4", "abs_max", "mae", "mse"]
+Rounding = Literal["nearest", "stochastic", "stochastic_unbiased"]
 RULES = ("static_6", "static_4", "abs_max", "mae", "mse")
 FOUR_OVER_SIX = ("abs_max", "mae", "mse")
-ROUNDINGS = ("nearest", "stochastic")
+ROUNDINGS = ("nearest", "stochastic", "stochastic_unbiased")
+STOCHASTIC = ("stochastic", "stochastic_unbiased")  # the roundings that need a PRNG key
+UNBIASED_FACTOR = 16 / 17  # fouroversix RoundStyle.stochastic_unbiased.adjustment_factor (Quartet II)
 BLOCK_SHAPES = ((1, 16), (16, 16))
 BLOCK = 16
+_MANT = 0x400000  # the one mantissa bit of an E2M1 value held in float32 (set for 1.5, 3, 6)
 
 
 def rule_constants(rule: str) -> tuple[float, float]:
     """(M, E) of `rule`: the element max a block max maps to, and the E4M3 max the tensor scale targets."""
     one_of(rule, RULES, "rule")
     return {"static_6": (6.0, 448.0), "static_4": (4.0, 448.0)}.get(rule, (6.0, 256.0))
+
+
+class ScaleConstants(NamedTuple):
+    """The float32 constants of a (rule, rounding): ``S_enc = enc / amax``, ``base = (blk_amax / blk_div) * S_enc``
+    and the 4/6 error's ``x̂ = ((q*s)*amax) / enc``. With ``a = 16/17`` for "stochastic_unbiased" (else 1):
+    ``enc = f32(M*E*a)``, ``blk_div = f32(M*a)``, each rounded once from the double product, as fouroversix does."""
+
+    enc: float
+    blk_div: float
+
+
+def scale_constants(rule: str, rounding: str = "nearest") -> ScaleConstants:
+    m, e = rule_constants(rule)
+    one_of(rounding, ROUNDINGS, "rounding")
+    a = UNBIASED_FACTOR if rounding == "stochastic_unbiased" else 1.0
+    return ScaleConstants(float(np.float32(m * e * a)), float(np.float32(m * a)))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,12 +69,13 @@ class NVFP4Config:
     Attributes:
       rule: "static_6" | "static_4" | "abs_max" | "mae" | "mse".
       block_shape: (1, 16) blocks along the last axis, or (16, 16) tiles over the last two axes.
-      rounding: "nearest" (RNE) or "stochastic" (P(up) = fractional distance; needs a PRNG key).
+      rounding: "nearest" (RNE), "stochastic" (P(up) = fractional distance) or "stochastic_unbiased" (the same with
+        16/17 headroom and a draw-independent 4/6 choice); the stochastic ones need a PRNG key.
     """
 
     rule: Rule = "mse"
     block_shape: tuple[int, int] = (1, 16)
-    rounding: Literal["nearest", "stochastic"] = "nearest"
+    rounding: Rounding = "nearest"
 
     def __post_init__(self) -> None:
         one_of(self.rule, RULES, "rule")
@@ -93,130 +118,200 @@ class NVFP4Array:
                                  shape=self.shape, dtype=dtype)
 
 
-
-def global_scales(amax: jax.Array, rule: str) -> tuple[jax.Array, jax.Array]:
-    """(S_enc, S_dec) float32 scalars: ``S_enc = min(M*E / amax, FLT_MAX)``, 1 when amax == 0, NaN when amax is not
-    finite or negative (a bad caller-supplied amax poisons the tensor visibly); ``S_dec = 1 / S_enc``."""
-    m, e = rule_constants(rule)
+def global_scales(amax: jax.Array, rule: str, rounding: str = "nearest") -> tuple[jax.Array, jax.Array]:
+    """(S_enc, S_dec) float32 scalars: ``S_enc = min(enc / amax, FLT_MAX)`` (``enc = M*E``, times 16/17 rounded
+    once for "stochastic_unbiased"), 1 when amax == 0, NaN when amax is not finite or negative (a bad
+    caller-supplied amax poisons the tensor visibly); ``S_dec = 1 / S_enc``."""
+    enc = scale_constants(rule, rounding).enc
     amax = jnp.asarray(amax, jnp.float32)
-    s_enc = jnp.minimum((m * e) / amax, FLT_MAX)
+    s_enc = jnp.minimum(enc / amax, FLT_MAX)
     s_enc = jnp.where(amax == 0, 1.0, s_enc)
     s_enc = jnp.where(jnp.isfinite(amax) & (amax >= 0), s_enc, jnp.nan)
     return s_enc, 1.0 / s_enc
 
 
-def _sequential_sum(t: jax.Array) -> jax.Array:
-    """Σ over the last axis in index order ``((t0 + t1) + t2) + ...`` with IEEE adds (unrolled; the caller keeps
-    multiplies out of reach of FMA contraction, see :func:`_no_contract`)."""
-    acc = t[..., 0]
-    for i in range(1, t.shape[-1]):
-        acc = acc + t[..., i]
-    return acc
+# ---- reductions
 
 
-def _pairwise_rows(r: jax.Array) -> jax.Array:
-    """Σ over the last axis (length 1 or a power of two) by halves: r[:n/2] + r[n/2:], repeated (TE 2D order)."""
-    while r.shape[-1] > 1:
-        h = r.shape[-1] // 2
-        r = r[..., :h] + r[..., h:]
-    return r[..., 0]
+def _max_keep_nan(p: jax.Array, q: jax.Array) -> jax.Array:
+    return jnp.where(p != p, p, jnp.maximum(p, q))
 
 
-def _e2m1_stochastic(ay: jax.Array, u: jax.Array) -> jax.Array:
+def block_amax(xb: jax.Array, axes: tuple[int, ...] = (-2, -1)) -> jax.Array:
+    """float32 ``max |x|`` over `axes` (default: the block axes of [..., R, 16]), NaN wherever a NaN is reduced.
+
+    One pass over `x` in its own dtype. The reducer is written out (``where(p != p, p, max(p, q))``) because
+    XLA:CPU's library max reduction drops NaN, and it keeps the reduction in XLA's own loop emitter (faster here).
+    """
+    axes = tuple(sorted(a % xb.ndim for a in axes))
+    return lax.reduce(jnp.abs(xb.astype(jnp.float32)), np.float32(0), _max_keep_nan, axes)
+
+
+def tensor_amax(blk: jax.Array) -> jax.Array:
+    """The tensor's ``max |x|`` from its block maxima: NaN blocks count as +Inf (not finite either way, so the
+    global scale is NaN: :func:`global_scales`). A separate small reduction, so XLA does not fuse it with the
+    per-block one into a second pass over the tensor."""
+    return jnp.max(jnp.where(jnp.isnan(blk), jnp.inf, blk))
+
+
+# ---- E2M1 rounding
+
+
+def e2m1_rne(a: jax.Array) -> jax.Array:
+    """E2M1 round-to-nearest-even magnitude of float32 ``a >= 0``, saturating at 6 (zero derivative)::
+
+        m = 2^(22 + max(floor(log2 min(a, 8)), 0))     (from the exponent bits: 2^22 below 2, 2^23 in [2, 4), 2^24)
+        v = min((min(a, 8) + m) - m, 6)
+
+    The add rounds ``a`` to a multiple of ulp(m) = 0.5, 1 or 2 (the E2M1 spacing of a's binade) with IEEE
+    ties-to-even, which are exactly E2M1's ties (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4,
+    5 -> 4); the subtraction is exact. Four float and three integer operations instead of seven compare-selects.
+    NaN stays NaN (callers give such elements a NaN scale).
+    """
+    a = jnp.minimum(a, 8.0)
+    m = from_bits(jnp.maximum(lax.bitcast_convert_type(a, jnp.uint32) & u32(0x7F800000), u32(0x3F800000))
+                  + u32(22 << 23))
+    return lax.stop_gradient(jnp.minimum((a + m) - m, 6.0))
+
+
+def e2m1_stochastic(ay: jax.Array, u: jax.Array) -> jax.Array:
     """Stochastic E2M1 rounding of |y| (float32 >= 0) with uniforms `u` in [0, 1): the grid neighbours lo < hi of
     min(|y|, 6), and hi with probability (|y| - lo) / (hi - lo). All steps are exact (power-of-two steps)."""
     a = jnp.minimum(ay, 6.0)
     step = jnp.where(a < 2.0, 0.5, jnp.where(a < 4.0, 1.0, 2.0))
     lo = jnp.floor(a * (1.0 / step)) * step
     frac = (a - lo) * (1.0 / step)
-    v = jnp.where(u < frac, lo + step, lo)
-    return jnp.where(jnp.isnan(v), 0.0, v)  # NaN |y| -> 0, as with nearest rounding
+    return lax.stop_gradient(jnp.where(u < frac, lo + step, lo))
+
+
+def e2m1_index(v: jax.Array) -> jax.Array:
+    """E2M1 magnitude index (int32, 0..7) of a magnitude `v` already on the grid {0, .5, 1, 1.5, 2, 3, 4, 6}:
+    2v below 1, else the float32 exponent and mantissa bit ((bits >> 22) - 252: 1 -> 2, 1.5 -> 3, ..., 6 -> 7)."""
+    hi = (lax.bitcast_convert_type(v, jnp.uint32) >> 22).astype(jnp.int32) - 252
+    return jnp.where(v < 1.0, (v * 2.0).astype(jnp.int32), hi)
+
+
+# ---- the per-block quantizer
 
 
 class BlockResult(NamedTuple):
     """Output of :func:`quantize_blocks` for blocks shaped [..., R, 16]."""
 
-    nibbles: jax.Array  # uint8 [..., R, 16]: sign<<3 | E2M1 index
+    nibbles: jax.Array  # uint8 [..., R, 16]: sign<<3 | E2M1 index (0 in blocks with a NaN scale)
     values: jax.Array  # float32 [..., R, 16]: the signed E2M1 value of each nibble (+0 where the scale is 0)
     scales: jax.Array  # float32 [...]: the chosen E4M3 block scale (a value of float8_e4m3fn, or NaN)
     map4: jax.Array  # bool [...]: block mapped its max to 4
 
 
-def _candidate(xb: jax.Array, s: jax.Array, s_dec: jax.Array, u: jax.Array | None) -> jax.Array:
-    """Signed E2M1 values (float32) of blocks `xb` [..., R, 16] with E4M3 block scales `s` [...]; +0 where s == 0.
+def _inverse(s: jax.Array, s_dec: jax.Array) -> jax.Array:
+    """``min(1 / (s * S_dec), FLT_MAX)``, 0 where s == 0 (the block's values then round to 0)."""
+    return jnp.where(s == 0, 0.0, jnp.minimum(1.0 / (s * s_dec), FLT_MAX))
 
-    The sign is x's sign bit (inv > 0), so small negatives give -0 (code 0x8), as hardware and ml_dtypes do.
+
+def _pairwise(r: jax.Array, op) -> jax.Array:
+    """Reduce the last axis (length 1 or a power of two) by halves: op(r[:n/2], r[n/2:]), repeated (TE 2D order)."""
+    while r.shape[-1] > 1:
+        h = r.shape[-1] // 2
+        r = op(r[..., :h], r[..., h:])
+    return r[..., 0]
+
+
+def _block_errors(xb, s, s_dec, amax, blk, rule: str, enc: float, u) -> jax.Array:
+    """The 4/6 error of the candidate with block scales `s` [...], in the original domain::
+
+        x̂ = ((q * s) * amax) / enc,  d = x̂ - x;   mse: Σ d*d,  mae: Σ |d|   (columns 0..15 in order, then rows
+        pairwise),  abs_max: max |d|
+
+    computed without a per-element division: ``q = 2^j * c`` with c in {1/2, 3/2} (E2M1 values are one or 1.5
+    times a power of two), so ``x̂ = 2^j * fl(fl(c*s*amax) / enc)`` exactly (``q * s`` is exact and scaling by
+    2^j commutes with rounding) from two per-block quotients. Where a product ``(q*s)*amax`` overflows, the
+    specification's x̂ is Inf and the block's error Inf: that happens iff it does for the block's largest q
+    (``vmax``), so the error is set to Inf there, and the quotients are taken of ``min(product, FLT_MAX)``.
+    (Below about 1e-30, where XLA:CPU flushes subnormal results, the two forms may differ, as before.)
+
+    The 16 columns are separate slices, so XLA emits one loop over blocks with no per-element temporaries, and
+    ``d * d`` passes :func:`no_contract` (no FMA into the sum). Blocks with a NaN scale get a NaN error.
     """
-    inv = jnp.minimum(1.0 / (s * s_dec), FLT_MAX)
-    zero = s == 0
-    inv = jnp.where(zero, 0.0, inv)[..., None, None]  # y = +-0 (NaN for Inf) -> magnitude 0 in zero-scale blocks
-    sign = jnp.where(zero, jnp.uint32(0), jnp.uint32(0x80000000))[..., None, None]
-    y = xb * inv
-    ay = jnp.abs(y)
-    if u is None:
-        v = e2m1_magnitude(ay)
-    else:
-        v = _e2m1_stochastic(ay, u)
-    bits = lax.bitcast_convert_type(v, jnp.uint32) | (lax.bitcast_convert_type(y, jnp.uint32) & sign)
-    return lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def _nibbles(q: jax.Array) -> jax.Array:
-    """E2M1 codes (uint8, sign<<3 | idx) of signed E2M1 values `q` (exactly on the grid, so RNE is the identity)."""
-    sign = (lax.bitcast_convert_type(q, jnp.uint32) >> 28) & jnp.uint32(8)
-    return (sign.astype(jnp.int32) | e2m1_index(jnp.abs(q))).astype(jnp.uint8)
-
-
-def _block_error(q, s, xb, amax, rule: str, denom: float) -> jax.Array:
-    """Per-block error of a candidate in the original domain: x̂ = ((q*s)*amax)/denom."""
-    xhat = true_divide((q * s[..., None, None]) * amax, denom)
-    d = lax.optimization_barrier(xhat - xb)  # materialise: XLA:CPU's reduction fusions are slow on long chains
-    if rule == "abs_max":
-        return jnp.max(jnp.abs(d), axis=(-2, -1))
-    t = no_contract(d * d) if rule == "mse" else jnp.abs(d)  # |d|: no multiply to contract
-    return _pairwise_rows(_sequential_sum(t))
+    inv = _inverse(s, s_dec)[..., None]
+    half = div_const(jnp.minimum((0.5 * s) * amax, FLT_MAX), enc)  # x̂ of q = 1/2
+    lo = (2.0 * half)[..., None]  # x̂ = q * lo for q in {1/2, 1, 2, 4} (mantissa bit clear)
+    hi = div_const(jnp.minimum((1.5 * s) * amax, FLT_MAX), enc)[..., None]  # x̂ = (q / 1.5) * hi for q in {1.5, 3, 6}
+    acc = vmax = None
+    for i in range(BLOCK):
+        ax = jnp.abs(xb[..., i].astype(jnp.float32))
+        v = e2m1_rne(ax * inv) if u is None else e2m1_stochastic(ax * inv, u[..., i])
+        vb = lax.bitcast_convert_type(v, jnp.uint32)
+        xhat = from_bits(vb & u32(~_MANT & 0xFFFFFFFF)) * jnp.where((vb & u32(_MANT)) != 0, hi, lo)
+        d = xhat - ax  # = ±(x̂ - x): x̂ carries x's sign (or is 0)
+        if rule == "abs_max":
+            t = jnp.abs(d)
+            acc = t if acc is None else jnp.maximum(acc, t)
+        else:
+            t = no_contract(d * d) if rule == "mse" else jnp.abs(d)
+            acc = t if acc is None else acc + t
+        if u is not None:
+            vmax = v if vmax is None else jnp.maximum(vmax, v)
+    err = _pairwise(acc, jnp.maximum if rule == "abs_max" else jnp.add)
+    vmax = e2m1_rne(blk * inv[..., 0]) if u is None else _pairwise(vmax, jnp.maximum)  # RNE is monotone in |x|
+    return jnp.where(jnp.isinf((vmax * s) * amax), jnp.inf, err)
 
 
 def quantize_blocks(
-    xb: jax.Array, amax: jax.Array, s_enc: jax.Array, s_dec: jax.Array, *, rule: str, u: jax.Array | None = None
+    xb: jax.Array,
+    amax: jax.Array,
+    s_enc: jax.Array,
+    s_dec: jax.Array,
+    *,
+    rule: str,
+    rounding: str = "nearest",
+    u: jax.Array | None = None,
+    blk_amax: jax.Array | None = None,
 ) -> BlockResult:
-    """Quantize float32 blocks `xb` [..., R, 16] (R = 1: 1x16 blocks, R = 16: 16x16 tiles) given the tensor amax
-    and the global scales from :func:`global_scales`. Exact operation order (each op one float32 rounding)::
+    """Quantize blocks `xb` [..., R, 16] (any float dtype; R = 1: 1x16 blocks, R = 16: 16x16 tiles) given the
+    tensor amax and the global scales from :func:`global_scales` (same `rule` and `rounding`). Exact operation
+    order (each op one float32 rounding; constants from :func:`scale_constants`)::
 
-        blk_amax = max |xb| over the block                         (NaN if any element is NaN)
-        base     = (blk_amax / M) * s_enc                          (true division)
+        blk_amax = max |xb| over the block                         (NaN if any element is NaN; or `blk_amax`)
+        base     = (blk_amax / blk_div) * s_enc                   (exact division: blk_div = M, or f32(M*16/17))
         s        = e4m3_rne_satfinite(base)                       4/6: s6 = that, s4 = e4m3(base * 1.5)
         s        = NaN where blk_amax is not finite
         inv      = min(1 / (s * s_dec), FLT_MAX)   (0 where s == 0);   y = x * inv
-        |q|      = e2m1 RNE of |y| (thresholds, saturating at 6, NaN -> 0), or stochastic with uniforms `u`
-                   [..., R, 16] (P(up) = fractional distance, the same draws for both 4/6 candidates)
-        q        = |q| with y's sign bit (+0 where s == 0);   nibble = sign << 3 | E2M1 index of |q|
-        4/6 only: x̂ = ((q * s) * amax) / (M * E) (true division); d = x̂ - x; err per block = sequential sum over
-                  the 16 columns, then pairwise over rows (mse: d*d, mae: |d|) or max |d| (abs_max);
-                  map4 = err4 < err6 (a NaN error keeps 6)
+        |q|      = e2m1 RNE of |y| (saturating at 6), or stochastic with uniforms `u` [..., R, 16]
+                   (P(up) = fractional distance)
+        q        = |q| with x's sign bit (+0 where s == 0);   nibble = sign << 3 | E2M1 index of |q|
+        4/6 only: x̂ = ((q * s) * amax) / enc; d = x̂ - x; err per block = sequential sum over the 16 columns,
+                  then pairwise over rows (mse: d*d, mae: |d|) or max |d| (abs_max); map4 = err4 < err6
+                  (a NaN error keeps 6). The candidates' q: rounding="stochastic" rounds both stochastically with
+                  the same draws (as the fouroversix and TE kernels); "nearest" and "stochastic_unbiased" compare
+                  the round-to-nearest candidates, so the choice does not depend on the draw.
 
     The Pallas kernel (``pallas_kernels/nvfp4.py``) reproduces this order bit for bit.
     """
-    m, e = rule_constants(rule)
-    blk_amax = abs_max(xb, axis=(-2, -1))
-    base = true_divide(blk_amax, m) * s_enc
-    finite = jnp.isfinite(blk_amax)
+    enc, blk_div = scale_constants(rule, rounding)
+    blk = block_amax(xb) if blk_amax is None else blk_amax
+    base = div_const(blk, blk_div) * s_enc
+    finite = jnp.isfinite(blk)
 
     def e4m3(v):
         return jnp.where(finite, E4M3.round(v, saturate=True), jnp.nan)
 
-    s6 = e4m3(base)
-    if rule not in FOUR_OVER_SIX:
-        q = _candidate(xb, s6, s_dec, u)
-        return BlockResult(_nibbles(q), q, s6, jnp.full(s6.shape, rule == "static_4"))
-    s4 = e4m3(base * 1.5)
-    q6 = _candidate(xb, s6, s_dec, u)  # the same random draws for both candidates (as the CUDA kernels)
-    q4 = _candidate(xb, s4, s_dec, u)
-    err6 = _block_error(q6, s6, xb, amax, rule, m * e)
-    err4 = _block_error(q4, s4, xb, amax, rule, m * e)
-    map4 = err4 < err6
-    q = jnp.where(map4[..., None, None], q4, q6)
-    return BlockResult(_nibbles(q), q, jnp.where(map4, s4, s6), map4)
+    s = e4m3(base)
+    map4 = jnp.full(s.shape, rule == "static_4")
+    if rule in FOUR_OVER_SIX:
+        s4 = e4m3(base * 1.5)
+        uc = u if rounding == "stochastic" else None
+        map4 = _block_errors(xb, s4, s_dec, amax, blk, rule, enc, uc) < _block_errors(
+            xb, s, s_dec, amax, blk, rule, enc, uc)
+        s = jnp.where(map4, s4, s)
+    s = materialize(s)  # one fusion computes the scales (and 4/6 choices); the element loop reads them
+    xf = xb.astype(jnp.float32)
+    ay = jnp.abs(xf) * _inverse(s, s_dec)[..., None, None]
+    v = e2m1_rne(ay) if u is None else e2m1_stochastic(ay, u)
+    sign = lax.bitcast_convert_type(xf, jnp.uint32) & jnp.where(s == 0, u32(0), u32(SIGN))[..., None, None]
+    values = from_bits(lax.bitcast_convert_type(v, jnp.uint32) | sign)
+    nib = ((sign >> 28).astype(jnp.int32) | e2m1_index(v)).astype(jnp.uint8)
+    nib = jnp.where(jnp.isnan(s)[..., None, None], jnp.uint8(0), nib)
+    return BlockResult(nib, values, s, map4)
 
 
 # ---- layout: tensors <-> blocks
@@ -253,10 +348,11 @@ def _check_x(x: Any, cfg: NVFP4Config) -> jax.Array:
 def validate_args(x: Any, cfg: NVFP4Config, global_amax: Any, key: Any) -> tuple[jax.Array, jax.Array | None]:
     """Check `x`, the key and `global_amax` against `cfg` (clear errors); returns (x, global_amax as an array)."""
     x = _check_x(x, cfg)
-    if cfg.rounding == "stochastic" and key is None:
-        raise ValueError("rounding='stochastic' needs a PRNG key: pass key=jax.random.key(...)")
+    if cfg.rounding in STOCHASTIC and key is None:
+        raise ValueError(f"rounding={cfg.rounding!r} needs a PRNG key: pass key=jax.random.key(...)")
     if cfg.rounding == "nearest" and key is not None:
-        raise ValueError("key is only used with rounding='stochastic'; got rounding='nearest' and a key")
+        raise ValueError("key is only used with rounding='stochastic' or 'stochastic_unbiased'; got "
+                         "rounding='nearest' and a key")
     if global_amax is not None:
         global_amax = float_input(global_amax, "global_amax")
         if global_amax.ndim != 0:
