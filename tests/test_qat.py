@@ -506,7 +506,8 @@ def test_backward_keeps_only_the_high_precision_operands(name):
     the tests above (and of the code before the change)."""
     r = GRAD_RECIPES[name]
     x, w = _operands()
-    _, vjp = jax.vjp(lambda a, b: qat.linear(a, b, recipe=r, state=r.init(), key=jax.random.key(0))[0], x, w)
+    _, vjp = jax.vjp(jax.jit(lambda a, b: qat.linear(a, b, recipe=r, state=r.init(), key=jax.random.key(0))[0]),
+                     x, w)
     arrays = [leaf for leaf in jax.tree.leaves(vjp) if getattr(leaf, "ndim", 0) >= 1]
     history = [(r.grad.scaling.history_len,)] if r.delayed_grad else []  # the gradient's amax history
     assert sorted(a.shape for a in arrays) == sorted([x.shape, w.shape, *history])
