@@ -232,14 +232,16 @@ def summarize(results: Sequence[StreamResult], reference: StreamResult | None) -
     layers and batches, the largest (layer, batch), how many layers and batches clipped at all."""
     rows = []
     for r in results:
-        j, i = np.unravel_index(int(np.argmax(r.saturated)), r.saturated.shape)
         row = {"algorithm": r.algorithm, "ppl": r.perplexity,
-               "ppl_change": None if reference is None else 100.0 * (r.perplexity / reference.perplexity - 1.0),
-               "mean_clipped": float(r.saturated.mean()), "max_clipped": float(r.saturated.max()),
-               "max_at": f"{r.layers[j]} @ batch {i}" if r.saturated.max() > 0 else "-",
-               "layers_clipping": int((r.saturated.max(axis=1) > 0).sum()), "layers": len(r.layers),
-               "batches_clipping": int((r.saturated.max(axis=0) > 0).sum()), "batches": r.saturated.shape[1],
-               "seconds": r.seconds}
+               "ppl_change": None if reference is None or r is reference else
+               100.0 * (r.perplexity / reference.perplexity - 1.0),
+               "layers": len(r.layers), "batches": r.saturated.shape[1], "seconds": r.seconds}
+        if r.layers:
+            j, i = np.unravel_index(int(np.argmax(r.saturated)), r.saturated.shape)
+            row |= {"mean_clipped": float(r.saturated.mean()), "max_clipped": float(r.saturated.max()),
+                    "max_at": f"{r.layers[j]} @ batch {i}" if r.saturated.max() > 0 else "-",
+                    "layers_clipping": int((r.saturated.max(axis=1) > 0).sum()),
+                    "batches_clipping": int((r.saturated.max(axis=0) > 0).sum())}
         for name in dict.fromkeys(r.texts):
             row[f"ppl_{name}"] = r.text_perplexity(name)
         rows.append(row)
