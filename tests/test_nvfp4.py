@@ -397,3 +397,85 @@ def test_exactness_guards_under_jit():
         d = x[:, i] - y[:, i]
         ref = ref + d * d
     np.testing.assert_array_equal(np.asarray(err(x, y)), ref)
+
+
+def test_e2m1_rounding_and_index_against_ml_dtypes():
+    """The twin's E2M1 rounding (a magic-number add) and its value -> index map, against ml_dtypes' RNE cast on
+    every threshold and its float32 neighbours, powers of two, huge values and random magnitudes."""
+    from jaxlowfp._core.nvfp4_blocks import e2m1_index, e2m1_rne
+
+    edges = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 8.0], F32)
+    near = (edges.view(np.uint32)[:, None] + np.arange(-3, 4, dtype=np.int64)[None, :].astype(np.uint32))
+    rng = np.random.default_rng(3)
+    a = np.concatenate([near.view(F32).ravel(), np.exp2(np.arange(-30, 40, dtype=F32)), [0.0, 7.0, 1e30, 3.4e38, np.inf],
+                        rng.uniform(0, 7, 200_000).astype(F32), np.exp2(rng.uniform(-20, 20, 50_000)).astype(F32)])
+    a = a.astype(F32)
+    got_v, got_i = jax.jit(lambda v: (e2m1_rne(v), e2m1_index(e2m1_rne(v))))(a)
+    want = np.minimum(a, 6).astype(ml_dtypes.float4_e2m1fn)
+    np.testing.assert_array_equal(np.asarray(got_v), want.astype(F32))
+    np.testing.assert_array_equal(np.asarray(got_i), want.view(np.uint8))
+
+
+@pytest.mark.parametrize("c", [6.0, 1536.0, 4.0, 448.0, 57344.0, float(F32(6 * 16 / 17)), float(F32(1536 * 16 / 17)),
+                               float(F32(2688 * 16 / 17)), 0.75, float(F32(1 / 3)), 1e-30])
+def test_div_const_is_ieee(c):
+    """bits.div_const (integer-only; no division instruction) against numpy's IEEE float32 division on random bit
+    patterns: normals, subnormal inputs and results, zeros, Inf, NaN, overflow (c < 1)."""
+    rng = np.random.default_rng(int(c * 1000) % 2**32)
+    b = rng.integers(0, 2**32, 100_000, dtype=np.uint64).astype(np.uint32)
+    b[:20_000] = rng.integers(0, 0x02000000, 20_000).astype(np.uint32)
+    b[20_000:20_008] = [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 1, 0x00800000, 0x7F7FFFFF]
+    a = b.view(F32)
+    if c == 4.0:  # a power of two is a float multiply: XLA:CPU flushes subnormal results, so keep to normals
+        a = a[np.abs(a / F32(4)) >= np.finfo(F32).tiny]
+    got = np.asarray(jax.jit(lambda v: bits.div_const(v, c))(a))
+    with np.errstate(all="ignore"):
+        want = a / F32(c)
+    assert same_bits(got, want).all(), np.flatnonzero(~same_bits(got, want))[:5]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16])
+@pytest.mark.parametrize("block_shape", [(1, 16), (16, 16)], ids=["1x16", "16x16"])
+def test_nan_anywhere_in_a_block_gives_it_a_nan_scale(dtype, block_shape):
+    """A NaN at any of the 16 (or 256) positions of a block poisons exactly that block when the amax is supplied
+    (XLA:CPU's library max reduction drops NaN in some positions; the twin's reduction must not)."""
+    rows = block_shape[0]
+    n = 16 * rows
+    x = make("normal", (2 * rows, 16 * n), seed=8).astype(dtype)  # two rows of n blocks (or tiles) each
+    for j in range(n):  # block j of the first row holds its NaN at in-block position j
+        r, c = (0, j) if rows == 1 else divmod(j, 16)
+        x[r, 16 * j + c] = np.nan
+    q = nvfp4.quantize(x, rule="static_6", block_shape=block_shape, global_amax=np.float32(4.0))
+    s = np.asarray(q.scales).astype(F32)
+    assert np.isnan(s[0]).all() and np.isfinite(s[1:]).all()
+
+
+def test_four_over_six_where_the_error_overflows():
+    """Tensors near the float32 range, where the error's ((q*s)*amax) overflows to Inf for some blocks and not
+    others (the twin takes per-block quotients there): still bit-identical to the reference."""
+    for seed, top in enumerate((2e35, 1e37, 3.0e38)):
+        x = make("laplace", (8, 256), seed=20 + seed)
+        x = (x / np.abs(x).max() * top).astype(F32)
+        x[1] *= F32(1e-3)  # blocks far below the tensor max: small scales, no overflow
+        for rule in ("abs_max", "mae", "mse"):
+            with np.errstate(over="ignore"):  # the reference overflows exactly where the specification does
+                check_against_ref(nvfp4.quantize(x, rule=rule), x, rule, (1, 16))
+                want_map4 = ref_quantize(x, rule)[3]
+            np.testing.assert_array_equal(np.asarray(nvfp4.selected_map4(x, rule=rule)), want_map4)
+
+
+def test_derivatives_are_the_functions_own():
+    """jax.jvp and jax.grad: E2M1 values and E4M3 scales are piecewise constant, so the only tangent runs through
+    the tensor amax into S_dec = amax / (M*E): d x̂ = x̂ * d amax / amax (the straight-through estimator is
+    jaxlowfp.qat's job)."""
+    x = make("normal", (16, 64), seed=12)
+    t = make("normal", (16, 64), seed=13)
+    k = np.unravel_index(np.argmax(np.abs(x)), x.shape)
+    for rule, rounding in (("static_6", "nearest"), ("mse", "stochastic_unbiased")):
+        kw = dict(rule=rule, rounding=rounding, key=None if rounding == "nearest" else jax.random.key(1))
+        y, dy = jax.jvp(lambda v, kw=kw: nvfp4.fake_quantize(v, **kw), (x,), (t,))
+        want = np.asarray(y) * (np.sign(x[k]) * t[k] / np.abs(x).max())
+        np.testing.assert_allclose(np.asarray(dy), want, rtol=1e-5, atol=1e-12)
+        g = np.asarray(jax.grad(lambda v, kw=kw: jnp.sum(nvfp4.fake_quantize(v, **kw) * t))(x))
+        assert np.count_nonzero(g) == 1 and g[k] == pytest.approx(float(np.sum(np.asarray(y) * t)) * np.sign(x[k])
+                                                                     / np.abs(x).max(), rel=1e-5)
