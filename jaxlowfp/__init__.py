@@ -23,10 +23,11 @@ _MODULES = ("dispatch", "formats", "hadamard", "hif8", "mx", "nvfp4", "qat", "sc
 _NAMES = {
     "Format": "formats", "HIF8": "formats", "E4M3": "formats", "E5M2": "formats", "E2M1": "formats",
     "NVFP4Array": "nvfp4",
-    "AmaxHistory": "scaling", "DelayedScaling": "scaling", "CurrentScaling": "scaling", "merge": "scaling",
+    "AmaxHistory": "scaling", "PendingAmax": "scaling", "DelayedScaling": "scaling", "CurrentScaling": "scaling",
+    "merge": "scaling",
     "QuantSpec": "qat", "QuantStats": "qat", "Recipe": "qat", "RecipeState": "qat", "RecipeStats": "qat",
     "Warmup": "qat", "fake_quant": "qat", "scaled_round": "qat", "dot_general": "qat", "linear": "qat",
-    "hif8_w8a8": "qat", "nvfp4_w4a4": "qat", "nvfp4_training": "qat",
+    "hif8_w8a8": "qat", "nvfp4_w4a4": "qat", "nvfp4_training": "qat", "fp8_delayed": "qat",
 }
 
 __all__ = [*_MODULES, *_NAMES]

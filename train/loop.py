@@ -246,8 +246,9 @@ def train(model: nnx.Module, stream: Any, *, steps: int, tx: optax.GradientTrans
                         bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}",
                                         **({} if sat is None else {"max_sat": f"{sat:.2e}"}), refresh=False)
                     if not row["finite"]:
-                        log.warning("step %d: non-finite loss or gradients, step skipped (%d so far)",
-                                    step + 1, row["skipped"])
+                        log.warning("step %d: non-finite loss, gradients or quantized values (%d in quantized "
+                                    "tensors), step skipped (%d so far)", step + 1,
+                                    row.get("nonfinite_quantized", 0), row["skipped"])
                     if on_step is not None:
                         on_step(step + 1, row)
                     if (step + 1) % checkpoint_every == 0 or step + 1 == steps:
