@@ -208,9 +208,16 @@ def fake_quantize(
 
 
 def selected_map4(
-    x: Any, *, rule: Rule = "mse", block_shape: tuple[int, int] = (1, 16), global_amax: Any = None
+    x: Any,
+    *,
+    rule: Rule = "mse",
+    block_shape: tuple[int, int] = (1, 16),
+    global_amax: Any = None,
+    rounding: Rounding = "nearest",
+    key: jax.Array | None = None,
 ) -> jax.Array:
-    """bool per block (shape of `NVFP4Array.scales`): True where the block maps its max to 4 (telemetry)."""
-    cfg = NVFP4Config(rule=rule, block_shape=block_shape)
-    x, global_amax = validate_args(x, cfg, global_amax, None)
-    return _run(x, global_amax, None, cfg=cfg, out="map4")
+    """bool per block (shape of `NVFP4Array.scales`): True where the block maps its max to 4 (telemetry), for the
+    same arguments as :func:`quantize` (the choice of rounding="stochastic" depends on `key`)."""
+    cfg = NVFP4Config(rule=rule, block_shape=block_shape, rounding=rounding)
+    x, global_amax = validate_args(x, cfg, global_amax, key)
+    return _run(x, global_amax, key, cfg=cfg, out="map4")
