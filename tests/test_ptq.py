@@ -3,7 +3,6 @@ compressed-tensors checkpoint matches that convention and reloads bit-identicall
 import json
 
 import en_dtypes
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np

@@ -280,6 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           file=sys.stderr)
 
     names = list(texts)
+    out = Path(args.out or f"runs/ptq-{model_name(args.model)}")
+    out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     hp = _evaluate(model, tok, texts, task, args)
     hp_row = {"method": "none", "format": "high precision", **hp, "ptq_s": 0.0,
@@ -300,6 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             row = {"method": method, "format": fmt, **r, "ptq_s": res.seconds, "mean": _geomean([r[t] for t in names])}
             rows.append(row)
             print(_row_line(row, names), file=sys.stderr)
+            _save(out, rows, calib_s, args, done=False)  # a stopped run keeps what it measured
             if args.export and method == "gptq" and fmt == "nvfp4-mse":
                 out_dir = Path(args.out or f"runs/ptq-{model_name(args.model)}") / "export"
                 export_line = export_and_check(m, res, graphdef, hp_state, calib, out_dir)
@@ -308,8 +311,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.export and export_line is None:
         export_line = "export skipped: --export needs gptq in --methods and nvfp4-mse in --formats"
     total = time.perf_counter() - t_all
-    out = Path(args.out or f"runs/ptq-{model_name(args.model)}")
-    out.mkdir(parents=True, exist_ok=True)
     _plot(rows, names, hp_row, out / "perplexity.png")
     table = _table(rows, names, task is not None)
     verdict = verdicts(rows, hp_row["mean"])
@@ -337,9 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{total:.0f} s (model loading {load_s:.0f} s).",
     ]) + "\n"
     (out / "report.md").write_text(report)
-    (out / "results.json").write_text(json.dumps({"rows": rows, "total_s": total, "calib_s": calib_s,
-                                                  "settings": {k: v for k, v in vars(args).items()}}, indent=1,
-                                                 default=str))
+    _save(out, rows, calib_s, args, done=True, total_s=total)
     print(table)
     print("\n".join(verdict))
     if export_line:
@@ -348,9 +347,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _save(out: Path, rows: list[dict], calib_s: float, args: argparse.Namespace, *, done: bool,
+          total_s: float | None = None) -> None:
+    (out / "results.json").write_text(json.dumps({"complete": done, "rows": rows, "total_s": total_s,
+                                                  "calib_s": calib_s, "settings": vars(args)}, indent=1, default=str))
+
+
 def _row_line(r: dict, names: Sequence[str]) -> str:
     ppl = ", ".join(f"{t} {r[t]:.2f}" for t in names)
-    mc = f", MC acc {r['acc']:.3f}" if "acc" in r else ""
+    mc = f", MC acc {r['acc']:.3f} / norm {r['acc_norm']:.3f}" if "acc" in r else ""
     return f"{r['method']:>11} {r['format']:<15} word ppl {ppl}{mc} (PTQ {r['ptq_s']:.0f} s, eval {r['eval_s']:.0f} s)"
 
 

@@ -18,7 +18,7 @@ from jax import lax
 from jaxlowfp import nvfp4
 from jaxlowfp.nnx import QuantizeReport
 from jaxlowfp.ptq import calibrate, smooth
-from jaxlowfp.ptq.formats import QuantizedWeight, Scheme, TensorFormat, rtn_weight
+from jaxlowfp.ptq.formats import Scheme, TensorFormat, rtn_weight
 from jaxlowfp.ptq.gptq import GPTQ, gptq_weight
 from jaxlowfp.ptq.smooth import AWQ, Fold, SmoothQuant
 
