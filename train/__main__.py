@@ -33,7 +33,7 @@ from flax import nnx
 
 from train import evaluate as ev
 from train import mesh as mesh_lib
-from train.arms import RuleError, quantize_arm, stats_layer, train_arm
+from train.arms import RuleError, finished_arm, quantize_arm, record_arm, stats_layer, train_arm
 from train.checkpoint import Checkpointer
 from train.config import ArmSpec, TrainConfig, arm_specs, parse_args, pretrain_key
 from train.data import BatchStream, DataError, Domain, load_domain
@@ -176,6 +176,11 @@ def run_continued(cfg: TrainConfig) -> list[dict[str, Any]]:
     arms = []
     specs = arm_specs(cfg)
     for arm in specs:
+        done = finished_arm(run_dir / arm.name, cfg) if cfg.resume else None
+        if done is not None:
+            log.info("arm %s finished earlier: reused (%s)", arm.name, run_dir / arm.name)
+            arms.append(done)
+            continue
         t_arm = time.perf_counter()
         log.info("arm %s (%s): %d steps on domain B", arm.name, arm.label, cfg.steps)
         model, res = run_arm(cfg, arm, params, domain_b, mesh)
@@ -187,6 +192,7 @@ def run_continued(cfg: TrainConfig) -> list[dict[str, Any]]:
         entry = {"name": arm.name, "label": arm.label, "dir": str(run_dir / arm.name), **metrics, "wall_s": wall}
         if cfg.grid is not None:
             entry |= {"baseline": arm.baseline, "lr": arm.lr, "role": arm.role}
+            record_arm(run_dir / arm.name, cfg, entry)
         arms.append(entry)
     baseline = "hp" if "hp" in cfg.arms else None
     columns = GRID_COLUMNS if cfg.grid is not None else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import json
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from train.grid import BLOCK_PROJECTIONS, ArmSpec, make_recipe
 from train.loop import RunResult, make_optimizer, make_schedule, train
 from train.model import loss_fn
 
-__all__ = ["RuleError", "loss_function", "quantize_arm", "stats_layer", "train_arm"]
+__all__ = ["RuleError", "finished_arm", "loss_function", "quantize_arm", "record_arm", "stats_layer", "train_arm"]
 
 
 class RuleError(ValueError):
@@ -112,3 +113,32 @@ def train_arm(model: nnx.Module, arm: ArmSpec, stream: Any, cfg: Any, *, steps: 
                  out_dir=out_dir, warmup=warmup, stats_layer=stats, mesh=mesh,
                  checkpoint_every=cfg.checkpoint_every, resume=cfg.resume,
                  progress=cfg.progress and jax.process_index() == 0, desc=arm.name, meta=meta, **extra)
+
+
+# fields that do not change what an arm computes: a finished arm is reused across runs that differ only in these
+_NOT_DECISIVE = ("resume", "progress", "arms", "out", "checkpoint_every", "mesh", "cache_dir")
+_DONE = "arm.json"
+
+
+def _decisive(cfg: Any) -> dict[str, Any]:
+    return {k: v for k, v in cfg.to_json().items() if k not in _NOT_DECISIVE}
+
+
+def record_arm(arm_dir: str | Path, cfg: Any, entry: dict[str, Any]) -> None:
+    """Write ``<arm_dir>/arm.json``: the arm's evaluated summary (`entry`) and the config that produced it."""
+    if jax.process_index() == 0:
+        Path(arm_dir, _DONE).write_text(json.dumps({"config": _decisive(cfg), "entry": entry}, indent=1,
+                                                   default=str))
+
+
+def finished_arm(arm_dir: str | Path, cfg: Any) -> dict[str, Any] | None:
+    """The summary `record_arm` wrote for this arm, if it was written under the same decisive configuration (so
+    ``--resume`` skips an arm that already finished: a grid split over several calls, or killed, goes on where it
+    stopped); None otherwise."""
+    path = Path(arm_dir, _DONE)
+    if not path.is_file() or not Path(arm_dir, "metrics.jsonl").is_file():
+        return None
+    done = json.loads(path.read_text())
+    if done.get("config") != json.loads(json.dumps(_decisive(cfg), default=str)):
+        return None
+    return done["entry"]

@@ -31,7 +31,7 @@ from flax import nnx
 
 from train import evaluate as ev
 from train import mesh as mesh_lib
-from train.arms import RuleError, quantize_arm, stats_layer, train_arm
+from train.arms import RuleError, finished_arm, quantize_arm, record_arm, stats_layer, train_arm
 from train.config import TrainConfig, arm_specs
 from train.data import DOC_SEP, BatchStream, DataError, eval_batches, load_domain
 from train.report import REAL_COLUMNS, format_table, grid_notes, summary_rows, write_report
@@ -206,6 +206,11 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     del model
     arms = []
     for arm in specs:
+        done = finished_arm(run_dir / arm.name, cfg) if cfg.resume else None
+        if done is not None:
+            log.info("arm %s finished earlier: reused (%s)", arm.name, run_dir / arm.name)
+            arms.append(done)
+            continue
         t_arm = time.perf_counter()
         log.info("arm %s (%s): %d steps of %d x %d tokens on Python", arm.name, arm.label, cfg.steps,
                  cfg.batch_size, cfg.seq_len)
@@ -223,8 +228,10 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
         wall = time.perf_counter() - t_arm
         log.info("arm %s done in %.0f s (training %.0f s, %d skipped steps): %s", arm.name, wall, res.wall_s,
                  int(res.state.skipped), ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith("ppl_")))
-        arms.append({"name": arm.name, "label": arm.label, "dir": str(run_dir / arm.name), **metrics,
-                     "wall_s": wall, "lr": arm.lr, "baseline": arm.baseline, "role": arm.role})
+        entry = {"name": arm.name, "label": arm.label, "dir": str(run_dir / arm.name), **metrics, "wall_s": wall,
+                 "lr": arm.lr, "baseline": arm.baseline, "role": arm.role}
+        record_arm(run_dir / arm.name, cfg, entry)
+        arms.append(entry)
         del m, res
     rows = [start_row, *summary_rows(arms, baseline="hp" if "hp" in cfg.arms else None)]
     total = time.perf_counter() - t0
