@@ -10,8 +10,9 @@ How these kernels use Mosaic GPU (``jax.experimental.pallas.mosaic_gpu``, sm_90+
   runs inside one thread, in exactly the order the jnp twin uses, with no cross-lane shuffles.
 - Operands stay in global memory; each program loads its block straight into registers and stores its results.
   Mosaic GPU has no masked loads, so every program covers whole blocks: the wrappers run the kernel on the
-  whole tiles of the input in place and on a zero-padded copy of the remainder (at most one tile), and merge.
-- No float division inside a kernel: Mosaic lowers ``a / b`` to ``rcp.approx``. The one division the NVFP4 twin
+  whole programs of the input in place and on a zero-padded copy of the remainder (less than one program's width
+  along the split axis), and merge the results with ``dynamic_update_slice``.
+- No float division inside a kernel: Mosaic compiled ``1 / d`` to ``rcp.approx.f32`` (seen in the PTX). The one division the NVFP4 twin
   does per block (``1 / (s * S_dec)``) is :func:`reciprocal` here, correctly rounded with integer operations;
   ``/ 6`` and ``/ 1536`` are ``div_by_3_pow2``. Mosaic also marks float add/sub/mul as contractible (FMA), so a
   product that feeds a sum goes through ``no_contract``, as in the twin.

@@ -87,7 +87,7 @@ def _call(params, x, *, block: int, valid: int, clip: float, interpret, rest: bo
 def _scaled_fake_quant(x, scale, bound, *, clip: float, interpret, block: int):
     n = x.size
     flat = x.reshape(n)
-    params = jnp.stack([1.0 / scale, scale, bound, scale])  # the one IEEE division, in XLA
+    params = jnp.stack([1.0 / scale, scale, bound])  # the one IEEE division, in XLA
     body = n // block * block
     parts, y = [], None
     if body:

@@ -11,16 +11,18 @@ reduction unless ``global_amax`` is given). Each 16-element block row lives in o
     s        = E4M3 RNE satfinite(base)                     (4/6: s4 = E4M3(base * 1.5)); its code is the scale byte
     inv      = min(1 / (s * S_dec), FLT_MAX)                (``_mosaic.reciprocal``: integer, correctly rounded)
     q        = E2M1 RNE(x * inv), x's sign (+0 where s = 0)
-    4/6:       x̂ = ((q * s) * amax) / 1536 (``div_by_3_pow2``); error = sequential sum over the 16 columns of
-               (x̂ - x)^2 (kept from FMA contraction) or |x̂ - x| (or their max), then pairwise over the rows of a
-               16x16 tile; map-4 iff err4 < err6
+    4/6:       x̂ = ((q * s) * amax) / 1536 (``div_by_3_pow2``, once per block for each of the 8 E2M1 magnitudes,
+               picked by the same threshold compares that give q); error = sequential sum over the 16 columns of
+               (x̂ - x)^2 (kept from FMA contraction) or |x̂ - x| (or their max), then by halves over the rows of
+               a 16x16 tile; map-4 iff err4 < err6
     fake:      y = (q * s) * S_dec in x's dtype
 
-1x16 blocks: the ``[rows, K]`` view is a list of blocks ``[rows*K/16, 16]``; a program takes ``128 k`` of them
-(one row per thread per step). 16x16 tiles: a program takes one tile row of 128 tiles side by side (2048 columns)
-and walks the tile's 16 rows (``k`` re-reads them from global memory, which the caches serve: a tile needs
-``16 x 16`` values per thread, more than its registers hold). Whole tiles run in place; the remainder (fewer than
-one program's blocks, or the last ``K mod 2048`` columns of 16x16 tiles) runs on a zero-padded copy.
+1x16 blocks: the ``[rows, K]`` view is a list of blocks ``[rows*K/16, 16]``; a program takes ``blocks_per_program``
+of them (one block row per thread per 128). 16x16 tiles: a program takes one tile row of 128 tiles side by side
+(2048 columns) and walks the 16 rows in loops, reading each row from global memory twice (static rules: max, then
+output) or three times (4/6: max, errors, output); the re-reads hit the caches, and a whole tile (256 values per
+thread) would not fit in registers. Whole programs read `x` in place; the remainder (fewer than one program's
+blocks, or the last ``K mod 2048`` columns of 16x16 tiles, all of them when K < 2048) runs on a zero-padded copy.
 Outputs: packed codes (even element in the low nibble) and E4M3 scale bytes (viewed as ``float8_e4m3fn`` outside),
 or for ``fake_quantize`` the dequantized values. Stochastic rounding is not implemented (``impl="xla"``).
 """
@@ -186,9 +188,9 @@ def _kernel_16x16(p_ref, x_ref, *out_refs, rule: str, fake: bool):
     if s4 is not None:
         # The twin sums a tile's row errors by halves: a_k = e_k + e_{k+8}, then (a_k + a_{k+4}), ...
         def halves(k, slots):
-            out = []
+            x_lo, x_hi, out = row(k), row(k + _B // 2), []
             for s in (s6, s4):
-                lo, hi = _row_error(row(k), s, rule), _row_error(row(k + _B // 2), s, rule)
+                lo, hi = _row_error(x_lo, s, rule), _row_error(x_hi, s, rule)
                 out.append(jnp.maximum(lo, hi) if rule == "abs_max" else lo + hi)
             return tuple(tuple(jnp.where(k == m, a, slot) for m, slot in enumerate(sl)) for a, sl in zip(out, slots))
 
@@ -265,7 +267,7 @@ def _padded_call(params, xb, axis: int, per_program: int, **kw):
 @functools.partial(jax.jit, static_argnames=("rule", "tile", "fake", "interpret", "blocks"))
 def _run(x, amax, *, rule: str, tile: bool, fake: bool, interpret, blocks: int):
     s_enc, s_dec = ref.global_scales(amax, rule)
-    params = jnp.stack([s_enc, s_dec, amax, jnp.float32(0.0)])
+    params = jnp.stack([s_enc, s_dec, amax])
     k = x.shape[-1]
     if tile:
         xb = x.reshape(-1, k // _B, _B)  # [rows, tiles across, 16]
