@@ -91,6 +91,7 @@ from jaxlowfp._core.nvfp4_blocks import (
     from_blocks,
     global_scales,
     pack_nibbles,
+    per_element,
     quantize_blocks,
     rule_constants,
     tensor_amax,
@@ -125,7 +126,7 @@ def _run(x: jax.Array, global_amax: jax.Array | None, key: jax.Array | None, *, 
     if out == "map4":
         return res.map4.reshape(scale_shape)
     if out == "fake":
-        fake = (res.values * res.scales[..., None, None]) * s_dec
+        fake = (res.values * per_element(res.scales)) * s_dec
         return from_blocks(fake, x.shape, cfg.rows).astype(x.dtype)
     codes = pack_nibbles(from_blocks(res.nibbles, x.shape, cfg.rows))
     return codes, res.scales.reshape(scale_shape).astype(jnp.float8_e4m3fn), s_dec

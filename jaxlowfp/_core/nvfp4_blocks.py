@@ -137,8 +137,8 @@ def _max_keep_nan(p: jax.Array, q: jax.Array) -> jax.Array:
     return jnp.where(p != p, p, jnp.maximum(p, q))
 
 
-def block_amax(xb: jax.Array, axes: tuple[int, ...] = (-2, -1)) -> jax.Array:
-    """float32 ``max |x|`` over `axes` (default: the block axes of [..., R, 16]), NaN wherever a NaN is reduced.
+def block_amax(xb: jax.Array, axes: tuple[int, ...] = (-3, -1)) -> jax.Array:
+    """float32 ``max |x|`` over `axes` (default: the block axes of [..., R, nb, 16]), NaN wherever a NaN is reduced.
 
     One pass over `x` in its own dtype. The reducer is written out (``where(p != p, p, max(p, q))``) because
     XLA:CPU's library max reduction drops NaN, and it keeps the reduction in XLA's own loop emitter (faster here).
@@ -195,12 +195,17 @@ def e2m1_index(v: jax.Array) -> jax.Array:
 
 
 class BlockResult(NamedTuple):
-    """Output of :func:`quantize_blocks` for blocks shaped [..., R, 16]."""
+    """Output of :func:`quantize_blocks` for blocks laid out [..., R, nb, 16] (see :func:`to_blocks`)."""
 
-    nibbles: jax.Array  # uint8 [..., R, 16]: sign<<3 | E2M1 index (0 in blocks with a NaN scale)
-    values: jax.Array  # float32 [..., R, 16]: the signed E2M1 value of each nibble (+0 where the scale is 0)
-    scales: jax.Array  # float32 [...]: the chosen E4M3 block scale (a value of float8_e4m3fn, or NaN)
-    map4: jax.Array  # bool [...]: block mapped its max to 4
+    nibbles: jax.Array  # uint8 [..., R, nb, 16]: sign<<3 | E2M1 index (0 in blocks with a NaN scale)
+    values: jax.Array  # float32 [..., R, nb, 16]: the signed E2M1 value of each nibble (+0 where the scale is 0)
+    scales: jax.Array  # float32 [..., nb]: the chosen E4M3 block scale (a value of float8_e4m3fn, or NaN)
+    map4: jax.Array  # bool [..., nb]: block mapped its max to 4
+
+
+def per_element(p: jax.Array) -> jax.Array:
+    """A per-block array [..., nb] broadcastable against its blocks [..., R, nb, 16]."""
+    return p[..., None, :, None]
 
 
 def _inverse(s: jax.Array, s_dec: jax.Array) -> jax.Array:
@@ -209,11 +214,12 @@ def _inverse(s: jax.Array, s_dec: jax.Array) -> jax.Array:
 
 
 def _pairwise(r: jax.Array, op) -> jax.Array:
-    """Reduce the last axis (length 1 or a power of two) by halves: op(r[:n/2], r[n/2:]), repeated (TE 2D order)."""
-    while r.shape[-1] > 1:
-        h = r.shape[-1] // 2
-        r = op(r[..., :h], r[..., h:])
-    return r[..., 0]
+    """Reduce the row axis of [..., R, nb] (R = 1 or a power of two) by halves: op(r[:R/2], r[R/2:]), repeated
+    (TE's 2D order)."""
+    while r.shape[-2] > 1:
+        h = r.shape[-2] // 2
+        r = op(r[..., :h, :], r[..., h:, :])
+    return r[..., 0, :]
 
 
 def _block_errors(xb, s, s_dec, amax, blk, rule: str, enc: float, u) -> jax.Array:
@@ -232,10 +238,10 @@ def _block_errors(xb, s, s_dec, amax, blk, rule: str, enc: float, u) -> jax.Arra
     The 16 columns are separate slices, so XLA emits one loop over blocks with no per-element temporaries, and
     ``d * d`` passes :func:`no_contract` (no FMA into the sum). Blocks with a NaN scale get a NaN error.
     """
-    inv = _inverse(s, s_dec)[..., None]
+    inv = _inverse(s, s_dec)[..., None, :]
     half = div_const(jnp.minimum((0.5 * s) * amax, FLT_MAX), enc)  # x̂ of q = 1/2
-    lo = (2.0 * half)[..., None]  # x̂ = q * lo for q in {1/2, 1, 2, 4} (mantissa bit clear)
-    hi = div_const(jnp.minimum((1.5 * s) * amax, FLT_MAX), enc)[..., None]  # x̂ = (q / 1.5) * hi for q in {1.5, 3, 6}
+    lo = (2.0 * half)[..., None, :]  # x̂ = q * lo for q in {1/2, 1, 2, 4} (mantissa bit clear)
+    hi = div_const(jnp.minimum((1.5 * s) * amax, FLT_MAX), enc)[..., None, :]  # x̂ = (q/1.5) * hi, q in {1.5, 3, 6}
     acc = vmax = None
     for i in range(BLOCK):
         ax = jnp.abs(xb[..., i].astype(jnp.float32))
@@ -252,7 +258,7 @@ def _block_errors(xb, s, s_dec, amax, blk, rule: str, enc: float, u) -> jax.Arra
         if u is not None:
             vmax = v if vmax is None else jnp.maximum(vmax, v)
     err = _pairwise(acc, jnp.maximum if rule == "abs_max" else jnp.add)
-    vmax = e2m1_rne(blk * inv[..., 0]) if u is None else _pairwise(vmax, jnp.maximum)  # RNE is monotone in |x|
+    vmax = e2m1_rne(blk * inv[..., 0, :]) if u is None else _pairwise(vmax, jnp.maximum)  # RNE: monotone in |x|
     return jnp.where(jnp.isinf((vmax * s) * amax), jnp.inf, err)
 
 
@@ -267,7 +273,8 @@ def quantize_blocks(
     u: jax.Array | None = None,
     blk_amax: jax.Array | None = None,
 ) -> BlockResult:
-    """Quantize blocks `xb` [..., R, 16] (any float dtype; R = 1: 1x16 blocks, R = 16: 16x16 tiles) given the
+    """Quantize blocks `xb` [..., R, nb, 16] (any float dtype; R = 1: 1x16 blocks, R = 16: 16x16 tiles; the
+    layout of :func:`to_blocks`) given the
     tensor amax and the global scales from :func:`global_scales` (same `rule` and `rounding`). Exact operation
     order (each op one float32 rounding; constants from :func:`scale_constants`)::
 
@@ -276,7 +283,7 @@ def quantize_blocks(
         s        = e4m3_rne_satfinite(base)                       4/6: s6 = that, s4 = e4m3(base * 1.5)
         s        = NaN where blk_amax is not finite
         inv      = min(1 / (s * s_dec), FLT_MAX)   (0 where s == 0);   y = x * inv
-        |q|      = e2m1 RNE of |y| (saturating at 6), or stochastic with uniforms `u` [..., R, 16]
+        |q|      = e2m1 RNE of |y| (saturating at 6), or stochastic with uniforms `u` (shaped like `xb`)
                    (P(up) = fractional distance)
         q        = |q| with x's sign bit (+0 where s == 0);   nibble = sign << 3 | E2M1 index of |q|
         4/6 only: x̂ = ((q * s) * amax) / enc; d = x̂ - x; err per block = sequential sum over the 16 columns,
@@ -305,12 +312,12 @@ def quantize_blocks(
         s = jnp.where(map4, s4, s)
     s = materialize(s)  # one fusion computes the scales (and 4/6 choices); the element loop reads them
     xf = xb.astype(jnp.float32)
-    ay = jnp.abs(xf) * _inverse(s, s_dec)[..., None, None]
+    ay = jnp.abs(xf) * per_element(_inverse(s, s_dec))
     v = e2m1_rne(ay) if u is None else e2m1_stochastic(ay, u)
-    sign = lax.bitcast_convert_type(xf, jnp.uint32) & jnp.where(s == 0, u32(0), u32(SIGN))[..., None, None]
+    sign = lax.bitcast_convert_type(xf, jnp.uint32) & per_element(jnp.where(s == 0, u32(0), u32(SIGN)))
     values = from_bits(lax.bitcast_convert_type(v, jnp.uint32) | sign)
     nib = ((sign >> 28).astype(jnp.int32) | e2m1_index(v)).astype(jnp.uint8)
-    nib = jnp.where(jnp.isnan(s)[..., None, None], jnp.uint8(0), nib)
+    nib = jnp.where(per_element(jnp.isnan(s)), jnp.uint8(0), nib)
     return BlockResult(nib, values, s, map4)
 
 
@@ -318,18 +325,18 @@ def quantize_blocks(
 
 
 def to_blocks(x: jax.Array, rows: int) -> jax.Array:
-    """[..., M, K] -> [..., K/16, 1, 16] (rows = 1) or [..., M/16, K/16, 16, 16] (rows = 16, row-major tiles)."""
+    """[..., K] -> [..., 1, K/16, 16] (rows = 1) or [..., M, K] -> [..., M/16, 16, K/16, 16] (rows = 16): a
+    reshape (no transpose); a block is axes (-3, -1) and the per-block arrays are [..., K/16] or [..., M/16, K/16],
+    the scales' shape."""
     k = x.shape[-1]
     if rows == 1:
-        return x.reshape(*x.shape[:-1], k // BLOCK, 1, BLOCK)
+        return x.reshape(*x.shape[:-1], 1, k // BLOCK, BLOCK)
     m = x.shape[-2]
-    return x.reshape(*x.shape[:-2], m // BLOCK, BLOCK, k // BLOCK, BLOCK).swapaxes(-3, -2)
+    return x.reshape(*x.shape[:-2], m // BLOCK, BLOCK, k // BLOCK, BLOCK)
 
 
 def from_blocks(xb: jax.Array, shape: tuple[int, ...], rows: int) -> jax.Array:
-    if rows == 1:
-        return xb.reshape(shape)
-    return xb.swapaxes(-3, -2).reshape(shape)
+    return xb.reshape(shape)
 
 
 def _check_x(x: Any, cfg: NVFP4Config) -> jax.Array:
@@ -376,5 +383,5 @@ def unpack_nibbles(codes: jax.Array) -> jax.Array:
 def dequantize_blocks(codes, scales, global_scale, *, rows: int, shape: tuple[int, ...], dtype: Any) -> jax.Array:
     """``(q * s) * global_scale`` from packed codes and E4M3 scales, in `dtype` (one rounding: q * s is exact)."""
     vb = to_blocks(E2M1.decode(unpack_nibbles(codes)), rows)
-    out = (vb * scales.astype(jnp.float32).reshape(*vb.shape[:-2], 1, 1)) * global_scale
+    out = (vb * per_element(scales.astype(jnp.float32).reshape(*vb.shape[:-3], vb.shape[-2]))) * global_scale
     return from_blocks(out, shape, rows).astype(dtype)
