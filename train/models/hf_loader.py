@@ -6,6 +6,7 @@ libraries. Tensors keep Hugging Face's names and ``[out, in]`` layout (rotate-ha
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -148,7 +149,9 @@ def _weight_files(directory: Path) -> dict[str, Path]:
         raise CheckpointError(f"{directory}: no *.safetensors weights (and no model.safetensors.index.json)")
     files: dict[str, Path] = {}
     for f in shards:
-        for name in _open(f).keys():
+        with _open(f) as handle:
+            names = list(handle.keys())
+        for name in names:
             if name in files:
                 raise CheckpointError(f"{f}: tensor {name} is also in {files[name]}")
             files[name] = f
@@ -188,11 +191,12 @@ def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str =
                                   f"{', '.join(sorted({p.name for p in files.values()}))})")
         where = f"{f}: tensor {spec.hf}"
         if f not in handles:
-            handles[f] = _open(f)
+            handles[f] = stack.enter_context(_open(f))
         try:
             array = handles[f].get_tensor(spec.hf)
         except (SafetensorError, OSError, KeyError) as e:
             raise CheckpointError(f"{where} cannot be read (truncated file or wrong index?): {e}") from e
         return np.asarray(array, np.float32), where
 
-    return build_model(config, fetch, directory / "config.json"), tokenizer
+    with contextlib.ExitStack() as stack:  # closes the shard files
+        return build_model(config, fetch, directory / "config.json"), tokenizer
