@@ -138,13 +138,22 @@ def _max_keep_nan(p: jax.Array, q: jax.Array) -> jax.Array:
 
 
 def block_amax(xb: jax.Array, axes: tuple[int, ...] = (-3, -1)) -> jax.Array:
-    """float32 ``max |x|`` over `axes` (default: the block axes of [..., R, nb, 16]), NaN wherever a NaN is reduced.
+    """float32 ``max |x|`` per block, NaN wherever a NaN is reduced: over the last axis (``axes=(-1,)``) or over the
+    block axes (-3, -1) of the [..., R, nb, 16] layout (the default).
 
-    One pass over `x` in its own dtype. The reducer is written out (``where(p != p, p, max(p, q))``) because
-    XLA:CPU's library max reduction drops NaN, and it keeps the reduction in XLA's own loop emitter (faster here).
+    One pass over `x` in its own dtype: a reduction over the contiguous last axis with the reducer written out
+    (``where(p != p, p, max(p, q))``: XLA:CPU's library max reduction drops NaN), then, for 16x16 tiles, the 16 row
+    maxima folded element-wise (a reduction over axes (-3, -1) at once is ten times slower on XLA:CPU).
     """
-    axes = tuple(sorted(a % xb.ndim for a in axes))
-    return lax.reduce(jnp.abs(xb.astype(jnp.float32)), np.float32(0), _max_keep_nan, axes)
+    if axes not in ((-1,), (-3, -1)):
+        raise ValueError(f"axes must be (-1,) or (-3, -1); got {axes!r}")
+    m = lax.reduce(jnp.abs(xb.astype(jnp.float32)), np.float32(0), _max_keep_nan, (xb.ndim - 1,))
+    if axes == (-1,):
+        return m
+    out = m[..., 0, :]
+    for r in range(1, m.shape[-2]):
+        out = _max_keep_nan(out, m[..., r, :])
+    return out
 
 
 def tensor_amax(blk: jax.Array) -> jax.Array:
