@@ -51,5 +51,11 @@ fi
 # English prose for the real-model evaluation: Alice's Adventures in Wonderland (public domain), the Canterbury-corpus
 # file alice29.txt inside the source archive of brotli 1.2.1 (MIT); downloaded, not built (train/text_eval.py).
 "$VENV/bin/python" -m pip download -q --no-deps --no-binary :all: "brotli==1.2.1" -d "$VENV/share/prose"
+# Deviceless compilation of the GPU kernels (scripts/compile_kernels.py, run by the tests): the CUDA plugin matching
+# jaxlib and ptxas, in a directory only that script puts on its path (in the venv itself the plugin would print a
+# "cuDNN not found" traceback at every jax start on a machine without a GPU).
+JAXLIB_VERSION=$("$VENV/bin/python" -c 'import jaxlib; print(jaxlib.__version__)')
+"$VENV/bin/python" -m pip install -q --no-deps --upgrade --target "$VENV/gpu-compile" \
+  "jax-cuda12-plugin==$JAXLIB_VERSION" "jax-cuda12-pjrt==$JAXLIB_VERSION" "nvidia-cuda-nvcc-cu12>=12.8"
 touch "$STAMP"
 echo "bootstrap: $VENV ready ($("$VENV/bin/python" -c 'import jax; print("jax", jax.__version__)'))"

@@ -19,8 +19,9 @@ naming the kernel, configuration and target. The table goes to the ``## {SECTION
     .venv/bin/python scripts/compile_kernels.py                # all targets, 2 processes, writes RESULTS.md
     .venv/bin/python scripts/compile_kernels.py --no-write --targets "sm_80 (A100)"
 
-Needs the ``gpu-compile`` extra: ``pip install -e ".[gpu-compile]"`` (jax-cuda12-plugin and jax-cuda12-pjrt at
-jaxlib's version, nvidia-cuda-nvcc-cu12 for ptxas). Works with jax 0.12.
+Needs jax-cuda12-plugin and jax-cuda12-pjrt at jaxlib's version and nvidia-cuda-nvcc-cu12 (ptxas): ``make setup``
+puts them into ``.venv/gpu-compile``, a directory only this script adds to its path (``JAXLOWFP_GPU_COMPILE_DIR``
+overrides it); ``pip install -e ".[gpu-compile]"`` into the environment works too. Works with jax 0.12.
 """
 from __future__ import annotations
 
@@ -44,7 +45,15 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "Deviceless GPU compilation (registers, spills, shared memory)"
-INSTALL_HINT = 'pip install -e ".[gpu-compile]"  (or: make setup, which installs the test extras)'
+# The CUDA plugin and ptxas live in a directory of their own (scripts/bootstrap.sh installs them there with
+# `pip install --target`), seen only by this script and its subprocesses: installed into the environment itself,
+# the plugin would print a "cuDNN not found" traceback at every jax start on a machine without a GPU.
+GPU_COMPILE_DIR = Path(os.environ.get("JAXLOWFP_GPU_COMPILE_DIR", Path(sys.prefix) / "gpu-compile"))
+if GPU_COMPILE_DIR.is_dir() and str(GPU_COMPILE_DIR) not in sys.path:
+    sys.path.append(str(GPU_COMPILE_DIR))
+INSTALL_HINT = (f"make setup (scripts/bootstrap.sh installs jax-cuda12-plugin and jax-cuda12-pjrt matching jaxlib, "
+                f"and nvidia-cuda-nvcc-cu12, into {GPU_COMPILE_DIR} with pip install --no-deps --target), or "
+                f'pip install -e ".[gpu-compile]" into the environment')
 
 # target label -> device_description_str of XLA's embedded GpuTargetConfigProto
 TARGETS: dict[str, str] = {
