@@ -134,7 +134,8 @@ def global_scales(amax: jax.Array, rule: str, rounding: str = "nearest") -> tupl
 
 
 def _max_keep_nan(p: jax.Array, q: jax.Array) -> jax.Array:
-    return jnp.where(p != p, p, jnp.maximum(p, q))
+    """max(p, q), NaN if either is (explicitly: a backend's fast max may drop a NaN operand)."""
+    return jnp.where(p != p, p, jnp.where(q != q, q, jnp.maximum(p, q)))
 
 
 def block_amax(xb: jax.Array, axes: tuple[int, ...] = (-3, -1)) -> jax.Array:
@@ -142,7 +143,7 @@ def block_amax(xb: jax.Array, axes: tuple[int, ...] = (-3, -1)) -> jax.Array:
     block axes (-3, -1) of the [..., R, nb, 16] layout (the default).
 
     One pass over `x` in its own dtype: a reduction over the contiguous last axis with the reducer written out
-    (``where(p != p, p, max(p, q))``: XLA:CPU's library max reduction drops NaN), then, for 16x16 tiles, the 16 row
+    (NaN kept explicitly: XLA:CPU's library max reduction drops NaN), then, for 16x16 tiles, the 16 row
     maxima folded element-wise (a reduction over axes (-3, -1) at once is ten times slower on XLA:CPU).
     """
     if axes not in ((-1,), (-3, -1)):
