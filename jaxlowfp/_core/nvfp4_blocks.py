@@ -233,7 +233,7 @@ def _pairwise(r: jax.Array, op) -> jax.Array:
 
 
 def _block_errors(xb, s, s_dec, amax, blk, rule: str, enc: float, u) -> jax.Array:
-    """The 4/6 error of the candidate with block scales `s` [...], in the original domain::
+    """The 4/6 error of the candidate with block scales `s` [..., nb], in the original domain::
 
         x̂ = ((q * s) * amax) / enc,  d = x̂ - x;   mse: Σ d*d,  mae: Σ |d|   (columns 0..15 in order, then rows
         pairwise),  abs_max: max |d|
@@ -283,10 +283,10 @@ def quantize_blocks(
     u: jax.Array | None = None,
     blk_amax: jax.Array | None = None,
 ) -> BlockResult:
-    """Quantize blocks `xb` [..., R, nb, 16] (any float dtype; R = 1: 1x16 blocks, R = 16: 16x16 tiles; the
-    layout of :func:`to_blocks`) given the
-    tensor amax and the global scales from :func:`global_scales` (same `rule` and `rounding`). Exact operation
-    order (each op one float32 rounding; constants from :func:`scale_constants`)::
+    """Quantize blocks `xb` [..., R, nb, 16] (the layout of :func:`to_blocks`; any float dtype; R = 1: 1x16
+    blocks, R = 16: 16x16 tiles) given the tensor amax and the global scales from :func:`global_scales` (same
+    `rule` and `rounding`). Exact operation order (each op one float32 rounding; constants from
+    :func:`scale_constants`)::
 
         blk_amax = max |xb| over the block                         (NaN if any element is NaN; or `blk_amax`)
         base     = (blk_amax / blk_div) * s_enc                   (exact division: blk_div = M, or f32(M*16/17))
