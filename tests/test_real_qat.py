@@ -131,12 +131,40 @@ def test_microbatches_give_the_parameters_and_amax_histories_of_one_big_batch():
         assert amaxes.max() < amaxes.sum() and (j > 0 or amaxes.max() != amaxes[-1] or len(set(amaxes)) == 1)
 
 
+def test_remat_changes_nothing_but_memory():
+    """``--remat`` (the loss rematerialised, saving only matmul outputs): the same losses, parameters and amax
+    histories as without, bit for bit, through the warmup and the quantized steps."""
+    import optax
+
+    from jaxlowfp.qat import Warmup
+    from train.arms import loss_function
+
+    cfg = ModelConfig(vocab=272, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64,
+                      tie_embeddings=True, dtype="float32")
+    batches = [jnp.asarray(_ids(8 * 17, 272, seed=s).reshape(8, 17)) for s in range(3)]
+    tx = optax.sgd(0.1)
+    runs = []
+    for remat in (False, True):
+        graphdef, state = init_state(_qat_model(cfg), tx)
+        step = jit_train_step(graphdef, tx, loss_fn=loss_function(remat), schedule=make_schedule(0.1),
+                              warmup=Warmup(steps=1), donate=False)
+        losses = []
+        for batch in batches:
+            state, m = step(state, batch)
+            losses.append(float(m["loss"]))
+        runs.append((state, losses))
+    assert runs[0][1] == runs[1][1]
+    for a, b in zip(jax.tree.leaves((runs[0][0].params, runs[0][0].qstate)),
+                    jax.tree.leaves((runs[1][0].params, runs[1][0].qstate))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def _arm(name: str, warmup: int) -> object:
     cfg = TrainConfig(model="x", warmup_steps=warmup)
     return next(a for a in arm_specs(cfg) if a.name == name)
 
 
-def _run(tiny_dir, tmp_path, arm, steps, *, resume=False, out="run"):
+def _run(tiny_dir, tmp_path, arm, steps, *, resume=False, out="run", mesh=None):
     model, tok = load(tiny_dir)
     cfg = TrainConfig(model=str(tiny_dir), steps=steps, batch_size=4, seq_len=16, keep_first=1, keep_last=1,
                       checkpoint_every=2, resume=resume, progress=False, warmup_steps=arm.warmup_steps)
@@ -144,7 +172,7 @@ def _run(tiny_dir, tmp_path, arm, steps, *, resume=False, out="run"):
     ids = _ids(20_000, 264)
     stream = TokenStream(ids, batch_size=4, seq_len=16, seed=1)
     res = train_arm(model, arm, stream, cfg, steps=steps, lr=1e-3, schedule="constant", out_dir=tmp_path / out,
-                    mesh=None, stats=None)
+                    mesh=mesh, stats=None)
     return model, res
 
 
@@ -174,6 +202,19 @@ def test_resume_is_bit_exact_on_the_real_model(tiny_dir, tmp_path):
     for part in (nnx.Param, nnx.Variable):
         for a, b in zip(jax.tree.leaves(nnx.state(straight, part)), jax.tree.leaves(nnx.state(resumed, part))):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_real_model_trains_on_a_data_x_fsdp_mesh(tiny_dir, tmp_path):
+    """The same arm on a data=2 x fsdp=2 mesh (parameters sharded) and data parallel over 4 devices: the same
+    losses up to float32 reduction order."""
+    from train.mesh import make_mesh
+
+    arm = _arm("paper", 1)
+    _, flat = _run(tiny_dir, tmp_path, arm, 3, out="flat")
+    model, sharded = _run(tiny_dir, tmp_path, arm, 3, out="fsdp", mesh=make_mesh("data=2,fsdp=2"))
+    np.testing.assert_allclose([r["loss"] for r in sharded.rows], [r["loss"] for r in flat.rows], rtol=1e-5)
+    specs = {tuple(x.sharding.spec) for x in jax.tree.leaves(sharded.state.params)}
+    assert ("fsdp", None) in specs or (None, "fsdp") in specs
 
 
 def _main(argv, capsys) -> str:
@@ -227,3 +268,9 @@ def test_python_m_train_model_runs_end_to_end(tiny_dir, tmp_path):
     assert rows[2]["loss_ape"] > 0 and rows[2]["max_saturated_fraction"] is not None
     paper = [json.loads(line) for line in (out / "paper" / "metrics.jsonl").read_text().splitlines()]
     assert [r["observe_only"] for r in paper] == [True, False] and "amax_estimate" in paper[1]
+    # --resume reuses the finished arms (a grid cut by a time limit goes on where it stopped)
+    again = subprocess.run(argv + ["--resume"], cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                           capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert again.stderr.count("finished earlier: reused") == 3
+    assert json.loads((out / "results.json").read_text())["rows"][1:] == rows[1:]

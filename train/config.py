@@ -131,7 +131,8 @@ class TrainConfig:
             raise ValueError(f"grid='paper' is the Max-Window paper's HiF8 W8A8 grid; got format={self.format!r}")
         self._resolve_defaults()
         if not isinstance(self.arms, tuple) or not self.arms:
-            raise ValueError(f"arms must be a non-empty tuple drawn from {grid_arm_names(self.grid)}; got {self.arms!r}")
+            raise ValueError(f"arms must be a non-empty tuple drawn from {grid_arm_names(self.grid)}; "
+                             f"got {self.arms!r}")
         names = grid_arm_names(self.grid)
         bad = [a for a in self.arms if a not in names]
         if bad:

@@ -245,7 +245,8 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
         if cfg.grid is not None:
             notes += grid_notes(rows, arms, specs, keys=REAL_KEYS)
         path = write_report(run_dir, arms, rows=rows, baseline="hp" if "hp" in cfg.arms else None,
-                            config=cfg.to_json(), total_wall_s=total, amax_layer=f"blocks/{cfg.keep_first}/mlp/down_proj",
+                            config=cfg.to_json(), total_wall_s=total,
+                            amax_layer=f"blocks/{cfg.keep_first}/mlp/down_proj",
                             columns=REAL_COLUMNS, notes=notes, loss_ylabel="training loss (nats/token)",
                             loss_title=f"continued pretraining of {cfg.model} on Python",
                             title=f"HiF8 W8A8 QAT of {cfg.model}: continued pretraining on Python")

@@ -470,6 +470,7 @@ def grid_notes(rows: Sequence[Mapping[str, Any]], arms: Sequence[Mapping[str, An
     if len(apes) >= 2:
         table += ["", f"Across the quantized arms the training-loss APE spans {min(apes):.3f}-{max(apes):.3f} % "
                   f"while the {forget_name} rise (forgetting) spans {min(rises):+.4f} to {max(rises):+.4f}. The "
-                  "APE compares an arm with the baseline at the same learning rate, which forgets as much, so the "
-                  "loss curve cannot show forgetting; clipping shows only in the saturation columns."]
+                  "APE compares an arm with the baseline at the same learning rate, which forgets about as much (the "
+                  f"{forget_name} Δ column), so the loss curve cannot show forgetting; clipping shows only in the "
+                  "saturation columns."]
     return ["\n".join(roles), "\n".join(table)]

@@ -353,7 +353,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help=f"comma separated, from {', '.join(ALGORITHMS)} (default: all)")
     p.add_argument("--history-len", type=_positive, default=64, help="window of max_window (default: %(default)s)")
     p.add_argument("--texts", default=",".join(TEXT_ORDER), help="comma separated (default: %(default)s)")
-    p.add_argument("--batches", type=_positive, default=6, help="batches per text (default: %(default)s)")
+    p.add_argument("--batches", type=_positive, default=4, help="batches per text (default: %(default)s)")
     p.add_argument("--batch-size", type=_positive, default=4, help="(default: %(default)s)")
     p.add_argument("--seq-len", type=_positive, default=128, help="tokens per sequence (default: %(default)s)")
     p.add_argument("--order", choices=("interleave", "sequential"), default="interleave",
