@@ -1,6 +1,6 @@
 """``python -m train ptq``: the Four Over Six paper's PTQ experiment on a real checkpoint (`jaxlowfp.ptq`).
 
-    python -m train ptq --model smollm2-135m          # defaults: about 15-20 min on 2 CPU cores
+    python -m train ptq --model smollm2-135m          # defaults: about 21 CPU-minutes (see below)
     python -m train ptq --model smollm2-135m --full   # the full sizes (hours on a CPU)
 
 Every method (RTN, GPTQ, SmoothQuant, AWQ) x every format (NVFP4 static_6 / static_4 / 4/6 abs_max / mae / mse,
@@ -10,7 +10,9 @@ attention and MLP projection of the model, from one calibration pass over the tr
 held-out texts of `train.text_eval` (word perplexity) and the multiple-choice task; the report
 ``<out>/report.md`` (default ``runs/ptq-<model>/``) has the table, ``perplexity.png`` (word perplexity by format,
 one line per method) and, per method, whether Four Over Six beat static_6 and by how much of the gap to high
-precision. ``--export`` also writes the GPTQ + nvfp4-mse model as a compressed-tensors NVFP4 checkpoint and checks
+precision. The defaults measured about 21 CPU-minutes for the whole grid (29 rows; 4/6 activation quantization is
+the largest share of the evaluation), i.e. roughly 11-20 minutes of wall time on 2 idle cores; ``--formats`` and
+``--methods`` run a part of the grid. ``--export`` also writes the GPTQ + nvfp4-mse model as a compressed-tensors NVFP4 checkpoint and checks
 that it reloads to bit-identical logits.
 """
 from __future__ import annotations
