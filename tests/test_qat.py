@@ -660,3 +660,29 @@ def test_warmup_flags_and_lr_schedule():
     assert not bool(qat.Warmup(steps=0).observe_only(0))
     with pytest.raises(TypeError, match="schedules"):
         w.lr_schedule("fast", 1e-5)
+
+
+def test_forward_mode_derivative_is_the_straight_through_estimator():
+    """``jax.jvp`` through fake_quant (identity or masked STE, every format) equals the gradient's rule."""
+    x = jnp.asarray([0.5, -3.0, 7.0, 40.0], jnp.float32)
+    t = jnp.asarray([1.0, 2.0, 3.0, 4.0], jnp.float32)
+    for spec in (QuantSpec(format="hif8", scaling=DelayedScaling(target_max=15.0), ste="masked"),
+                 QuantSpec(format="nvfp4", rule="mse", block_shape=(1, 16))):
+        state = spec.scaling.update(spec.init(), jnp.float32(8.0))  # estimate 8: 40 is clipped (hif8)
+        xs = jnp.tile(x, 4)
+        ts = jnp.tile(t, 4)
+        _, tangent = jax.jvp(lambda v, spec=spec, state=state: qat.fake_quant(v, state, spec)[0], (xs,), (ts,))
+        grad = jax.grad(lambda v, spec=spec, state=state: jnp.sum(qat.fake_quant(v, state, spec)[0] * ts))(xs)
+        np.testing.assert_array_equal(np.asarray(tangent), np.asarray(grad))
+        if spec.ste == "masked":
+            assert np.asarray(tangent)[3] == 0.0 and np.asarray(tangent)[0] == 1.0
+
+
+def test_stochastic_unbiased_rounding_in_a_recipe_needs_a_key_and_nvfp4():
+    spec = QuantSpec(format="nvfp4", rule="mae", rounding="stochastic_unbiased")
+    with pytest.raises(ValueError, match="stochastic_unbiased.*PRNG key"):
+        qat.fake_quant(jnp.ones((2, 16)), spec.init(), spec)
+    y, _, _ = qat.fake_quant(jnp.ones((2, 16)), spec.init(), spec, key=jax.random.key(0))
+    assert y.shape == (2, 16)
+    with pytest.raises(ValueError, match="format='nvfp4' only"):
+        QuantSpec(format="hif8", rounding="stochastic_unbiased")

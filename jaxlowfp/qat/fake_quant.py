@@ -66,14 +66,14 @@ def nvfp4_fake_quant(x: jax.Array, spec: QuantSpec, global_amax: jax.Array | Non
     """NVFP4 fake-quant of `x` with blocks along `axis` (moved last for :func:`jaxlowfp.nvfp4.fake_quantize`)."""
     xt = jnp.moveaxis(x, axis, -1)
     yt = nvfp4.fake_quantize(xt, rule=spec.rule, block_shape=spec.block_shape, global_amax=global_amax,
-                             rounding=spec.rounding, key=key if spec.rounding == "stochastic" else None,
+                             rounding=spec.rounding, key=key if spec.rounding != "nearest" else None,
                              impl=spec.impl, backend=spec.backend)
     return jnp.moveaxis(yt.astype(x.dtype), -1, axis)
 
 
 def need_key(spec: QuantSpec, key: Any, what: str) -> None:
-    if spec.rounding == "stochastic" and key is None:
-        raise ValueError(f"{what} uses rounding='stochastic' and needs a PRNG key; pass key=jax.random.key(...)")
+    if spec.rounding != "nearest" and key is None:
+        raise ValueError(f"{what} uses rounding={spec.rounding!r} and needs a PRNG key; pass key=jax.random.key(...)")
 
 
 class _Quantized(NamedTuple):
@@ -107,7 +107,7 @@ def round_with(xs: jax.Array, spec: QuantSpec, est: jax.Array, key: Any, axis: i
         delayed = isinstance(spec.scaling, DelayedScaling)
         yq = nvfp4_fake_quant(xs, spec, est if delayed else None, key, axis)
         sat = (jnp.abs(xs) > est) if delayed else None
-        scale, counts = global_scales(est, spec.rule)[1], None  # S_dec = 1 / S_enc
+        scale, counts = global_scales(est, spec.rule, spec.rounding)[1], None  # S_dec = 1 / S_enc
     else:
         sc, conv, c = spec.scaling, convention(spec), spec.clip_bound
         scale = sc.scale(est)
@@ -174,21 +174,18 @@ def keep_mask(sat: jax.Array | None, observe: bool | jax.Array, shape: tuple) ->
     return keep if observe is False else jnp.logical_or(observe, keep)
 
 
-@jax.custom_vjp
+@jax.custom_jvp
 def straight_through(x: jax.Array, y: jax.Array, keep: jax.Array | None) -> jax.Array:
-    """Value `y`, gradient w.r.t. `x`: identity (keep None) or masked by `keep`."""
+    """Value `y`, derivative w.r.t. `x`: identity (keep None) or masked by `keep`. A linear JVP, so ``jax.jvp``
+    works and ``jax.grad`` uses its transpose (the same gradient)."""
     return y
 
 
-def _st_fwd(x, y, keep):
-    return y, keep
-
-
-def _st_bwd(keep, g):
-    return (g if keep is None else jnp.where(keep, g, jnp.zeros((), g.dtype))), None, None
-
-
-straight_through.defvjp(_st_fwd, _st_bwd)
+@straight_through.defjvp
+def _st_jvp(primals, tangents):
+    _, y, keep = primals
+    dx = tangents[0]
+    return y, (dx if keep is None else jnp.where(keep, dx, jnp.zeros((), dx.dtype)))
 
 
 def fake_quant(
@@ -207,7 +204,7 @@ def fake_quant(
       spec: the :class:`QuantSpec`.
       observe_only: Python bool or boolean scalar (traced is fine): return `x` unchanged (bitwise) but still
         record the amax and compute the statistics.
-      key: PRNG key, needed for ``rounding="stochastic"``.
+      key: PRNG key, needed for ``rounding="stochastic"`` and ``"stochastic_unbiased"``.
 
     Returns:
       ``(y, new_state, stats)``: `y` in `x`'s dtype; `new_state` has this step's amax recorded; `stats` a

@@ -17,7 +17,7 @@ from jaxlowfp.scaling import AmaxHistory, CurrentScaling, DelayedScaling, Pendin
 FORMATS = ("hif8", "e4m3", "e5m2", "nvfp4")
 CLIPS = ("target", "format")
 STES = ("identity", "masked")
-ROUNDINGS = ("nearest", "stochastic")
+ROUNDINGS = ("nearest", "stochastic", "stochastic_unbiased")
 NVFP4_RULES = RULES
 NVFP4_BLOCKS = BLOCK_SHAPES
 NVFP4_ELEMENT_MAX = 6.0  # E2M1
@@ -58,7 +58,8 @@ class QuantSpec:
       ste: "identity" (gradient passes unchanged) or "masked" (zero gradient where the value was clipped).
       rule, block_shape: NVFP4 only: the block-scale rule ("mse" = Four Over Six with MSE selection, ...) and the
         block, (1, 16) or (16, 16) (2D, weights). Default "mse" and (1, 16); must stay None for 8-bit formats.
-      rounding: "nearest" or "stochastic" (NVFP4 only; needs a PRNG key).
+      rounding: "nearest", "stochastic" or "stochastic_unbiased" (NVFP4 only; both need a PRNG key; see
+        :mod:`jaxlowfp.nvfp4` for what the unbiased variant does).
       hadamard: gradient spec only: apply the 16-point randomized Hadamard transform to both operands of the
         weight-gradient GEMM before quantizing them (NVFP4 training recipe).
       impl: "auto" (Pallas kernel on a GPU that supports it, XLA elsewhere), "xla" (the jnp code) or "pallas"
@@ -74,7 +75,7 @@ class QuantSpec:
     ste: Literal["identity", "masked"] = "identity"
     rule: str | None = None
     block_shape: tuple[int, int] | None = None
-    rounding: Literal["nearest", "stochastic"] = "nearest"
+    rounding: Literal["nearest", "stochastic", "stochastic_unbiased"] = "nearest"
     hadamard: bool = False
     impl: Literal["auto", "xla", "pallas"] = "auto"
     backend: Literal["triton", "mosaic"] = "triton"
@@ -83,7 +84,7 @@ class QuantSpec:
         one_of(self.format, FORMATS, "format")
         one_of(self.impl, dispatch.IMPLS, "impl")
         one_of(self.backend, dispatch.BACKENDS, "backend")
-        if self.impl == "pallas" and (self.format not in KERNELS or self.rounding == "stochastic"):
+        if self.impl == "pallas" and (self.format not in KERNELS or self.rounding != "nearest"):
             raise ValueError(
                 f"impl='pallas' has kernels for format 'hif8' and for 'nvfp4' with rounding='nearest'; got "
                 f"format={self.format!r}, rounding={self.rounding!r} (use impl='xla' or 'auto')"
@@ -117,8 +118,8 @@ class QuantSpec:
                 if getattr(self, field) is not None:
                     raise ValueError(f"{field}={getattr(self, field)!r} applies to format='nvfp4' only; got "
                                      f"format={self.format!r}")
-            if self.rounding == "stochastic":
-                raise ValueError(f"rounding='stochastic' is implemented for format='nvfp4' only; got "
+            if self.rounding != "nearest":
+                raise ValueError(f"rounding={self.rounding!r} is implemented for format='nvfp4' only; got "
                                  f"format={self.format!r} (use rounding='nearest')")
             if self.scaling.target_max > fmt_max:
                 raise ValueError(
@@ -261,7 +262,7 @@ class Recipe:
     @property
     def needs_key(self) -> bool:
         """Whether some operand uses stochastic rounding (the op then needs a PRNG key per call)."""
-        return any(s is not None and s.rounding == "stochastic" for s in (self.weight, self.activation, self.grad))
+        return any(s is not None and s.rounding != "nearest" for s in (self.weight, self.activation, self.grad))
 
     def init(self) -> RecipeState:
         """Fresh state: one amax history per quantized forward operand (and the output gradient's, if delayed)."""
