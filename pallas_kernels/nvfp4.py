@@ -47,10 +47,10 @@ __all__ = ["quantize", "fake_quantize", "KERNEL_QUANTIZE", "KERNEL_FAKE_QUANTIZE
 
 KERNEL_QUANTIZE = "nvfp4.quantize"
 KERNEL_FAKE_QUANTIZE = "nvfp4.fake_quantize"
-# (bm, bn) on a GPU and warps per program: the largest tile with no register spill on sm_80, sm_90a and sm_100a
-# for every rule (scripts/compile_kernels.py; (16, 128) still spilled 4/6 configurations); bench/gpu_kernels.py
-# sweeps it on a device
-DEFAULT_TILE = (16, 64)
+# (bm, bn) on a GPU and warps per program: a tile with no register spill on sm_80, sm_90a and sm_100a for every
+# rule, block and dtype (scripts/compile_kernels.py; (16, 64) and (32, 64) left ptxas spilling 8-16 bytes in some
+# 4/6 quantize configurations). Its speed is unmeasured until bench/gpu_kernels.py sweeps it on a device.
+DEFAULT_TILE = (16, 32)
 DEFAULT_WARPS = 8
 _NAN_CODE = 0x7F  # E4M3 NaN (scale of a block holding NaN or Inf)
 _ERR, _FAKE = 0, 1024  # offsets in the product table (see _tables)
