@@ -2,7 +2,8 @@
 
 Element formats and block-scaled formats as pure functions (`hif8`, `formats`, `nvfp4`, `mx`, `hadamard`), delayed
 scaling as a functional state (`scaling`), straight-through QAT ops and recipes (`qat`), Flax integration (`nnx`,
-`linen`), the functional train step (`training`) and the kernel dispatch (`dispatch`, kernels in `pallas_kernels`).
+`linen`), the functional train step (`training`), post-training quantization and NVFP4 export (`ptq`) and the
+kernel dispatch (`dispatch`, kernels in `pallas_kernels`).
 Submodules load on first use, so ``import jaxlowfp`` is cheap and importing the leaf layer (``jaxlowfp._core``,
 which the kernels use) does not pull in optax or Flax.
 
@@ -17,7 +18,8 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_MODULES = ("dispatch", "formats", "hadamard", "hif8", "mx", "nvfp4", "qat", "scaling", "nnx", "linen", "training")
+_MODULES = ("dispatch", "formats", "hadamard", "hif8", "mx", "nvfp4", "qat", "scaling", "nnx", "linen", "training",
+            "ptq")
 
 # flat names -> the submodule that defines them
 _NAMES = {

@@ -1,18 +1,18 @@
 """``python -m train ptq``: the Four Over Six paper's PTQ experiment on a real checkpoint (`jaxlowfp.ptq`).
 
-    python -m train ptq --model smollm2-135m          # defaults: about 21 CPU-minutes (see below)
-    python -m train ptq --model smollm2-135m --full   # the full sizes (hours on a CPU)
+    python -m train ptq --model smollm2-135m                  # defaults: static_6 vs 4/6 mse vs HiF8 (see below)
+    python -m train ptq --model smollm2-135m --formats all    # every format (about 30 minutes on 2 CPU cores)
+    python -m train ptq --model smollm2-135m --full           # the full sizes (hours on a CPU)
 
-Every method (RTN, GPTQ, SmoothQuant, AWQ) x every format (NVFP4 static_6 / static_4 / 4/6 abs_max / mae / mse,
-MXFP4, HiF8; W4A4 resp. W8A8, activations fake-quantized with the current per-tensor amax) is applied to every
+Every method (RTN, GPTQ, SmoothQuant, AWQ) x every format of ``--formats`` (NVFP4 static_6 / static_4 / 4/6 abs_max
+/ mae / mse, MXFP4, HiF8; W4A4 resp. W8A8, activations fake-quantized with the current per-tensor amax; default
+static_6, the paper's PTQ rule mse, and HiF8, so the grid fits in about 15 minutes) is applied to every
 attention and MLP projection of the model, from one calibration pass over the training parts of the three texts
 (the Hessians, activation maxima and samples do not depend on the format). Each quantized model is scored on the
 held-out texts of `train.text_eval` (word perplexity) and the multiple-choice task; the report
 ``<out>/report.md`` (default ``runs/ptq-<model>/``) has the table, ``perplexity.png`` (word perplexity by format,
 one line per method) and, per method, whether Four Over Six beat static_6 and by how much of the gap to high
-precision. The defaults measured about 21 CPU-minutes for the whole grid (29 rows; 4/6 activation quantization is
-the largest share of the evaluation), i.e. roughly 11-20 minutes of wall time on 2 idle cores; ``--formats`` and
-``--methods`` run a part of the grid. ``--export`` also writes the GPTQ + nvfp4-mse model as a compressed-tensors NVFP4 checkpoint and checks
+precision. ``--formats`` (``all`` for every format) and ``--methods`` choose the part of the grid. ``--export`` also writes the GPTQ + nvfp4-mse model as a compressed-tensors NVFP4 checkpoint and checks
 that it reloads to bit-identical logits.
 """
 from __future__ import annotations
@@ -31,6 +31,7 @@ __all__ = ["main", "parse_args"]
 METHODS = ("rtn", "gptq", "smoothquant", "awq")
 FORMATS = ("nvfp4-static_6", "nvfp4-static_4", "nvfp4-abs_max", "nvfp4-mae", "nvfp4-mse", "mxfp4", "hif8")
 FOUR_OVER_SIX = ("nvfp4-abs_max", "nvfp4-mae", "nvfp4-mse")
+DEFAULT_FORMATS = ("nvfp4-static_6", "nvfp4-mse", "hif8")  # the paper's PTQ comparison, within ~15 minutes
 LAYERS = r".*(attn|mlp)/\w+_proj"
 # default sizes: the whole grid in about 15-20 minutes on 2 CPU cores; --full: the paper-like sizes
 SMALL = {"calib_seqs": 8, "calib_len": 256, "max_tokens": 512, "max_length": 512, "mc_items": 12}
@@ -50,7 +51,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m",
                    help="registry name, .gguf file or Hugging Face directory (default: %(default)s)")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated, from: " + ", ".join(METHODS))
-    p.add_argument("--formats", default=",".join(FORMATS), help="comma-separated, from: " + ", ".join(FORMATS))
+    p.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
+                   help="comma-separated, from: " + ", ".join(FORMATS) + "; or all (default: %(default)s)")
     p.add_argument("--weights-only", action="store_true", help="W4A16 / W8A16: activations in high precision")
     p.add_argument("--weight-block", default="1x16", choices=("1x16", "16x16"), help="NVFP4 weight blocks")
     p.add_argument("--layers", default=LAYERS, help="regex of the Linear paths to quantize (default: %(default)s)")
@@ -69,7 +71,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(list(argv))
     args.methods = _list(args.methods, METHODS, "methods", p)
-    args.formats = _list(args.formats, FORMATS, "formats", p)
+    args.formats = list(FORMATS) if args.formats.strip() == "all" else _list(args.formats, FORMATS, "formats", p)
     for k in SMALL:
         v = getattr(args, k)
         if v is None:
