@@ -69,7 +69,7 @@ def test_grid_flags_and_their_errors(capsys):
         assert needle in capsys.readouterr().err, argv
 
 
-def test_fouroversix_arms_train_every_projection_with_nvfp4_training():
+def test_fouroversix_arms_train_every_blocks_mlp_with_nvfp4_training():
     cfg = TrainConfig(preset="tiny", grid="fouroversix", arms=("hp", "static_6", "mae", "mse"))
     arms = arm_specs(cfg)
     assert [a.name for a in arms] == ["hp", "static_6", "mae", "mse"]
@@ -78,9 +78,10 @@ def test_fouroversix_arms_train_every_projection_with_nvfp4_training():
         assert recipe.name == f"nvfp4_training_{a.name}" and recipe.grad.rounding == "stochastic"
         assert recipe.grad.hadamard and recipe.weight.block_shape == (16, 16) and a.baseline == "hp"
         model = Llama(PRESETS["tiny"], rngs=nnx.Rngs(0))
-        quantize_arm(model, a, keep_first=1, keep_last=1)  # keep_* do not apply: every block's projections
+        quantize_arm(model, a, keep_first=1, keep_last=1)  # keep_* do not apply: every block's MLP
         layers = dict(iter_quant_linears(model))
-        assert len(layers) == 4 * 7 and {q.recipe.name for q in layers.values()} == {recipe.name}
+        assert sorted(layers) == [f"blocks/{i}/mlp/{p}" for i in range(4) for p in ("down_proj", "gate_proj", "up_proj")]
+        assert {q.recipe.name for q in layers.values()} == {recipe.name}
         assert all(q.rngs is not None for q in layers.values())  # stochastic rounding draws from the layer's stream
 
 
@@ -112,6 +113,12 @@ def test_final_gaps_and_the_share_of_static_6_gap_closed():
     assert out[1]["final_gap"] == pytest.approx(0.10) and out[2]["final_gap"] == pytest.approx(0.04)
     assert out[2]["gap_closed"] == pytest.approx(60.0) and "gap_closed" not in out[1]
     assert out[1]["val_gap"] == pytest.approx(0.3)
+    assert out[2]["vs_reference"] == pytest.approx(-0.06) and out[2]["vs_reference_se"] == pytest.approx(0, abs=1e-12)
+    noisy = [dict(arms[0]), dict(arms[1]), {"name": "mae", "metrics": _rows(base + 0.10 + 0.01 * (-1) ** np.arange(50))}]
+    paired = add_final_gaps(rows, noisy)[2]  # +-0.01 alternating over 5 steps: mean +0.002, sd 0.011
+    d = 0.01 * (-1) ** np.arange(45, 50)
+    assert paired["vs_reference"] == pytest.approx(d.mean())
+    assert paired["vs_reference_se"] == pytest.approx(d.std(ddof=1) / np.sqrt(5))
 
 
 def _run(argv, tmp_path):

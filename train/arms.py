@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxlowfp import qat
 from jaxlowfp.nnx import QuantizeReport, paper_rules, quantize
-from train.grid import BLOCK_PROJECTIONS, ArmSpec, make_recipe
+from train.grid import FOUROVERSIX_LAYERS, ArmSpec, make_recipe
 from train.loop import RunResult, make_optimizer, make_schedule, train
 from train.model import loss_fn
 
@@ -45,8 +45,8 @@ def quantize_arm(model: nnx.Module, arm: ArmSpec, *, keep_first: int, keep_last:
     """Quantize `model` in place for `arm` (nothing for a high-precision arm) and return the report.
 
     HiF8 / NVFP4 W4A4 arms: `jaxlowfp.nnx.paper_rules` (the MLP projections of blocks keep_first ..
-    n - keep_last - 1). NVFP4 training arms: every projection of every block (attention and MLP), the embedding and
-    head in high precision; stochastic rounding draws from ``nnx.Rngs(seed)``. Raises `RuleError` when the rules
+    n - keep_last - 1). NVFP4 training arms: the `train.grid.FOUROVERSIX_LAYERS` of every block; stochastic
+    rounding draws from ``nnx.Rngs(seed)``. Raises `RuleError` when the rules
     leave no block, match no layer, or a layer's shape does not fit the recipe's blocks.
     """
     if arm.format == "none":
@@ -55,7 +55,7 @@ def quantize_arm(model: nnx.Module, arm: ArmSpec, *, keep_first: int, keep_last:
     recipe = make_recipe(arm)
     try:
         if arm.training:
-            rules = paper_rules(n_blocks, keep_first=0, keep_last=0, recipe=recipe, mlp_names=BLOCK_PROJECTIONS)
+            rules = paper_rules(n_blocks, keep_first=0, keep_last=0, recipe=recipe, mlp_names=FOUROVERSIX_LAYERS)
         else:
             rules = paper_rules(n_blocks, keep_first=keep_first, keep_last=keep_last, recipe=recipe)
         report = quantize(model, rules, rngs=nnx.Rngs(seed) if recipe.needs_key else None)
