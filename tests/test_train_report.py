@@ -5,7 +5,8 @@ import re
 
 import pytest
 
-from train.report import COLUMNS, format_table, markdown_table, read_metrics, saturation_summary, summary_rows
+from train.report import COLUMNS, format_table, markdown_table, nonfinite_note, read_metrics, saturation_summary
+from train.report import summary_rows
 from train.report import write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -41,6 +42,12 @@ def test_summary_rows_by_hand():
     assert mw["mean_saturated_fraction"] == pytest.approx((1e-4 + 0.0 + 2e-4) / 3)
     assert mw["acc"] == 0.5 and mw["val_loss_a"] is None
     assert saturation_summary(HP) == (None, None)
+    # the skipped step (non-finite) and the non-finite values counted in quantized tensors reach the report
+    assert (hp["skipped"], hp["nonfinite_quantized"]) == (0, 0) and mw["skipped"] == 1
+    counted = [dict(r, nonfinite_quantized=3 if r["step"] == 3 else 0) for r in MW]
+    (row,) = summary_rows({"mw": {"label": "mw", "metrics": counted}}, baseline=None)
+    assert nonfinite_note([hp, row]).endswith("mw: 1 steps, 3 values.")
+    assert nonfinite_note([hp]).startswith("Non-finite values: no step was skipped")
 
 
 def test_format_table_aligns_and_marks_missing_values():

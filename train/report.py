@@ -29,6 +29,7 @@ __all__ = [
     "markdown_table",
     "read_metrics",
     "saturation_summary",
+    "nonfinite_note",
     "summary_rows",
     "write_report",
 ]
@@ -187,6 +188,9 @@ def summary_rows(
         row["arm"] = a["label"]
         if row["max_saturated_fraction"] is None:
             row["max_saturated_fraction"], row["mean_saturated_fraction"] = saturation_summary(a["metrics"])
+        if row.get("skipped") is None:
+            row["skipped"] = sum(1 for r in a["metrics"] if r.get("finite") is False)
+        row["nonfinite_quantized"] = sum(int(r.get("nonfinite_quantized", 0)) for r in a["metrics"])
         if row["loss_ape"] is None and base is not None and a is not base:
             q, b = _aligned_losses(a["metrics"], base["metrics"])
             ok = np.isfinite(q) & np.isfinite(b)
@@ -195,6 +199,18 @@ def summary_rows(
                 row["ape_skipped"] = int((~ok).sum())
         rows.append(row)
     return rows
+
+
+def nonfinite_note(rows: Sequence[Mapping[str, Any]]) -> str:
+    """One line on the steps skipped for a non-finite loss, gradient or quantized value, and the non-finite values
+    counted in quantized tensors (`jaxlowfp.training`: such a step leaves the whole state unchanged)."""
+    hit = [r for r in rows if r.get("skipped") or r.get("nonfinite_quantized")]
+    if not hit:
+        return ("Non-finite values: no step was skipped and no quantized tensor held a NaN or Inf in any arm.")
+    parts = [f"{r['arm']}: {int(r.get('skipped') or 0)} steps, {int(r.get('nonfinite_quantized') or 0)} values"
+             for r in hit]
+    return ("Steps skipped for a non-finite loss, gradient or quantized value (state left unchanged), and the "
+            f"non-finite values counted in quantized tensors: {'; '.join(parts)}.")
 
 
 def _series(metrics: Sequence[Mapping[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -314,6 +330,7 @@ def write_report(
         plots.append("amax.png")
 
     md = [f"# {title}", "", markdown_table(rows, columns), ""]
+    md += [nonfinite_note(rows), ""]
     skipped = [f"{r['arm']}: {r['ape_skipped']}" for r in rows if r.get("ape_skipped")]
     if skipped:
         md += [f"Non-finite steps left out of loss APE: {', '.join(skipped)}.", ""]
