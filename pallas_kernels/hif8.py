@@ -19,7 +19,7 @@ The rounding is ``jaxlowfp.hif8.round`` itself (pure uint32 bit math, which lowe
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -100,6 +100,28 @@ def _scaled_fake_quant(x, scale, bound, *, clip: float, interpret: bool, block: 
     return ScaledFakeQuant(y.reshape(x.shape), amax, jnp.sum(sat), jnp.sum(nonfinite), jnp.sum(under))
 
 
+def check_args(x: Any, scale: Any, clip: Any, bound: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The arguments of a fused HiF8 kernel (Triton or Mosaic), checked: ``(x, scale, bound)`` as arrays."""
+    x = float_input(x, "x")
+    if x.size == 0:
+        raise ValueError(f"x must have at least one element; got shape {x.shape}")
+    if x.size >= 2**31:
+        raise ValueError(f"x has {x.size} elements; the kernel indexes with int32 and supports fewer than 2^31")
+    if isinstance(scale, float):
+        scale = jnp.float32(scale)
+    scale = jnp.asarray(scale)
+    if scale.dtype != jnp.float32 or scale.shape != ():
+        raise TypeError(f"scale must be a float32 scalar; got dtype {scale.dtype} and shape {scale.shape}")
+    if isinstance(clip, bool) or not isinstance(clip, (int, float, np.floating)):
+        raise TypeError(f"clip must be a Python number (static); got {type(clip).__name__}")
+    if not 0 < float(clip) <= hif8.MAX:
+        raise ValueError(f"clip={clip!r} must be in (0, {hif8.MAX}], the range of hif8")
+    bound = saturation_bound(scale, float(clip)) if bound is None else jnp.asarray(bound, jnp.float32)
+    if bound.shape != ():
+        raise TypeError(f"bound must be a float32 scalar; got shape {bound.shape}")
+    return x, scale, bound
+
+
 def scaled_fake_quant(
     x,
     scale,
@@ -129,23 +151,7 @@ def scaled_fake_quant(
       :class:`ScaledFakeQuant` ``(y, amax, saturated_count, nonfinite_count, underflow_count)``: `y` in `x`'s
       dtype and shape; `y` and the saturated count equal ``jaxlowfp.qat.scaled_round(x, scale, clip, "hif8")``.
     """
-    x = float_input(x, "x")
-    if x.size == 0:
-        raise ValueError(f"x must have at least one element; got shape {x.shape}")
-    if x.size >= 2**31:
-        raise ValueError(f"x has {x.size} elements; the kernel indexes with int32 and supports fewer than 2^31")
-    if isinstance(scale, float):
-        scale = jnp.float32(scale)
-    scale = jnp.asarray(scale)
-    if scale.dtype != jnp.float32 or scale.shape != ():
-        raise TypeError(f"scale must be a float32 scalar; got dtype {scale.dtype} and shape {scale.shape}")
-    if isinstance(clip, bool) or not isinstance(clip, (int, float, np.floating)):
-        raise TypeError(f"clip must be a Python number (static); got {type(clip).__name__}")
-    if not 0 < float(clip) <= hif8.MAX:
-        raise ValueError(f"clip={clip!r} must be in (0, {hif8.MAX}], the range of hif8")
-    bound = saturation_bound(scale, float(clip)) if bound is None else jnp.asarray(bound, jnp.float32)
-    if bound.shape != ():
-        raise TypeError(f"bound must be a float32 scalar; got shape {bound.shape}")
+    x, scale, bound = check_args(x, scale, clip, bound)
     interpret = resolve_interpret(interpret, kernel=KERNEL)
     if block_size is None:
         block_size = min(pl.next_power_of_2(x.size), MAX_BLOCK_ELEMENTS) if interpret else DEFAULT_BLOCK

@@ -18,16 +18,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxlowfp._core import hif8
 from jaxlowfp._core.bits import ABS, u32
-from jaxlowfp._core.checks import float_input
-from jaxlowfp._core.scaled import saturation_bound
 from pallas_kernels import _mosaic as mg
-from pallas_kernels.hif8 import ScaledFakeQuant
+from pallas_kernels.hif8 import ScaledFakeQuant, check_args
 
 __all__ = ["scaled_fake_quant", "ScaledFakeQuant", "KERNEL", "DEFAULT_BLOCK"]
 
@@ -126,23 +123,7 @@ def scaled_fake_quant(
         that is not a multiple runs as one extra padded program.
       num_warps: None or 4 (a Mosaic GPU program is one warpgroup of 4 warps); kept for the Triton signature.
     """
-    x = float_input(x, "x")
-    if x.size == 0:
-        raise ValueError(f"x must have at least one element; got shape {x.shape}")
-    if x.size >= 2**31:
-        raise ValueError(f"x has {x.size} elements; the kernel indexes with int32 and supports fewer than 2^31")
-    if isinstance(scale, float):
-        scale = jnp.float32(scale)
-    scale = jnp.asarray(scale)
-    if scale.dtype != jnp.float32 or scale.shape != ():
-        raise TypeError(f"scale must be a float32 scalar; got dtype {scale.dtype} and shape {scale.shape}")
-    if isinstance(clip, bool) or not isinstance(clip, (int, float, np.floating)):
-        raise TypeError(f"clip must be a Python number (static); got {type(clip).__name__}")
-    if not 0 < float(clip) <= hif8.MAX:
-        raise ValueError(f"clip={clip!r} must be in (0, {hif8.MAX}], the range of hif8")
-    bound = saturation_bound(scale, float(clip)) if bound is None else jnp.asarray(bound, jnp.float32)
-    if bound.shape != ():
-        raise TypeError(f"bound must be a float32 scalar; got shape {bound.shape}")
+    x, scale, bound = check_args(x, scale, clip, bound)
     if num_warps not in (None, 4):
         raise ValueError(f"num_warps={num_warps!r}: a Mosaic GPU program is one warpgroup (4 warps); pass None or 4")
     block = DEFAULT_BLOCK if block_size is None else block_size

@@ -281,15 +281,7 @@ def _run(x, amax, *, rule: str, tile: bool, fake: bool, interpret, blocks: int):
 
 
 def _prepare(x, rule, block_shape, global_amax, rounding, key, interpret, tile_shape, num_warps, blocks, kernel):
-    cfg = ref.NVFP4Config(rule=rule, block_shape=block_shape, rounding=rounding)
-    if cfg.rounding != "nearest" or key is not None:
-        raise ValueError(
-            f"the Mosaic GPU {kernel} kernel implements rounding='nearest' only (got rounding={rounding!r}"
-            f"{' and a key' if key is not None else ''}); use impl='xla' (jaxlowfp.nvfp4) for stochastic rounding"
-        )
-    x, ga = ref.validate_args(x, cfg, global_amax, None)
-    if x.size >= 2**31:
-        raise ValueError(f"x has {x.size} elements; the kernel indexes with int32 and supports fewer than 2^31")
+    cfg, x, ga = ref.validate_kernel_args(x, rule, block_shape, global_amax, rounding, key, f"Mosaic GPU {kernel}")
     if tile_shape is not None:
         raise ValueError(
             f"tile_shape={tile_shape!r}: the Mosaic GPU kernel has fixed tiles (one block row per thread: "
@@ -332,13 +324,7 @@ def quantize(
     cfg, x, amax, static = _prepare(x, rule, block_shape, global_amax, rounding, key, interpret, tile_shape,
                                     num_warps, blocks_per_program, KERNEL_QUANTIZE)
     (codes, scale_bytes), s_dec = _run(x, amax, fake=False, **static)
-    k = x.shape[-1]
-    scales = lax.bitcast_convert_type(scale_bytes, jnp.float8_e4m3fn)
-    sshape = (*x.shape[:-2], x.shape[-2] // _B, k // _B) if static["tile"] else (*x.shape[:-1], k // _B)
-    return ref.NVFP4Array(
-        codes=codes.reshape(*x.shape[:-1], k // 2), scales=scales.reshape(sshape), global_scale=s_dec,
-        rule=cfg.rule, block_shape=cfg.block_shape, dtype=x.dtype, shape=x.shape,
-    )
+    return ref.kernel_array(x, cfg, codes, scale_bytes, s_dec)
 
 
 def fake_quantize(

@@ -239,15 +239,7 @@ def _run(x2, amax, *, rule: str, tile: bool, fake: bool, interpret: bool, bm: in
 
 
 def _prepare(x, rule, block_shape, global_amax, rounding, key, interpret, tile_shape, num_warps, kernel):
-    cfg = ref.NVFP4Config(rule=rule, block_shape=block_shape, rounding=rounding)
-    if cfg.rounding != "nearest" or key is not None:
-        raise ValueError(
-            f"the Pallas {kernel} kernel implements rounding='nearest' only (got rounding={rounding!r}"
-            f"{' and a key' if key is not None else ''}); use impl='xla' (jaxlowfp.nvfp4) for stochastic rounding"
-        )
-    x, ga = ref.validate_args(x, cfg, global_amax, None)
-    if x.size >= 2**31:
-        raise ValueError(f"x has {x.size} elements; the kernel indexes with int32 and supports fewer than 2^31")
+    cfg, x, ga = ref.validate_kernel_args(x, rule, block_shape, global_amax, rounding, key, f"Pallas {kernel}")
     x2 = x.reshape(-1, x.shape[-1])
     rows, k = x2.shape
     amax = abs_max(x.astype(jnp.float32)) if ga is None else ga.astype(jnp.float32)
@@ -299,13 +291,7 @@ def quantize(
     )
     with triton_lowering(static["interpret"]):
         (codes, scale_bytes), s_dec = _run(x2, amax, fake=False, **static)
-    k = x.shape[-1]
-    scales = lax.bitcast_convert_type(scale_bytes, jnp.float8_e4m3fn)
-    sshape = (*x.shape[:-2], x.shape[-2] // _B, k // _B) if static["tile"] else (*x.shape[:-1], k // _B)
-    return ref.NVFP4Array(
-        codes=codes.reshape(*x.shape[:-1], k // 2), scales=scales.reshape(sshape), global_scale=s_dec,
-        rule=cfg.rule, block_shape=cfg.block_shape, dtype=x.dtype, shape=x.shape,
-    )
+    return ref.kernel_array(x, cfg, codes, scale_bytes, s_dec)
 
 
 def fake_quantize(

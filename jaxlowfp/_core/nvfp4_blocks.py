@@ -377,6 +377,37 @@ def validate_args(x: Any, cfg: NVFP4Config, global_amax: Any, key: Any) -> tuple
     return x, global_amax
 
 
+def validate_kernel_args(
+    x: Any, rule: Any, block_shape: Any, global_amax: Any, rounding: Any, key: Any, kernel: str
+) -> tuple[NVFP4Config, jax.Array, jax.Array | None]:
+    """`validate_args` for a GPU kernel (Triton or Mosaic): round to nearest only, fewer than 2^31 elements (the
+    kernels index with int32). Returns ``(cfg, x, global_amax)``."""
+    cfg = NVFP4Config(rule=rule, block_shape=block_shape, rounding=rounding)
+    if cfg.rounding != "nearest" or key is not None:
+        raise ValueError(
+            f"the {kernel} kernel implements rounding='nearest' only (got rounding={rounding!r}"
+            f"{' and a key' if key is not None else ''}); use impl='xla' (jaxlowfp.nvfp4) for stochastic rounding"
+        )
+    x, ga = validate_args(x, cfg, global_amax, None)
+    if x.size >= 2**31:
+        raise ValueError(f"x has {x.size} elements; the kernel indexes with int32 and supports fewer than 2^31")
+    return cfg, x, ga
+
+
+def kernel_array(
+    x: jax.Array, cfg: NVFP4Config, codes: jax.Array, scale_bytes: jax.Array, global_scale: jax.Array
+) -> NVFP4Array:
+    """The `NVFP4Array` of `x` from a kernel's outputs: packed codes and E4M3 scale bytes in any layout."""
+    k = x.shape[-1]
+    scales = lax.bitcast_convert_type(scale_bytes, jnp.float8_e4m3fn)
+    tile = cfg.rows > 1
+    sshape = (*x.shape[:-2], x.shape[-2] // cfg.rows, k // 16) if tile else (*x.shape[:-1], k // 16)
+    return NVFP4Array(
+        codes=codes.reshape(*x.shape[:-1], k // 2), scales=scales.reshape(sshape), global_scale=global_scale,
+        rule=cfg.rule, block_shape=cfg.block_shape, dtype=x.dtype, shape=x.shape,
+    )
+
+
 def pack_nibbles(nib: jax.Array) -> jax.Array:
     """uint8 4-bit codes [..., K] -> bytes [..., K // 2], element 2j in the low nibble, 2j + 1 in the high one."""
     lo, hi = jnp.unstack(nib.reshape(*nib.shape[:-1], nib.shape[-1] // 2, 2), axis=-1)  # no slices: lowers in Triton
