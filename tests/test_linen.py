@@ -5,7 +5,6 @@ Oracles: plain `nn.Dense` (observe-only output, bitwise) and a float64 numpy fak
 from __future__ import annotations
 
 import chex
-import en_dtypes
 import flax.errors
 import flax.linen as nn
 import jax
@@ -15,13 +14,7 @@ import pytest
 
 from jaxlowfp import linen as jlinen
 from jaxlowfp import qat
-
-
-def hif8_fake_quant_f64(a: np.ndarray, amax: float, target_max: float = 15.0) -> np.ndarray:
-    """Independent per-tensor HiF8 fake quant: scale = amax / target_max, clip, en_dtypes TA cast, rescale."""
-    scale = np.float32(amax) / np.float32(target_max)
-    s = np.clip(a.astype(np.float32) / scale, -target_max, target_max).astype(np.float32)
-    return s.astype(en_dtypes.hifloat8).astype(np.float64) * np.float64(scale)
+from oracles import hif8_fake_quant_f64
 
 
 class MLP(nn.Module):
