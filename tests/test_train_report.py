@@ -86,6 +86,7 @@ def test_write_report_from_run_dirs(tmp_path):
 
 def test_write_report_high_precision_only_has_no_quant_plots(tmp_path):
     path = write_report(tmp_path, {"hp": {"metrics": HP, "val_loss_b": 1.0}})
+    assert "Non-finite values: no step was skipped" in path.read_text()
     assert (tmp_path / "loss_curves.png").is_file()
     assert not (tmp_path / "saturation.png").exists() and not (tmp_path / "amax.png").exists()
     assert "| hp | 1.0000 |" in path.read_text()

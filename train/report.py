@@ -27,9 +27,9 @@ __all__ = [
     "format_table",
     "grid_notes",
     "markdown_table",
+    "nonfinite_note",
     "read_metrics",
     "saturation_summary",
-    "nonfinite_note",
     "summary_rows",
     "write_report",
 ]
@@ -206,7 +206,7 @@ def nonfinite_note(rows: Sequence[Mapping[str, Any]]) -> str:
     counted in quantized tensors (`jaxlowfp.training`: such a step leaves the whole state unchanged)."""
     hit = [r for r in rows if r.get("skipped") or r.get("nonfinite_quantized")]
     if not hit:
-        return ("Non-finite values: no step was skipped and no quantized tensor held a NaN or Inf in any arm.")
+        return "Non-finite values: no step was skipped and no quantized tensor held a NaN or Inf in any arm."
     parts = [f"{r['arm']}: {int(r.get('skipped') or 0)} steps, {int(r.get('nonfinite_quantized') or 0)} values"
              for r in hit]
     return ("Steps skipped for a non-finite loss, gradient or quantized value (state left unchanged), and the "
