@@ -87,7 +87,7 @@ def main() -> None:
     for r in fwd_rows:
         print(r)
 
-    load = os.getloadavg()[0]
+    loadavg = os.getloadavg()[0]
     body = "\n\n".join([
         f"`bench/ptq.py` on {machine()}: SmolLM2-135M (float32), the {len(layers)} attention and MLP projections, "
         f"NVFP4 4/6 (mse) W4A4. One calibration pass of {args.calib_seqs} x {args.calib_len} tokens (Hessians, "
@@ -96,9 +96,9 @@ def main() -> None:
         f"Forward pass of [{args.batch}, {args.seq}] tokens, jitted, median of {args.reps} interleaved calls "
         f"(activations fake-quantized at run time with their current per-tensor amax; weights pre-quantized):",
         markdown_table(["model", "ms", "vs high precision"], fwd_rows),
-        f"Load average at the end of the run: {load:.1f} on {os.cpu_count()} cores"
+        f"Load average at the end of the run: {loadavg:.1f} on {os.cpu_count()} cores"
         + (" (a shared machine: these timings, the forward ratios most, are dominated by contention)."
-           if load > 1.5 * (os.cpu_count() or 1) else "."),
+           if loadavg > 1.5 * (os.cpu_count() or 1) else "."),
     ])
     if not args.no_write:
         write_section("PTQ (SmolLM2-135M)", body)
