@@ -21,7 +21,7 @@ from test_models_oracle import random_weights
 from train.arms import RuleError, quantize_arm, train_arm
 from train.config import TrainConfig, arm_specs
 from train.data import BatchStream
-from train.loop import init_state, jit_train_step, make_optimizer, make_schedule, shard_state
+from train.loop import init_state, jit_train_step, make_schedule
 from train.model import Llama, ModelConfig, loss_fn
 from train.models import load
 from train.real_qat import TokenStream, token_eval_batches, tokenize_domain

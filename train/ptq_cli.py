@@ -243,7 +243,6 @@ def export_and_check(model: Any, result: Any, graphdef: Any, hp_state: Any, cali
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    import numpy as np
     from flax import nnx
 
     from jaxlowfp import ptq

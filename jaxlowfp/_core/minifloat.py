@@ -13,7 +13,7 @@ import numpy as np
 from jax import lax
 
 from jaxlowfp._core import hif8
-from jaxlowfp._core.bits import ABS, BITS_INF, BITS_NAN, SIGN, f32_bits, from_bits, pow2, u32
+from jaxlowfp._core.bits import ABS, BITS_INF, BITS_NAN, SIGN, f32_bits, pow2, u32
 from jaxlowfp._core.checks import float_dtype, float_input, uint8_codes
 
 __all__ = ["Format", "MiniFloat", "HIF8", "E4M3", "E5M2", "E2M1", "FORMATS", "get", "e2m1_index", "e2m1_value",

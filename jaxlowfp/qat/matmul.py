@@ -20,6 +20,10 @@ from jaxlowfp.qat.fake_quant import (keep_mask, need_key, nvfp4_fake_quant, quan
 from jaxlowfp.qat.spec import QuantSpec, Recipe, RecipeState, RecipeStats, check_size, convention
 from jaxlowfp.scaling import AmaxHistory, CurrentScaling, DelayedScaling, PendingAmax, record_pending
 
+# ((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch)), as lax.dot_general takes it
+DimensionNumbers = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
+
+
 def _normalize_dn(dn: Any) -> tuple:
     try:
         (lc, rc), (lb, rb) = dn
