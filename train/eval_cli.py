@@ -112,15 +112,6 @@ def _fmt(v: Any, spec: str) -> str:
     return format(v, spec) if spec else str(v)
 
 
-def _table(header: list[str], rows: list[list[str]], markdown: bool) -> str:
-    if markdown:
-        out = ["| " + " | ".join(header) + " |", "|:---|" + "---:|" * (len(header) - 1)]
-        return "\n".join(out + ["| " + " | ".join(r) + " |" for r in rows])
-    widths = [max(len(x) for x in col) for col in zip(header, *rows)]
-    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-    return "\n".join([line(header), "  ".join("-" * w for w in widths)] + [line(r) for r in rows])
-
-
 HEADER = ["text", "docs", "tokens", "words", "bytes", "word ppl", "byte ppl", "bits/byte", "token ppl", "tok/s"]
 
 
@@ -135,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_eval_args(sys.argv[1:] if argv is None else argv)
     from train import evaluate as ev
     from train.data import DataError, load_domain
+    from train.report import text_table
     from train.text_eval import load_texts, perplexity, score_choices_tokens
 
     t0 = time.perf_counter()
@@ -166,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"acc {mc['acc']:.3f}, acc_norm {mc['acc_norm']:.3f}" if mc else "multiple choice: skipped")
     summary = (f"{scored} tokens scored in {score_s:.0f} s ({scored / score_s:.0f} scored tok/s incl. compilation); "
                f"total wall time {wall:.0f} s (loading {load_s:.0f} s)")
-    print(_table(HEADER, _rows(scores), markdown=False))
+    print(text_table(HEADER, _rows(scores)))
     print(lines_mc)
     print(summary)
 
@@ -177,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = "\n\n".join([
         f"# Evaluation of {args.model}" + (f" ({args.quantize} fake quantization)" if quant else ""),
         f"{model.config.num_params() / 1e6:.1f} M parameters; {settings}." + (f" Quantized: {quant}." if quant else ""),
-        _table(HEADER, _rows(scores), markdown=True),
+        text_table(HEADER, _rows(scores), markdown=True),
         lines_mc + ".",
         summary + ".",
         "word/byte perplexity: lm-eval's `loglikelihood_rolling` definitions (exp of minus the total log-likelihood "

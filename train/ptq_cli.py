@@ -151,16 +151,17 @@ def _geomean(vals: Sequence[float]) -> float:
 
 
 def _table(rows: list[dict], texts: Sequence[str], mc: bool) -> str:
+    from train.report import text_table
+
     head = ["method", "format"] + [f"{t} wppl" for t in texts] + ["mean wppl"]
     head += ["MC acc", "MC acc_norm"] if mc else []
     head += ["PTQ s", "eval s"]
-    lines = ["| " + " | ".join(head) + " |", "|:---|:---|" + "---:|" * (len(head) - 2)]
+    body = []
     for r in rows:
         cells = [r["method"], r["format"]] + [f"{r[t]:.2f}" for t in texts] + [f"{r['mean']:.2f}"]
         cells += [f"{r['acc']:.3f}", f"{r['acc_norm']:.3f}"] if mc else []
-        cells += [f"{r['ptq_s']:.0f}", f"{r['eval_s']:.0f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        body.append(cells + [f"{r['ptq_s']:.0f}", f"{r['eval_s']:.0f}"])
+    return text_table(head, body, markdown=True, text_columns=2)
 
 
 def verdicts(rows: list[dict], hp: float) -> list[str]:

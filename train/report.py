@@ -31,6 +31,7 @@ __all__ = [
     "read_metrics",
     "saturation_summary",
     "summary_rows",
+    "text_table",
     "write_report",
 ]
 
@@ -104,22 +105,29 @@ def _cells(rows: Sequence[Mapping[str, Any]], columns: Columns) -> tuple[list[st
     return headers, [[_cell(r.get(k), f) for k, _, f, _ in columns] for r in rows]
 
 
-def format_table(rows: Sequence[Mapping[str, Any]], columns: Columns = COLUMNS) -> str:
-    """A fixed-width table for the terminal: text left-aligned, numbers right-aligned."""
-    headers, body = _cells(rows, columns)
-    widths = [max(len(x) for x in col) for col in zip(headers, *body)]
+def text_table(header: Sequence[str], body: Sequence[Sequence[str]], *, markdown: bool = False,
+               text_columns: int = 1) -> str:
+    """Cells as a table: the first `text_columns` columns left-aligned, the others (numbers) right-aligned; a
+    markdown table, or fixed width for the terminal."""
+    if markdown:
+        out = ["| " + " | ".join(header) + " |", "|" + ":---|" * text_columns + "---:|" * (len(header) - text_columns)]
+        return "\n".join(out + ["| " + " | ".join(r) + " |" for r in body])
+    widths = [max(len(x) for x in col) for col in zip(header, *body)]
 
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(c.ljust(w) if i < text_columns else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths)))
 
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([line(headers), rule] + [line(r) for r in body])
+    return "\n".join([line(header), "  ".join("-" * w for w in widths)] + [line(r) for r in body])
+
+
+def format_table(rows: Sequence[Mapping[str, Any]], columns: Columns = COLUMNS) -> str:
+    """A fixed-width table for the terminal: text left-aligned, numbers right-aligned."""
+    return text_table(*_cells(rows, columns))
 
 
 def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Columns = COLUMNS) -> str:
-    headers, body = _cells(rows, columns)
-    out = ["| " + " | ".join(headers) + " |", "|" + "|".join([":---"] + ["---:"] * (len(headers) - 1)) + "|"]
-    return "\n".join(out + ["| " + " | ".join(r) + " |" for r in body])
+    return text_table(*_cells(rows, columns), markdown=True)
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from train.report import text_table
+
 __all__ = [
     "ALGORITHMS",
     "ChannelProbe",
@@ -269,18 +271,6 @@ def outlier_channels(result: StreamResult, *, top_layers: int = 5, top_channels:
     return out
 
 
-def _table(header: list[str], rows: list[list[str]], markdown: bool) -> str:
-    if markdown:
-        out = ["| " + " | ".join(header) + " |", "|:---|" + "---:|" * (len(header) - 1)]
-        return "\n".join(out + ["| " + " | ".join(r) + " |" for r in rows])
-    widths = [max(len(x) for x in col) for col in zip(header, *rows)]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if k == 0 else c.rjust(w) for k, (c, w) in enumerate(zip(cells, widths)))
-
-    return "\n".join([line(header), "  ".join("-" * w for w in widths)] + [line(r) for r in rows])
-
-
 def summary_table(rows: Sequence[dict[str, Any]], markdown: bool = False) -> str:
     texts = [k[4:] for k in rows[0] if k.startswith("ppl_") and k != "ppl_change"]
     header = ["algorithm", "token ppl", "ppl change %", *[f"{t} ppl" for t in texts], "mean clipped", "max clipped",
@@ -293,7 +283,7 @@ def summary_table(rows: Sequence[dict[str, Any]], markdown: bool = False) -> str
                      f"{r['mean_clipped']:.2e}" if quantized else "-", f"{r['max_clipped']:.2e}" if quantized else "-",
                      f"{r['layers_clipping']}/{r['layers']}" if quantized else "-",
                      f"{r['batches_clipping']}/{r['batches']}" if quantized else "-"])
-    return _table(header, body, markdown)
+    return text_table(header, body, markdown=markdown)
 
 
 def layer_table(results: Sequence[StreamResult], markdown: bool = False, top: int | None = None) -> str:
@@ -304,15 +294,15 @@ def layer_table(results: Sequence[StreamResult], markdown: bool = False, top: in
     if top is not None:
         order = order[:top]
     body = [[layers[j], *[f"{v:.2e}" for v in mat[j]]] for j in order]
-    return _table(["layer", *[r.algorithm for r in results]], body, markdown)
+    return text_table(["layer", *[r.algorithm for r in results]], body, markdown=markdown)
 
 
 def channel_table(result: StreamResult, markdown: bool = False, **kw: Any) -> str:
     rows = outlier_channels(result, **kw)
     body = [[r["layer"], str(r["channel"]), str(r["clipped"]), f"{100 * r['share']:.1f}", f"{r['channel_amax']:.1f}",
              f"{r['x_median_channel']:.1f}", f"{r['layer_clipped_fraction']:.2e}"] for r in rows]
-    return _table(["layer", "channel", "clipped values", "% of layer's", "channel max |x|", "x median channel",
-                   "layer clipped fraction"], body, markdown)
+    return text_table(["layer", "channel", "clipped values", "% of layer's", "channel max |x|", "x median channel",
+                       "layer clipped fraction"], body, markdown=markdown)
 
 
 def plot_estimates(result: StreamResult, path: Path, layer: str | None = None) -> str:
