@@ -1,4 +1,4 @@
-"""The 16-point random Hadamard transform of the NVFP4 training recipe (specs/nvfp4.md 5.2).
+"""The 16-point random Hadamard transform of the NVFP4 training recipe (docs/formats/nvfp4.md 5.2).
 
 ``H = (1/4) diag(s) H16`` with H16 the Sylvester matrix and s the recipe's fixed signs: orthogonal, so rotating both
 GEMM operands along the reduction axis leaves the product unchanged while spreading outliers across each block of 16.

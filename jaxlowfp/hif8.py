@@ -4,7 +4,7 @@ A HiF8 code is ``S | Dot | Em | M``: a prefix code ("Dot") gives the width D of 
 mantissa gets what is left of the 7 payload bits (3 bits for ``|E| <= 3``, 2 for ``|E| <= 7``, 1 for ``|E| <= 15``,
 power-of-two denormals 2^-22 .. 2^-16). Max finite 32768 (0x6E), +-Inf 0x6F/0xEF, NaN 0x80. Rounding "TA": to
 nearest, ties away from zero; ``|x| >= 40960`` overflows to Inf (32768 with ``saturate=True``). See
-``specs/hif8.md``; the bit math lives in ``jaxlowfp._core.hif8`` (shared with the Pallas kernel).
+``docs/formats/hif8.md``; the bit math lives in ``jaxlowfp._core.hif8`` (shared with the Pallas kernel).
 
 >>> import jax.numpy as jnp
 >>> from jaxlowfp import hif8

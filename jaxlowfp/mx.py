@@ -1,6 +1,6 @@
 """OCP Microscaling (MX) baselines: MXFP4 (E2M1 elements) and MXFP8 (E4M3 or E5M2), 32 elements per E8M0 scale.
 
-Per block of 32 along the last axis, a power-of-two scale ``X = 2^e`` (``specs/nvfp4.md`` section 6)::
+Per block of 32 along the last axis, a power-of-two scale ``X = 2^e`` (``docs/formats/nvfp4.md`` section 6)::
 
     floor (OCP v1.0):  e = floor(log2(amax)) - emax_elem        emax_elem = 2 (E2M1), 8 (E4M3), 15 (E5M2)
     ceil  (RCEIL):     e = ceil(log2(amax / max_elem))           amax / max_elem one IEEE float32 division

@@ -1,6 +1,6 @@
 """NVFP4: E2M1 elements, an E4M3 scale per 16-element block and an FP32 per-tensor scale; Four Over Six (4/6).
 
-Two-level scaling (``specs/nvfp4.md`` sections 0, 3.3, 4.1), every step one IEEE float32 rounding::
+Two-level scaling (``docs/formats/nvfp4.md`` sections 0, 3.3, 4.1), every step one IEEE float32 rounding::
 
     S_enc  = min(M*E / amax, FLT_MAX)   (1 if amax == 0);   S_dec = 1 / S_enc  (stored as `global_scale`)
     base   = (blk_amax / M) * S_enc
@@ -16,7 +16,7 @@ dequantization in the original domain, ``err = Σ (((q*s)*amax)/(6*E) - x)²`` (
 sequentially over the 16 elements of a block row (TE's order); for 16x16 tiles the 16 row sums are then added
 pairwise (8+8, 4+4, 2+2, 1+1), TE's 2D order.
 
-Bit-exactness under ``jit`` on every backend (``specs/nvfp4.md`` section 8: XLA turns ``a / broadcast(c)`` into
+Bit-exactness under ``jit`` on every backend (``docs/formats/nvfp4.md`` section 8: XLA turns ``a / broadcast(c)`` into
 ``a * (1/c)`` and contracts ``err + d*d`` into an FMA): the divisions by M and by 6*E are integer-exact
 (``div_by_3_pow2``, the Pallas kernel's method), the 4/6 error's ``((q*s)*amax) / (6*E)`` is a per-block quotient
 times a power of two, and the squared errors pass through an integer ``min`` (a no-op on their bits) before the

@@ -1,6 +1,6 @@
 """Shared plumbing for the Pallas kernels: interpret/compile choice, block validation, cross-lowering for a GPU.
 
-Pallas-Triton rules the kernels follow (specs/pallas.md): every in-kernel array has a power-of-two element count
+Pallas-Triton rules the kernels follow (docs/kernels.md): every in-kernel array has a power-of-two element count
 (at most 2^20), the ragged last block is masked on load/store (interpret mode pads it with NaN, a GPU leaves it
 unspecified, so reductions mask by index), no captured constant arrays, no ``jnp.round``, no float division in
 rounding decisions, shift amounts in [0, 31].

@@ -3,7 +3,7 @@
 The global scales ``(S_enc, S_dec)`` come from ``global_scales`` of ``jaxlowfp._core.nvfp4_blocks`` (XLA,
 scalars; the tensor amax is
 one XLA reduction unless ``global_amax`` is given). Each program then quantizes a ``(bm, bn)`` tile of the
-``[rows, K]`` view of `x`, with the twin's arithmetic made exact on any backend (specs/pallas.md section 4):
+``[rows, K]`` view of `x`, with the twin's arithmetic made exact on any backend (docs/kernels.md section 4):
 
     blk_amax = max |x| over the block            (NaN/Inf blocks flagged explicitly: Triton's max ignores NaN)
     base     = fl(blk_amax / M) * S_enc           (/6: integer-exact ``div_by_3_pow2``; /4: * 0.25)

@@ -179,7 +179,7 @@ def test_unknown_rounding_and_bad_codes_raise():
         hif8.round(jnp.ones(3, jnp.float16), rounding="hybrid")
 
 
-# ---- hybrid ("HR") rounding: a scalar transcription of specs/hif8.md section 6.2, written independently ----
+# ---- hybrid ("HR") rounding: a scalar transcription of docs/formats/hif8.md section 6.2, written independently ----
 
 def hybrid_reference(v: float) -> float:
     """HR rounding of one float32 value, straight from the spec text (integer arithmetic on the fields)."""

@@ -1,4 +1,4 @@
-"""MXFP4 / MXFP8 against a numpy reference written from specs/nvfp4.md section 6 and ml_dtypes casts."""
+"""MXFP4 / MXFP8 against a numpy reference written from docs/formats/nvfp4.md section 6 and ml_dtypes casts."""
 import jax
 import jax.numpy as jnp
 import ml_dtypes

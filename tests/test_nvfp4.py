@@ -1,4 +1,4 @@
-"""NVFP4 / Four Over Six against an independent numpy float32 reference written from specs/nvfp4.md.
+"""NVFP4 / Four Over Six against an independent numpy float32 reference written from docs/formats/nvfp4.md.
 
 The reference below does not import jaxlowfp: E4M3 and E2M1 rounding are `ml_dtypes` casts (RNE, clamped first:
 satfinite), every arithmetic step is one numpy float32 operation (numpy never contracts to FMA or replaces a
@@ -61,7 +61,7 @@ def ref_block_error(d, rule):
 
 
 def ref_quantize(x, rule, block_shape=(1, 16), global_amax=None):
-    """(packed codes, scales as float32, global decode scale, map4) exactly as specs/nvfp4.md sections 0 / 4.1."""
+    """(packed codes, scales as float32, global decode scale, map4) exactly as docs/formats/nvfp4.md sections 0 / 4.1."""
     m, e = ME[rule]
     rows = block_shape[0]
     xf = np.asarray(x).astype(F32)

@@ -1,7 +1,7 @@
 """Every Pallas kernel cross-lowers to a Triton call for sm_90 and sm_100 from this CPU; dispatch rules.
 
 Lowering needs no GPU and no data (``jax.ShapeDtypeStruct`` inputs at realistic sizes): the Pallas -> Triton
-lowering is told the target through an AbstractDevice (specs/pallas.md section 2). It catches unsupported
+lowering is told the target through an AbstractDevice (docs/kernels.md section 2). It catches unsupported
 primitives, non-power-of-two blocks and per-architecture limits; it does not run ptxas.
 """
 from __future__ import annotations

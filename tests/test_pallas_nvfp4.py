@@ -1,6 +1,6 @@
 """Pallas NVFP4 kernels (interpret mode) against an independent numpy/ml_dtypes oracle and the jnp twin.
 
-The oracle below is written from specs/nvfp4.md with numpy float32 arithmetic (IEEE, one rounding per op, no FMA)
+The oracle below is written from docs/formats/nvfp4.md with numpy float32 arithmetic (IEEE, one rounding per op, no FMA)
 and ml_dtypes casts for E4M3 and E2M1 (round to nearest even); it shares no code with jaxlowfp.nvfp4 or the kernel.
 Blocks holding NaN or Inf must get a NaN scale (their codes are meaningless: they decode to NaN) and are compared
 on that alone.
@@ -41,7 +41,7 @@ def _unblocks(b: np.ndarray, shape, rows: int) -> np.ndarray:
 
 
 def oracle(x: np.ndarray, rule: str, block_shape, global_amax=None) -> dict:
-    """NVFP4 with numpy float32 and ml_dtypes casts (specs/nvfp4.md sections 0, 3.3, 4.1)."""
+    """NVFP4 with numpy float32 and ml_dtypes casts (docs/formats/nvfp4.md sections 0, 3.3, 4.1)."""
     m_, e_ = {"static_6": (6, 448), "static_4": (4, 448)}.get(rule, (6, 256))
     xf = x.astype(F32)
     rows = block_shape[0]

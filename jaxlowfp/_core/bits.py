@@ -1,7 +1,7 @@
 """float32 bit helpers and correctly rounded division, shared by the codecs, the block math and the kernels.
 
 XLA rewrites ``a / c`` (c constant or broadcast) into ``a * (1/c)``, which differs from IEEE division in the last
-bit for about a third of inputs, and LLVM contracts ``acc + d*d`` into an FMA (specs/nvfp4.md section 8). The
+bit for about a third of inputs, and LLVM contracts ``acc + d*d`` into an FMA (docs/formats/nvfp4.md section 8). The
 helpers here keep every rounding the specification asks for: bit patterns, integer-exact division by constants
 (:func:`div_const`, no division instruction at all, so exact on every backend), and the older barrier-based forms
 (:func:`true_divide`, :func:`ieee_div`) for small tables and scalars.
@@ -87,7 +87,7 @@ def materialize(a: jax.Array) -> jax.Array:
 
 def no_contract(t: jax.Array) -> jax.Array:
     """`t` (float32 >= 0 or NaN) unchanged, through an integer ``min`` with 0x7FFFFFFF: the adds that consume it
-    then never see an ``fmul`` operand, so LLVM cannot fuse ``err + d*d`` into an FMA (specs/nvfp4.md 8.2).
+    then never see an ``fmul`` operand, so LLVM cannot fuse ``err + d*d`` into an FMA (docs/formats/nvfp4.md 8.2).
     The compiler cannot drop the ``min``: a NaN product may carry a sign bit."""
     bits = lax.bitcast_convert_type(t, jnp.uint32)
     return lax.bitcast_convert_type(jnp.minimum(bits, jnp.uint32(ABS)), jnp.float32)

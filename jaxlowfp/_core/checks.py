@@ -16,7 +16,7 @@ def float_input(x: Any, what: str = "x") -> jnp.ndarray:
     """Return `x` as a jnp array if it is float32/bfloat16/float16, else raise a TypeError.
 
     float64 is refused rather than cast: a float64 -> float32 -> 8-bit conversion rounds twice (see
-    specs/hif8.md section 5), so the caller must choose the cast (`x.astype(jnp.float32)`) explicitly.
+    docs/formats/hif8.md section 5), so the caller must choose the cast (`x.astype(jnp.float32)`) explicitly.
     Python scalars are weakly typed and taken as float32.
     """
     if isinstance(x, (bool, int)) and not isinstance(x, float):

@@ -12,7 +12,7 @@ binade are representable, so this is the nearest value overall). ``|x| >= 40960`
 with ``saturate=True``); ``|x| < 2^-23`` and negative values that round to zero give the unsigned zero 0x00.
 
 Everything works on the float32 bit pattern (``bitcast`` to uint32, integer add and mask), so XLA cannot elide or
-re-associate the rounding. float16 and bfloat16 inputs widen exactly to float32 first. See ``specs/hif8.md``.
+re-associate the rounding. float16 and bfloat16 inputs widen exactly to float32 first. See ``docs/formats/hif8.md``.
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def _round_ta_bits(mag: jnp.ndarray) -> jnp.ndarray:
 
 def _round_hybrid_bits(mag: jnp.ndarray) -> jnp.ndarray:
     """Hybrid ("HR", CAST_HYBRID) rounding of float32 magnitude bits: TA for |E| < 4, else the deterministic
-    pseudo-stochastic "SSR" that rounds up iff the top 14 discarded bits >= the low 14 bits (specs/hif8.md 6.2).
+    pseudo-stochastic "SSR" that rounds up iff the top 14 discarded bits >= the low 14 bits (docs/formats/hif8.md 6.2).
     Values with no discarded bits are exact and kept."""
     e = (mag >> 23).astype(jnp.int32) - 127
     frac = mag & u32(0x7FFFFF)

@@ -20,7 +20,7 @@ __all__ = ["Format", "MiniFloat", "HIF8", "E4M3", "E5M2", "E2M1", "FORMATS", "ge
            "e2m1_magnitude"]
 
 
-# E2M1 round-to-nearest-even by threshold counting (specs/nvfp4.md 2.1): the index 0..7 of the magnitude grid
+# E2M1 round-to-nearest-even by threshold counting (docs/formats/nvfp4.md 2.1): the index 0..7 of the magnitude grid
 # {0, .5, 1, 1.5, 2, 3, 4, 6} is the number of thresholds passed. At a tie the comparison is ">=" where the upper
 # neighbour has the even code (idx 2, 4, 6) and ">" where the lower one has. Anything above 5 (Inf too) saturates
 # to 6; NaN passes no threshold and gives 0.

@@ -1,4 +1,4 @@
-"""The per-block NVFP4 / Four Over Six math, the quantized-array type and argument checks (specs/nvfp4.md).
+"""The per-block NVFP4 / Four Over Six math, the quantized-array type and argument checks (docs/formats/nvfp4.md).
 
 Shared by :mod:`jaxlowfp.nvfp4` (the public API: jit, kernel dispatch) and the Pallas kernel
 (``pallas_kernels/nvfp4.py``), which reproduces :func:`quantize_blocks` bit for bit. Two-level scaling, every step
