@@ -4,6 +4,7 @@ from __future__ import annotations
 import platform
 import re
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -11,6 +12,9 @@ from typing import Callable
 import jax
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
+# the checkout root: the benchmarks import the repository's application `train` (it is not installed by that name)
+if str(RESULTS.parents[1]) not in sys.path:
+    sys.path.insert(1, str(RESULTS.parents[1]))
 
 
 def time_call(fn: Callable, *args, reps: int = 7, warmup: int = 2) -> float:

@@ -1,6 +1,6 @@
-"""Forward-pass throughput of SmolLM2-135M (`train.models.load("smollm2-135m")`) on this machine, and the cost of
+"""Forward-pass throughput of SmolLM2-135M (`jaxlowfp.models.load("smollm2-135m")`) on this machine, and the cost of
 fake quantization: HiF8 W8A8 (`jaxlowfp.qat.hif8_w8a8()`) and NVFP4 4/6 W4A4 (`jaxlowfp.qat.nvfp4_w4a4("mse")`) on
-the MLP projections of the middle blocks (`jaxlowfp.nnx.paper_rules(30, keep_first=3, keep_last=2, ...)`), against
+the MLP projections of the middle blocks (`jaxlowfp.qnnx.paper_rules(30, keep_first=3, keep_last=2, ...)`), against
 the high-precision float32 forward. The same jitted function as `train.text_eval` (logits of a [batch, seq] int32
 batch; state the quantized layers write is dropped, so every call scales with the current amax). Calls of the three
 variants are interleaved so machine load hits them alike. Goal: quantized <= 1.3x high precision. Writes the
@@ -24,8 +24,8 @@ from flax import nnx
 
 from _results import machine, markdown_table, write_section
 from jaxlowfp import qat
-from jaxlowfp.nnx import paper_rules, quantize
-from train.models import load
+from jaxlowfp.qnnx import paper_rules, quantize
+from jaxlowfp.models import load
 
 VARIANTS = {"high precision": None, "HiF8 W8A8": qat.hif8_w8a8, "NVFP4 4/6 W4A4": lambda: qat.nvfp4_w4a4("mse")}
 

@@ -26,7 +26,7 @@ from flax import nnx
 from _results import machine, markdown_table, write_section
 from jaxlowfp import ptq
 from jaxlowfp.ptq.calibrate import linear_modules
-from train.models import load
+from jaxlowfp.models import load
 from train.ptq_cli import LAYERS, calibration_tokens
 
 METHODS = ("rtn", "gptq", "smoothquant", "awq")

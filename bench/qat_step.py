@@ -22,11 +22,11 @@ import numpy as np
 from flax import nnx
 
 from _results import machine, markdown_table, write_section
-from jaxlowfp.nnx import paper_rules, quantize
+from jaxlowfp.qnnx import paper_rules, quantize
 from jaxlowfp.qat import Warmup, hif8_w8a8
 from jaxlowfp import training
 from train.loop import make_optimizer, make_schedule
-from train.model import PRESETS, Llama, ModelConfig, loss_fn
+from jaxlowfp.models.llama import PRESETS, Llama, ModelConfig, loss_fn
 
 SIZES = {
     "small": PRESETS["small"],  # the demo model

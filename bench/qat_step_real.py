@@ -27,8 +27,8 @@ from jaxlowfp.qat import Warmup
 from train.arms import quantize_arm
 from train.config import TrainConfig, arm_specs
 from train.loop import init_state, jit_train_step, make_optimizer, make_schedule
-from train.model import loss_fn
-from train.models import load
+from jaxlowfp.models.llama import loss_fn
+from jaxlowfp.models import load
 
 VARIANTS = ("hp", "qat", "observe")
 

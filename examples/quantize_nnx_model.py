@@ -4,7 +4,7 @@
     python examples/quantize_nnx_model.py --blocks 4 --d-model 32 --steps 6
 
 What it shows:
-1. `jaxlowfp.nnx.quantize(model, rules)` swaps matching `nnx.Linear` modules for `QuantLinear` in place and
+1. `jaxlowfp.qnnx.quantize(model, rules)` swaps matching `nnx.Linear` modules for `QuantLinear` in place and
    returns a report (what was quantized, what was kept, which rules matched nothing).
 2. The functional view: `jaxlowfp.training` splits the model into params (for optax), the amax histories
    (qstate) and the rest, and builds one jitted train step `(state, batch) -> (state, metrics)`.
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxlowfp import nnx as jnnx
+from jaxlowfp import qnnx as jnnx
 from jaxlowfp import qat, training
 
 

@@ -1,9 +1,11 @@
 """jaxlowfp: 8-bit and 4-bit floating point for JAX/Flax.
 
 Element formats and block-scaled formats as pure functions (`hif8`, `formats`, `nvfp4`, `mx`, `hadamard`), delayed
-scaling as a functional state (`scaling`), straight-through QAT ops and recipes (`qat`), Flax integration (`nnx`,
-`linen`), the functional train step (`training`), post-training quantization and NVFP4 export (`ptq`) and the
-kernel dispatch (`dispatch`, kernels in `pallas_kernels`).
+scaling as a functional state (`scaling`), straight-through QAT ops and recipes (`qat`), module-path rules shared by
+QAT and PTQ (`rules`), Flax integration (`qnnx`, `qlinen`: named so they sit beside ``flax.nnx`` / ``flax.linen``),
+the functional train step (`training`), the Llama-family model and checkpoint loaders (`models`), evaluation with
+lm-eval's conventions (`evaluation`), post-training quantization and NVFP4 export (`ptq`) and the kernel dispatch
+(`dispatch`, kernels in `pallas_kernels`).
 Submodules load on first use, so ``import jaxlowfp`` is cheap and importing the leaf layer (``jaxlowfp._core``,
 which the kernels use) does not pull in optax or Flax.
 
@@ -18,8 +20,11 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_MODULES = ("dispatch", "formats", "hadamard", "hif8", "mx", "nvfp4", "qat", "scaling", "nnx", "linen", "training",
-            "ptq")
+_MODULES = ("dispatch", "formats", "hadamard", "hif8", "mx", "nvfp4", "qat", "scaling", "rules", "qnnx", "qlinen",
+            "training", "models", "evaluation", "ptq")
+
+# old names, importable for one release with a DeprecationWarning (they shadowed flax.nnx / flax.linen)
+_DEPRECATED_MODULES = ("nnx", "linen")
 
 # flat names -> the submodule that defines them
 _NAMES = {
@@ -30,13 +35,14 @@ _NAMES = {
     "QuantSpec": "qat", "QuantStats": "qat", "Recipe": "qat", "RecipeState": "qat", "RecipeStats": "qat",
     "Warmup": "qat", "fake_quant": "qat", "scaled_round": "qat", "dot_general": "qat", "linear": "qat",
     "hif8_w8a8": "qat", "nvfp4_w4a4": "qat", "nvfp4_training": "qat", "fp8_delayed": "qat",
+    "Rule": "rules", "QuantizeReport": "rules",
 }
 
 __all__ = [*_MODULES, *_NAMES]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _MODULES:
+    if name in _MODULES or name in _DEPRECATED_MODULES:
         value = importlib.import_module(f"jaxlowfp.{name}")
     elif name in _NAMES:
         value = getattr(importlib.import_module(f"jaxlowfp.{_NAMES[name]}"), name)

@@ -125,20 +125,19 @@ class PendingAmax(NamedTuple):
     @staticmethod
     def none() -> PendingAmax:
         """Nothing pending (the value a forward pass leaves behind)."""
-        zero = jnp.zeros((), jnp.float32)
-        return PendingAmax(seen=zero, amax=zero)
+        return PendingAmax(seen=jnp.zeros((), jnp.float32), amax=jnp.zeros((), jnp.float32))
 
 
 def _init_state(history_len: int) -> AmaxHistory:
-    zero = jnp.zeros((), jnp.float32)
+    # a buffer of its own for every leaf, so that a jitted step may donate the state
     return AmaxHistory(
         history=jnp.zeros((history_len,), jnp.float32),
         count=jnp.zeros((), jnp.int32),
-        estimate=zero,
+        estimate=jnp.zeros((), jnp.float32),
         nonfinite=jnp.zeros((), jnp.int32),
         version=jnp.asarray(SCHEMA_VERSION, jnp.int32),
-        peak=zero,
-        ema=zero,
+        peak=jnp.zeros((), jnp.float32),
+        ema=jnp.zeros((), jnp.float32),
     )
 
 

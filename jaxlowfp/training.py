@@ -3,7 +3,7 @@
 The model is split once into a ``graphdef`` and state pytrees (:func:`split`)::
 
     params   nnx.Param                   differentiated, updated by optax
-    qstate   jaxlowfp.nnx.AmaxState      amax histories of the quantized layers (delayed scaling); its
+    qstate   jaxlowfp.qnnx.AmaxState      amax histories of the quantized layers (delayed scaling); its
                                          ``scaling.PendingAmax`` slots (delayed gradient scaling) are differentiated
                                          too, and their gradient, the output-gradient amax, is their new value
     rest     everything else             rng counters of stochastic rounding, the observe-only flags, last stats
@@ -17,15 +17,19 @@ One step, for ``k = microbatches``::
     params', opt_state' = optax update            (all of params, opt_state, qstate, rest kept as they were if not ok)
 
 Every microbatch quantizes with the same delayed estimate (the histories as they were when the step began), and
-the recorded amaxes merge by maximum, so ``k`` microbatches record exactly what one batch ``k`` times larger
-would (Flax's fp8 ops summed them and Levanter kept the last microbatch's; both clip silently). A skipped step is
+the recorded amaxes merge by maximum (Flax's fp8 ops summed them and Levanter kept the last microbatch's; both clip
+silently). So once a layer's history holds a recorded amax (after one observe-only warmup step, for instance),
+``k`` microbatches quantize and record what one batch ``k`` times larger would, up to float32 rounding of the
+activations. The exception is a quantized step on an empty history: the estimate then falls back to the current
+amax, which is each microbatch's own, not the large batch's, so that step's scales differ; its merged record is the
+max over the microbatches (for a layer fed by the batch itself, exactly the large batch's amax). A skipped step is
 the idea of ``optax.apply_if_finite`` carried over to the whole state: nothing non-finite ever reaches the state,
 so nothing non-finite can reach a checkpoint. The optimizer runs under standard dtype promotion (optax mixes
 Python floats with its int32 count), the model under whatever promotion the caller set.
 
 >>> import jax, jax.numpy as jnp, optax
 >>> from flax import nnx
->>> from jaxlowfp import nnx as qnnx, qat, training
+>>> from jaxlowfp import qnnx, qat, training
 >>> class Net(nnx.Module):
 ...     def __init__(self, rngs):
 ...         self.up_proj = nnx.Linear(16, 16, rngs=rngs)
@@ -53,7 +57,7 @@ from flax import nnx
 
 from jaxlowfp import scaling
 from jaxlowfp._core.checks import integer
-from jaxlowfp.nnx import AmaxState, QuantStatsState, set_observe_only
+from jaxlowfp.qnnx import AmaxState, QuantStatsState, set_observe_only
 from jaxlowfp.qat import Warmup
 
 __all__ = ["TrainState", "LossFn", "split", "init", "make_step", "quant_metrics"]
@@ -78,13 +82,43 @@ def split(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State, nnx.St
 
 
 def init(model: nnx.Module, tx: optax.GradientTransformation) -> tuple[nnx.GraphDef, TrainState]:
-    """``(graphdef, state)`` at step 0 for `model` (a quantized or plain NNX model) and optimizer `tx`."""
+    """``(graphdef, state)`` at step 0 for `model` (a quantized or plain NNX model) and optimizer `tx`.
+
+    Every array leaf of the state has a buffer of its own (a leaf that shares one with an earlier leaf, as an
+    optimizer's or a model's shared constants may, is copied), so ``jax.jit(step, donate_argnums=0)`` works on it.
+    The params are the model's own arrays: after donating them, read the trained values from the returned state
+    (``nnx.update(model, state.params, state.qstate, state.rest)``).
+    """
     graphdef, params, qstate, rest = split(model)
     with jax.numpy_dtype_promotion("standard"):
         opt_state = tx.init(params)
-    zero = jnp.zeros((), jnp.int32)
-    return graphdef, TrainState(params=params, qstate=qstate, rest=rest, opt_state=opt_state, step=zero,
-                                skipped=zero)
+    state = TrainState(params=params, qstate=qstate, rest=rest, opt_state=opt_state,
+                       step=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32))
+    return graphdef, _own_buffers(state)
+
+
+def _buffer_ids(x: jax.Array) -> set:
+    try:
+        return {(id(s.device), s.data.unsafe_buffer_pointer()) for s in x.addressable_shards}
+    except Exception:  # an array type without buffer pointers: its identity is the best we know
+        return {id(x)}
+
+
+def _own_buffers(tree: Any) -> Any:
+    """`tree` with every jax.Array leaf that shares a buffer with an earlier leaf replaced by a copy."""
+    seen: set = set()
+
+    def fresh(x: Any) -> Any:
+        if not isinstance(x, jax.Array):
+            return x
+        ids = _buffer_ids(x)
+        if ids & seen:
+            x = jnp.array(x, copy=True)
+            ids = _buffer_ids(x)
+        seen.update(ids)
+        return x
+
+    return jax.tree.map(fresh, tree)
 
 
 def _all_finite(tree: Any) -> jax.Array:
@@ -133,7 +167,8 @@ def make_step(
     telemetry_layer: str | None = None,
     state_shardings: Callable[[TrainState], Any] | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
-    """The pure step ``(state, batch) -> (state', metrics)`` (wrap it in ``jax.jit``; donating `state` is safe).
+    """The pure step ``(state, batch) -> (state', metrics)``: wrap it in ``jax.jit``, with ``donate_argnums=0`` to
+    update the state in place (a state from :func:`init` has a buffer per leaf).
 
     Args:
       graphdef: from :func:`init` / :func:`split`.
@@ -141,7 +176,8 @@ def make_step(
       loss_fn: ``loss_fn(model, batch) -> (scalar loss, aux)``; `aux` is ignored.
       warmup: a :class:`jaxlowfp.qat.Warmup`: observe-only (high precision) while ``step < warmup.steps``.
       microbatches: split the leading axis of every batch leaf into this many equal microbatches, accumulate the
-        mean gradient and merge the amax histories by maximum.
+        mean gradient and merge the amax histories by maximum (the module docstring says when that equals one
+        large batch).
       lr_schedule: reported as ``metrics["lr"]`` at the optimizer's own count (skipped steps do not advance it).
       telemetry_layer: a quantized layer's path, e.g. ``blocks/1/mlp/down_proj``: its activation amax and amax
         estimate are reported.

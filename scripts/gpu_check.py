@@ -50,7 +50,7 @@ SECTION = "GPU check"
 VERIFIED = ROOT / "jaxlowfp" / "verified_kernels.json"
 SCHEMA = 1
 HIF8_CLIP = 15.0
-TRAIN_PRESET = "base"  # train.model preset for (c)
+TRAIN_PRESET = "base"  # jaxlowfp.models.llama preset for (c)
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*", category=DeprecationWarning)
 
@@ -327,15 +327,15 @@ def throughput(shape: tuple[int, int], dtype: Any, backends: tuple[str, ...], *,
 def build_train_steps(preset: str, *, batch: int, seq: int, backends: tuple[str, ...] = (),
                       overrides: dict | None = None) -> tuple[dict[str, tuple[Callable, Any]], jax.Array]:
     """({variant: (jitted step, state)}, token batch): the high-precision step and the HiF8 W8A8 QAT step with the
-    jnp quantizers and with the Pallas kernel of each of `backends`, bfloat16 compute, for the `train.model` preset
+    jnp quantizers and with the Pallas kernel of each of `backends`, bfloat16 compute, for the `jaxlowfp.models.llama` preset
     (with ModelConfig `overrides`)."""
     import optax
     from flax import nnx
 
-    from jaxlowfp.nnx import paper_rules, quantize
+    from jaxlowfp.qnnx import paper_rules, quantize
     from train.loop import init_state, make_train_step  # the public step builder (one import to move)
-    from train.model import Llama, loss_fn
-    from train.model import preset as model_preset
+    from jaxlowfp.models.llama import Llama, loss_fn
+    from jaxlowfp.models.llama import preset as model_preset
 
     cfg = model_preset(preset, **{"dtype": "bfloat16", "max_seq_len": max(seq, 8), **(overrides or {})})
     schedule = optax.constant_schedule(1e-4)
@@ -495,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
         from _results import markdown_table
 
         parts.append(
-            f"**(c) Train step**, `train.model` preset \"{preset}\", bfloat16 compute, batch {batch} x {seq}, HiF8 "
+            f"**(c) Train step**, `jaxlowfp.models.llama` preset \"{preset}\", bfloat16 compute, batch {batch} x {seq}, HiF8 "
             "W8A8 QAT (delayed scaling, MLP projections of the middle blocks as `paper_rules` selects them) "
             f"against high precision; median of {reps} interleaved steps:\n\n"
             + markdown_table(["variant", "ms / step", "vs HP"],

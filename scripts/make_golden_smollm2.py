@@ -118,7 +118,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "tests"))
     from test_models_oracle import forward, log_softmax, read_gguf
-    from train.models import smollm2_135m_path
+    from jaxlowfp.models import smollm2_135m_path
 
     gguf = smollm2_135m_path()
     ps, tts = prompts(), tokenizer_texts()

@@ -62,11 +62,11 @@ def main() -> None:
     from flax import nnx
     from jax.experimental import multihost_utils
 
-    from jaxlowfp.nnx import paper_rules, quantize
+    from jaxlowfp.qnnx import paper_rules, quantize
     from jaxlowfp.qat import hif8_w8a8
     from train.data import BatchStream
     from train.loop import make_optimizer, make_schedule, train
-    from train.model import PRESETS, Llama, loss_fn
+    from jaxlowfp.models.llama import PRESETS, Llama, loss_fn
 
     log(f"initialized (distributed={distributed})")
     want = int(os.environ["JAX_NUM_PROCESSES"]) if distributed else 1

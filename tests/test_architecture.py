@@ -21,16 +21,21 @@ FLOORS = {
     "jaxlowfp.hif8": 1,
     "jaxlowfp.formats": 1,
     "jaxlowfp.hadamard": 1,
+    "jaxlowfp.rules": 1,
     "jaxlowfp.nvfp4": 2,
     "jaxlowfp.mx": 2,
     "jaxlowfp.scaling": 2,
     "jaxlowfp.qat": 3,
-    "jaxlowfp.nnx": 4,
-    "jaxlowfp.linen": 4,
+    "jaxlowfp.qnnx": 4,
+    "jaxlowfp.qlinen": 4,
+    "jaxlowfp.nnx": 4,  # deprecated alias of jaxlowfp.qnnx
+    "jaxlowfp.linen": 4,  # deprecated alias of jaxlowfp.qlinen
     "jaxlowfp.training": 5,
-    "jaxlowfp.ptq": 6,
-    "jaxlowfp": 7,  # the package's own __init__ (lazy: imports nothing of its own)
-    "train": 8,
+    "jaxlowfp.models": 6,
+    "jaxlowfp.evaluation": 6,
+    "jaxlowfp.ptq": 7,
+    "jaxlowfp": 8,  # the package's own __init__ (lazy: imports nothing of its own)
+    "train": 9,
 }
 
 
@@ -152,7 +157,7 @@ def test_a_kernel_module_loads_no_upper_floor(name):
     assert out.returncode == 0, out.stderr[-3000:]
     loaded = set(json.loads(out.stdout.strip().splitlines()[-1]))
     forbidden = {m for m in loaded if m.split(".")[0] in ("optax", "flax")
-                 or m.startswith(("jaxlowfp.qat", "jaxlowfp.nnx", "jaxlowfp.training", "jaxlowfp.linen"))}
+                 or m.startswith(("jaxlowfp.qat", "jaxlowfp.qnnx", "jaxlowfp.training", "jaxlowfp.qlinen"))}
     assert not forbidden, f"importing pallas_kernels.{name} loaded {sorted(forbidden)}"
     assert {m for m in loaded if m.startswith("jaxlowfp.") and not m.startswith("jaxlowfp._core")} == set()
 
@@ -161,10 +166,56 @@ def test_public_all_lists_only_what_exists():
     import importlib
 
     for name in ("jaxlowfp", "jaxlowfp.hif8", "jaxlowfp.formats", "jaxlowfp.nvfp4", "jaxlowfp.mx", "jaxlowfp.scaling",
-                 "jaxlowfp.qat", "jaxlowfp.nnx", "jaxlowfp.linen", "jaxlowfp.dispatch", "jaxlowfp.training",
+                 "jaxlowfp.rules", "jaxlowfp.models", "jaxlowfp.evaluation", "jaxlowfp.ptq",
+                 "jaxlowfp.qat", "jaxlowfp.qnnx", "jaxlowfp.qlinen", "jaxlowfp.dispatch", "jaxlowfp.training",
                  "jaxlowfp.hadamard"):
         module = importlib.import_module(name)
         missing = [n for n in module.__all__ if not hasattr(module, n)]
         assert not missing, f"{name}.__all__ names what it does not define: {missing}"
         private = [n for n in module.__all__ if n.startswith("_")]
         assert not private, f"{name}.__all__ lists private names {private}"
+
+
+def test_the_library_never_imports_the_application():
+    bad = [f"{a} imports {b}" for a, targets in GRAPH.items() if not a.startswith("train")
+           for b in targets if b == "train" or b.startswith("train.")]
+    assert not bad, "\n".join(bad)
+
+
+# Flax modules that are submodules users reach only through a dotted import (`from flax.training import
+# train_state`), never as a bare `from flax import training`, so a jaxlowfp module of that name shadows nothing
+_DOTTED_ONLY = {"training"}
+
+
+def test_no_public_module_is_named_like_a_flax_module():
+    import flax
+
+    flax_names = {m.name for m in pkgutil.iter_modules(flax.__path__) if not m.name.startswith("_")}
+    ours = {m.name for m in pkgutil.iter_modules([str(ROOT / "jaxlowfp")]) if not m.name.startswith("_")}
+    deprecated = {"nnx", "linen"}  # old names, kept one release with a DeprecationWarning
+    clash = (ours - deprecated - _DOTTED_ONLY) & flax_names
+    assert not clash, f"public jaxlowfp modules named like flax modules: {sorted(clash)}"
+    assert {"nnx", "linen"} <= flax_names  # the check looks at the right names
+
+
+def test_the_deprecated_module_names_warn_and_alias():
+    code = ("import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
+            "try:\n    from jaxlowfp import nnx\nexcept DeprecationWarning as e:\n    print('warned', e)\n"
+            "warnings.simplefilter('ignore')\nfrom jaxlowfp.nnx.layer import QuantLinear\n"
+            "from jaxlowfp import linen, qlinen, qnnx\n"
+            "print(QuantLinear is qnnx.QuantLinear, linen.QuantDotGeneral is qlinen.QuantDotGeneral)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "warned jaxlowfp.nnx is renamed jaxlowfp.qnnx" in out.stdout and out.stdout.strip().endswith("True True")
+
+
+def test_the_distribution_lists_every_package():
+    import tomllib
+
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(cfg["packages"])
+    dirs = {p.parent.relative_to(ROOT).as_posix().replace("/", ".") for pkg in ("jaxlowfp", "pallas_kernels")
+            for p in (ROOT / pkg).rglob("__init__.py")}
+    assert dirs | {"jaxlowfp_train"} == listed
+    assert cfg["package-dir"] == {"jaxlowfp_train": "train"}  # the app is installed under a name no user has

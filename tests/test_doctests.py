@@ -7,11 +7,13 @@ import pytest
 
 import jaxlowfp
 
-MODULES = sorted(m.name for m in pkgutil.walk_packages(jaxlowfp.__path__, "jaxlowfp."))
+# (jaxlowfp.nnx and jaxlowfp.linen: deprecated aliases that only warn and re-export)
+MODULES = sorted(m.name for m in pkgutil.walk_packages(jaxlowfp.__path__, "jaxlowfp.")
+                 if m.name not in ("jaxlowfp.nnx", "jaxlowfp.linen"))
 # the public modules a newcomer reads first: each shows at least one worked example
 MUST_HAVE_EXAMPLES = ("jaxlowfp", "jaxlowfp.hif8", "jaxlowfp.formats", "jaxlowfp.nvfp4", "jaxlowfp.mx",
-                      "jaxlowfp.scaling", "jaxlowfp.qat", "jaxlowfp.dispatch", "jaxlowfp.hadamard", "jaxlowfp.nnx",
-                      "jaxlowfp.training")
+                      "jaxlowfp.scaling", "jaxlowfp.qat", "jaxlowfp.dispatch", "jaxlowfp.hadamard", "jaxlowfp.qnnx",
+                      "jaxlowfp.training", "jaxlowfp.rules", "jaxlowfp.ptq")
 
 
 @pytest.mark.parametrize("name", ["jaxlowfp", *MODULES])

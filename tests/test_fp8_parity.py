@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from flax.linen import fp8_ops
 
-from jaxlowfp import linen as jlinen
+from jaxlowfp import qlinen as jlinen
 from jaxlowfp import qat, scaling
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Fp8DotGeneralOp is deprecated:DeprecationWarning")

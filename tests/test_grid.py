@@ -14,11 +14,11 @@ import pytest
 from flax import nnx
 
 from jaxlowfp import scaling
-from jaxlowfp.nnx import iter_quant_linears
+from jaxlowfp.qnnx import iter_quant_linears
 from train.arms import quantize_arm
 from train.config import TrainConfig, parse_args
 from train.grid import PAPER_GRID, arm_specs, make_recipe
-from train.model import PRESETS, Llama
+from jaxlowfp.models.llama import PRESETS, Llama
 from train.report import add_final_gaps, summary_rows
 
 REPO = Path(__file__).resolve().parents[1]

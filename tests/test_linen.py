@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxlowfp import linen as jlinen
+from jaxlowfp import qlinen as jlinen
 from jaxlowfp import qat
 from oracles import hif8_fake_quant_f64
 

@@ -1,4 +1,4 @@
-"""train.model for real checkpoints: padding masks and positions, the KV cache and `generate` (greedy decoding
+"""jaxlowfp.models.llama for real checkpoints: padding masks and positions, the KV cache and `generate` (greedy decoding
 equals the argmax of the full forward pass at every step; sampling), new config options."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 
 from jaxlowfp import qat
-from jaxlowfp.nnx import paper_rules, quantize
-from train.model import KVCache, Llama, ModelConfig, generate, llama3_rope_factors
+from jaxlowfp.qnnx import paper_rules, quantize
+from jaxlowfp.models.llama import KVCache, Llama, ModelConfig, generate, llama3_rope_factors
 
 CFG = ModelConfig(vocab=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64,
                   dtype="float32", rope_theta=500.0)

@@ -1,4 +1,4 @@
-"""train.models GGUF loading: tiny files written with gguf.GGUFWriter (q/k rows permuted as llama.cpp's converter
+"""jaxlowfp.models GGUF loading: tiny files written with gguf.GGUFWriter (q/k rows permuted as llama.cpp's converter
 does, F32 and Q8_0) give the logits of the numpy oracle; the tokenizer from GGUF metadata; every bad input is a
 clear error."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import train.models as models
+import jaxlowfp.models as models
 from test_models_oracle import forward, random_weights, read_gguf, tiny_bpe
-from train.models import CheckpointError, load
+from jaxlowfp.models import CheckpointError, load
 
 T = gguf.GGMLQuantizationType
 CFG = dict(vocab=272, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=96, tied=False,
@@ -128,7 +128,7 @@ def test_gguf_logits_match_the_numpy_oracle(tmp_path, arch, qtype, extra):
 
 
 def test_unpermute_inverts_the_converter_permutation():
-    from train.models.gguf_loader import unpermute_rope_rows
+    from jaxlowfp.models.gguf_loader import unpermute_rope_rows
 
     w = np.arange(6 * 8 * 5, dtype=np.float32).reshape(48, 5)
     for heads in (1, 2, 3, 6):

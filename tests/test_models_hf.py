@@ -1,4 +1,4 @@
-"""train.models Hugging Face loading: tiny sharded safetensors directories (random weights; untied, tied, Qwen2
+"""jaxlowfp.models Hugging Face loading: tiny sharded safetensors directories (random weights; untied, tied, Qwen2
 biases, Qwen3 q/k norms, Llama-3 rope scaling) give the logits of the numpy oracle; tokenizer.json; clear errors."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import tokenizers
 from safetensors.numpy import save_file
 
 from test_models_oracle import forward, random_weights, read_hf, tiny_bpe
-from train.models import CheckpointError, load
+from jaxlowfp.models import CheckpointError, load
 
 CFG = dict(vocab=272, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=96, tied=False,
            theta=10_000.0, eps=1e-5)

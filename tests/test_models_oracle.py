@@ -1,4 +1,4 @@
-"""A Llama-family forward pass in numpy float64, written from the papers as the test oracle for train.model and the
+"""A Llama-family forward pass in numpy float64, written from the papers as the test oracle for jaxlowfp.models.llama and the
 checkpoint loaders, and tests of the oracle itself.
 
 It shares no code with train/: its own file readers (``gguf.GGUFReader`` / ``safetensors`` plus ``config.json``), its

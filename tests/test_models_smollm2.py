@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from train.model import generate
-from train.models import load
+from jaxlowfp.models.llama import generate
+from jaxlowfp.models import load
 
 GOLDEN = np.load(Path(__file__).parent / "fixtures" / "smollm2_golden.npz")
 TOL = 1e-3  # absolute, per token log-probability (the bar)

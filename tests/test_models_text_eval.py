@@ -1,4 +1,4 @@
-"""train.text_eval and the eval/generate commands: lm-eval's rolling windows, log-likelihoods against the numpy
+"""jaxlowfp.evaluation, train.text_eval and the eval/generate commands: lm-eval's rolling windows, log-likelihoods against the numpy
 oracle, word/byte/token perplexity bookkeeping, the token-level multiple-choice task, the prose text."""
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from test_models_gguf import write_gguf
 from test_models_oracle import forward, log_softmax, random_weights, read_gguf
 from train import eval_cli
 from train import text_eval as te
+from jaxlowfp import evaluation as ev
 from train.data import DataError
 from train.evaluate import ChoiceTask
-from train.models import load
+from jaxlowfp.models import load
 
 CFG = dict(vocab=272, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=96, tied=False,
            theta=10_000.0, eps=1e-5)
@@ -53,7 +54,7 @@ def lm_eval_windows(token_list, prefix_token, max_seq_len, context_len):
                                              (23, 16, 5)])
 def test_rolling_windows_are_lm_evals(n, length, stride):
     toks = list(range(100, 100 + n))
-    ours = te.rolling_requests(toks, prefix_token=7, max_length=length, stride=stride)
+    ours = ev.rolling_requests(toks, prefix_token=7, max_length=length, stride=stride)
     ref = list(lm_eval_windows(toks, 7, length, length - stride + 1))
     assert len(ours) == len(ref)
     for r, (context, pred) in zip(ours, ref):
@@ -66,27 +67,27 @@ def test_rolling_windows_are_lm_evals(n, length, stride):
 def test_score_requests_matches_the_oracle(tiny):
     _, model, _, oracle = tiny
     rng = np.random.default_rng(0)
-    reqs = [te.Request(tuple(rng.integers(0, 272, n).tolist()), k) for n, k in
+    reqs = [ev.Request(tuple(rng.integers(0, 272, n).tolist()), k) for n, k in
             [(5, 4), (17, 3), (60, 60 - 1), (2, 1), (33, 10)]]
-    ll, stats = te.score_requests(model, reqs, batch_size=2, progress=False)
+    ll, stats = ev.score_requests(model, reqs, batch_size=2, progress=False)
     for r, got in zip(reqs, ll):
         lp = oracle(np.asarray(r.tokens[:-1]))
         want = sum(lp[t - 1, r.tokens[t]] for t in range(len(r.tokens) - r.n_pred, len(r.tokens)))
         assert got == pytest.approx(want, abs=2e-4)
     assert stats["tokens"] == 4 + 16 + 59 + 1 + 32 and stats["scored"] == 4 + 3 + 59 + 1 + 10
     with pytest.raises(ValueError, match="a request of 65 model inputs exceeds max_seq_len=64"):
-        te.score_requests(model, [te.Request(tuple(range(66)), 3)], progress=False)
+        ev.score_requests(model, [ev.Request(tuple(range(66)), 3)], progress=False)
 
 
 def test_perplexity_bookkeeping(tiny):
     _, model, tok, oracle = tiny
     docs = ["the thin cat sat on the mat.\n  And then   it ran away!", "in a hat"]
-    s = te.perplexity(model, tok, docs, name="t", max_length=16, stride=6, batch_size=4, progress=False)
+    s = ev.perplexity(model, tok, docs, name="t", max_length=16, stride=6, batch_size=4, progress=False)
     ids = [tok.encode(d) for d in docs]
     # brute force with the oracle: token i of a doc is predicted from the window the rolling rule gives it
     want = 0.0
     for doc in ids:
-        for r in te.rolling_requests(doc, prefix_token=1, max_length=16, stride=6):
+        for r in ev.rolling_requests(doc, prefix_token=1, max_length=16, stride=6):
             lp = oracle(np.asarray(r.tokens[:-1]))
             want += sum(lp[t - 1, r.tokens[t]] for t in range(len(r.tokens) - r.n_pred, len(r.tokens)))
     assert s.log_likelihood == pytest.approx(want, abs=1e-3)
@@ -96,22 +97,23 @@ def test_perplexity_bookkeeping(tiny):
     assert s.token_perplexity == pytest.approx(math.exp(-want / s.tokens), rel=1e-5)
     assert s.word_perplexity == pytest.approx(math.exp(-want / s.words), rel=1e-5)
     assert s.bits_per_byte == pytest.approx(-want / s.bytes / math.log(2), rel=1e-5)
-    cut = te.perplexity(model, tok, docs, max_tokens=10, max_length=16, progress=False)
+    cut = ev.perplexity(model, tok, docs, max_tokens=10, max_length=16, progress=False)
     assert (cut.docs, cut.tokens) == (1, 10) and cut.bytes == len(tok.decode(ids[0][:10]).encode())
     with pytest.raises(ValueError, match="max_length=128 exceeds the model's max_seq_len=64"):
-        te.perplexity(model, tok, docs, max_length=128)
+        ev.perplexity(model, tok, docs, max_length=128)
 
 
 def test_multiple_choice_tokenization_is_lm_evals(tiny):
     _, model, tok, oracle = tiny
-    ctx, cont = te._encode_pair(tok, "I saw the ", "thin cat")
+    ctx, cont = ev.encode_pair(tok, "I saw the ", "thin cat")
     assert ctx == tok.encode("I saw the") and tok.decode(cont) == " thin cat"  # the space moved
     assert tok.decode(ctx + cont) == "I saw the thin cat"
     text = np.frombuffer(b"once upon a time there ", np.uint8)
     task = ChoiceTask(context=text[None].astype(np.int32),
                       choices=np.zeros((1, 2, 8), np.int32) + np.frombuffer(b"was a he", np.uint8),
                       lengths=np.array([[8, 5]], np.int32), label=np.array([1], np.int32))
-    reqs, lengths = te.choice_requests(tok, task, max_length=16)
+    reqs = ev.choice_requests(tok, te.choice_items(task), max_length=16)
+    lengths = task.lengths
     assert [tok.decode(r.tokens[-r.n_pred:]) for r in reqs] == [" was a he", " was a"]
     assert all(len(r.tokens) <= 17 for r in reqs)
     res = te.score_choices_tokens(model, tok, task, max_length=16, progress=False)
@@ -162,5 +164,5 @@ def test_main_dispatches_the_subcommands():
 
     import importlib
 
-    assert importlib.import_module(SUBCOMMANDS["eval"]).main is eval_cli.main
-    assert importlib.import_module(SUBCOMMANDS["generate"]).main is eval_cli.main_generate
+    assert importlib.import_module(SUBCOMMANDS["eval"], "train").main is eval_cli.main
+    assert importlib.import_module(SUBCOMMANDS["generate"], "train").main is eval_cli.main_generate

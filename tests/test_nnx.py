@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 from jaxlowfp import qat, training
-from jaxlowfp import nnx as jnnx
+from jaxlowfp import qnnx as jnnx
 from oracles import hif8_fake_quant_f64
 
 D, F, V, T, NB = 32, 64, 48, 8, 4

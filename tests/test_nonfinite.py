@@ -13,7 +13,7 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxlowfp import nnx as qnnx
+from jaxlowfp import qnnx
 from jaxlowfp import qat, training
 from jaxlowfp.dispatch import INTERPRET_ENV
 from jaxlowfp.qat import QuantSpec

@@ -12,7 +12,7 @@ from flax import nnx
 from jaxlowfp import ptq
 from jaxlowfp.ptq import calibrate, checkpoint
 from jaxlowfp.ptq.formats import TensorFormat
-from train.model import PRESETS, Llama
+from jaxlowfp.models.llama import PRESETS, Llama
 
 FORMATS = [TensorFormat(kind="nvfp4", rule=r) for r in ("static_6", "static_4", "abs_max", "mae", "mse")] + [
     TensorFormat(kind="nvfp4", rule="mse", block_shape=(16, 16)), TensorFormat(kind="mxfp4"),
@@ -113,7 +113,8 @@ def test_smoothing_without_quantization_keeps_outputs(tokens, method):
     ref = model(tokens)
     layers = [p for p in calibrate.linear_modules(model) if p != "lm_head"]
     stats = ptq.collect(model, layers, [tokens], samples_per_batch=64, progress=False)
-    folds, skipped = ptq.llama_folds(model)
+    pairs, skipped = model.smoothing_folds()  # the model family says which op precedes which projections
+    folds = [ptq.Fold(prev=prev, layers=layers) for prev, layers in pairs]
     assert len(folds) == 3 * PRESETS["tiny"].n_layers  # qkv, gate/up, down; o_proj skipped (grouped-query)
     assert [p for p, _ in skipped] == [f"blocks/{i}/attn/o_proj" for i in range(PRESETS["tiny"].n_layers)]
     before = np.asarray(model.blocks[0].mlp_norm.scale[...])
@@ -128,7 +129,8 @@ def test_v_to_o_fold_without_grouped_query(tokens):
     import dataclasses
 
     model = Llama(dataclasses.replace(cfg, n_kv_heads=cfg.n_heads), rngs=nnx.Rngs(0))
-    folds, skipped = ptq.llama_folds(model)
+    pairs, skipped = model.smoothing_folds()
+    folds = [ptq.Fold(prev=prev, layers=layers) for prev, layers in pairs]
     assert not skipped and ptq.Fold(prev="blocks/0/attn/v_proj", layers=("blocks/0/attn/o_proj",)) in folds
     ref = model(tokens)
     layers = [p for p in calibrate.linear_modules(model) if p != "lm_head"]
@@ -233,7 +235,7 @@ def test_bad_options(tokens):
         ptq.quantize(model, [ptq.Rule(path="encoder/.*", scheme=ptq.scheme("hif8"))])
     with pytest.raises(ValueError, match="in_features to be a multiple of 32"):
         ptq.quantize(nnx.Sequential(nnx.Linear(48, 32, rngs=nnx.Rngs(0))), [ptq.Rule(path=".*", scheme=ptq.scheme("mxfp4"))])
-    with pytest.raises(TypeError, match="must be a jaxlowfp.ptq.Rule"):
+    with pytest.raises(TypeError, match="must be a jaxlowfp.rules.Rule"):
         ptq.quantize(model, ["blocks/.*"])
     # nothing was changed by the failed calls
     assert all(not isinstance(lin.dot_general, ptq.ActQuant) for lin in calibrate.linear_modules(model).values())

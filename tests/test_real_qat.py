@@ -1,5 +1,5 @@
 """Continued pretraining of a real checkpoint (`train.real_qat`): on a tiny random-weight Llama written as a
-Hugging Face directory and loaded by `train.models.load`, gradient accumulation equals one big batch (parameters
+Hugging Face directory and loaded by `jaxlowfp.models.load`, gradient accumulation equals one big batch (parameters
 and amax histories, merged by max), the warmup is bitwise high precision, resume is bit-exact, the token stream
 follows `BatchStream`'s order, and bad models or rules are clear errors; the command runs end to end."""
 from __future__ import annotations
@@ -22,8 +22,8 @@ from train.arms import RuleError, quantize_arm, train_arm
 from train.config import TrainConfig, arm_specs
 from train.data import BatchStream
 from train.loop import init_state, jit_train_step, make_schedule
-from train.model import Llama, ModelConfig, loss_fn
-from train.models import load
+from jaxlowfp.models.llama import Llama, ModelConfig, loss_fn
+from jaxlowfp.models import load
 from train.real_qat import TokenStream, token_eval_batches, tokenize_domain
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxlowfp.nnx import iter_quant_linears
+from jaxlowfp.qnnx import iter_quant_linears
 from test_models_hf import write_hf
 from test_models_oracle import random_weights
-from train.models import load
+from jaxlowfp.models import load
 from train.stream_cli import main, outlier_channels, run_stream, stream_batches, summarize
 from train.text_eval import load_texts
 
@@ -82,7 +82,7 @@ def test_estimates_follow_the_algorithm_and_channel_counts_add_up(tiny, algorith
 
 def test_high_precision_reference_and_summary(tiny):
     _, model, batches = tiny
-    from train.model import token_log_likelihood
+    from jaxlowfp.models.llama import token_log_likelihood
     import jax.numpy as jnp
 
     ref = run_stream(model, batches, None)

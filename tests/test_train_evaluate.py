@@ -16,7 +16,7 @@ from train.evaluate import (
     score_choices,
     validation_loss,
 )
-from train.model import Llama, preset
+from jaxlowfp.models.llama import Llama, preset
 
 CTX, CONT = 48, 24
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxlowfp.nnx import iter_quant_linears, paper_rules, quantize
+from jaxlowfp.qnnx import iter_quant_linears, paper_rules, quantize
 from jaxlowfp.qat import Warmup, hif8_w8a8
 from train import mesh as mesh_lib
 from train.checkpoint import CheckpointError
@@ -25,7 +25,7 @@ from train.loop import (
     shard_state,
     train,
 )
-from train.model import PRESETS, Llama, loss_fn
+from jaxlowfp.models.llama import PRESETS, Llama, loss_fn
 
 B, T = 8, 32
 SCHEDULE = make_schedule(3e-3)  # shared objects: runs with the same structure reuse one compiled step

@@ -138,9 +138,9 @@ def test_quantized_arms_use_the_paper_selection(fmt, recipe):
     """The quantized arms replace exactly the MLP projections of the middle blocks (tiny: blocks 1 and 2)."""
     from flax import nnx
 
-    from jaxlowfp.nnx import iter_quant_linears, paper_rules, quantize
+    from jaxlowfp.qnnx import iter_quant_linears, paper_rules, quantize
     from train.__main__ import make_recipe
-    from train.model import PRESETS, Llama
+    from jaxlowfp.models.llama import PRESETS, Llama
 
     cfg = TrainConfig(preset="tiny", format=fmt)
     for arm in arm_specs(cfg)[1:]:

@@ -1,4 +1,4 @@
-"""train.model: the Llama-style decoder against an independent numpy float64 forward pass, causality, paths."""
+"""jaxlowfp.models.llama: the Llama-style decoder against an independent numpy float64 forward pass, causality, paths."""
 import dataclasses
 import importlib.util
 from pathlib import Path
@@ -10,8 +10,8 @@ import optax
 import pytest
 from flax import nnx
 
-from train.model import PRESETS, Llama, ModelConfig, compute_dtype_for_backend, loss_fn, mlp_paths, preset
-from train.model import token_log_likelihood
+from jaxlowfp.models.llama import PRESETS, Llama, ModelConfig, compute_dtype_for_backend, loss_fn, mlp_paths, preset
+from jaxlowfp.models.llama import token_log_likelihood
 
 CFG = preset("tiny", dtype="float32", n_layers=2)  # 2 blocks keep compile times low
 
@@ -184,7 +184,7 @@ def test_demo_model_is_bit_identical_to_the_pre_change_code():
     """Logits, loss, accuracy, parameters and gradients of the tiny and small presets equal, bit for bit, those of
     train/model.py before it learnt real checkpoints (fixture made by tests/fixtures/make_demo_model_fixture.py
     from that commit): the demo table cannot move by one digit."""
-    import train.model as current
+    import jaxlowfp.models.llama as current
 
     path = Path(__file__).parent / "fixtures" / "make_demo_model_fixture.py"
     spec = importlib.util.spec_from_file_location("make_demo_model_fixture", path)

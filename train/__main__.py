@@ -5,7 +5,7 @@
 2. Continue on domain B (Python source) in several arms from the same parameters, with the same data order and
    learning rate (`train.config`): high precision; HiF8 W8A8 with `most_recent` scaling and no warmup; HiF8 W8A8
    with `max_window` 64 scaling after a high-precision warmup. MLP projections of the middle blocks are quantized
-   (`jaxlowfp.nnx.paper_rules`); the first and last blocks, attention, embeddings, norms and head are not.
+   (`jaxlowfp.qnnx.paper_rules`); the first and last blocks, attention, embeddings, norms and head are not.
 3. Evaluate every arm (domain-B and domain-A validation loss: the latter is forgetting; a multiple-choice task
    from held-out domain-A text; loss APE against the high-precision arm), print the table and write
    ``<run_dir>/report.md`` with plots.
@@ -31,19 +31,20 @@ import jax
 import numpy as np
 from flax import nnx
 
-from train import evaluate as ev
-from train import mesh as mesh_lib
-from train.arms import RuleError, finished_arm, quantize_arm, record_arm, stats_layer, train_arm
-from train.checkpoint import Checkpointer
-from train.config import ArmSpec, TrainConfig, arm_specs, parse_args, pretrain_key
-from train.data import BatchStream, DataError, Domain, load_domain
-from train.grid import make_recipe  # noqa: F401  (re-exported: the recipe of an arm)
-from train.loop import RunResult, make_optimizer, make_schedule, split_model, train
-from train.model import Llama, loss_fn, preset
-from train.report import (GRID_COLUMNS, PRETRAIN_COLUMNS, add_final_gaps, format_table, fouroversix_notes,
+from . import evaluate as ev
+from . import mesh as mesh_lib
+from .arms import RuleError, finished_arm, quantize_arm, record_arm, stats_layer, train_arm
+from .checkpoint import Checkpointer
+from .config import ArmSpec, TrainConfig, arm_specs, parse_args, pretrain_key
+from .data import BatchStream, DataError, Domain, load_domain
+from .grid import make_recipe  # noqa: F401  (re-exported: the recipe of an arm)
+from .loop import RunResult, make_optimizer, make_schedule, split_model, train
+from jaxlowfp.models.llama import Llama, loss_fn, preset
+from .report import (GRID_COLUMNS, PRETRAIN_COLUMNS, add_final_gaps, format_table, fouroversix_notes,
                           grid_notes, summary_rows, write_report)
 
-log = logging.getLogger("train")
+_PACKAGE = __package__ or "train"  # `train` in the checkout, `jaxlowfp_train` when installed
+log = logging.getLogger(_PACKAGE)
 
 
 def _stream(tokens: np.ndarray, cfg: TrainConfig, seed: int) -> BatchStream:
@@ -149,7 +150,7 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     """The job `cfg` asks for: a real checkpoint (`train.real_qat`), the fouroversix pretraining grid, or
     continued pretraining of the byte-level model (the demo's three arms or the paper's grid)."""
     if cfg.model is not None:
-        from train import real_qat
+        from . import real_qat
 
         return real_qat.run(cfg)
     try:
@@ -254,23 +255,24 @@ def run_fouroversix(cfg: TrainConfig) -> list[dict[str, Any]]:
 
 
 # `python -m train <name> ...` runs the subcommand module's `main(argv)`; without a subcommand, the demo job.
+# (module names relative to this package: it is `train` in the checkout and `jaxlowfp_train` when installed)
 SUBCOMMANDS: dict[str, str] = {
-    "eval": "train.eval_cli",
-    "generate": "train.generate_cli",
-    "ptq": "train.ptq_cli",
-    "stream": "train.stream_cli",
+    "eval": ".eval_cli",
+    "generate": ".generate_cli",
+    "ptq": ".ptq_cli",
+    "stream": ".stream_cli",
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in SUBCOMMANDS:
-        return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
+        return importlib.import_module(SUBCOMMANDS[argv[0]], _PACKAGE).main(argv[1:])
     cfg = parse_args(argv)
     mesh_lib.initialize_distributed()
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
-    for name in ("train", "train.loop", "train.checkpoint"):
+    for name in (_PACKAGE, f"{_PACKAGE}.loop", f"{_PACKAGE}.checkpoint"):
         logging.getLogger(name).addHandler(handler)
         logging.getLogger(name).setLevel(logging.INFO)
         logging.getLogger(name).propagate = False

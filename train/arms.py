@@ -13,10 +13,10 @@ import jax
 from flax import nnx
 
 from jaxlowfp import qat
-from jaxlowfp.nnx import QuantizeReport, paper_rules, quantize
-from train.grid import FOUROVERSIX_LAYERS, ArmSpec, make_recipe
-from train.loop import RunResult, make_optimizer, make_schedule, train
-from train.model import loss_fn
+from jaxlowfp.qnnx import QuantizeReport, paper_rules, quantize
+from .grid import FOUROVERSIX_LAYERS, ArmSpec, make_recipe
+from .loop import RunResult, make_optimizer, make_schedule, train
+from jaxlowfp.models.llama import loss_fn
 
 __all__ = ["RuleError", "finished_arm", "loss_function", "quantize_arm", "record_arm", "stats_layer", "train_arm"]
 
@@ -36,7 +36,7 @@ _REMAT = nnx.remat(loss_fn, policy=jax.checkpoint_policies.dots_with_no_batch_di
 
 
 def loss_function(remat: bool) -> Any:
-    """`train.model.loss_fn`, or its rematerialised twin (one object each, so jitted steps are shared)."""
+    """`jaxlowfp.models.llama.loss_fn`, or its rematerialised twin (one object each, so jitted steps are shared)."""
     return _remat_loss if remat else loss_fn
 
 
@@ -44,7 +44,7 @@ def quantize_arm(model: nnx.Module, arm: ArmSpec, *, keep_first: int, keep_last:
                  seed: int = 0) -> QuantizeReport | None:
     """Quantize `model` in place for `arm` (nothing for a high-precision arm) and return the report.
 
-    HiF8 / NVFP4 W4A4 arms: `jaxlowfp.nnx.paper_rules` (the MLP projections of blocks keep_first ..
+    HiF8 / NVFP4 W4A4 arms: `jaxlowfp.qnnx.paper_rules` (the MLP projections of blocks keep_first ..
     n - keep_last - 1). NVFP4 training arms: the `train.grid.FOUROVERSIX_LAYERS` of every block; stochastic
     rounding draws from ``nnx.Rngs(seed)``. Raises `RuleError` when the rules
     leave no block, match no layer, or a layer's shape does not fit the recipe's blocks.

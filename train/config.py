@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxlowfp._core.checks import one_of
-from train.grid import DEFAULT_ARMS, GRIDS, ArmSpec, arm_specs, default_arms, grid_arm_names
+from .grid import DEFAULT_ARMS, GRIDS, ArmSpec, arm_specs, default_arms, grid_arm_names
 
 __all__ = [
     "TrainConfig",
@@ -65,7 +65,7 @@ MODEL_GRID_HIGH_LR = 1e-4
 
 
 def _presets() -> dict[str, Any]:
-    from train.model import PRESETS  # late: keeps `--help` cheap
+    from jaxlowfp.models.llama import PRESETS  # late: keeps `--help` cheap
 
     return PRESETS
 
@@ -109,7 +109,7 @@ class TrainConfig:
     progress: bool = True
     grid: str | None = None  # None, "paper" or "fouroversix"
     low_lr: float | None = None  # the low LR of grid "paper"; None: lr / 10
-    model: str | None = None  # a real checkpoint (train.models.load); None: the byte-level model of `preset`
+    model: str | None = None  # a real checkpoint (jaxlowfp.models.load); None: the byte-level model of `preset`
     dtype: str = "auto"  # compute dtype; auto: bfloat16 on GPU, float32 on CPU
     microbatches: int = 1  # gradient accumulation: microbatches per step (amax histories merged by max)
     remat: bool = False  # rematerialise the forward in the backward, saving only matmul outputs
@@ -164,7 +164,7 @@ class TrainConfig:
         if self.max_bytes is not None:
             _positive(self, "max_bytes")
         if self.mesh is not None:
-            from train.mesh import parse_mesh
+            from .mesh import parse_mesh
 
             parse_mesh(self.mesh)  # raises a ValueError naming the allowed axes
         if self.model is not None:  # sizes of a real checkpoint are checked once it is loaded (train.real_qat)

@@ -57,7 +57,7 @@ def parse_eval_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--mc-items", type=int, default=48,
                    help="multiple-choice items from held-out Shakespeare, 0 to skip (default: %(default)s)")
     p.add_argument("--quantize", default="none", choices=QUANT_CHOICES,
-                   help="fake-quantize the middle blocks' MLPs (jaxlowfp.nnx.paper_rules, keep_first 3, keep_last "
+                   help="fake-quantize the middle blocks' MLPs (jaxlowfp.qnnx.paper_rules, keep_first 3, keep_last "
                         "2): HiF8 W8A8 or NVFP4 4/6 W4A4 (default: %(default)s)")
     p.add_argument("--keep-first", type=int, default=3)
     p.add_argument("--keep-last", type=int, default=2)
@@ -65,7 +65,7 @@ def parse_eval_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the multiple-choice task (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(list(argv))
-    from train.text_eval import TEXTS
+    from .text_eval import TEXTS
 
     args.texts = [t.strip() for t in args.texts.split(",") if t.strip()]
     bad = [t for t in args.texts if t not in TEXTS]
@@ -85,7 +85,7 @@ def _model_name(model: str) -> str:
 
 
 def _load(model: str, dtype: str) -> tuple[Any, Any, float]:
-    from train.models import CheckpointError, load
+    from jaxlowfp.models import CheckpointError, load
 
     t0 = time.perf_counter()
     try:
@@ -98,7 +98,7 @@ def _load(model: str, dtype: str) -> tuple[Any, Any, float]:
 def quantize_model(model: Any, kind: str, *, keep_first: int, keep_last: int) -> str:
     """Swap the middle blocks' MLP projections for fake-quantized ones (``kind``: hif8 or nvfp4); the report."""
     from jaxlowfp import qat
-    from jaxlowfp.nnx import paper_rules, quantize
+    from jaxlowfp.qnnx import paper_rules, quantize
 
     recipe = qat.hif8_w8a8() if kind == "hif8" else qat.nvfp4_w4a4("mse")
     report = quantize(model, paper_rules(model.config.n_layers, keep_first=keep_first, keep_last=keep_last,
@@ -124,10 +124,10 @@ def _rows(scores: list[Any]) -> list[list[str]]:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m train eval``."""
     args = parse_eval_args(sys.argv[1:] if argv is None else argv)
-    from train import evaluate as ev
-    from train.data import DataError, load_domain
-    from train.report import text_table
-    from train.text_eval import load_texts, perplexity, score_choices_tokens
+    from . import evaluate as ev
+    from .data import DataError, load_domain
+    from .report import text_table
+    from .text_eval import load_texts, perplexity, score_choices_tokens
 
     t0 = time.perf_counter()
     model, tok, load_s = _load(args.model, args.dtype)
@@ -207,7 +207,7 @@ def parse_generate_args(argv: Sequence[str]) -> argparse.Namespace:
 def main_generate(argv: Sequence[str] | None = None) -> int:
     """``python -m train generate``."""
     args = parse_generate_args(sys.argv[1:] if argv is None else argv)
-    from train.model import generate
+    from jaxlowfp.models.llama import generate
 
     model, tok, _ = _load(args.model, args.dtype)
     if args.quantize != "none":

@@ -15,8 +15,8 @@ import numpy as np
 from flax import nnx
 
 from jaxlowfp._core.checks import one_of
-from train.data import DOC_SEP, eval_batches
-from train.model import token_log_likelihood
+from .data import DOC_SEP, eval_batches
+from jaxlowfp.models.llama import token_log_likelihood
 
 __all__ = [
     "ChoiceTask",

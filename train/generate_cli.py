@@ -1,4 +1,4 @@
 """`python -m train generate`: see `train.eval_cli`."""
-from train.eval_cli import main_generate as main
+from .eval_cli import main_generate as main
 
 __all__ = ["main"]

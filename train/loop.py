@@ -28,8 +28,8 @@ from jax.sharding import Mesh
 
 from jaxlowfp import training
 from jaxlowfp.training import LossFn, TrainState
-from train import mesh as mesh_lib
-from train.checkpoint import Checkpointer
+from . import mesh as mesh_lib
+from .checkpoint import Checkpointer
 
 __all__ = [
     "TrainState",

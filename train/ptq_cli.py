@@ -97,8 +97,8 @@ def calibration_tokens(tok: Any, n_seqs: int, seq_len: int) -> Any:
     standard library, the first 90 % of Alice), an equal share from each, so nothing evaluated is calibrated on."""
     import numpy as np
 
-    from train.data import VAL_FRACTION, load_domain
-    from train.text_eval import prose_text
+    from .data import VAL_FRACTION, load_domain
+    from .text_eval import prose_text
 
     prose = prose_text()
     sources = [bytes(load_domain("shakespeare").train[: 400_000]).decode("utf-8", "replace"),
@@ -129,7 +129,7 @@ def _restore(graphdef: Any, state: Any) -> Any:
 
 
 def _evaluate(model: Any, tok: Any, texts: dict, task: Any, args: argparse.Namespace) -> dict[str, Any]:
-    from train.text_eval import perplexity, score_choices_tokens
+    from .text_eval import perplexity, score_choices_tokens
 
     t0 = time.perf_counter()
     kw = dict(max_tokens=args.max_tokens, max_length=args.max_length, stride=args.max_length,
@@ -151,7 +151,7 @@ def _geomean(vals: Sequence[float]) -> float:
 
 
 def _table(rows: list[dict], texts: Sequence[str], mc: bool) -> str:
-    from train.report import text_table
+    from .report import text_table
 
     head = ["method", "format"] + [f"{t} wppl" for t in texts] + ["mean wppl"]
     head += ["MC acc", "MC acc_norm"] if mc else []
@@ -212,7 +212,7 @@ def _plot(rows: list[dict], texts: Sequence[str], hp_row: dict, path: Path) -> N
 
 
 def hf_config(cfg: Any) -> dict:
-    """A Hugging Face ``config.json`` for a `train.model.ModelConfig` (Llama; Qwen2 with q/k/v bias; Qwen3 with
+    """A Hugging Face ``config.json`` for a `jaxlowfp.models.llama.ModelConfig` (Llama; Qwen2 with q/k/v bias; Qwen3 with
     q/k norm)."""
     arch = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
     return {"architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -229,7 +229,7 @@ def export_and_check(model: Any, result: Any, graphdef: Any, hp_state: Any, cali
     import jax.numpy as jnp
 
     from jaxlowfp import ptq
-    from train.models.common import tensor_specs
+    from jaxlowfp.models.common import tensor_specs
 
     names = {s.path: s.hf for s in tensor_specs(model.config)}
     ptq.export(model, result, out, tensor_names=names, model_config=hf_config(model.config))
@@ -247,11 +247,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from flax import nnx
 
     from jaxlowfp import ptq
-    from train import evaluate as ev
-    from train.data import DataError, load_domain
+    from . import evaluate as ev
+    from .data import DataError, load_domain
     from jaxlowfp.ptq.calibrate import linear_modules
-    from train.models import CheckpointError, load
-    from train.text_eval import load_texts
+    from jaxlowfp.models import CheckpointError, load
+    from .text_eval import load_texts
 
     t_all = time.perf_counter()
     try:

@@ -1,13 +1,13 @@
 """Continued pretraining of a real checkpoint with HiF8 W8A8 QAT: ``python -m train --model smollm2-135m``.
 
-1. Load the checkpoint and its tokenizer (`train.models.load`: a registry name, a ``.gguf`` file or a Hugging Face
+1. Load the checkpoint and its tokenizer (`jaxlowfp.models.load`: a registry name, a ``.gguf`` file or a Hugging Face
    directory); the compute dtype is ``--dtype`` (auto: bfloat16 on GPU, float32 on CPU), parameters float32.
 2. Tokenize the training part of the Python standard library domain (`train.data`, documents ended by the EOS
    token) and draw batches of ``seq_len + 1`` tokens from it (`TokenStream`: `train.data.BatchStream`'s order,
    so resume and the ``data x fsdp`` mesh work as for the byte model).
 3. Train every arm (`train.grid`: the default three, or ``--grid paper``) from the loaded weights with a constant
    learning rate: the MLP gate/up/down projections of blocks keep_first .. n-keep_last-1 quantized
-   (`jaxlowfp.nnx.paper_rules`, SmolLM2: blocks 3..27 of 30), attention, embeddings, norms and the first 3 and
+   (`jaxlowfp.qnnx.paper_rules`, SmolLM2: blocks 3..27 of 30), attention, embeddings, norms and the first 3 and
    last 2 blocks in high precision; the quantized arms with a high-precision warmup where the arm has one.
    ``--microbatches`` accumulates gradients (amax histories merged by max), ``--remat`` rematerialises.
 4. Evaluate every arm and the loaded model (`train.text_eval`): adaptation is the word perplexity of held-out
@@ -29,16 +29,16 @@ import jax
 import numpy as np
 from flax import nnx
 
-from train import evaluate as ev
-from train import mesh as mesh_lib
-from train.arms import RuleError, finished_arm, quantize_arm, record_arm, stats_layer, train_arm
-from train.config import TrainConfig, arm_specs
-from train.data import DOC_SEP, BatchStream, DataError, eval_batches, load_domain
-from train.report import REAL_COLUMNS, format_table, grid_notes, summary_rows, write_report
+from . import evaluate as ev
+from . import mesh as mesh_lib
+from .arms import RuleError, finished_arm, quantize_arm, record_arm, stats_layer, train_arm
+from .config import TrainConfig, arm_specs
+from .data import DOC_SEP, BatchStream, DataError, eval_batches, load_domain
+from .report import REAL_COLUMNS, format_table, grid_notes, summary_rows, write_report
 
 __all__ = ["TokenStream", "token_eval_batches", "tokenize_domain", "load_model", "evaluate_model", "run"]
 
-log = logging.getLogger("train")
+log = logging.getLogger(__package__)
 
 RETENTION = ("shakespeare", "prose")
 ADAPTATION = "python"
@@ -113,8 +113,8 @@ def tokenize_domain(tokens: np.ndarray, tokenizer: Any) -> np.ndarray:
 
 def load_model(cfg: TrainConfig) -> tuple[nnx.Module, Any, float]:
     """(model, tokenizer, seconds) of ``cfg.model``; a bad name or file exits with the loader's message."""
-    from train.model import compute_dtype_for_backend
-    from train.models import CheckpointError, load
+    from jaxlowfp.models.llama import compute_dtype_for_backend
+    from jaxlowfp.models import CheckpointError, load
 
     dtype = cfg.dtype if cfg.dtype != "auto" else np.dtype(compute_dtype_for_backend()).name
     if dtype == "bfloat16" and np.dtype(compute_dtype_for_backend()).name == "float32":
@@ -138,7 +138,7 @@ def evaluate_model(model: nnx.Module, tokenizer: Any, texts: dict[str, list[str]
                    cfg: TrainConfig) -> dict[str, float]:
     """Word perplexity of every text (``ppl_<name>``, and ``bpb_<name>``, bits per byte), and the multiple-choice
     accuracy with the real tokenizer (``acc``, ``acc_norm``)."""
-    from train.text_eval import perplexity, score_choices_tokens
+    from .text_eval import perplexity, score_choices_tokens
 
     out: dict[str, float] = {}
     for name, docs in texts.items():
@@ -169,7 +169,7 @@ def _preflight(cfg: TrainConfig, graphdef: nnx.GraphDef, state: nnx.State, specs
 
 def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     """Load, tokenize, train every arm, evaluate, print the table and write the report (module docstring)."""
-    from train.text_eval import load_texts
+    from .text_eval import load_texts
 
     t0 = time.perf_counter()
     mesh = mesh_lib.make_mesh(cfg.mesh)

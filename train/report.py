@@ -15,7 +15,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from train.evaluate import loss_ape
+from .evaluate import loss_ape
 
 __all__ = [
     "COLUMNS",

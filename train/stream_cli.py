@@ -5,7 +5,7 @@
 
 Real evaluation batches (held-out Python standard library, Shakespeare and English prose, `train.text_eval`) are
 streamed through the model with HiF8 W8A8 fake quantization of the middle blocks' MLP projections
-(`jaxlowfp.nnx.paper_rules`, SmolLM2: blocks 3..27 of 30), once per scaling algorithm, every quantized tensor
+(`jaxlowfp.qnnx.paper_rules`, SmolLM2: blocks 3..27 of 30), once per scaling algorithm, every quantized tensor
 carrying its delayed-scaling state from batch to batch as in training (``most_recent``, ``ema``, ``max_window``
 over ``--history-len`` batches, and current scaling, which has no delay). Batch ``t`` is quantized with the
 estimate from batches ``0..t-1`` (the first batch falls back to its own amax), so an activation whose amax rises
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from train.report import text_table
+from .report import text_table
 
 __all__ = [
     "ALGORITHMS",
@@ -61,7 +61,7 @@ class ChannelAmax(nnx.Variable):
 
 
 class ChannelProbe(nnx.Module):
-    """A `jaxlowfp.nnx.QuantLinear` that also counts, per input channel, the activations its scale clipped.
+    """A `jaxlowfp.qnnx.QuantLinear` that also counts, per input channel, the activations its scale clipped.
 
     After the layer's call, with its activation statistics ``est = amax_estimate`` and ``scale``:
     ``clipped[c] = #{|x[..., c]| > bound}``, ``bound = est`` (or ``target * scale`` when ``est`` is 0/NaN/Inf),
@@ -89,7 +89,7 @@ class ChannelProbe(nnx.Module):
 
 def recipe_for(algorithm: str, history_len: int = 64) -> Any:
     """HiF8 W8A8 with per-tensor `algorithm` delayed scaling (or current scaling): `train.grid.make_recipe`."""
-    from train.grid import ArmSpec, make_recipe
+    from .grid import ArmSpec, make_recipe
 
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r} is not supported; allowed: {', '.join(ALGORITHMS)}")
@@ -108,7 +108,7 @@ def _resolve(model: nnx.Module, path: str) -> tuple[Any, str]:
 def probe_model(model: nnx.Module, recipe: Any, *, keep_first: int, keep_last: int) -> list[str]:
     """Quantize `model` in place (`paper_rules` with `recipe`) and wrap every quantized layer in a `ChannelProbe`;
     returns the quantized layers' paths (``blocks/<i>/mlp/<name>``)."""
-    from jaxlowfp.nnx import iter_quant_linears, paper_rules, quantize
+    from jaxlowfp.qnnx import iter_quant_linears, paper_rules, quantize
 
     report = quantize(model, paper_rules(model.config.n_layers, keep_first=keep_first, keep_last=keep_last,
                                          recipe=recipe))
@@ -126,7 +126,7 @@ def stream_batches(tokenizer: Any, texts: dict[str, list[str]], *, batch_size: i
     """``(text name, int32 [batch_size, seq_len + 1])`` batches: each text's documents tokenized and joined with
     EOS, cut into windows spread evenly over the text (`train.data.eval_batches`); ``order="interleave"`` takes one
     batch of each text in turn (the amax moves with the domain), ``"sequential"`` one text after the other."""
-    from train.real_qat import token_eval_batches
+    from .real_qat import token_eval_batches
 
     if order not in ("interleave", "sequential"):
         raise ValueError(f"order={order!r} is not supported; allowed: 'interleave', 'sequential'")
@@ -148,7 +148,7 @@ def stream_batches(tokenizer: Any, texts: dict[str, list[str]], *, batch_size: i
 def _forward(graphdef: nnx.GraphDef, params: nnx.State, rest: nnx.State, batch: jax.Array
              ) -> tuple[jax.Array, nnx.State]:
     """Per row: summed next-token log-likelihood; and the new non-parameter state (amax histories, statistics)."""
-    from train.model import token_log_likelihood
+    from jaxlowfp.models.llama import token_log_likelihood
 
     model = nnx.merge(graphdef, params, rest)
     ll = jnp.sum(token_log_likelihood(model, batch), axis=-1)
@@ -358,7 +358,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     bad = [a for a in args.algorithms if a not in ALGORITHMS]
     if bad or not args.algorithms:
         p.error(f"--algorithms: unknown {bad}; allowed: {', '.join(ALGORITHMS)}")
-    from train.text_eval import TEXTS
+    from .text_eval import TEXTS
 
     args.texts = [t.strip() for t in args.texts.split(",") if t.strip()]
     bad = [t for t in args.texts if t not in TEXTS]
@@ -375,9 +375,9 @@ def _name(model: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from train.data import DataError
-    from train.models import CheckpointError, load
-    from train.text_eval import load_texts
+    from .data import DataError
+    from jaxlowfp.models import CheckpointError, load
+    from .text_eval import load_texts
 
     t0 = time.perf_counter()
     try:

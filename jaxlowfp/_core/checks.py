@@ -1,7 +1,9 @@
 """Argument validation shared by every quantizer and config: clear errors instead of silent high precision."""
 from __future__ import annotations
 
+import importlib
 import math
+from types import ModuleType
 from typing import Any
 
 import jax
@@ -100,3 +102,12 @@ def bool_flag(flag: Any, what: str = "observe_only") -> bool | jax.Array:
         raise TypeError(f"{what} must be a Python bool or a boolean scalar array; got dtype {a.dtype} and "
                         f"shape {a.shape}")
     return a
+
+
+def optional_module(name: str, *, extra: str, feature: str) -> ModuleType:
+    """Import an optional dependency, or raise an ImportError that names the extra which installs it."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        raise ImportError(f"{feature} needs the optional package {name!r}, which is not installed; install it with "
+                          f"`pip install 'jaxlowfp[{extra}]'`") from e

@@ -37,10 +37,10 @@ from jaxlowfp.ptq.calibrate import LayerStats, collect
 from jaxlowfp.ptq.checkpoint import export, load
 from jaxlowfp.ptq.formats import SCHEMES, QuantizedWeight, Scheme, TensorFormat, rtn_weight, scheme
 from jaxlowfp.ptq.gptq import GPTQ, gptq_weight
-from jaxlowfp.ptq.smooth import AWQ, Fold, SmoothQuant, llama_folds
+from jaxlowfp.ptq.smooth import AWQ, Fold, SmoothQuant
 
 __all__ = [
     "METHODS", "SCHEMES", "RTN", "GPTQ", "SmoothQuant", "AWQ", "Rule", "Scheme", "TensorFormat", "Fold",
     "ActQuant", "PTQResult", "QuantizedWeight", "LayerStats", "quantize", "scheme", "method_from_name",
-    "rtn_weight", "gptq_weight", "llama_folds", "smooth_model", "collect", "export", "load",
+    "rtn_weight", "gptq_weight", "smooth_model", "collect", "export", "load",
 ]

@@ -3,7 +3,6 @@ model, chosen by module-path rules, in place."""
 from __future__ import annotations
 
 import dataclasses
-import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -16,11 +15,11 @@ from flax import nnx
 from jax import lax
 
 from jaxlowfp import nvfp4
-from jaxlowfp.nnx import QuantizeReport
 from jaxlowfp.ptq import calibrate, smooth
 from jaxlowfp.ptq.formats import Scheme, TensorFormat, rtn_weight
 from jaxlowfp.ptq.gptq import GPTQ, gptq_weight
 from jaxlowfp.ptq.smooth import AWQ, Fold, SmoothQuant
+from jaxlowfp.rules import QuantizeReport, Rule, check_rules, select
 
 METHODS = ("rtn", "gptq", "smoothquant", "awq")
 
@@ -45,31 +44,6 @@ def method_from_name(method: str | Method) -> Method:
                      f"SmoothQuant or AWQ object")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Rule:
-    """`path` is a regex matched with `re.fullmatch` against a Linear's module path (``blocks/3/mlp/gate_proj``);
-    `scheme=None` keeps the matched layers in high precision, explicitly (the report says so). As in
-    `jaxlowfp.nnx.Rule`, the first matching rule decides."""
-
-    path: str
-    scheme: Scheme | None
-    _regex: re.Pattern = dataclasses.field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.path, str):
-            raise TypeError(f"Rule.path must be a regex string; got {type(self.path).__name__}: {self.path!r}")
-        if self.scheme is not None and not isinstance(self.scheme, Scheme):
-            raise TypeError(f"Rule(path={self.path!r}).scheme must be a jaxlowfp.ptq.Scheme or None; got "
-                            f"{type(self.scheme).__name__}: {self.scheme!r}")
-        try:
-            object.__setattr__(self, "_regex", re.compile(self.path))
-        except re.error as e:
-            raise ValueError(f"Rule.path {self.path!r} is not a valid regular expression: {e}") from None
-
-    def matches(self, path: str) -> bool:
-        return self._regex.fullmatch(path) is not None
-
-
 @dataclasses.dataclass(frozen=True)
 class ActQuant:
     """The ``dot_general`` of a PTQ'd ``nnx.Linear``: fake-quantizes the input with its current per-tensor amax,
@@ -87,7 +61,7 @@ class ActQuant:
 class PTQResult:
     """What `quantize` did.
 
-    report:   a `jaxlowfp.nnx.QuantizeReport` (quantized: (path, scheme name); kept; unmatched; unused_rules)
+    report:   a `jaxlowfp.rules.QuantizeReport` (quantized: (path, scheme name); kept; unmatched; unused_rules)
     method:   the method's name
     schemes:  {path: Scheme} of the quantized layers
     packed:   {path: (NVFP4Array of kernel.T [out, in], S_enc float32)} for NVFP4 weights (what `export` writes)
@@ -131,9 +105,11 @@ def _batches(calibration: Any, batch_size: int, forward_is_default: bool) -> lis
     raise TypeError(f"calibration must be a token array or an iterable of batches; got {type(calibration).__name__}")
 
 
-def _select(model: nnx.Module, rules: Sequence[Rule]) -> tuple[dict, list, list, list, list[bool], int, int]:
+def _select(model: nnx.Module, rules: Sequence[Rule]) -> tuple[dict, list, list, list, tuple[str, ...], int, int]:
     linears = calibrate.linear_modules(model)
-    used = [False] * len(rules)
+    fresh = [p for p, lin in linears.items() if not isinstance(lin.dot_general, ActQuant)]
+    decided, unused = select(rules, fresh)
+    decided = dict(zip(fresh, decided))
     targets, kept, unmatched, already = {}, [], [], []
     total = done = 0
     for path, lin in linears.items():
@@ -143,11 +119,10 @@ def _select(model: nnx.Module, rules: Sequence[Rule]) -> tuple[dict, list, list,
             already.append(path)
             done += size
             continue
-        idx = next((i for i, r in enumerate(rules) if r.matches(path)), None)
+        idx = decided[path]
         if idx is None:
             unmatched.append(path)
             continue
-        used[idx] = True
         if rules[idx].scheme is None:
             kept.append((path, rules[idx].path))
             continue
@@ -157,7 +132,7 @@ def _select(model: nnx.Module, rules: Sequence[Rule]) -> tuple[dict, list, list,
                              f"replace it. Exclude it from the rules.")
         targets[path] = rules[idx].scheme
         done += size
-    return targets, kept, unmatched, already, used, total, done
+    return targets, kept, unmatched, already, unused, total, done
 
 
 def quantize(
@@ -190,14 +165,11 @@ def quantize(
     t0 = time.perf_counter()
     if not isinstance(model, nnx.Module):
         raise TypeError(f"model must be an nnx.Module; got {type(model).__name__}")
-    rules = [rules] if isinstance(rules, Rule) else list(rules)
-    for i, r in enumerate(rules):
-        if not isinstance(r, Rule):
-            raise TypeError(f"rules[{i}] must be a jaxlowfp.ptq.Rule; got {type(r).__name__}: {r!r}")
+    rules = check_rules(rules, field="scheme", caller="jaxlowfp.ptq.quantize")
     m = method_from_name(method)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
-    targets, kept, unmatched, already, used, total, done = _select(model, rules)
+    targets, kept, unmatched, already, unused, total, done = _select(model, rules)
     if not targets:
         names = list(calibrate.linear_modules(model))
         raise ValueError(f"no nnx.Linear layer matches a rule with a scheme (rules: {[r.path for r in rules]}); the "
@@ -251,7 +223,7 @@ def quantize(
     report = QuantizeReport(
         quantized=tuple((p, s.name) for p, s in targets.items()),
         kept=tuple(kept), unmatched=tuple(unmatched), already_quantized=tuple(already),
-        unused_rules=tuple(r.path for r, u in zip(rules, used) if not u),
+        unused_rules=unused,
         quantized_fraction=float(done / total) if total else 0.0,
     )
     return PTQResult(report=report, method=m.name, schemes=dict(targets), packed=packed,
@@ -261,9 +233,16 @@ def quantize(
 
 def _folds(model: nnx.Module, mods: dict, m: SmoothQuant | AWQ, targets: Mapping[str, Scheme]
            ) -> tuple[list[Fold], list[tuple[str, str]]]:
-    """The method's folds (default `llama_folds`) that reach a quantized layer, checked; and the skipped layers."""
+    """The method's folds (default: the model's ``smoothing_folds()``) that reach a quantized layer, checked; and the
+    skipped layers."""
     if m.folds is None:
-        folds, skipped = smooth.llama_folds(model)
+        own = getattr(model, "smoothing_folds", None)
+        if not callable(own):
+            raise ValueError(f"method {m.name!r}: a {type(model).__name__} does not say which op precedes which "
+                             "projections (it has no smoothing_folds() method); pass folds=[Fold(prev=..., "
+                             "layers=(...))]")
+        pairs, skipped = own()
+        folds = [smooth.Fold(prev=prev, layers=tuple(layers)) for prev, layers in pairs]
     else:
         folds, skipped = list(m.folds), []
     folds = [f for f in folds if any(p in targets for p in f.layers)]

@@ -14,13 +14,14 @@ minimise ``Σ_l mean((X W_l - Q_a(X / s) Q_w(diag(s) W_l))^2)`` on calibration s
 (llm-awq also searches a weight clipping range; not done here.)
 
 A Linear prev must feed the group elementwise and linearly per channel, e.g. SwiGLU's ``up_proj`` before
-``down_proj`` (``down(silu(gate(x)) * up(x))``). `llama_folds` builds the folds of the Llama-family layout.
+``down_proj`` (``down(silu(gate(x)) * up(x))``). Which ops precede which projections is the model family's
+knowledge, not this module's: a model says it with a ``smoothing_folds()`` method (`jaxlowfp.models.Llama` has one),
+or the caller passes ``folds=[Fold(...)]``.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from collections.abc import Sequence
 
 import jax
@@ -54,7 +55,7 @@ class Fold:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SmoothQuant:
     """SmoothQuant migration strength `alpha` in [0, 1] (0.5: the paper's default); `folds`: None for
-    `llama_folds`. The folded weights are then quantized round-to-nearest."""
+    the model's own ``smoothing_folds()``. The folded weights are then quantized round-to-nearest."""
 
     alpha: float = 0.5
     folds: tuple[Fold, ...] | None = None
@@ -70,7 +71,8 @@ class SmoothQuant:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AWQ:
     """AWQ scale search over r = 0, 1/grid, ..., (grid-1)/grid on `samples` calibration tokens per layer group;
-    `folds`: None for `llama_folds`. The folded weights are then quantized round-to-nearest."""
+    `folds`: None for the model's own ``smoothing_folds()``. The folded weights are then quantized
+    round-to-nearest."""
 
     grid: int = 10
     samples: int = 512
@@ -88,39 +90,6 @@ class AWQ:
 def _check_folds(folds) -> None:
     if folds is not None and not all(isinstance(f, Fold) for f in folds):
         raise TypeError(f"folds must be a sequence of Fold or None; got {folds!r}")
-
-
-def llama_folds(model: nnx.Module) -> tuple[list[Fold], list[tuple[str, str]]]:
-    """The folds of a Llama-family model (paths ``.../attn_norm``, ``.../attn/{q,k,v,o}_proj``, ``.../mlp_norm``,
-    ``.../mlp/{gate,up,down}_proj``): attn_norm -> q/k/v, mlp_norm -> gate/up, up_proj -> down_proj, and
-    v_proj -> o_proj where v_proj's outputs are o_proj's inputs one to one. Returns (folds, skipped) with
-    skipped = [(layer, reason)]."""
-    mods = {"/".join(map(str, p)): m for p, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)}
-    folds, skipped = [], []
-    for path in mods:
-        m = re.fullmatch(r"(.*?)/?(attn|mlp)_norm", path)
-        if not m:
-            continue
-        base = m.group(1) + "/" if m.group(1) else ""
-        if m.group(2) == "attn":
-            qkv = [f"{base}attn/{n}_proj" for n in "qkv"]
-            if all(isinstance(mods.get(p), nnx.Linear) for p in qkv):
-                folds.append(Fold(prev=path, layers=tuple(qkv)))
-            v, o = mods.get(f"{base}attn/v_proj"), mods.get(f"{base}attn/o_proj")
-            if isinstance(v, nnx.Linear) and isinstance(o, nnx.Linear):
-                if v.out_features == o.in_features:
-                    folds.append(Fold(prev=f"{base}attn/v_proj", layers=(f"{base}attn/o_proj",)))
-                else:
-                    skipped.append((f"{base}attn/o_proj", f"grouped-query attention: v_proj has {v.out_features} "
-                                    f"outputs, o_proj {o.in_features} inputs, so o_proj's input channels cannot be "
-                                    f"scaled through v_proj one to one (llm-awq skips it too)"))
-        else:
-            gu = [f"{base}mlp/gate_proj", f"{base}mlp/up_proj"]
-            if all(isinstance(mods.get(p), nnx.Linear) for p in gu):
-                folds.append(Fold(prev=path, layers=tuple(gu)))
-            if isinstance(mods.get(f"{base}mlp/down_proj"), nnx.Linear):
-                folds.append(Fold(prev=f"{base}mlp/up_proj", layers=(f"{base}mlp/down_proj",)))
-    return folds, skipped
 
 
 def check_fold(model_mods: dict, fold: Fold) -> None:

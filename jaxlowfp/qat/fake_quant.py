@@ -174,18 +174,24 @@ def keep_mask(sat: jax.Array | None, observe: bool | jax.Array, shape: tuple) ->
     return keep if observe is False else jnp.logical_or(observe, keep)
 
 
-@jax.custom_jvp
+@jax.custom_vjp
 def straight_through(x: jax.Array, y: jax.Array, keep: jax.Array | None) -> jax.Array:
-    """Value `y`, derivative w.r.t. `x`: identity (keep None) or masked by `keep`. A linear JVP, so ``jax.jvp``
-    works and ``jax.grad`` uses its transpose (the same gradient)."""
+    """Value `y`; gradient w.r.t. `x`: the cotangent itself (identity STE, ``keep`` None) or the cotangent where
+    ``keep`` and 0 elsewhere (masked STE); no gradient reaches `y` or `keep`. A ``jax.custom_vjp``: reverse mode
+    (``grad``, ``vjp``) only; ``jax.jvp`` raises JAX's "can't apply forward-mode autodiff (jvp) to a custom_vjp
+    function"."""
     return y
 
 
-@straight_through.defjvp
-def _st_jvp(primals, tangents):
-    _, y, keep = primals
-    dx = tangents[0]
-    return y, (dx if keep is None else jnp.where(keep, dx, jnp.zeros((), dx.dtype)))
+def _st_fwd(x, y, keep):
+    return y, keep
+
+
+def _st_bwd(keep, g):
+    return (g if keep is None else jnp.where(keep, g, jnp.zeros((), g.dtype))), None, None
+
+
+straight_through.defvjp(_st_fwd, _st_bwd)
 
 
 def fake_quant(
@@ -196,7 +202,10 @@ def fake_quant(
     observe_only: bool | jax.Array = False,
     key: jax.Array | None = None,
 ) -> tuple[jax.Array, AmaxHistory, QuantStats]:
-    """Scaled quantize-dequantize of `x` with a straight-through gradient.
+    """Scaled quantize-dequantize of `x` with a straight-through gradient (a ``jax.custom_vjp``).
+
+    The gradient w.r.t. `x` is the output's cotangent (``spec.ste="identity"``) or the cotangent masked to 0 where
+    `x` was clipped (``"masked"``); forward mode (``jax.jvp``) is not defined for the estimator and raises.
 
     Args:
       x: float32/bfloat16/float16 array.

@@ -1,4 +1,4 @@
-"""Load a Hugging Face checkpoint directory (Llama, Mistral, Qwen2, Qwen3) into `train.model.Llama`.
+"""Load a Hugging Face checkpoint directory (Llama, Mistral, Qwen2, Qwen3) into `jaxlowfp.models.llama.Llama`.
 
 A directory holds ``config.json``, the weights as ``*.safetensors`` (one file, or shards listed by
 ``model.safetensors.index.json``) and ``tokenizer.json``; read with the ``safetensors`` and ``tokenizers``
@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import tokenizers
 from safetensors import SafetensorError, safe_open
 
-from train.model import Llama, ModelConfig, llama3_rope_factors
-from train.models.common import CheckpointError, TensorSpec, Tokenizer, build_model, tensor_specs
+from jaxlowfp._core.checks import optional_module
+from jaxlowfp.models.common import CheckpointError, TensorSpec, Tokenizer, build_model, tensor_specs
+from jaxlowfp.models.llama import Llama, ModelConfig, llama3_rope_factors
+
+tokenizers = optional_module("tokenizers", extra="models", feature="loading a Hugging Face checkpoint")
 
 __all__ = ["MODEL_TYPES", "load_hf", "read_config", "read_tokenizer"]
 

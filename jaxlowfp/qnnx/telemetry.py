@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxlowfp._core.checks import bool_flag
-from jaxlowfp.nnx.rules import iter_quant_linears
+from jaxlowfp.qnnx.rules import iter_quant_linears
 from jaxlowfp.qat.telemetry import flatten_floats, named_leaves
 
 

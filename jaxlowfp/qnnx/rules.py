@@ -1,7 +1,7 @@
-"""Path rules that swap `nnx.Linear` modules for `QuantLinear` in place, and the report of what they did."""
+"""`quantize`: path rules (`jaxlowfp.rules.Rule` with a recipe) swap `nnx.Linear` modules for `QuantLinear` in place,
+and report what they did (`jaxlowfp.rules.QuantizeReport`)."""
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Iterator, MutableMapping, MutableSequence, Sequence
 from typing import Any
@@ -10,87 +10,14 @@ import numpy as np
 from flax import nnx
 
 from jaxlowfp import qat
-from jaxlowfp.nnx.layer import QuantLinear
+from jaxlowfp.qnnx.layer import QuantLinear
+from jaxlowfp.rules import QuantizeReport, Rule, check_rules, select
 
 _PathParts = tuple[Any, ...]
 
 
 def _join(path: _PathParts) -> str:
     return "/".join(str(p) for p in path)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Rule:
-    """`path` is a regex matched with `re.fullmatch` against a module path like `blocks/3/mlp/gate_proj`.
-
-    `recipe=None` keeps the matched modules in high precision, explicitly (and the report says so).
-    """
-
-    path: str
-    recipe: qat.Recipe | None
-    _regex: re.Pattern = dataclasses.field(init=False, repr=False, compare=False)
-
-    def __post_init__(self):
-        if not isinstance(self.path, str):
-            raise TypeError(f"Rule.path must be a regex string; got {type(self.path).__name__}: {self.path!r}")
-        if self.recipe is not None and not isinstance(self.recipe, qat.Recipe):
-            raise TypeError(
-                f"Rule(path={self.path!r}).recipe must be a jaxlowfp.qat.Recipe or None (keep high precision); "
-                f"got {type(self.recipe).__name__}: {self.recipe!r}"
-            )
-        try:
-            regex = re.compile(self.path)
-        except re.error as e:
-            raise ValueError(f"Rule.path {self.path!r} is not a valid regular expression: {e}") from None
-        object.__setattr__(self, "_regex", regex)
-
-    def matches(self, module_path: str) -> bool:
-        return self._regex.fullmatch(module_path) is not None
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class QuantizeReport:
-    """What `quantize` did. Paths are "/"-joined NNX graph paths.
-
-    quantized:        (path, recipe name) of each module now a QuantLinear
-    kept:             (path, rule regex) of each Linear a `recipe=None` rule kept in high precision
-    unmatched:        Linear paths no rule matched (left in high precision)
-    already_quantized: QuantLinear paths found in the model before this call (left as they are)
-    unused_rules:     regexes of the rules that decided no module (matched nothing, or only shadowed paths)
-    quantized_fraction: quantized kernel elements / all Linear and QuantLinear kernel elements
-    """
-
-    quantized: tuple[tuple[str, str], ...]
-    kept: tuple[tuple[str, str], ...]
-    unmatched: tuple[str, ...]
-    already_quantized: tuple[str, ...]
-    unused_rules: tuple[str, ...]
-    quantized_fraction: float
-
-    def __str__(self) -> str:
-        rows = [(p, "quantized", name) for p, name in self.quantized]
-        rows += [(p, "already", "QuantLinear before quantize()") for p in self.already_quantized]
-        rows += [(p, "kept", f"rule {rx!r} (recipe=None)") for p, rx in self.kept]
-        rows += [(p, "unmatched", "no rule: high precision") for p in self.unmatched]
-        rows.sort(key=lambda r: _natural_key(r[0]))
-        width = max([len("module path")] + [len(r[0]) for r in rows])
-        lines = [f"{'module path':<{width}}  {'action':<9}  recipe / reason", "-" * (width + 30)]
-        lines += [f"{p:<{width}}  {a:<9}  {d}" for p, a, d in rows]
-        n_lin = len(rows)
-        n_q = len(self.quantized) + len(self.already_quantized)
-        lines.append(
-            f"quantized {n_q} of {n_lin} linear modules, {100.0 * self.quantized_fraction:.1f} % of linear kernel "
-            f"weights"
-        )
-        if self.unused_rules:
-            lines.append("unused rules (decided no module): " + ", ".join(repr(r) for r in self.unused_rules))
-        else:
-            lines.append("unused rules: none")
-        return "\n".join(lines)
-
-
-def _natural_key(path: str) -> list:
-    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", path) if t]
 
 
 def _kernel_size(m: nnx.Module) -> int:
@@ -151,19 +78,15 @@ def quantize(model: nnx.Module, rules: Sequence[Rule], *, rngs: nnx.Rngs | None 
     validated before the first replacement, so an error leaves the model unchanged. `rngs` is needed only by
     recipes with stochastic rounding.
     """
-    if isinstance(rules, Rule):
-        rules = [rules]
-    rules = list(rules)
-    for i, r in enumerate(rules):
-        if not isinstance(r, Rule):
-            raise TypeError(f"rules[{i}] must be a jaxlowfp.nnx.Rule; got {type(r).__name__}: {r!r}")
+    rules = check_rules(rules, field="recipe", caller="jaxlowfp.qnnx.quantize (QAT)")
     if not isinstance(model, nnx.Module):
         raise TypeError(f"model must be an nnx.Module; got {type(model).__name__}")
     if isinstance(model, (nnx.Linear, QuantLinear)):
         raise TypeError("quantize() replaces modules inside a model; for a bare nnx.Linear use QuantLinear.from_linear")
 
-    nodes = [(p, n) for p, n in nnx.iter_graph(model) if isinstance(n, nnx.Module)]
-    used = [False] * len(rules)
+    nodes = [(p, n) for p, n in nnx.iter_graph(model) if isinstance(n, (nnx.Linear, QuantLinear))]
+    decided, unused = select(rules, [_join(p) for p, n in nodes if not isinstance(n, QuantLinear)])
+    decided = iter(decided)
     quantized, kept, unmatched, already = [], [], [], []
     replacements: dict[int, QuantLinear] = {}
     total = done = 0
@@ -173,15 +96,12 @@ def quantize(model: nnx.Module, rules: Sequence[Rule], *, rngs: nnx.Rngs | None 
             total += _kernel_size(node)
             done += _kernel_size(node)
             continue
-        if not isinstance(node, nnx.Linear):
-            continue
         path = _join(parts)
         total += _kernel_size(node)
-        idx = next((i for i, r in enumerate(rules) if r.matches(path)), None)
+        idx = next(decided)
         if idx is None:
             unmatched.append(path)
             continue
-        used[idx] = True
         rule = rules[idx]
         if rule.recipe is None:
             kept.append((path, rule.path))
@@ -210,7 +130,7 @@ def quantize(model: nnx.Module, rules: Sequence[Rule], *, rngs: nnx.Rngs | None 
         kept=tuple(kept),
         unmatched=tuple(unmatched),
         already_quantized=tuple(already),
-        unused_rules=tuple(r.path for r, u in zip(rules, used) if not u),
+        unused_rules=unused,
         quantized_fraction=float(done / total) if total else 0.0,
     )
 

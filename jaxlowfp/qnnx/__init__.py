@@ -1,5 +1,9 @@
 """Flax NNX integration: `QuantLinear`, path rules that swap `nnx.Linear` modules in place, telemetry.
 
+Named ``qnnx`` so that it sits beside ``from flax import nnx`` in user code (``jaxlowfp.nnx``, its old name, still
+imports for one release with a DeprecationWarning). `Rule` and `QuantizeReport` are those of `jaxlowfp.rules`, the same
+types `jaxlowfp.ptq` uses.
+
 State categories (typed `nnx.Variable` subclasses, so `nnx.split` separates them)::
 
     AmaxState        the layer's RecipeState (amax histories): functional state, threaded through the train step
@@ -13,7 +17,7 @@ State categories (typed `nnx.Variable` subclasses, so `nnx.split` separates them
 cloned, and the new `QuantLinear` holds the very same `nnx.Param` objects as the `nnx.Linear` it replaces.
 
 >>> from flax import nnx
->>> from jaxlowfp import nnx as qnnx, qat
+>>> from jaxlowfp import qnnx, qat
 >>> class MLP(nnx.Module):
 ...     def __init__(self, rngs):
 ...         self.up_proj, self.down_proj = nnx.Linear(16, 32, rngs=rngs), nnx.Linear(32, 16, rngs=rngs)
@@ -23,9 +27,10 @@ cloned, and the new `QuantLinear` holds the very same `nnx.Param` objects as the
 >>> type(model.up_proj).__name__, report.unmatched, report.unused_rules
 ('QuantLinear', ('down_proj',), ('gate_proj',))
 """
-from jaxlowfp.nnx.layer import AmaxState, QuantLinear, QuantPhase, QuantStatsState
-from jaxlowfp.nnx.rules import QuantizeReport, Rule, iter_quant_linears, paper_rules, quantize
-from jaxlowfp.nnx.telemetry import collect_stats, max_saturated_fraction, set_observe_only
+from jaxlowfp.qnnx.layer import AmaxState, QuantLinear, QuantPhase, QuantStatsState
+from jaxlowfp.qnnx.rules import iter_quant_linears, paper_rules, quantize
+from jaxlowfp.rules import QuantizeReport, Rule
+from jaxlowfp.qnnx.telemetry import collect_stats, max_saturated_fraction, set_observe_only
 
 __all__ = [
     "AmaxState",

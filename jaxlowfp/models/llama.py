@@ -1,4 +1,4 @@
-"""A Llama-family decoder in Flax NNX: the byte-level demo model and real checkpoints (`train.models`).
+"""A Llama-family decoder in Flax NNX: the byte-level demo model and real checkpoints (`jaxlowfp.models.load`).
 
 ``tokens -> Embed -> N x [x + Attn(RMSNorm(x)); x + MLP(RMSNorm(x))] -> RMSNorm -> head -> logits``
 
@@ -8,7 +8,7 @@
   and keys before RoPE (Qwen3);
 - MLP: SwiGLU, ``down_proj(silu(gate_proj(x)) * up_proj(x))``;
 - head: ``lm_head`` (an ``nnx.Linear``), or with ``tie_embeddings`` the embedding matrix: ``logits = x @ E^T``;
-- every projection is a plain ``nnx.Linear``, so ``jaxlowfp.nnx.quantize`` can replace one by its graph path,
+- every projection is a plain ``nnx.Linear``, so ``jaxlowfp.qnnx.quantize`` can replace one by its graph path,
   e.g. ``blocks/3/mlp/gate_proj`` or ``blocks/0/attn/q_proj``.
 
 ``model(tokens)`` is the plain causal forward pass over positions ``0..T-1``. ``model(tokens, attention_mask=m)``
@@ -43,6 +43,7 @@ __all__ = [
     "loss_fn",
     "mlp_paths",
     "preset",
+    "smoothing_folds",
     "token_log_likelihood",
 ]
 
@@ -388,6 +389,10 @@ class Llama(nnx.Module):
         if not config.tie_embeddings:
             self.lm_head = _linear(config.d_model, config.vocab, config, dtype, rngs)
 
+    def smoothing_folds(self) -> tuple[list[tuple[str, tuple[str, ...]]], list[tuple[str, str]]]:
+        """The model family's scale folds for `jaxlowfp.ptq` (SmoothQuant, AWQ): `smoothing_folds` of the config."""
+        return smoothing_folds(self.config)
+
     def _head(self, x: jax.Array) -> jax.Array:
         h = self.final_norm(x)
         if self.config.tie_embeddings:  # logits = h @ E^T
@@ -441,6 +446,30 @@ class Llama(nnx.Module):
         if cache is None:
             return logits
         return logits, KVCache(tuple(ks), tuple(vs), valid, cache.index + jnp.int32(t))
+
+
+def smoothing_folds(config: ModelConfig) -> tuple[list[tuple[str, tuple[str, ...]]], list[tuple[str, str]]]:
+    """Which op's output feeds which projections, for scale folding (SmoothQuant, AWQ in `jaxlowfp.ptq`).
+
+    Per block: ``attn_norm -> attn/{q,k,v}_proj``, ``attn/v_proj -> attn/o_proj`` (only without grouped-query
+    attention, where v_proj's outputs are o_proj's inputs one to one), ``mlp_norm -> mlp/{gate,up}_proj`` and
+    ``mlp/up_proj -> mlp/down_proj`` (SwiGLU: ``down(silu(gate(x)) * up(x))`` is linear in ``up``'s outputs).
+    Returns ``(folds, skipped)``: ``folds`` as ``(prev_path, layer_paths)``, ``skipped`` as ``(layer, reason)``.
+    """
+    folds, skipped = [], []
+    q_out, kv_out = config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    for i in range(config.n_layers):
+        b = f"blocks/{i}"
+        folds.append((f"{b}/attn_norm", tuple(f"{b}/attn/{n}_proj" for n in "qkv")))
+        if kv_out == q_out:
+            folds.append((f"{b}/attn/v_proj", (f"{b}/attn/o_proj",)))
+        else:
+            skipped.append((f"{b}/attn/o_proj", f"grouped-query attention: v_proj has {kv_out} outputs, o_proj "
+                            f"{q_out} inputs, so o_proj's input channels cannot be scaled through v_proj one to one "
+                            "(llm-awq skips it too)"))
+        folds.append((f"{b}/mlp_norm", (f"{b}/mlp/gate_proj", f"{b}/mlp/up_proj")))
+        folds.append((f"{b}/mlp/up_proj", (f"{b}/mlp/down_proj",)))
+    return folds, skipped
 
 
 def mlp_paths(config: ModelConfig) -> list[str]:

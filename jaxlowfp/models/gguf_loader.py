@@ -1,4 +1,4 @@
-"""Load a Llama-family GGUF file (llama.cpp's format) into `train.model.Llama` and its tokenizer.
+"""Load a Llama-family GGUF file (llama.cpp's format) into `jaxlowfp.models.llama.Llama` and its tokenizer.
 
 Weights go through ``gguf.GGUFReader`` and ``gguf.quants.dequantize`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_x and
 the K-quants, ...), so a quantized file loads as its dequantized float32 values.
@@ -23,11 +23,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import tokenizers
-from tokenizers import Regex, decoders, models, pre_tokenizers, processors
 
-from train.model import Llama, ModelConfig
-from train.models.common import CheckpointError, TensorSpec, Tokenizer, build_model, tensor_specs
+from jaxlowfp._core.checks import optional_module
+from jaxlowfp.models.common import CheckpointError, TensorSpec, Tokenizer, build_model, tensor_specs
+
+from jaxlowfp.models.llama import Llama, ModelConfig
+
+tokenizers = optional_module("tokenizers", extra="models", feature="loading a GGUF checkpoint")
+gguf = optional_module("gguf", extra="models", feature="loading a GGUF checkpoint")
+Regex, decoders, models = tokenizers.Regex, tokenizers.decoders, tokenizers.models
+pre_tokenizers, processors = tokenizers.pre_tokenizers, tokenizers.processors
 
 __all__ = ["ARCHITECTURES", "PRE_TOKENIZERS", "load_gguf", "read_config", "read_tokenizer", "unpermute_rope_rows"]
 
@@ -58,8 +63,6 @@ def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _open(path: Path) -> Any:
-    import gguf
-
     try:
         return gguf.GGUFReader(path)
     except (ValueError, OSError, IndexError, KeyError) as e:
@@ -125,11 +128,9 @@ def read_config(reader: Any, path: Path, *, dtype: str = "float32", param_dtype:
 
 def _dequantize(tensor: Any, path: Path) -> np.ndarray:
     """float32 values of a GGUF tensor in ``[out, in]`` (numpy) order."""
-    from gguf import quants
-
     shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
     try:
-        values = quants.dequantize(tensor.data, tensor.tensor_type)
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as e:
         raise CheckpointError(f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which the gguf "
                               f"package cannot dequantize: {e}") from e

@@ -1,17 +1,19 @@
 """What both checkpoint loaders share: the error type, the tokenizer wrapper, the tensor-name table and the step
-that turns named arrays into a `train.model.Llama` without ever initialising a parameter at random."""
+that turns named arrays into a `jaxlowfp.models.llama.Llama` without ever initialising a parameter at random."""
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
-import tokenizers
 from flax import nnx
 
-from train.model import Llama, ModelConfig
+from jaxlowfp.models.llama import Llama, ModelConfig
+
+if TYPE_CHECKING:
+    import tokenizers
 
 __all__ = ["CheckpointError", "TensorSpec", "Tokenizer", "build_model", "tensor_specs"]
 

@@ -1,0 +1,296 @@
+"""Evaluation of a tokenized causal language model: rolling-window perplexity and multiple-choice scoring, with the
+conventions of EleutherAI's lm-evaluation-harness (lm-eval) so that the numbers compare with published ones.
+
+Perplexity follows lm-eval's ``loglikelihood_rolling``: a document's tokens ``x_1..x_n`` are cut into windows of at
+most ``max_length`` model inputs; the first window predicts ``x_1..x_W`` from ``[prefix] + x_1..x_{W-1}`` (the
+prefix token is the BOS token, or EOS when there is none, as in lm-eval), every later window predicts the next
+``stride`` tokens with the ``max_length - stride`` tokens before them as extra context. Every token is scored exactly
+once, with as much context as the window allows (``stride == max_length`` is lm-eval's default of disjoint windows).
+From the total log-likelihood ``LL`` of a text::
+
+    token perplexity = exp(-LL / tokens)
+    word perplexity  = exp(-LL / words)      words = len(re.split(r"\\s+", doc)) summed over documents
+    byte perplexity  = exp(-LL / bytes)      bytes of the UTF-8 text; bits per byte = -LL / (bytes ln 2)
+
+Multiple choice (`score_choices`) tokenizes as lm-eval does (trailing whitespace of the context moves to the
+continuation; the continuation's tokens are those of ``context + continuation`` after the context's) and reports
+``acc`` (argmax of the choice's total log-likelihood) and ``acc_norm`` (of the log-likelihood per byte of the choice).
+
+The model is any Flax NNX module called as ``model(tokens) -> logits [B, T, vocab]`` with a ``config`` that has
+``vocab`` and ``max_seq_len`` (`jaxlowfp.models.Llama`); the tokenizer has ``encode``, ``decode``, ``bos_id`` and
+``eos_id`` (`jaxlowfp.models.Tokenizer`). Progress bars are off unless ``progress=True`` (needs ``tqdm``, in the
+``jaxlowfp[models]`` extra).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+import sys
+import time
+from typing import Any, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxlowfp._core.checks import optional_module
+
+__all__ = [
+    "ChoiceItem",
+    "Request",
+    "TextScore",
+    "choice_requests",
+    "encode_pair",
+    "perplexity",
+    "rolling_requests",
+    "score_choices",
+    "score_requests",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """Score the last ``n_pred`` next-token predictions of ``tokens``: ``log p(tokens[t] | tokens[:t])`` for
+    ``t = len - n_pred .. len - 1``."""
+
+    tokens: tuple[int, ...]
+    n_pred: int
+
+
+def rolling_requests(tokens: Sequence[int], *, prefix_token: int, max_length: int, stride: int) -> list[Request]:
+    """lm-eval's rolling windows (``get_rolling_token_windows`` with ``context_len = max_length - stride + 1``)."""
+    if not 1 <= stride <= max_length:
+        raise ValueError(f"need 1 <= stride <= max_length; got stride={stride}, max_length={max_length}")
+    toks = [int(t) for t in tokens]
+    if not toks:
+        return []
+    first = min(max_length, len(toks))
+    out = [Request((prefix_token, *toks[:first]), first)]
+    done = first
+    while done < len(toks):
+        n = min(len(toks) - done, stride)
+        end = done + n
+        out.append(Request(tuple(toks[end - max_length - 1: end]), n))
+        done = end
+    return out
+
+
+def _bucket(n: int) -> int:
+    """Padded sequence length: a power of two >= 64 (few distinct shapes, so few compilations)."""
+    return max(64, 1 << (n - 1).bit_length())
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _ll_sums(graphdef: nnx.GraphDef, state: nnx.State, inputs: jax.Array, targets: jax.Array,
+             weights: jax.Array) -> jax.Array:
+    """Per row: sum over ``weights`` of ``log softmax(model(inputs))[targets]`` (float32 [B])."""
+    logits = nnx.merge(graphdef, state)(inputs)
+    ll = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(logits, axis=-1)
+    return jnp.sum(jnp.where(weights, ll, 0.0), axis=-1)
+
+
+def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size: int = 8, progress: bool = False,
+                   desc: str = "score") -> tuple[np.ndarray, dict[str, float]]:
+    """Log-likelihood (float64 [n]) of every request, and throughput stats.
+
+    Requests are sorted by length and batched with right padding (a causal model never looks right, so padding
+    needs no attention mask) to a power of two >= 64, capped at ``max_seq_len``. Stats: ``tokens`` (model inputs,
+    padding excluded), ``scored`` tokens, ``seconds`` and ``tokens_per_s`` (inputs per wall second, compilation
+    included).
+    The model is not changed (state written by the forward pass, e.g. amax histories, is dropped).
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
+    vocab, max_len = model.config.vocab, model.config.max_seq_len
+    for r in requests:
+        if not 1 <= r.n_pred < len(r.tokens):
+            raise ValueError(f"a request needs 1 <= n_pred < len(tokens); got n_pred={r.n_pred}, "
+                             f"len={len(r.tokens)}")
+        if len(r.tokens) - 1 > max_len:
+            raise ValueError(f"a request of {len(r.tokens) - 1} model inputs exceeds max_seq_len={max_len}")
+    order = sorted(range(len(requests)), key=lambda i: -len(requests[i].tokens))
+    graphdef, state = nnx.split(model)
+    out = np.zeros(len(requests), np.float64)
+    n_in = sum(len(r.tokens) - 1 for r in requests)
+    n_scored = sum(r.n_pred for r in requests)
+    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    t0 = time.perf_counter()
+    bar = _progress(total=n_in, desc=desc, enabled=progress)
+    for idx in batches:
+        length = min(_bucket(len(requests[idx[0]].tokens) - 1), max_len)
+        inputs = np.zeros((batch_size, length), np.int32)
+        targets = np.zeros((batch_size, length), np.int32)
+        weights = np.zeros((batch_size, length), bool)
+        for row, i in enumerate(idx):
+            t = np.asarray(requests[i].tokens, np.int64)
+            if t.min() < 0 or t.max() >= vocab:
+                raise ValueError(f"token ids must be in [0, {vocab}); request {i} has {t.min()}..{t.max()}")
+            n = len(t) - 1
+            inputs[row, :n], targets[row, :n] = t[:-1], t[1:]
+            weights[row, n - requests[i].n_pred: n] = True
+        sums = np.asarray(_ll_sums(graphdef, state, jnp.asarray(inputs), jnp.asarray(targets), jnp.asarray(weights)))
+        out[idx] = sums[: len(idx)]
+        if bar is not None:
+            bar.update(sum(len(requests[i].tokens) - 1 for i in idx))
+            bar.set_postfix_str(f"{bar.n / (time.perf_counter() - t0):.0f} tok/s")
+    if bar is not None:
+        bar.close()
+    seconds = time.perf_counter() - t0
+    return out, {"tokens": float(n_in), "scored": float(n_scored), "seconds": seconds,
+                 "tokens_per_s": n_in / seconds if seconds > 0 else math.nan}
+
+
+def _progress(*, total: int, desc: str, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    tqdm = optional_module("tqdm.auto", extra="models", feature="progress=True").tqdm
+    return tqdm(total=total, desc=desc, unit="tok", file=sys.stderr, leave=False, dynamic_ncols=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class TextScore:
+    """Perplexities of one text (see the module docstring for the definitions)."""
+
+    name: str
+    docs: int
+    tokens: int
+    words: int
+    bytes: int
+    log_likelihood: float
+    seconds: float
+    tokens_per_s: float
+
+    def _ppl(self, n: int) -> float:
+        v = -self.log_likelihood / n
+        return math.exp(v) if v < 700 else math.inf
+
+    @property
+    def token_perplexity(self) -> float:
+        return self._ppl(self.tokens)
+
+    @property
+    def word_perplexity(self) -> float:
+        return self._ppl(self.words)
+
+    @property
+    def byte_perplexity(self) -> float:
+        return self._ppl(self.bytes)
+
+    @property
+    def bits_per_byte(self) -> float:
+        return -self.log_likelihood / (self.bytes * math.log(2))
+
+
+def _count_words(text: str) -> int:
+    return len(re.split(r"\s+", text))  # lm-eval's word count (wikitext)
+
+
+def perplexity(model: nnx.Module, tokenizer: Any, docs: Iterable[str], *, name: str = "text",
+               max_tokens: int | None = None, max_length: int = 512, stride: int | None = None,
+               batch_size: int = 8, prefix_token: int | None = None, progress: bool = False) -> TextScore:
+    """Rolling-window token, word and byte perplexity of documents (module docstring).
+
+    ``max_tokens`` caps the tokens scored: documents are taken in order, the last one cut to fit (its text is then
+    the decoded kept tokens, so words and bytes count exactly what was scored). ``stride`` defaults to
+    ``max_length`` (lm-eval's disjoint windows). ``prefix_token`` defaults to the tokenizer's BOS id, else its EOS id.
+    """
+    stride = max_length if stride is None else stride
+    if max_length > model.config.max_seq_len:
+        raise ValueError(f"max_length={max_length} exceeds the model's max_seq_len={model.config.max_seq_len}")
+    prefix = prefix_token if prefix_token is not None else (
+        tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id)
+    if prefix is None:
+        raise ValueError("the tokenizer has neither a BOS nor an EOS token; pass prefix_token")
+    requests: list[Request] = []
+    n_docs = n_tok = n_words = n_bytes = 0
+    budget = math.inf if max_tokens is None else max_tokens
+    for doc in docs:
+        if n_tok >= budget:
+            break
+        ids = tokenizer.encode(doc)
+        if not ids:
+            continue
+        if n_tok + len(ids) > budget:
+            ids = ids[: int(budget - n_tok)]
+            doc = tokenizer.decode(ids)
+        requests += rolling_requests(ids, prefix_token=prefix, max_length=max_length, stride=stride)
+        n_docs, n_tok = n_docs + 1, n_tok + len(ids)
+        n_words += _count_words(doc)
+        n_bytes += len(doc.encode("utf-8"))
+    if not requests:
+        raise ValueError(f"text {name!r} has no tokens to score")
+    ll, stats = score_requests(model, requests, batch_size=batch_size, progress=progress, desc=name)
+    return TextScore(name, n_docs, n_tok, n_words, n_bytes, float(ll.sum()), stats["seconds"], stats["tokens_per_s"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# multiple choice
+
+
+@dataclasses.dataclass(frozen=True)
+class ChoiceItem:
+    """One multiple-choice item: the ``choices`` (continuations of ``context``) and the index of the right one."""
+
+    context: str
+    choices: tuple[str, ...]
+    label: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.context, str):
+            raise TypeError(f"ChoiceItem.context must be a str; got {type(self.context).__name__}")
+        object.__setattr__(self, "choices", tuple(self.choices))
+        if len(self.choices) < 2 or not all(isinstance(c, str) and c for c in self.choices):
+            raise ValueError(f"ChoiceItem.choices must be two or more non-empty strings; got {self.choices!r}")
+        if isinstance(self.label, bool) or not isinstance(self.label, (int, np.integer)) \
+                or not 0 <= self.label < len(self.choices):
+            raise ValueError(f"ChoiceItem.label must be an index into the {len(self.choices)} choices; "
+                             f"got {self.label!r}")
+
+
+def encode_pair(tokenizer: Any, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """lm-eval's ``_encode_pair``: trailing whitespace of the context moves to the continuation; the continuation's
+    tokens are those of ``context + continuation`` after the context's own tokens."""
+    n = len(context) - len(context.rstrip())
+    if n:
+        context, continuation = context[:-n], context[-n:] + continuation
+    whole = tokenizer.encode(context + continuation)
+    ctx = tokenizer.encode(context)
+    return ctx, whole[len(ctx):]
+
+
+def choice_requests(tokenizer: Any, items: Sequence[ChoiceItem], *, max_length: int) -> list[Request]:
+    """One `Request` per (item, choice), items in order; a sequence longer than ``max_length + 1`` tokens keeps its
+    end (lm-eval's left truncation)."""
+    requests = []
+    for i, item in enumerate(items):
+        for j, cont in enumerate(item.choices):
+            ctx, cont_ids = encode_pair(tokenizer, item.context, cont)
+            if not cont_ids:
+                raise ValueError(f"item {i} choice {j}: the continuation {cont!r} has no tokens")
+            seq = (ctx + cont_ids)[-(max_length + 1):]
+            requests.append(Request(tuple(seq), min(len(cont_ids), len(seq) - 1)))
+    return requests
+
+
+def score_choices(model: nnx.Module, tokenizer: Any, items: Sequence[ChoiceItem], *, max_length: int = 512,
+                  batch_size: int = 16, progress: bool = False) -> dict[str, float]:
+    """Multiple-choice accuracy: ``acc`` by total log-likelihood of the choice's tokens, ``acc_norm`` by
+    log-likelihood per UTF-8 byte of the choice (lm-eval's length normalisation); ``items``, ``seconds`` and
+    ``tokens_per_s`` too. Every item must have the same number of choices."""
+    items = list(items)
+    if not items:
+        raise ValueError("score_choices needs at least one ChoiceItem")
+    n_choices = {len(it.choices) for it in items}
+    if len(n_choices) != 1:
+        raise ValueError(f"every item must have the same number of choices; got {sorted(n_choices)}")
+    requests = choice_requests(tokenizer, items, max_length=max_length)
+    ll, stats = score_requests(model, requests, batch_size=batch_size, progress=progress, desc="choices")
+    ll = ll.reshape(len(items), n_choices.pop())
+    nbytes = np.asarray([[len(c.encode("utf-8")) for c in it.choices] for it in items], np.float64)
+    label = np.asarray([it.label for it in items])
+    return {"acc": float(np.mean(np.argmax(ll, axis=1) == label)),
+            "acc_norm": float(np.mean(np.argmax(ll / nbytes, axis=1) == label)),
+            "items": float(len(items)), "seconds": stats["seconds"], "tokens_per_s": stats["tokens_per_s"]}
