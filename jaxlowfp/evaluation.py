@@ -27,7 +27,6 @@ import dataclasses
 import functools
 import math
 import re
-import sys
 import time
 from typing import Any, Iterable, Sequence
 
@@ -36,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxlowfp._core.checks import optional_module
+from jaxlowfp._core.progress import progress_bar
 
 __all__ = [
     "ChoiceItem",
@@ -118,7 +117,7 @@ def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size
     n_scored = sum(r.n_pred for r in requests)
     batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
     t0 = time.perf_counter()
-    bar = _progress(total=n_in, desc=desc, enabled=progress)
+    bar = progress_bar(total=n_in, desc=desc, unit="tok", enabled=progress)
     for idx in batches:
         length = min(_bucket(len(requests[idx[0]].tokens) - 1), max_len)
         inputs = np.zeros((batch_size, length), np.int32)
@@ -143,11 +142,6 @@ def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size
                  "tokens_per_s": n_in / seconds if seconds > 0 else math.nan}
 
 
-def _progress(*, total: int, desc: str, enabled: bool) -> Any:
-    if not enabled:
-        return None
-    tqdm = optional_module("tqdm.auto", extra="models", feature="progress=True").tqdm
-    return tqdm(total=total, desc=desc, unit="tok", file=sys.stderr, leave=False, dynamic_ncols=True)
 
 
 @dataclasses.dataclass(frozen=True)

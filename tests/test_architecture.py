@@ -219,3 +219,20 @@ def test_the_distribution_lists_every_package():
             for p in (ROOT / pkg).rglob("__init__.py")}
     assert dirs | {"jaxlowfp_train"} == listed
     assert cfg["package-dir"] == {"jaxlowfp_train": "train"}  # the app is installed under a name no user has
+
+
+def test_library_calls_show_no_progress_bar_unless_asked():
+    import importlib
+    import inspect
+
+    found = []
+    for name in ("jaxlowfp.evaluation", "jaxlowfp.ptq", "jaxlowfp.models", "jaxlowfp.training"):
+        module = importlib.import_module(name)
+        for attr in getattr(module, "__all__", []):
+            fn = getattr(module, attr)
+            if inspect.isfunction(fn):
+                p = inspect.signature(fn).parameters.get("progress")
+                if p is not None:
+                    found.append(f"{name}.{attr}")
+                    assert p.default is False, f"{name}.{attr}(progress={p.default!r}): library calls default to False"
+    assert len(found) >= 4, found  # perplexity, score_choices, score_requests, ptq.quantize, ptq.collect

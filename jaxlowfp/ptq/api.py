@@ -3,7 +3,6 @@ model, chosen by module-path rules, in place."""
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -15,6 +14,7 @@ from flax import nnx
 from jax import lax
 
 from jaxlowfp import nvfp4
+from jaxlowfp._core.progress import progress_bar
 from jaxlowfp.ptq import calibrate, smooth
 from jaxlowfp.ptq.formats import Scheme, TensorFormat, rtn_weight
 from jaxlowfp.ptq.gptq import GPTQ, gptq_weight
@@ -144,7 +144,7 @@ def quantize(
     forward: Callable[[nnx.Module, Any], Any] | None = None,
     batch_size: int = 4,
     stats: Mapping[str, calibrate.LayerStats] | None = None,
-    progress: bool = True,
+    progress: bool = False,
 ) -> PTQResult:
     """Post-training quantization of the Linear layers that `rules` select, in place.
 
@@ -207,7 +207,7 @@ def quantize(
         stats = smooth_model(model, m, folds, targets, stats, progress=progress)
 
     packed = {}
-    for path in _bar(list(targets), f"{m.name} weights", progress):
+    for path in progress_bar(list(targets), desc=f"{m.name} weights", enabled=progress):
         lin, sch = mods[path], targets[path]
         kernel = lin.kernel[...]
         if isinstance(m, GPTQ):
@@ -262,7 +262,7 @@ def smooth_model(model: nnx.Module, method: SmoothQuant | AWQ, folds: Sequence[F
     statistics of the layers' new inputs (X / s)."""
     mods = {"/".join(map(str, p)): x for p, x in nnx.iter_graph(model) if isinstance(x, nnx.Module)}
     stats = dict(stats)
-    for f in _bar(list(folds), f"{method.name} scales", progress):
+    for f in progress_bar(list(folds), desc=f"{method.name} scales", enabled=progress):
         first = next(p for p in f.layers if p in schemes)
         st = stats[first]
         kernels = tuple(mods[p].kernel[...] for p in f.layers)
@@ -282,9 +282,3 @@ def smooth_model(model: nnx.Module, method: SmoothQuant | AWQ, folds: Sequence[F
     return stats
 
 
-def _bar(items: Sequence, desc: str, enabled: bool) -> Iterable:
-    if not enabled:
-        return items
-    from tqdm.auto import tqdm
-
-    return tqdm(items, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)

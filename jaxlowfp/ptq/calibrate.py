@@ -12,7 +12,6 @@ never the activations themselves::
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -21,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
+
+from jaxlowfp._core.progress import progress_bar
 
 _HI = lax.Precision.HIGHEST
 
@@ -70,7 +71,7 @@ def default_forward(model: nnx.Module, batch: jax.Array) -> Any:
 
 def collect(model: nnx.Module, paths: Sequence[str], batches: Iterable[Any], *,
             forward: Callable[[nnx.Module, Any], Any] = default_forward, hessian: bool = False,
-            samples_per_batch: int = 0, progress: bool = True) -> dict[str, LayerStats]:
+            samples_per_batch: int = 0, progress: bool = False) -> dict[str, LayerStats]:
     """`LayerStats` of the inputs of the Linear layers at `paths`, over `batches` (each passed to `forward`)."""
     paths = tuple(paths)
     graphdef, state = nnx.split(model)
@@ -102,7 +103,7 @@ def collect(model: nnx.Module, paths: Sequence[str], batches: Iterable[Any], *,
         return out
 
     total: dict[str, dict[str, Any]] = {}
-    bar = _bar(batches, "calibrate", progress)
+    bar = progress_bar(batches, desc="calibrate", enabled=progress)
     for batch in bar:
         res = jax.device_get(step(state, batch))
         for p, st in res.items():
@@ -122,9 +123,3 @@ def collect(model: nnx.Module, paths: Sequence[str], batches: Iterable[Any], *,
             for p, a in total.items()}
 
 
-def _bar(it: Iterable, desc: str, enabled: bool) -> Iterable:
-    if not enabled:
-        return it
-    from tqdm.auto import tqdm
-
-    return tqdm(it, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)
