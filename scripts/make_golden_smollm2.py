@@ -1,5 +1,5 @@
 """Make tests/fixtures/smollm2_golden.npz: SmolLM2-135M-Instruct log-probabilities from two implementations we did
-not derive from train/model.py. Not run by CI; the tests only read the fixture.
+not derive from jaxlowfp/models/llama.py. Not run by CI; the tests only read the fixture.
 
 (a) Hugging Face ``transformers`` (PyTorch, float32) loading the same GGUF file (``from_pretrained(dir,
     gguf_file=...)``: it dequantizes with the ``gguf`` package, undoes llama.cpp's q/k permutation itself and
