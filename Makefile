@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test setup bench clean gpu-check
+.PHONY: demo test setup bench clean gpu-check docs
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -11,8 +11,12 @@ setup:
 demo: setup
 	$(PY) -m train
 
-test: setup
+test: setup docs
 	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+
+# The API reference site (mkdocs.yml: mkdocs-material + mkdocstrings), warnings as errors; `make test` runs it first.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 bench: setup
 	$(PY) bench/formats.py
