@@ -26,7 +26,6 @@ import numpy as np
 
 from jaxlowfp._core.checks import optional_module
 from jaxlowfp.models.common import CheckpointError, TensorSpec, Tokenizer, build_model, tensor_specs
-
 from jaxlowfp.models.llama import Llama, ModelConfig
 
 tokenizers = optional_module("tokenizers", extra="models", feature="loading a GGUF checkpoint")
