@@ -10,9 +10,9 @@ amax; the block's columns are then rounded on that grid one by one.
 
 Ours runs the feedback in float32 with lazy chunks (another summation order), so a column value near a rounding
 boundary can round the other way and the difference then propagates: the comparison allows a small fraction of
-differing codes and scales and compares the layer's output error ``tr((W - Q) H (W - Q)^T)`` (on this machine: 0
-% of codes and scales differ, and the errors agree to all printed digits). With a diagonal
-Hessian nothing feeds back: both are then round-to-nearest and the codes are equal exactly (integer data).
+differing codes and scales and compares the layer's output error ``tr((W - Q) H (W - Q)^T)`` (here no code or
+scale differs and the errors agree to every printed digit). With a diagonal Hessian nothing feeds back: both are
+then round-to-nearest and the codes are equal exactly (integer data).
 """
 import ml_dtypes
 import numpy as np
