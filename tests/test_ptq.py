@@ -182,9 +182,9 @@ def test_export_follows_compressed_tensors_and_reloads_bit_identically(tmp_path,
     assert cfg["quant_method"] == "compressed-tensors" and cfg["format"] == "nvfp4-pack-quantized"
     assert cfg["config_groups"]["group_0"]["weights"]["group_size"] == 16
     assert (cfg["config_groups"]["group_0"]["input_activations"] is None) == weights_only
-    assert "lm_head" in cfg["ignore"] and "blocks.1.attn.q_proj" in cfg["ignore"]  # Linears left in float32
+    assert "lm_head" in cfg["ignore"] and "model.layers.1.self_attn.q_proj" in cfg["ignore"]  # Linears in float32
     assert len(cfg["config_groups"]["group_0"]["targets"]) == 6
-    m = "blocks.2.mlp.gate_proj"
+    m = "model.layers.2.mlp.gate_proj"  # a Llama is written with its Hugging Face names
     packed, scale = tensors[f"{m}.weight_packed"], tensors[f"{m}.weight_scale"]
     gs = tensors[f"{m}.weight_global_scale"]
     assert packed.dtype == np.uint8 and scale.dtype == ml_dtypes.float8_e4m3fn and gs.dtype == np.float32
@@ -193,7 +193,7 @@ def test_export_follows_compressed_tensors_and_reloads_bit_identically(tmp_path,
     # the convention's dequantization, w = fp4 * weight_scale / weight_global_scale, against our kernel
     w = _unpack_compressed_tensors(packed) * np.repeat(scale.astype(np.float32), 16, axis=1) / gs[0]
     np.testing.assert_allclose(w, np.asarray(model.blocks[2].mlp.gate_proj.kernel[...]).T, rtol=1e-6, atol=0)
-    assert tensors["blocks.0.attn_norm.weight"].dtype == np.float32
+    assert tensors["model.layers.0.input_layernorm.weight"].dtype == np.float32
 
     fresh = _model()
     schemes = ptq.load(fresh, tmp_path)

@@ -15,7 +15,7 @@ from jax import lax
 
 from jaxlowfp import nvfp4
 from jaxlowfp._core.progress import progress_bar
-from jaxlowfp.ptq import calibrate, smooth
+from jaxlowfp.ptq import calibrate, serving, smooth
 from jaxlowfp.ptq.formats import Scheme, TensorFormat, rtn_weight
 from jaxlowfp.ptq.gptq import GPTQ, gptq_weight
 from jaxlowfp.ptq.smooth import AWQ, Fold, SmoothQuant
@@ -68,6 +68,8 @@ class PTQResult:
     act_amax: {path: max |input|} over the calibration data (empty without calibration)
     folds:    the folds applied (SmoothQuant / AWQ), and skipped: [(layer, reason)]
     seconds:  wall time, calibration included
+    fused:    groups of layers that share one NVFP4 global scale (`jaxlowfp.ptq.serving.fused_groups`)
+    convention: "jaxlowfp" or "compressed-tensors", the NVFP4 arithmetic of `packed` (`jaxlowfp.ptq.serving`)
     """
 
     report: QuantizeReport
@@ -78,6 +80,8 @@ class PTQResult:
     folds: tuple[Fold, ...] = ()
     skipped: tuple[tuple[str, str], ...] = ()
     seconds: float = 0.0
+    fused: tuple[tuple[str, ...], ...] = ()
+    convention: str = "jaxlowfp"
 
 
 def _batches(calibration: Any, batch_size: int, forward_is_default: bool) -> list[Any]:
@@ -145,6 +149,8 @@ def quantize(
     batch_size: int = 4,
     stats: Mapping[str, calibrate.LayerStats] | None = None,
     progress: bool = False,
+    fused: Any = "auto",
+    convention: str = "jaxlowfp",
 ) -> PTQResult:
     """Post-training quantization of the Linear layers that `rules` select, in place.
 
@@ -158,6 +164,9 @@ def quantize(
       forward: ``forward(model, batch)`` runs the model on a calibration batch (default ``model(batch)``).
       stats: instead of `calibration`, statistics from `jaxlowfp.ptq.collect` on this same unquantized model
         (with ``hessian=True`` for GPTQ, samples for AWQ): one calibration pass shared by many quantize calls.
+      fused: layers that share one NVFP4 global scale, as serving engines fuse them (q/k/v, gate/up): "auto"
+        (`jaxlowfp.ptq.serving.fused_groups`), None, or a list of path tuples.
+      convention: NVFP4 weight arithmetic, "jaxlowfp" or "compressed-tensors" (llm-compressor's RTN; static_6).
 
     Afterwards each quantized layer is still an ``nnx.Linear``: its kernel holds the dequantized quantized weights,
     and, for W4A4 / W8A8 schemes, its ``dot_general`` is an `ActQuant` that fake-quantizes the input at run time.
@@ -178,6 +187,8 @@ def quantize(
         raise ValueError("pass calibration or stats, not both")
     if calibration is None and stats is None and not isinstance(m, RTN):
         raise ValueError(f"method {m.name!r} needs calibration data (a token array [n, seq] or batches)")
+    serving.check_convention(convention, m.name, targets)
+    groups = serving.fused_groups(model, targets, fused)
 
     mods = {"/".join(map(str, p)): x for p, x in nnx.iter_graph(model) if isinstance(x, nnx.Module)}
     folds, skipped = [], []
@@ -207,13 +218,18 @@ def quantize(
         stats = smooth_model(model, m, folds, targets, stats, progress=progress)
 
     packed = {}
+    shared = {p: jnp.max(jnp.stack([jnp.max(jnp.abs(mods[x].kernel[...].astype(jnp.float32))) for x in g]))
+              for g in groups for p in g}  # after the folds: the amax of the weights as they are quantized
     for path in progress_bar(list(targets), desc=f"{m.name} weights", enabled=progress):
         lin, sch = mods[path], targets[path]
         kernel = lin.kernel[...]
         if isinstance(m, GPTQ):
-            qw = gptq_weight(kernel, stats[path].gptq_hessian(), sch.weight, m, where=path)
+            qw = gptq_weight(kernel, stats[path].gptq_hessian(), sch.weight, m, where=path,
+                             global_amax=shared.get(path))
+        elif convention == "compressed-tensors":
+            qw = serving.ct_weight(kernel, sch.weight, shared.get(path))
         else:
-            qw = rtn_weight(kernel, sch.weight)
+            qw = rtn_weight(kernel, sch.weight, shared.get(path))
         lin.kernel.set_value(qw.kernel.astype(lin.kernel[...].dtype))
         if qw.packed is not None:
             packed[path] = (qw.packed, qw.s_enc)
@@ -228,7 +244,8 @@ def quantize(
     )
     return PTQResult(report=report, method=m.name, schemes=dict(targets), packed=packed,
                      act_amax={p: float(np.max(stats[p].amax)) for p in targets if p in stats}, folds=tuple(folds),
-                     skipped=tuple(skipped), seconds=time.perf_counter() - t0)
+                     skipped=tuple(skipped), seconds=time.perf_counter() - t0, fused=tuple(groups),
+                     convention=convention)
 
 
 def _folds(model: nnx.Module, mods: dict, m: SmoothQuant | AWQ, targets: Mapping[str, Scheme]

@@ -29,6 +29,7 @@ Tensors that are not quantized are written in float32.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from collections.abc import Callable, Mapping
@@ -42,6 +43,8 @@ from flax import nnx
 from jax import lax
 
 from jaxlowfp import nvfp4
+from jaxlowfp._core import ct_nvfp4
+from jaxlowfp.ptq import serving
 from jaxlowfp.ptq.api import ActQuant, PTQResult
 from jaxlowfp.ptq.calibrate import linear_modules
 from jaxlowfp.ptq.formats import Scheme, TensorFormat
@@ -83,20 +86,104 @@ def _fmt_from(d: dict | None) -> TensorFormat | None:
                         block_shape=None if d["block_shape"] is None else tuple(d["block_shape"]))
 
 
-def _quant_args(dynamic: Any) -> dict:
-    return {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16,
-            "dynamic": dynamic, "observer": "minmax", "observer_kwargs": {}, "actorder": None,
-            "block_structure": None}
+def _quant_args(activation: bool) -> dict:
+    """compressed-tensors' NVFP4 preset (``quantization/quant_scheme.py``: ``NVFP4`` / ``NVFP4A16``) as its
+    ``QuantizationArgs`` serialise: E4M3 block scales (``scale_dtype``: without it compressed-tensors simulates
+    activation block scales unrounded), weights static, activations ``dynamic: local`` (block scales from the
+    current input, the global scale static from calibration)."""
+    args = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
+            "dynamic": "local" if activation else False, "scale_dtype": "torch.float8_e4m3fn",
+            "zp_dtype": "torch.float8_e4m3fn", "actorder": None, "block_structure": None}
+    args["observer"] = "static_minmax" if activation else "memoryless_minmax"
+    return args
+
+
+def llama_hf_config(cfg: Any) -> dict:
+    """A Hugging Face ``config.json`` for a `jaxlowfp.models.ModelConfig` (Llama; Qwen2 with q/k/v bias; Qwen3
+    with q/k norm)."""
+    arch = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+    return {"architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                               "qwen3": "Qwen3ForCausalLM"}[arch]], "model_type": arch,
+            "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
+            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+            "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "vocab_size": cfg.vocab,
+            "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": cfg.tie_embeddings,
+            "hidden_act": "silu", "torch_dtype": "float32"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportReport:
+    """What `export` wrote.
+
+    directory:          the checkpoint directory
+    bits_per_parameter: stored bits (every tensor of the safetensors file) / parameters of the model
+    quantized_bits:     stored bits per weight of the NVFP4 layers (codes, block scales, global scales; 4.5 + 64/n)
+    quantized_fraction: the fraction of the model's parameters stored as NVFP4
+    fused:              groups sharing one global scale (what vLLM fuses)
+    partial:            vLLM-fused groups of which only some members are quantized (vLLM refuses to load those)
+    convention:         the NVFP4 arithmetic of the weights ("jaxlowfp" or "compressed-tensors")
+    """
+
+    directory: Path
+    bits_per_parameter: float
+    quantized_bits: float
+    quantized_fraction: float
+    fused: tuple[tuple[str, ...], ...]
+    partial: tuple[tuple[str, ...], ...]
+    convention: str
+
+    def __str__(self) -> str:
+        lines = [f"exported to {self.directory}: {self.bits_per_parameter:.3f} bits per parameter "
+                 f"({100 * self.quantized_fraction:.1f} % of the parameters in NVFP4 at {self.quantized_bits:.3f} "
+                 f"bits per weight), {len(self.fused)} fused groups sharing a global scale, {self.convention} "
+                 f"arithmetic"]
+        if self.partial:
+            lines.append(f"note: only some members of the fused groups {list(self.partial)[:3]} are quantized; vLLM "
+                         f"loads a fused layer only if all its shards have the same scheme")
+        return "\n".join(lines)
+
+
+def _check_scales(m: str, scales: np.ndarray, s_enc: float) -> None:
+    """Refuse what would make a served model NaN or garbage: non-finite block scales, a non-finite or
+    non-positive global scale (uncalibrated MoE experts are the known source)."""
+    f = scales.astype(np.float32)
+    if not np.isfinite(f).all():
+        raise ValueError(f"{m}: {int((~np.isfinite(f)).sum())} weight block scales are NaN/Inf (the weight has "
+                         f"non-finite values); refusing to export")
+    if not (np.isfinite(s_enc) and s_enc > 0):
+        raise ValueError(f"{m}: weight_global_scale is {s_enc}; it must be finite and > 0; refusing to export")
+
+
+def _input_global_scale(m: str, amax: float, convention: str) -> np.ndarray:
+    """The encode scale of the calibration amax of a layer's input, as the serving engine applies it (static_6
+    activations: vLLM and compressed-tensors have no 4/6 on activations)."""
+    if not (np.isfinite(amax) and amax > 0):
+        raise ValueError(f"{m}: the calibration amax of this layer's input is {amax} (the layer saw no or non-finite "
+                         f"calibration input), so input_global_scale would be {'1' if amax == 0 else 'NaN'}; "
+                         f"refusing to export a W4A4 layer a served model would run with a meaningless scale")
+    a = jnp.float32(amax)
+    g = ct_nvfp4.global_scale(a) if convention == "compressed-tensors" else nvfp4.global_scales(a, "static_6")[0]
+    return np.asarray(g, np.float32).reshape(1)
+
+
+def _hf_names(model: nnx.Module) -> dict[str, str] | None:
+    from jaxlowfp.models import Llama
+    from jaxlowfp.models.common import tensor_specs
+
+    return {s.path: s.hf for s in tensor_specs(model.config)} if isinstance(model, Llama) else None
 
 
 def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
            tensor_names: Mapping[str, str] | Callable[[str], str] | None = None,
-           model_config: Mapping[str, Any] | None = None) -> Path:
+           model_config: Mapping[str, Any] | None = None, tokenizer: Any = None) -> ExportReport:
     """Write `model` (after `jaxlowfp.ptq.quantize` with NVFP4 weights) to `directory` (module docstring).
 
     `tensor_names` maps an NNX parameter path (``blocks/0/attn/q_proj/kernel``) to its checkpoint name
-    (``model.layers.0.self_attn.q_proj.weight``; a Linear kernel's name must end in ``.weight``), default
-    `default_name`. `model_config` is written as ``config.json`` with ``quantization_config`` added.
+    (``model.layers.0.self_attn.q_proj.weight``; a Linear kernel's name must end in ``.weight``), default the
+    Hugging Face names for a `jaxlowfp.models.Llama`, else `default_name`. `model_config` is written as
+    ``config.json`` with ``quantization_config`` added (default for a Llama: `llama_hf_config`); `tokenizer` (a
+    `jaxlowfp.models.Tokenizer`) is saved as ``tokenizer.json``. Refuses non-finite or zero scales, fused
+    groups (q/k/v, gate/up) whose global scales differ, and returns an `ExportReport` (bits per parameter).
     """
     if not isinstance(result, PTQResult):
         raise TypeError(f"result must be the PTQResult of jaxlowfp.ptq.quantize; got {type(result).__name__}")
@@ -104,11 +191,23 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
     if bad:
         raise ValueError(f"export writes NVFP4 weights; layers {bad[:4]} use "
                          f"{sorted({result.schemes[p].weight.name for p in bad})}")
+    if tensor_names is None:
+        tensor_names = _hf_names(model)
+    if model_config is None and _hf_names(model) is not None:
+        model_config = llama_hf_config(model.config)
     name_of = _namer(tensor_names)
     params = _params(model)
     linears = linear_modules(model)
+    conv = result.convention
+    unfused = serving.vllm_fused_error(serving.name_groups(list(result.schemes)),
+                                       {p: float(result.packed[p][1]) for p in result.schemes if p in result.packed})
+    if unfused:
+        raise ValueError("vLLM fuses these layers and decodes each group with its largest global scale, so their "
+                         "global scales must be equal (quantize with fused='auto'): " + "; ".join(unfused[:3]))
     tensors: dict[str, np.ndarray] = {}
     layers: dict[str, Any] = {}
+    n_quant = 0
+    quant_bits = 0
     for path, var in params.items():
         mod_path, leaf = path.rsplit("/", 1) if "/" in path else ("", path)
         name = name_of(path)
@@ -118,7 +217,7 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
             if not name.endswith(".weight"):
                 raise ValueError(f"{path}: the checkpoint name {name!r} of a quantized kernel must end in '.weight'")
             arr, s_enc = result.packed[mod_path]
-            if not bool(jnp.all(arr.dequantize(jnp.float32).T == var[...])):
+            if not bool(jnp.all(serving.decode(arr, s_enc, conv).T == var[...])):
                 raise ValueError(f"{mod_path}: the model's kernel is not the packed NVFP4 weight (was the model "
                                  f"changed after quantize?)")
             m = name[: -len(".weight")]
@@ -126,6 +225,7 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
             scales = np.asarray(arr.scales)
             if sch.weight.rows > 1:  # 16x16 tiles -> one (equal) scale per row and 16 inputs
                 scales = np.repeat(scales, sch.weight.rows, axis=0)
+            _check_scales(m, scales, float(s_enc))
             tensors[f"{m}.weight_packed"] = np.asarray(arr.codes)
             tensors[f"{m}.weight_scale"] = scales
             tensors[f"{m}.weight_global_scale"] = np.asarray(s_enc, np.float32).reshape(1)
@@ -133,9 +233,10 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
                 if mod_path not in result.act_amax:
                     raise ValueError(f"{mod_path}: W4A4 export needs the calibration activation amax for "
                                      f"input_global_scale; run jaxlowfp.ptq.quantize with calibration data")
-                a_rule = sch.activation.rule if sch.activation.kind == "nvfp4" else "static_6"
-                g = nvfp4.global_scales(jnp.float32(result.act_amax[mod_path]), a_rule)[0]
-                tensors[f"{m}.input_global_scale"] = np.asarray(g, np.float32).reshape(1)
+                tensors[f"{m}.input_global_scale"] = _input_global_scale(m, result.act_amax[mod_path], conv)
+            n_quant += int(np.prod(var.shape))
+            quant_bits += sum(tensors[f"{m}.{k}"].nbytes * 8 for k in ("weight_packed", "weight_scale",
+                                                                         "weight_global_scale"))
             layers[mod_path] = {"name": m, "weight": _fmt_json(sch.weight), "activation": _fmt_json(sch.activation)}
             continue
         value = np.asarray(var[...], np.float32)
@@ -148,23 +249,39 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
     from safetensors.numpy import save_file
 
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
-    w4a4 = any(s.activation is not None for s in result.schemes.values())
-    group = {"targets": sorted({v["name"] for v in layers.values()}), "weights": _quant_args(False),
-             "input_activations": _quant_args("local") if w4a4 else None, "output_activations": None,
-             "format": "nvfp4-pack-quantized"}
+    groups = {}
+    for act in (True, False):
+        targets = sorted(v["name"] for p, v in layers.items() if (result.schemes[p].activation is not None) == act)
+        if targets:
+            groups[f"group_{len(groups)}"] = {
+                "targets": targets, "weights": _quant_args(False),
+                "input_activations": _quant_args(True) if act else None, "output_activations": None,
+                "format": "nvfp4-pack-quantized"}
+    kept = {name_of(p)[: -len(".weight")] for p in params
+            if p.rsplit("/", 1)[0] in linears and p.endswith("/kernel") and p.rsplit("/", 1)[0] not in result.schemes}
+    kept |= {name_of(p)[: -len(".weight")] for p in params if p.endswith("/embedding")}  # embeddings
+    kept.add("lm_head")  # a tied head is a module in Hugging Face models too
     qcfg = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
-            "config_groups": {"group_0": group}, "kv_cache_scheme": None, "global_compression_ratio": None,
-            "ignore": sorted({name_of(p)[: -len(".weight")] for p in params
-                              if p.rsplit("/", 1)[0] in linears and p.endswith("/kernel")
-                              and p.rsplit("/", 1)[0] not in result.schemes})}
+            "config_groups": groups, "kv_cache_scheme": None, "global_compression_ratio": None,
+            "ignore": sorted(kept)}
     config = dict(model_config or {})
     config["quantization_config"] = qcfg
     (directory / "config.json").write_text(json.dumps(config, indent=1))
-    meta = {"format": "jaxlowfp-ptq/1", "method": result.method, "layers": layers,
-            "activation_scaling": "current per-tensor amax (dynamic); input_global_scale is the calibration amax",
+    if tokenizer is not None:
+        tokenizer.tokenizer.save(str(directory / "tokenizer.json"))
+    partial = tuple(g for g in serving.name_groups(list(linears))
+                    if 0 < sum(p in result.schemes for p in g) < len(g))
+    meta = {"format": "jaxlowfp-ptq/2", "method": result.method, "layers": layers, "convention": conv,
+            "fused": [list(g) for g in result.fused],
+            "activation_scaling": "ours: current per-tensor amax (dynamic); input_global_scale (static_6, what a "
+                                  "serving engine applies) is the calibration amax",
             "tensor_names": {p: name_of(p) for p in params}}
     (directory / META_FILE).write_text(json.dumps(meta, indent=1))
-    return directory
+    n_params = sum(int(np.prod(v.shape)) for v in params.values())
+    total_bits = sum(t.nbytes * 8 for t in tensors.values())
+    return ExportReport(directory=directory, bits_per_parameter=total_bits / n_params,
+                        quantized_bits=quant_bits / max(n_quant, 1), quantized_fraction=n_quant / n_params,
+                        fused=tuple(result.fused), partial=partial, convention=conv)
 
 
 def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
@@ -186,7 +303,7 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
 
 def load(model: nnx.Module, directory: str | Path) -> dict[str, Scheme]:
     """Load a directory written by `export` into `model` (same architecture), in place: every parameter, NVFP4
-    kernels dequantized as ``(q * s) * (1 / S_enc)``, and the activation quantization of W4A4 layers. Returns
+    kernels decoded in the convention they were made in (``(q * s) * (1 / S_enc)`` or ``q * (s / S_enc)``), and the activation quantization of W4A4 layers. Returns
     {path: Scheme} of the quantized layers."""
     directory = Path(directory)
     meta_path = directory / META_FILE
@@ -215,7 +332,7 @@ def load(model: nnx.Module, directory: str | Path) -> dict[str, Scheme]:
             arr = nvfp4.NVFP4Array(codes=jnp.asarray(codes), scales=jnp.asarray(scales), global_scale=1.0 / s_enc,
                                    rule=w_fmt.rule, block_shape=w_fmt.block_shape, dtype=jnp.dtype(jnp.float32),
                                    shape=(out, 2 * half))
-            kernel = arr.dequantize(jnp.float32).T
+            kernel = serving.decode(arr, s_enc, meta.get("convention", "jaxlowfp")).T
             if kernel.shape != var.shape:
                 raise ValueError(f"{m}: packed weight is {kernel.shape[::-1]} (PyTorch [out, in]); the model's "
                                  f"kernel {path} is {var.shape}")

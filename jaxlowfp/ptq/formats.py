@@ -177,18 +177,21 @@ class QuantizedWeight:
 
 
 @functools.partial(jax.jit, static_argnames=("fmt",))
-def _rtn(kernel: jax.Array, fmt: TensorFormat):
+def _rtn(kernel: jax.Array, fmt: TensorFormat, global_amax: jax.Array | None = None):
     wt = kernel.astype(jnp.float32).T
     if fmt.kind != "nvfp4":
         return fmt.fake_quantize(wt).T, None, None
-    arr = nvfp4.quantize(wt, rule=fmt.rule, block_shape=fmt.block_shape)
-    s_enc = nvfp4.global_scales(jnp.max(jnp.abs(wt)), fmt.rule)[0]
+    amax = jnp.max(jnp.abs(wt)) if global_amax is None else global_amax
+    arr = nvfp4.quantize(wt, rule=fmt.rule, block_shape=fmt.block_shape, global_amax=amax)
+    s_enc = nvfp4.global_scales(amax, fmt.rule)[0]
     return arr.dequantize(jnp.float32).T, arr, s_enc
 
 
-def rtn_weight(kernel: jax.Array, fmt: TensorFormat) -> QuantizedWeight:
-    """Round-to-nearest quantization of a kernel [in, out] (blocks along `in`), with its own amax."""
-    return QuantizedWeight(*_rtn(jnp.asarray(kernel), fmt))
+def rtn_weight(kernel: jax.Array, fmt: TensorFormat, global_amax: jax.Array | None = None) -> QuantizedWeight:
+    """Round-to-nearest quantization of a kernel [in, out] (blocks along `in`), with its own amax or, for NVFP4,
+    `global_amax` (a fused group's shared amax: every block's scale and 4/6 choice made under that global scale)."""
+    g = None if global_amax is None else jnp.asarray(global_amax, jnp.float32)
+    return QuantizedWeight(*_rtn(jnp.asarray(kernel), fmt, g))
 
 
 # ---------------------------------------------------------------------------------------------------------------

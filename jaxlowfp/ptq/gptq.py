@@ -132,8 +132,10 @@ def _gptq(w: jax.Array, u: jax.Array, group_of: jax.Array, first: jax.Array, gro
 
 
 def gptq_weight(kernel: jax.Array, hessian: jax.Array, fmt: TensorFormat, cfg: GPTQ = GPTQ(), *,
-                where: str = "layer") -> QuantizedWeight:
-    """GPTQ-quantize a kernel [in, out] given the Hessian H = 2/n X^T X [in, in] of its inputs (module docstring)."""
+                where: str = "layer", global_amax: jax.Array | None = None) -> QuantizedWeight:
+    """GPTQ-quantize a kernel [in, out] given the Hessian H = 2/n X^T X [in, in] of its inputs (module docstring).
+    `global_amax` (NVFP4): the amax the global scale is made from, default the kernel's own (a fused group's
+    shared amax, `jaxlowfp.ptq.serving`)."""
     kernel = jnp.asarray(kernel, jnp.float32)
     n_in, out = kernel.shape
     h = np.array(hessian, np.float32)
@@ -145,7 +147,7 @@ def gptq_weight(kernel: jax.Array, hessian: jax.Array, fmt: TensorFormat, cfg: G
     dead = np.diag(h) == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    amax = jnp.max(jnp.abs(kernel))  # the global scale comes from the original weights
+    amax = jnp.max(jnp.abs(kernel)) if global_amax is None else jnp.asarray(global_amax, jnp.float32)  # original weights
     perm = np.argsort(-np.diag(h), kind="stable") if cfg.act_order else np.arange(n_in)
     pos = np.argsort(perm)  # processing position of each original column
     hp = h[perm][:, perm]
