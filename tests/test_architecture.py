@@ -28,6 +28,8 @@ FLOORS = {
     "jaxlowfp.qat": 3,
     "jaxlowfp.qnnx": 4,
     "jaxlowfp.qlinen": 4,
+    "jaxlowfp.qwix_provider": 4,  # the Qwix provider (optional dependency qwix), beside the Flax integration
+    "jaxlowfp.owg": 4,  # scale state carried as gradients (_overwrite_with_gradient), used by qlinen
     "jaxlowfp.nnx": 4,  # deprecated alias of jaxlowfp.qnnx
     "jaxlowfp.linen": 4,  # deprecated alias of jaxlowfp.qlinen
     "jaxlowfp.training": 5,

@@ -1,4 +1,5 @@
-"""Flax NNX integration: `QuantLinear`, path rules that swap `nnx.Linear` modules in place, telemetry.
+"""Flax NNX integration: `QuantLinear`, `QuantEinsum`, `QuantLinearGeneral`, path rules that swap `nnx.Linear`,
+`nnx.Einsum` and `nnx.LinearGeneral` modules in place, telemetry.
 
 Named ``qnnx`` so that it sits beside ``from flax import nnx`` in user code (``jaxlowfp.nnx``, its old name, still
 imports for one release with a DeprecationWarning). `Rule` and `QuantizeReport` are those of `jaxlowfp.rules`, the same
@@ -27,8 +28,9 @@ cloned, and the new `QuantLinear` holds the very same `nnx.Param` objects as the
 >>> type(model.up_proj).__name__, report.unmatched, report.unused_rules
 ('QuantLinear', ('down_proj',), ('gate_proj',))
 """
-from jaxlowfp.qnnx.layer import AmaxState, QuantLinear, QuantPhase, QuantStatsState
-from jaxlowfp.qnnx.rules import iter_quant_linears, paper_rules, quantize
+from jaxlowfp.qnnx.layer import (AmaxState, QuantEinsum, QuantLinear, QuantLinearGeneral, QuantOp, QuantPhase,
+                                 QuantStatsState)
+from jaxlowfp.qnnx.rules import iter_quant_linears, iter_quant_ops, paper_rules, quantize
 from jaxlowfp.rules import QuantizeReport, Rule
 from jaxlowfp.qnnx.telemetry import collect_stats, max_saturated_fraction, set_observe_only
 
@@ -37,6 +39,9 @@ __all__ = [
     "QuantStatsState",
     "QuantPhase",
     "QuantLinear",
+    "QuantEinsum",
+    "QuantLinearGeneral",
+    "QuantOp",
     "Rule",
     "QuantizeReport",
     "quantize",
@@ -45,4 +50,5 @@ __all__ = [
     "collect_stats",
     "max_saturated_fraction",
     "iter_quant_linears",
+    "iter_quant_ops",
 ]

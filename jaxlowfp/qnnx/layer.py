@@ -1,4 +1,6 @@
-"""`QuantLinear`, the drop-in for `nnx.Linear`, and the NNX variable types that hold its QAT state."""
+"""The quantized NNX layers: `QuantLinear`, `QuantEinsum`, `QuantLinearGeneral` (drop-ins for `nnx.Linear`,
+`nnx.Einsum`, `nnx.LinearGeneral`), their common base `QuantOp` (the QAT state of one quantized contraction), and
+the NNX variable types that hold that state."""
 from __future__ import annotations
 
 import functools
@@ -16,6 +18,7 @@ from jax import lax
 
 from jaxlowfp import qat
 from jaxlowfp._core.checks import bool_flag
+from jaxlowfp.qat.contract import check_blocks, contract, needs_linear_layout, parse_einsum
 
 class AmaxState(nnx.Variable):
     """A QuantLinear's `RecipeState` (amax histories): the functional QAT state, separate from `nnx.Param`.
@@ -37,32 +40,6 @@ class QuantPhase(nnx.Variable):
 _PathParts = tuple[Any, ...]
 
 
-def _check_layer_shape(recipe: qat.Recipe, in_features: int, out_features: int, where: str) -> None:
-    """Block-scaled formats need whole blocks: the activation [.., in] is blocked along `in`, the kernel
-    [in, out] along `in` (its contraction axis) and, for 2D tiles (r, c), along `out` by r; a quantized output
-    gradient [.., out] along `out`. (The wgrad blocks run along the tokens: that count is checked per call.)"""
-    for role in ("activation", "weight", "grad"):
-        spec = getattr(recipe, role, None)
-        block = getattr(spec, "block_shape", None) if spec is not None else None
-        if block is None:
-            continue
-        block = tuple(int(b) for b in block)
-        problems = []
-        if role == "grad":  # dgrad quantizes dy [.., out] in blocks along `out`
-            if out_features % block[-1]:
-                problems.append(f"out_features={out_features} is not a multiple of the block size {block[-1]}")
-        elif in_features % block[-1]:
-            problems.append(f"in_features={in_features} is not a multiple of the block size {block[-1]}")
-        if role == "weight" and block[0] > 1 and out_features % block[0]:
-            problems.append(f"out_features={out_features} is not a multiple of the tile height {block[0]}")
-        if problems:
-            raise ValueError(
-                f"{where}: recipe {recipe.name!r} quantizes the {role} as {spec.format} with block_shape={block}, "
-                f"but {' and '.join(problems)}. Keep this layer in high precision (a Rule with recipe=None) "
-                f"or use a recipe without block scaling."
-            )
-
-
 @functools.lru_cache(maxsize=256)
 def _stats_shapes(recipe: qat.Recipe, in_features: int, out_features: int, dtype: np.dtype) -> Any:
     x = jax.ShapeDtypeStruct((1, in_features), dtype)
@@ -81,7 +58,70 @@ def _zero_stats(recipe: qat.Recipe, in_features: int, out_features: int, dtype: 
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-class QuantLinear(nnx.Module):
+class QuantOp(nnx.Module):
+    """The QAT state of one quantized contraction, and the contraction itself.
+
+    Holds the recipe, the amax histories (`amax`, an `AmaxState`), the last stats (`stats`), the observe-only
+    flag (`observe_only`, a `QuantPhase`) and, for stochastic rounding, a forked 'quant' rng stream. The layers
+    (`QuantLinear`, `QuantEinsum`, `QuantLinearGeneral`) are QuantOps with parameters; the Qwix provider
+    (`jaxlowfp.qwix_provider`) attaches a bare QuantOp to each module whose matmul it intercepts. Telemetry and
+    the warmup switch (`jaxlowfp.qnnx.set_observe_only`) reach every QuantOp in a model.
+
+    `contract(lhs, rhs, dimension_numbers, weight=...)` is `jaxlowfp.qat.contract.contract` with this op's state:
+    it records the new histories and stats in the variables.
+    """
+
+    def __init__(self, recipe: qat.Recipe, *, k: int = 16, m: int = 16, dtype: Any = jnp.float32,
+                 observe_only: bool = False, path: str = "", rngs: nnx.Rngs | None = None):
+        self._init_quant(recipe, k=k, m=m, dtype=dtype, observe_only=observe_only, path=path, rngs=rngs,
+                         where=path or "QuantOp")
+
+    def _init_quant(self, recipe: qat.Recipe, *, k: int, m: int, dtype: Any, observe_only: bool, path: str,
+                    rngs: nnx.Rngs | None, where: str) -> None:
+        """Validate `recipe` against the contraction sizes (K, M) and create the state variables."""
+        if not isinstance(recipe, qat.Recipe):
+            raise TypeError(f"recipe must be a jaxlowfp.qat.Recipe; got {type(recipe).__name__}: {recipe!r}")
+        if not isinstance(path, str):
+            raise TypeError(f"path must be a str; got {type(path).__name__}")
+        if recipe.needs_key and rngs is None:
+            raise TypeError(f"{where}: recipe {recipe.name!r} uses stochastic rounding and needs rngs=nnx.Rngs(...) "
+                            f"(its 'quant' stream, or 'default') to draw a key per call")
+        self.recipe = recipe
+        self.path = path
+        self.amax = AmaxState(recipe.init())
+        self.stats = QuantStatsState(_zero_stats(recipe, k, m, dtype, where))
+        self.observe_only = QuantPhase(jnp.asarray(bool_flag(observe_only)))
+        self.rngs = rngs["quant"].fork() if recipe.needs_key else nnx.data(None)
+
+    def contract(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, *, weight: int = 1,
+                 key: jax.Array | None = None, precision: Any = None,
+                 preferred_element_type: Any = None) -> jax.Array:
+        """``lax.dot_general(lhs, rhs, dimension_numbers)`` quantized by this op's recipe (`weight`: which operand
+        is the weight, 0 or 1); the new amax histories and stats are stored in the variables."""
+        if key is None and self.rngs is not None:
+            key = self.rngs()
+        y, new_state, stats = contract(
+            lhs, rhs, dimension_numbers, recipe=self.recipe, state=self.amax.get_value(), weight=weight,
+            observe_only=self.observe_only[...], key=key, precision=precision,
+            preferred_element_type=preferred_element_type, where=self.path or type(self).__name__)
+        self.amax.set_value(new_state)
+        self.stats.set_value(stats)
+        return y
+
+
+def _refuse_sharding(out_sharding: Any, where: str) -> None:
+    if out_sharding is not None:
+        raise NotImplementedError(f"{where}: out_sharding is not supported by the quantized matmul; shard the "
+                                  f"inputs and parameters instead")
+
+
+def _adopt_params(dst: nnx.Module, src: nnx.Module) -> None:
+    """`dst` holds `src`'s kernel and bias `nnx.Param` objects (the same arrays, no copy)."""
+    dst.kernel = src.kernel
+    dst.bias = src.bias if src.bias is not None else nnx.data(None)
+
+
+class QuantLinear(QuantOp):
     """Drop-in for `nnx.Linear` that fake-quantizes weight and input with a `qat.Recipe`.
 
         y = Q_a(x) @ Q_w(W) + b        (straight-through gradients; Q = identity while observe_only)
@@ -117,7 +157,7 @@ class QuantLinear(nnx.Module):
         if not isinstance(path, str):
             raise TypeError(f"path must be a str; got {type(path).__name__}")
         where = path or f"QuantLinear({in_features}, {out_features})"
-        _check_layer_shape(recipe, int(in_features), int(out_features), where)
+        check_blocks(recipe, int(in_features), int(out_features), where)
         if recipe.needs_key and rngs is None:
             raise TypeError(f"{where}: recipe {recipe.name!r} uses stochastic rounding and needs rngs=nnx.Rngs(...) "
                             f"(its 'quant' stream, or 'default') to draw a key per call")
@@ -143,13 +183,9 @@ class QuantLinear(nnx.Module):
         self.precision = precision
         self.promote_dtype = promote_dtype
         self.preferred_element_type = preferred_element_type
-        self.recipe = recipe
-        self.path = path
         compute_dtype = dtype if dtype is not None else param_dtype
-        self.amax = AmaxState(recipe.init())
-        self.stats = QuantStatsState(_zero_stats(recipe, in_features, out_features, compute_dtype, where))
-        self.observe_only = QuantPhase(jnp.asarray(bool_flag(observe_only)))
-        self.rngs = rngs["quant"].fork() if recipe.needs_key else nnx.data(None)
+        self._init_quant(recipe, k=in_features, m=out_features, dtype=compute_dtype, observe_only=observe_only,
+                         path=path, rngs=rngs, where=where)
 
     @classmethod
     def from_linear(
@@ -191,30 +227,168 @@ class QuantLinear(nnx.Module):
 
     def __call__(self, inputs: jax.Array, out_sharding: Any = None, *, key: jax.Array | None = None) -> jax.Array:
         """`key` overrides the layer's own stream (used only by stochastic-rounding recipes)."""
-        if out_sharding is not None:
-            raise NotImplementedError(
-                f"{self.path or 'QuantLinear'}: out_sharding is not supported by the quantized matmul; shard the "
-                f"inputs and parameters instead"
-            )
-        if key is None and self.rngs is not None:
-            key = self.rngs()
+        _refuse_sharding(out_sharding, self.path or "QuantLinear")
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
-        y, new_state, stats = qat.linear(
-            inputs,
-            kernel,
-            recipe=self.recipe,
-            state=self.amax.get_value(),
-            observe_only=self.observe_only[...],
-            key=key,
-            precision=self.precision,
-            preferred_element_type=self.preferred_element_type,
-        )
-        self.amax.set_value(new_state)
-        self.stats.set_value(stats)
+        y = self.contract(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())), key=key,
+                          precision=self.precision, preferred_element_type=self.preferred_element_type)
         if bias is not None:
             y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
         return y
 
 
+def _einsum_sizes(spec: str, kernel_shape: tuple[int, ...]) -> tuple[tuple[int, ...], int, int] | None:
+    """(kernel batch axes, K, M) of ``einsum(spec, inputs, kernel)`` read from the letters alone; None when the
+    kernel's part of the spec has an ellipsis (its shape then decides, at the first call)."""
+    lhs_out = spec.replace(" ", "").split("->")
+    operands, out = lhs_out[0].split(","), lhs_out[1]
+    a, b = operands
+    if "." in b:
+        return None
+    if len(b) != len(kernel_shape):
+        raise ValueError(f"einsum {spec!r}: the kernel operand {b!r} has {len(b)} axes, but kernel_shape is "
+                         f"{tuple(kernel_shape)}")
+    batch = tuple(i for i, c in enumerate(b) if c in a and c in out)
+    contracted = [i for i, c in enumerate(b) if c in a and c not in out]
+    k = int(np.prod([kernel_shape[i] for i in contracted]))
+    m = int(np.prod([d for i, d in enumerate(kernel_shape) if i not in contracted and i not in batch]))
+    return batch, k, m
+
+
+class QuantEinsum(QuantOp):
+    """Drop-in for `nnx.Einsum` (``y = einsum(spec, x, W) + b``) with the input and kernel fake-quantized by a
+    `qat.Recipe`: the einsum runs as the GEMM ``x' [.., K] @ W' [K, M]`` of `jaxlowfp.qat.contract` (K the
+    product of the contracted axes, M of the kernel's free axes), so NVFP4 blocks run along the contraction.
+
+    Same `kernel` and `bias` Params (and initialization, from `nnx.Einsum` itself) as `nnx.Einsum`. An einsum
+    whose kernel shares an axis with the input and the output (a batch axis, e.g. experts) takes the per-tensor
+    8-bit recipes only; block-scaled ones raise at construction when the spec shows it, else at the first call.
+    """
+
+    def __init__(self, einsum_str: str, kernel_shape: Any, bias_shape: Any = None, *, recipe: qat.Recipe,
+                 observe_only: bool = False, path: str = "", rngs: nnx.Rngs | None = None,
+                 _from: nnx.Einsum | None = None, **einsum_kwargs: Any):
+        if _from is None:
+            if rngs is None:
+                raise TypeError("QuantEinsum needs rngs=nnx.Rngs(...) to initialize its parameters")
+            _from = nnx.Einsum(einsum_str, kernel_shape, bias_shape, rngs=rngs, **einsum_kwargs)
+        where = path or f"QuantEinsum({_from.einsum_str!r})"
+        if _from.einsum_op is not jnp.einsum:
+            raise ValueError(f"{where}: this nnx.Einsum uses a custom einsum_op ({_from.einsum_op!r}); QuantEinsum "
+                             f"would replace it. Keep the layer out of the rules or quantize it yourself.")
+        sizes = _einsum_sizes(_from.einsum_str, tuple(_from.kernel_shape)) if _from.einsum_str else None
+        k, m = 16, 16
+        if sizes is not None:
+            batch, k, m = sizes
+            if batch and isinstance(recipe, qat.Recipe) and needs_linear_layout(recipe):
+                raise ValueError(f"{where}: recipe {recipe.name!r} blocks an operand (NVFP4) or uses the Hadamard "
+                                 f"transform, but the kernel axes {batch} of {_from.einsum_str!r} are batch axes "
+                                 f"(in the input and the output); use a per-tensor 8-bit recipe or keep it in "
+                                 f"high precision")
+            if isinstance(recipe, qat.Recipe):
+                check_blocks(recipe, k, m, where, k_name=f"the contraction size K of {_from.einsum_str!r}",
+                             m_name=f"the kernel's free size M of {_from.einsum_str!r}")
+        _adopt_params(self, _from)
+        for name in ("einsum_str", "kernel_shape", "bias_shape", "dtype", "param_dtype", "precision",
+                     "promote_dtype", "preferred_element_type"):
+            setattr(self, name, getattr(_from, name))
+        dtype = self.dtype if self.dtype is not None else self.param_dtype
+        self._init_quant(recipe, k=k, m=m, dtype=dtype, observe_only=observe_only, path=path, rngs=rngs,
+                         where=where)
+
+    @classmethod
+    def from_einsum(cls, einsum: nnx.Einsum, recipe: qat.Recipe, *, path: str = "", observe_only: bool = False,
+                    rngs: nnx.Rngs | None = None) -> "QuantEinsum":
+        """A QuantEinsum sharing `einsum`'s kernel and bias `nnx.Param` objects (same arrays, no copy)."""
+        if not isinstance(einsum, nnx.Einsum):
+            raise TypeError(f"{path or 'from_einsum'}: expected an nnx.Einsum; got {type(einsum).__name__}")
+        return cls(einsum.einsum_str, einsum.kernel_shape, einsum.bias_shape, recipe=recipe,
+                   observe_only=observe_only, path=path, rngs=rngs, _from=einsum)
+
+    def __call__(self, inputs: jax.Array, einsum_str: str | None = None, out_sharding: Any = None, *,
+                 key: jax.Array | None = None) -> jax.Array:
+        """As `nnx.Einsum.__call__` (a call-time `einsum_str` takes precedence); `key` overrides the layer's own
+        stream (stochastic-rounding recipes only)."""
+        _refuse_sharding(out_sharding, self.path or "QuantEinsum")
+        spec = einsum_str if einsum_str is not None else self.einsum_str
+        if spec is None:
+            raise ValueError(f"{self.path or 'QuantEinsum'}: no einsum_str, neither at construction nor in the call")
+        spec = spec.replace(" ", "")
+        nnx.Einsum._einsum_str_check(self, spec)
+        bias = self.bias[...] if self.bias is not None else None
+        inputs, kernel, bias = self.promote_dtype((inputs, self.kernel[...], bias), dtype=self.dtype)
+        e = parse_einsum(spec, inputs, kernel)
+        y = self.contract(inputs, kernel, e.dimension_numbers, key=key, precision=self.precision,
+                          preferred_element_type=self.preferred_element_type)
+        if e.out_perm != tuple(range(y.ndim)):
+            y = jnp.transpose(y, e.out_perm)
+        if bias is not None:
+            y += jnp.reshape(bias, nnx.Einsum._infer_broadcasted_bias_shape(self, spec, inputs, kernel))
+        return y
+
+
+def _sorted_axes(axes: tuple[int, ...], ndim: int) -> tuple[int, ...]:
+    return tuple(sorted(a % ndim for a in axes))  # as nnx.LinearGeneral normalizes its axes
+
+
+class QuantLinearGeneral(QuantOp):
+    """Drop-in for `nnx.LinearGeneral` (contracts the input `axis` with the kernel [*batch, *in_features,
+    *out_features]) with input and kernel fake-quantized by a `qat.Recipe`, as the GEMM of
+    `jaxlowfp.qat.contract` (K = prod(in_features), M = prod(out_features)). Same Params and initialization as
+    `nnx.LinearGeneral` (built by it). A `batch_axis` takes the per-tensor 8-bit recipes only."""
+
+    def __init__(self, in_features: Any, out_features: Any, *, recipe: qat.Recipe, observe_only: bool = False,
+                 path: str = "", rngs: nnx.Rngs | None = None, _from: nnx.LinearGeneral | None = None,
+                 **linear_kwargs: Any):
+        if _from is None:
+            if rngs is None:
+                raise TypeError("QuantLinearGeneral needs rngs=nnx.Rngs(...) to initialize its parameters")
+            _from = nnx.LinearGeneral(in_features, out_features, rngs=rngs, **linear_kwargs)
+        where = path or f"QuantLinearGeneral({_from.in_features}, {_from.out_features})"
+        if _from.dot_general is not None or _from.dot_general_cls is not None:
+            raise ValueError(f"{where}: this nnx.LinearGeneral uses a custom dot_general; QuantLinearGeneral would "
+                             f"replace it. Keep the layer out of the rules or quantize it yourself.")
+        k, m = int(np.prod(_from.in_features)), int(np.prod(_from.out_features))
+        if isinstance(recipe, qat.Recipe):
+            if _from.batch_axis and needs_linear_layout(recipe):
+                raise ValueError(f"{where}: recipe {recipe.name!r} blocks an operand (NVFP4) or uses the Hadamard "
+                                 f"transform, which needs a contraction without batch axes; this layer has "
+                                 f"batch_axis={dict(_from.batch_axis)}. Use a per-tensor 8-bit recipe or keep it "
+                                 f"in high precision")
+            check_blocks(recipe, k, m, where, k_name=f"prod(in_features={_from.in_features})",
+                         m_name=f"prod(out_features={_from.out_features})")
+        _adopt_params(self, _from)
+        for name in ("in_features", "out_features", "axis", "batch_axis", "use_bias", "dtype", "param_dtype",
+                     "precision", "promote_dtype", "preferred_element_type"):
+            setattr(self, name, getattr(_from, name))
+        dtype = self.dtype if self.dtype is not None else self.param_dtype
+        self._init_quant(recipe, k=k, m=m, dtype=dtype, observe_only=observe_only, path=path, rngs=rngs,
+                         where=where)
+
+    @classmethod
+    def from_linear_general(cls, layer: nnx.LinearGeneral, recipe: qat.Recipe, *, path: str = "",
+                            observe_only: bool = False, rngs: nnx.Rngs | None = None) -> "QuantLinearGeneral":
+        """A QuantLinearGeneral sharing `layer`'s kernel and bias `nnx.Param` objects (same arrays, no copy)."""
+        if not isinstance(layer, nnx.LinearGeneral):
+            raise TypeError(f"{path or 'from_linear_general'}: expected an nnx.LinearGeneral; got "
+                            f"{type(layer).__name__}")
+        return cls(layer.in_features, layer.out_features, recipe=recipe, observe_only=observe_only, path=path,
+                   rngs=rngs, _from=layer)
+
+    def __call__(self, inputs: jax.Array, out_sharding: Any = None, *, key: jax.Array | None = None) -> jax.Array:
+        """As `nnx.LinearGeneral.__call__`; `key` overrides the layer's own stream (stochastic rounding only)."""
+        _refuse_sharding(out_sharding, self.path or "QuantLinearGeneral")
+        ndim = inputs.ndim
+        n_batch = len(self.batch_axis)
+        axis = _sorted_axes(self.axis, ndim)
+        batch_axis = _sorted_axes(tuple(self.batch_axis.keys()), ndim)
+        expanded_batch_shape = tuple(inputs.shape[a] if a in batch_axis else 1 for a in range(ndim) if a not in axis)
+        bias = self.bias[...] if self.bias is not None else None
+        inputs, kernel, bias = self.promote_dtype((inputs, self.kernel[...], bias), dtype=self.dtype)
+        dn = ((axis, tuple(range(n_batch, n_batch + len(axis)))), (batch_axis, tuple(range(n_batch))))
+        y = self.contract(inputs, kernel, dn, key=key, precision=self.precision,
+                          preferred_element_type=self.preferred_element_type)
+        if bias is not None:
+            y += jnp.reshape(bias, (*expanded_batch_shape, *self.out_features))
+        return y

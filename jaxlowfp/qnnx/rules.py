@@ -1,5 +1,6 @@
-"""`quantize`: path rules (`jaxlowfp.rules.Rule` with a recipe) swap `nnx.Linear` modules for `QuantLinear` in place,
-and report what they did (`jaxlowfp.rules.QuantizeReport`)."""
+"""`quantize`: path rules (`jaxlowfp.rules.Rule` with a recipe) swap `nnx.Linear`, `nnx.Einsum` and `nnx.LinearGeneral`
+modules for `QuantLinear`, `QuantEinsum` and `QuantLinearGeneral` in place, and report what they did
+(`jaxlowfp.rules.QuantizeReport`)."""
 from __future__ import annotations
 
 import re
@@ -10,10 +11,18 @@ import numpy as np
 from flax import nnx
 
 from jaxlowfp import qat
-from jaxlowfp.qnnx.layer import QuantLinear
+from jaxlowfp.qnnx.layer import QuantEinsum, QuantLinear, QuantLinearGeneral, QuantOp
 from jaxlowfp.rules import QuantizeReport, Rule, check_rules, select
 
 _PathParts = tuple[Any, ...]
+
+# the module types quantize() replaces, and how (each builds the quantized layer around the same Params)
+_CONVERT = {
+    nnx.Linear: QuantLinear.from_linear,
+    nnx.Einsum: QuantEinsum.from_einsum,
+    nnx.LinearGeneral: QuantLinearGeneral.from_linear_general,
+}
+_QUANTIZED = (QuantLinear, QuantEinsum, QuantLinearGeneral)
 
 
 def _join(path: _PathParts) -> str:
@@ -62,6 +71,14 @@ def iter_quant_linears(model: nnx.Module) -> Iterator[tuple[str, QuantLinear]]:
             yield _join(parts), node
 
 
+def iter_quant_ops(model: nnx.Module) -> Iterator[tuple[str, QuantOp]]:
+    """(path, op) for every quantized contraction in `model`: the quantized layers and the QuantOps the Qwix
+    provider attached to the modules it intercepts; path joined with "/"."""
+    for parts, node in nnx.iter_graph(model):
+        if isinstance(node, QuantOp):
+            yield _join(parts), node
+
+
 def _check_replaceable(parent: Any, where: str) -> None:
     if not isinstance(parent, (nnx.Module, list, dict, MutableSequence, MutableMapping)):
         raise TypeError(
@@ -71,7 +88,8 @@ def _check_replaceable(parent: Any, where: str) -> None:
 
 
 def quantize(model: nnx.Module, rules: Sequence[Rule], *, rngs: nnx.Rngs | None = None) -> QuantizeReport:
-    """Replace every `nnx.Linear` whose path a rule with a recipe matches by a `QuantLinear`, in place.
+    """Replace every `nnx.Linear`, `nnx.Einsum` and `nnx.LinearGeneral` whose path a rule with a recipe matches by
+    a `QuantLinear`, `QuantEinsum` or `QuantLinearGeneral`, in place.
 
     Rules are tried in order and the first whose regex `re.fullmatch`es the path decides. A Linear reachable
     from several parents (shared) is replaced at every reference, so sharing is preserved. Every layer is
@@ -81,17 +99,18 @@ def quantize(model: nnx.Module, rules: Sequence[Rule], *, rngs: nnx.Rngs | None 
     rules = check_rules(rules, field="recipe", caller="jaxlowfp.qnnx.quantize (QAT)")
     if not isinstance(model, nnx.Module):
         raise TypeError(f"model must be an nnx.Module; got {type(model).__name__}")
-    if isinstance(model, (nnx.Linear, QuantLinear)):
-        raise TypeError("quantize() replaces modules inside a model; for a bare nnx.Linear use QuantLinear.from_linear")
+    if isinstance(model, (*_CONVERT, *_QUANTIZED)):
+        raise TypeError(f"quantize() replaces modules inside a model; for a bare {type(model).__name__} use "
+                        f"QuantLinear.from_linear, QuantEinsum.from_einsum or QuantLinearGeneral.from_linear_general")
 
-    nodes = [(p, n) for p, n in nnx.iter_graph(model) if isinstance(n, (nnx.Linear, QuantLinear))]
-    decided, unused = select(rules, [_join(p) for p, n in nodes if not isinstance(n, QuantLinear)])
+    nodes = [(p, n) for p, n in nnx.iter_graph(model) if isinstance(n, (*_CONVERT, *_QUANTIZED))]
+    decided, unused = select(rules, [_join(p) for p, n in nodes if not isinstance(n, _QUANTIZED)])
     decided = iter(decided)
     quantized, kept, unmatched, already = [], [], [], []
-    replacements: dict[int, QuantLinear] = {}
+    replacements: dict[int, QuantOp] = {}
     total = done = 0
     for parts, node in nodes:
-        if isinstance(node, QuantLinear):
+        if isinstance(node, _QUANTIZED):
             already.append(_join(parts))
             total += _kernel_size(node)
             done += _kernel_size(node)
@@ -106,12 +125,14 @@ def quantize(model: nnx.Module, rules: Sequence[Rule], *, rngs: nnx.Rngs | None 
         if rule.recipe is None:
             kept.append((path, rule.path))
             continue
-        if type(node) is not nnx.Linear:
+        convert = _CONVERT.get(type(node))
+        if convert is None:
+            base = next(t for t in _CONVERT if isinstance(node, t))
             raise TypeError(
-                f"{path}: rule {rule.path!r} matches a {type(node).__name__}, a subclass of nnx.Linear; replacing "
-                f"it by a QuantLinear would drop its own behaviour. Exclude it or quantize it yourself."
+                f"{path}: rule {rule.path!r} matches a {type(node).__name__}, a subclass of nnx.{base.__name__}; "
+                f"replacing it by a quantized layer would drop its own behaviour. Exclude it or quantize it yourself."
             )
-        replacements[id(node)] = QuantLinear.from_linear(node, rule.recipe, path=path, rngs=rngs)
+        replacements[id(node)] = convert(node, rule.recipe, path=path, rngs=rngs)
         quantized.append((path, rule.recipe.name))
         done += _kernel_size(node)
 
