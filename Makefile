@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test setup bench clean gpu-check docs
+.PHONY: demo test setup bench clean gpu-check docs interop
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -28,6 +28,12 @@ bench: setup
 # GPU_PYTHON=.venv/bin/python to use the venv instead.
 gpu-check:
 	PYTHONPATH=. $${GPU_PYTHON:-python3} scripts/gpu_check.py
+
+# The live interoperability check (issue 20): our NVFP4 exports read by compressed-tensors + transformers,
+# llm-compressor's export of SmolLM2 read by us, our GGUF run by llama.cpp; rewrites tests/fixtures/interop/.
+# Needs the PyTorch and llama-cpp-python venvs named in scripts/interop_live.py (CT_PY, LC_PY, LLAMA_PY).
+interop: setup
+	$(PY) scripts/interop_live.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache runs/*/ckpt

@@ -22,7 +22,8 @@ Python 3.11 venvs outside the repository:
    validate``) on every export; its float32 decompression of every layer; transformers' weights-only log-probs.
 3. llm-compressor (lc venv): ``oneshot`` with ``QuantizationModifier(scheme="NVFP4A16")`` (RTN) on SmolLM2, and
    with ``scheme="NVFP4"`` (W4A4, calibrated on 4 random sequences) on the tiny model; transformers' log-probs of
-   both (the tiny one with compressed-tensors' activation quantization).
+   both (the tiny one with compressed-tensors' activation quantization), and (ct venv) compressed-tensors 0.20's
+   dequantizer on both, the same judge as for ours.
 4. llama.cpp (llamacpp venv): per-token log-probs of both GGUF files, and a greedy chat reply.
 5. ours (.venv): compare, print the record, and write the fixtures (a few rows per tensor: well under 5 MB).
 """
@@ -122,7 +123,47 @@ def _byte_tokenizer():
     return tk
 
 
+def _ct_float32(d: Path) -> dict:
+    """compressed-tensors' decoding of every NVFP4 layer of the checkpoint in `d`, in float32: its own
+    ``unpack_fp4_from_uint8`` and ``quantization.lifecycle.forward.dequantize`` (``q * (s / g)``), called with
+    dtype=float32 (its decompressor defaults to bfloat16)."""
+    import torch
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+    from compressed_tensors.quantization.quant_scheme import NVFP4A16
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(d / "model.safetensors"))
+    out = {}
+    for k in tensors:
+        if k.endswith(".weight_packed"):
+            m = k[: -len(".weight_packed")]
+            p = tensors[k]
+            q = unpack_fp4_from_uint8(p, p.shape[0], p.shape[1] * 2, dtype=torch.float32)
+            out[f"{m}.weight"] = dequantize(x_q=q, scale=tensors[f"{m}.weight_scale"].to(torch.float32),
+                                            args=NVFP4A16["weights"], global_scale=tensors[f"{m}.weight_global_scale"],
+                                            dtype=torch.float32)
+    return out
+
+
+def _hf_logits(d: Path, ids: list[int], f32: dict):
+    """transformers' logits of the compressed-tensors checkpoint `d` (its quantization lifecycle: W4A4 layers
+    quantize their inputs) with the float32 decoded weights in place of the bfloat16 ones it decompresses to."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        d, dtype=torch.float32, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False))
+    mods = dict(model.named_modules())
+    with torch.no_grad():
+        for k, w in f32.items():
+            mods[k[: -len(".weight")]].weight.data = w.clone()
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
 def stage_ct() -> None:
+    """compressed-tensors' dequantizer verdict, its decoding in float32 and as its decompressor returns it
+    (bfloat16), and transformers' logits with the float32 decoded weights."""
     import numpy as np
     import torch
     import transformers
@@ -143,16 +184,32 @@ def stage_ct() -> None:
             verdict = "accepted"
         except ValueError as e:
             verdict = f"rejected: {str(e)[:300]}"
-        dense = deq.process(dict(tensors))
-        weights = {k: v.numpy() for k, v in dense.items() if k.endswith("_proj.weight")}
-        np.savez(WORK / f"{name}.ct_decoded.npz", **weights)
-        model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
-        with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0].float().numpy()
-        np.save(WORK / f"{name}.hf_logits.npy", logits)
+        native = deq.process(dict(tensors))  # the decompressor's own dtype (bfloat16), then .to(float32): exact
+        f32 = _ct_float32(d)
+        np.savez(WORK / f"{name}.ct_decoded.npz", **{k: v.numpy() for k, v in f32.items()})
+        np.savez(WORK / f"{name}.ct_native_bf16.npz", **{k: native[k].to(torch.float32).numpy() for k in f32})
+        np.save(WORK / f"{name}.hf_logits.npy", _hf_logits(d, ids, f32))
         out[name] = {"dequantizer": verdict}
         print(name, out[name], flush=True)
     (WORK / "ct.json").write_text(json.dumps(out, indent=1))
+
+
+def stage_ct_llmc() -> None:
+    """compressed-tensors 0.20's dequantizer on llm-compressor's own exports (the same judge for theirs)."""
+    import torch
+    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
+    from safetensors.torch import load_file
+
+    out = {}
+    for name in ("llmc_smollm2_nvfp4a16", "llmc_tiny_nvfp4"):
+        d = WORK / name
+        try:
+            CompressedTensorsDequantizer(d, dtype=torch.float32).validate(load_file(str(d / "model.safetensors")))
+            out[name] = "accepted"
+        except ValueError as e:
+            out[name] = f"rejected: {str(e)[:300]}"
+        print(name, out[name], flush=True)
+    (WORK / "ct_llmc.json").write_text(json.dumps(out, indent=1))
 
 
 def stage_llmc() -> None:
@@ -166,14 +223,14 @@ def stage_llmc() -> None:
     import llmcompressor
 
     ids = json.loads((WORK / "tokens.json").read_text())
-    m = transformers.AutoModelForCausalLM.from_pretrained(WORK / "smollm2-hf", dtype=torch.float32)
-    oneshot(model=m, recipe=QuantizationModifier(targets="Linear", scheme="NVFP4A16", ignore=["lm_head"]))
-    m.save_pretrained(WORK / "llmc_smollm2_nvfp4a16", save_compressed=True)
-    (WORK / "llmc_smollm2_nvfp4a16" / "tokenizer.json").write_bytes((WORK / "smollm2-hf" / "tokenizer.json").read_bytes())
-    r = transformers.AutoModelForCausalLM.from_pretrained(WORK / "llmc_smollm2_nvfp4a16", dtype=torch.float32)
-    with torch.no_grad():
-        np.save(WORK / "llmc_smollm2.hf_logits.npy", r(torch.tensor([ids])).logits[0].float().numpy())
-    # tiny W4A4, calibrated
+    big = WORK / "llmc_smollm2_nvfp4a16"
+    if not (big / "model.safetensors").is_file():
+        m = transformers.AutoModelForCausalLM.from_pretrained(WORK / "smollm2-hf", dtype=torch.float32)
+        oneshot(model=m, recipe=QuantizationModifier(targets="Linear", scheme="NVFP4A16", ignore=["lm_head"]))
+        m.save_pretrained(big, save_compressed=True)
+    (big / "tokenizer.json").write_bytes((WORK / "smollm2-hf" / "tokenizer.json").read_bytes())
+    np.save(WORK / "llmc_smollm2.hf_logits.npy", _hf_logits(big, ids, _ct_float32(big)))
+    # tiny W4A4, calibrated on 4 random sequences
     t = transformers.AutoModelForCausalLM.from_pretrained(WORK / "tiny-hf", dtype=torch.float32)
     rng = np.random.default_rng(1)
     calib = Dataset.from_dict({"input_ids": [rng.integers(0, 256, 32).tolist() for _ in range(4)],
@@ -181,12 +238,14 @@ def stage_llmc() -> None:
     oneshot(model=t, dataset=calib, recipe=QuantizationModifier(targets="Linear", scheme="NVFP4",
                                                                 ignore=["lm_head"]),
             num_calibration_samples=4, max_seq_length=32)
-    t.save_pretrained(WORK / "llmc_tiny_nvfp4", save_compressed=True)
-    (WORK / "llmc_tiny_nvfp4" / "tokenizer.json").write_bytes((WORK / "tiny-hf" / "tokenizer.json").read_bytes())
-    r = transformers.AutoModelForCausalLM.from_pretrained(WORK / "llmc_tiny_nvfp4", dtype=torch.float32)
+    tiny = WORK / "llmc_tiny_nvfp4"
     tiny_ids = [int(v) for v in rng.integers(0, 256, 24)]
-    with torch.no_grad():
-        lg = r(torch.tensor([tiny_ids])).logits[0].float().numpy()
+    with torch.no_grad():  # llm-compressor's calibrated model as it simulates W4A4 (compressed-tensors' forward:
+        # weights q * (s / g), inputs NVFP4 with the calibrated input_global_scale), before it is compressed;
+        # transformers' dequantize=True load drops input_global_scale, so it is not the judge for activations
+        lg = t(torch.tensor([tiny_ids])).logits[0].float().numpy()
+    t.save_pretrained(tiny, save_compressed=True)
+    (tiny / "tokenizer.json").write_bytes((WORK / "tiny-hf" / "tokenizer.json").read_bytes())
     np.savez(WORK / "llmc_tiny.hf.npz", ids=np.asarray(tiny_ids), logits=lg)
     (WORK / "llmc.json").write_text(json.dumps({"versions": {"llmcompressor": llmcompressor.__version__,
                                                              "transformers": transformers.__version__}}))
@@ -221,6 +280,7 @@ def _logprobs(logits):
 
 def stage_compare() -> None:
     import jax.numpy as jnp
+    import ml_dtypes
     import numpy as np
 
     from jaxlowfp.models import load
@@ -231,13 +291,14 @@ def stage_compare() -> None:
     tgt = np.asarray(ids[1:])
     ours = dict(np.load(WORK / "ours_logits.npz"))
     ct = json.loads((WORK / "ct.json").read_text())
-    record = {"ct": ct, "tokens": len(ids)}
+    record = {"ct": ct, "ct_on_llmc_exports": json.loads((WORK / "ct_llmc.json").read_text()), "tokens": len(ids)}
     fx: dict[str, np.ndarray] = {}
     for name in EXPORTS:
         t = read_safetensors(WORK / name / "model.safetensors")
         dec = dict(np.load(WORK / f"{name}.ct_decoded.npz"))
+        native = dict(np.load(WORK / f"{name}.ct_native_bf16.npz"))
         conv = json.loads((WORK / name / "jaxlowfp_ptq.json").read_text())["convention"]
-        same = total = 0
+        same = total = same16 = ulp = 0
         for k, w in dec.items():
             m = k[: -len(".weight")]
             codes, scales, g = t[f"{m}.weight_packed"], t[f"{m}.weight_scale"], t[f"{m}.weight_global_scale"]
@@ -249,6 +310,11 @@ def stage_compare() -> None:
             mine = np.asarray(serving.decode(arr, jnp.float32(g[0]), "compressed-tensors"))
             same += int((mine.view(np.uint32) == w.view(np.uint32)).sum())
             total += w.size
+            nat = native[k]
+            mine16 = mine.astype(ml_dtypes.bfloat16).astype(np.float32)
+            same16 += int((mine16.view(np.uint32) == nat.view(np.uint32)).sum())
+            ours_order = np.asarray(arr.dequantize(jnp.float32))
+            ulp += int((ours_order != mine).sum())
         groups = serving.name_groups([k[: -len(".weight")].replace(".", "/") for k in dec])
         g_of = {k[: -len(".weight")].replace(".", "/"): float(t[f"{k[:-len('.weight')]}.weight_global_scale"][0])
                 for k in dec}
@@ -257,6 +323,8 @@ def stage_compare() -> None:
         w_only = name.endswith(("_w", "_w_ct"))
         d = float(np.abs(hf_lp[np.arange(len(tgt)), tgt] - our_lp[np.arange(len(tgt)), tgt]).max())
         record[name] = {"convention": conv, "ct_decode_equal_bitwise": f"{same}/{total}",
+                        "ct_native_bfloat16_equal_bitwise": f"{same16}/{total}",
+                        "our_order_differs_from_ct_order": f"{ulp}/{total}",
                         "fused_groups_share_global_scale": fused_ok, "vllm_fusion_changes_nothing": fused_ok,
                         "max_abs_token_logprob_diff_vs_transformers": d, "weights_only": w_only}
         if name == "rtn_static6_w":  # a few rows of the decompressor's output and the stored tensors they came from
@@ -325,8 +393,8 @@ def stage_compare() -> None:
     print(json.dumps(record, indent=1))
 
 
-STAGES = {"ours-prepare": stage_ours_prepare, "ct": stage_ct, "llmc": stage_llmc, "llamacpp": stage_llamacpp,
-          "compare": stage_compare}
+STAGES = {"ours-prepare": stage_ours_prepare, "ct": stage_ct, "llmc": stage_llmc, "ct-llmc": stage_ct_llmc,
+          "llamacpp": stage_llamacpp, "compare": stage_compare}
 
 
 def main(argv: list[str]) -> int:
@@ -334,10 +402,12 @@ def main(argv: list[str]) -> int:
         STAGES[argv[1]]()
         return 0
     only = argv or list(STAGES)
-    py = {"ours-prepare": sys.executable, "ct": CT_PY, "llmc": LC_PY, "llamacpp": LLAMA_PY, "compare": sys.executable}
+    py = {"ours-prepare": sys.executable, "ct": CT_PY, "llmc": LC_PY, "ct-llmc": CT_PY, "llamacpp": LLAMA_PY,
+          "compare": sys.executable}
     for st in only:
         print(f"== {st} ({py[st]})", flush=True)
-        env = dict(os.environ, PYTHONPATH=str(ROOT) if st in ("ours-prepare", "compare") else "")
+        env = dict(os.environ, PYTHONPATH=str(ROOT) if st in ("ours-prepare", "compare") else "", TQDM_DISABLE="1",
+                   HF_HUB_DISABLE_PROGRESS_BARS="1")
         r = subprocess.run([py[st], __file__, "--stage", st], env=env)
         if r.returncode:
             print(f"stage {st} failed ({r.returncode})")

@@ -2,7 +2,9 @@
 checkpoints: ``load(name_or_path, dtype=...) -> (model, tokenizer)``.
 
 ``name_or_path`` is a registry name (`REGISTRY`: ``"smollm2-135m"``), a ``.gguf`` file, or a Hugging Face
-directory (``config.json``, ``*.safetensors``, ``tokenizer.json``). The model is a `Llama` whose projections are
+directory (``config.json``, ``*.safetensors``, ``tokenizer.json``), NVFP4 checkpoints of compressed-tensors
+(llm-compressor, `jaxlowfp.ptq.export`) and ModelOpt included (`jaxlowfp.models.quantized`: weights decoded exactly,
+W4A4 layers with the engine's activation quantizer). The model is a `Llama` whose projections are
 ``nnx.Linear`` modules at paths such as ``blocks/3/mlp/gate_proj``, so ``jaxlowfp.qnnx.paper_rules`` and
 ``jaxlowfp.qnnx.quantize`` apply unchanged::
 

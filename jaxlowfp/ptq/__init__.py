@@ -8,10 +8,15 @@ fake-quantized at run time with their current per-tensor amax, NVFP4 blocks of 1
     result = ptq.quantize(model, rules, method="gptq", calibration=tokens)   # tokens: int [n, seq]
     print(result.report)                                  # what was quantized, kept, unmatched; unused rules
     ptq.export(model, result, "out/")                      # safetensors + config.json (compressed-tensors NVFP4)
+    ptq.export_gguf(model, result, "m.gguf", source_gguf=path)   # llama.cpp NVFP4 / MXFP4
     ptq.load(model2, "out/")                               # the same logits, bit for bit
 
-Methods (see `gptq`, `smooth`): ``RTN()``, ``GPTQ(damp_percent=1.0, block_size=128, act_order=False)``,
-``SmoothQuant(alpha=0.5)`` and ``AWQ(grid=10)`` (both folded into the preceding RMSNorm or Linear, then RTN).
+Methods (see `gptq`, `smooth`): ``RTN()``, ``GPTQ(damp_percent=1.0, block_size=128, act_order=False,
+scales="as-reached")``, ``SmoothQuant(alpha=0.5, alphas=None)`` and ``AWQ(grid=20, duo_scaling=True, clip=False)``
+(both folded into the preceding RMSNorm or Linear, then RTN), with llm-compressor's meaning of the options.
+Calibration is sequential by default for a model that says its blocks (``ptq_blocks()``, `sequential`): each block
+calibrated on the outputs of the blocks already quantized, one block's statistics held at a time;
+``pipeline="one-pass"`` takes every layer's statistics from one pass over the unquantized model.
 Schemes (`formats`): ``"nvfp4-static_6"``, ``"nvfp4-static_4"``, ``"nvfp4-abs_max"``, ``"nvfp4-mae"``,
 ``"nvfp4-mse"``, ``"mxfp4"``, ``"hif8"``; ``weights_only=True`` for W4A16; ``weight_block=(16, 16)`` for NVFP4
 16x16 weight tiles.
@@ -34,13 +39,15 @@ Schemes (`formats`): ``"nvfp4-static_6"``, ``"nvfp4-static_4"``, ``"nvfp4-abs_ma
 """
 from jaxlowfp.ptq.api import METHODS, RTN, ActQuant, PTQResult, Rule, method_from_name, quantize, smooth_model
 from jaxlowfp.ptq.calibrate import LayerStats, collect
-from jaxlowfp.ptq.checkpoint import export, load
+from jaxlowfp.ptq.checkpoint import ExportReport, export, load
 from jaxlowfp.ptq.formats import SCHEMES, QuantizedWeight, Scheme, TensorFormat, rtn_weight, scheme
+from jaxlowfp.ptq.gguf_export import GGUFReport, export_gguf
 from jaxlowfp.ptq.gptq import GPTQ, gptq_weight
 from jaxlowfp.ptq.smooth import AWQ, Fold, SmoothQuant
 
 __all__ = [
     "METHODS", "SCHEMES", "RTN", "GPTQ", "SmoothQuant", "AWQ", "Rule", "Scheme", "TensorFormat", "Fold",
     "ActQuant", "PTQResult", "QuantizedWeight", "LayerStats", "quantize", "scheme", "method_from_name",
-    "rtn_weight", "gptq_weight", "smooth_model", "collect", "export", "load",
+    "rtn_weight", "gptq_weight", "smooth_model", "collect", "export", "load", "ExportReport", "export_gguf",
+    "GGUFReport",
 ]

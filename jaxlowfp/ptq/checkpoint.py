@@ -17,14 +17,31 @@ an NNX kernel is ``[in, out]``, so everything is written for ``kernel.T``)::
 
     w = E2M1(code) * weight_scale / weight_global_scale
 
-and ``config.json`` gains ``quantization_config`` (``quant_method: compressed-tensors``, ``format:
-nvfp4-pack-quantized``, one config group: 4-bit float, ``strategy: tensor_group``, ``group_size: 16``, activations
-``dynamic: local``). Four Over Six changes no storage: it only chooses each block's E4M3 scale (x1.5 where the block
-maps its max to 4, and E = 256 in S_enc), so any NVFP4 kernel runs these weights. What a serving stack cannot
-reproduce is our W4A4 activation path (4/6 block scales, per-tensor amax of the current input, not a calibrated
-static global scale); that, and every layer's scheme, is recorded in ``jaxlowfp_ptq.json``, which `load` reads to
-rebuild the fake-quantized model bit for bit (the dequantization there is ours, ``(q * s) * (1 / S_enc)``, with the
-same S_enc, so the kernels come back bit-identical; ``q * (s / S_enc)`` may differ in the last bit).
+and ``config.json`` gains ``quantization_config``: compressed-tensors' own NVFP4 / NVFP4A16 preset as it serialises
+(``quant_method: compressed-tensors``, ``format: nvfp4-pack-quantized``, 4-bit float, ``strategy: tensor_group``,
+``group_size: 16``, ``scale_dtype: torch.float8_e4m3fn``; W4A4 layers' input activations ``dynamic: local`` with
+``observer: static_minmax``), one config group per activation scheme with the exported modules as targets, and an
+``ignore`` list of everything kept in high precision (embeddings, lm_head, Linear layers no rule quantized).
+
+What a serving engine applies, and what `export` guarantees for it:
+
+- **Fused groups share one global scale.** vLLM fuses q/k/v and gate/up and decodes the group with its largest
+  ``weight_global_scale`` (`jaxlowfp.ptq.serving`); `quantize` (``fused="auto"``) quantizes every member under
+  the group's amax, and `export` refuses groups whose global scales differ.
+- **Weights** decode exactly: the stored codes and scales are what we evaluated. Decoding order: compressed-tensors
+  computes ``q * (s / g)``, ours ``(q * s) * (1 / g)`` (1 ulp apart in about a quarter of the weights), unless the
+  model was quantized with ``convention="compressed-tensors"`` (llm-compressor's arithmetic; then ``load`` decodes
+  in that order too). Four Over Six changes no storage: it chooses each block's E4M3 scale (x1.5 where the block
+  maps its max to 4, and E = 256 in S_enc).
+- **Activations** are the engine's: vLLM and compressed-tensors quantize W4A4 inputs with static_6 block scales
+  from the current input and the static ``input_global_scale`` (written with the static_6 constant from the
+  calibration amax), not our 4/6 / current-amax path; ``jaxlowfp_ptq.json`` records ours, which `load` rebuilds
+  bit for bit.
+- Refused: non-finite block scales, a non-finite or non-positive global scale, and W4A4 layers whose calibration
+  input amax is zero or not finite (their ``input_global_scale`` would be meaningless: the prompt-dependent NaNs of
+  served MoE models).
+
+`export` returns an `ExportReport` (bits per parameter of the whole checkpoint and of the NVFP4 layers).
 Tensors that are not quantized are written in float32.
 """
 from __future__ import annotations
@@ -90,7 +107,7 @@ def _quant_args(activation: bool) -> dict:
     current input, the global scale static from calibration)."""
     args = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
             "dynamic": "local" if activation else False, "scale_dtype": "torch.float8_e4m3fn",
-            "zp_dtype": "torch.float8_e4m3fn", "actorder": None, "block_structure": None}
+            "zp_dtype": None, "actorder": None, "block_structure": None, "observer_kwargs": {}}
     args["observer"] = "static_minmax" if activation else "memoryless_minmax"
     return args
 

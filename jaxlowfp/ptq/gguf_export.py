@@ -33,7 +33,11 @@ from jaxlowfp._core.checks import optional_module
 from jaxlowfp.ptq import serving
 from jaxlowfp.ptq.api import PTQResult
 
-gguf = optional_module("gguf", extra="models", feature="GGUF export")
+
+
+def _gguf():
+    """The ``gguf`` package (the ``jaxlowfp[models]`` extra), imported on use so `jaxlowfp.ptq` does not need it."""
+    return optional_module("gguf", extra="models", feature="GGUF export")
 
 NVFP4_BLOCK = 64  # values per GGUF NVFP4 super-block
 MXFP4_BLOCK = 32
@@ -95,6 +99,7 @@ def mxfp4_bytes(w: np.ndarray) -> np.ndarray:
 
 
 def _copy_metadata(writer: Any, source: Path) -> None:
+    gguf = _gguf()
     reader = gguf.GGUFReader(source)
     for key, field in reader.fields.items():
         if key.startswith(_SKIP_KEYS):
@@ -106,6 +111,7 @@ def _copy_metadata(writer: Any, source: Path) -> None:
 
 def _config_metadata(writer: Any, cfg: Any, tokenizer_json: Path, pre: str) -> None:
     """Hyperparameters from the `ModelConfig` and a byte-level BPE tokenizer from ``tokenizer.json``."""
+    gguf = _gguf()
     writer.add_context_length(cfg.max_seq_len)
     writer.add_embedding_length(cfg.d_model)
     writer.add_block_count(cfg.n_layers)
@@ -155,6 +161,7 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
     from jaxlowfp.models import Llama
     from jaxlowfp.models.common import tensor_specs
 
+    gguf = _gguf()
     if not isinstance(model, Llama):
         raise TypeError(f"export_gguf writes a jaxlowfp.models.Llama; got {type(model).__name__}")
     if result is not None and not isinstance(result, PTQResult):
