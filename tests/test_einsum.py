@@ -132,11 +132,11 @@ def test_einsum_and_linear_general_train_with_make_step():
     step = jax.jit(training.make_step(graphdef, tx, loss_fn, warmup=qat.Warmup(steps=1), microbatches=2,
                                       telemetry_layer="qkv"))
     losses = []
-    for _ in range(6):
+    for _ in range(4):
         state, metrics = step(state, (x, tgt))
         losses.append(float(metrics["loss"]))
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
-    assert int(state.qstate["qkv"]["amax"].get_value().activation.count) == 6
+    assert int(state.qstate["qkv"]["amax"].get_value().activation.count) == 4
     assert float(metrics["amax_estimate"]) > 0
 
 
@@ -170,8 +170,8 @@ class LinenRef(nn.Module):
         return nn.DenseGeneral(32, axis=(-2, -1), name="out")(jax.nn.gelu(h))
 
 
-@pytest.mark.parametrize("recipe", [HIF8, NVFP4], ids=["hif8", "nvfp4_4over6"])
-def test_linen_einsum_and_dense_general(recipe):
+def test_linen_einsum_and_dense_general():
+    recipe = NVFP4
     x = _rand(9, (2, 4, 32))
     ref = LinenRef().init(jax.random.key(0), x)
     v = LinenNet(recipe).init(jax.random.key(0), x)
@@ -192,8 +192,8 @@ def test_linen_einsum_and_dense_general(recipe):
         return {**v, "params": p, **upd}, l
 
     losses = []
-    for _ in range(5):
+    for _ in range(3):
         v, l = step(v)
         losses.append(float(l))
     assert losses[-1] < losses[0]
-    assert int(v[qlinen.AMAX_COLLECTION]["out"]["QuantDotGeneral_0"]["recipe_state"].activation.count) == 5
+    assert int(v[qlinen.AMAX_COLLECTION]["out"]["QuantDotGeneral_0"]["recipe_state"].activation.count) == 3

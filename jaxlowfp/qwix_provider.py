@@ -1,0 +1,245 @@
+"""A Qwix quantization provider with jaxlowfp's formats: ``qwix.quantize_model(model, RecipeProvider(rules))``.
+
+Qwix (github.com/google/qwix) quantizes a Flax model by *interception*: while the model's method runs, calls to
+``jax.lax.dot_general`` and ``jax.numpy.einsum`` are routed to a provider, which looks up the first rule whose
+``module_path`` regex ``re.fullmatch``-es the calling module's path (and whose ``op_names`` contain the op, if
+given). This provider quantizes the matched op with a :class:`jaxlowfp.qat.Recipe` (HiF8, NVFP4 with every Four
+Over Six rule, MX-style blocks via NVFP4, E4M3/E5M2 delayed scaling): the contraction runs through
+:func:`jaxlowfp.qat.contract.contract`, so it is bit for bit the op :class:`jaxlowfp.qnnx.QuantLinear` runs on the
+same operands. Which operand is the weight is found as Qwix finds it (the one that is a parameter of the calling
+module); an op between two activations under a quantizing rule is an error (narrow the rule).
+
+State, as in jaxlowfp's own layers:
+
+- NNX: each intercepted op gets a :class:`jaxlowfp.qnnx.QuantOp` child of the calling module, named
+  ``jaxlowfp_<op><n>`` (``AmaxState`` histories, ``QuantStatsState`` stats, ``QuantPhase`` flag), so
+  :func:`jaxlowfp.training.init` / ``make_step`` train the model (warmup, max-merged microbatches, delayed
+  gradient scaling) and :func:`jaxlowfp.qnnx.set_observe_only` / ``collect_stats`` reach it.
+- Linen: variables of the calling module named ``<op><n>`` in ``jaxlowfp.qlinen``'s collections
+  (``amax_state``, ``quant_phase``, ``quant_stats``), or with ``carry="gradient"`` one
+  :class:`jaxlowfp.owg.Carried` in ``_overwrite_with_gradient`` for loops written for Flax's fp8 ops (MaxText).
+
+>>> import jax, jax.numpy as jnp, qwix
+>>> from flax import nnx
+>>> from jaxlowfp import qat, qwix_provider
+>>> class MLP(nnx.Module):
+...     def __init__(self, rngs):
+...         self.up, self.down = nnx.Linear(16, 32, rngs=rngs), nnx.Linear(32, 16, rngs=rngs)
+...     def __call__(self, x):
+...         return self.down(jax.nn.relu(self.up(x)))
+>>> provider = qwix_provider.RecipeProvider([qwix_provider.RecipeRule(module_path="up", recipe=qat.hif8_w8a8())])
+>>> model = qwix.quantize_model(MLP(nnx.Rngs(0)), provider, jnp.ones((2, 16)))
+>>> type(model.up.jaxlowfp_dot_general0).__name__, [r.module_path for r in provider.get_unused_rules()]
+('QuantOp', [])
+
+Qwix versions: the provider relies on Qwix's private rule lookup (``QuantizationProvider._get_current_rule_and_op_id``,
+``_init_rule``) and ``qwix._src.utils.flax_util`` (``get_current_module``, ``find_param``); it is tested with the
+versions in :data:`SUPPORTED_QWIX` and refuses to import with others (``tests/test_qwix_provider.py`` checks that
+private API, so an upgrade fails loudly).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import qwix
+from flax import nnx
+from qwix._src.utils import flax_util
+
+from jaxlowfp import qat
+from jaxlowfp._core.checks import one_of
+from jaxlowfp.qat.contract import contraction_sizes, parse_einsum
+from jaxlowfp.qlinen import CARRIES, contract_in
+from jaxlowfp.qnnx.layer import QuantOp
+
+__all__ = ["SUPPORTED_QWIX", "OP_NAMES", "RecipeRule", "RecipeProvider"]
+
+SUPPORTED_QWIX = ("0.1.8",)  # the Qwix releases this provider is tested with (pyproject: qwix>=0.1.8,<0.1.9)
+OP_NAMES = ("dot_general", "einsum")  # the ops this provider intercepts
+NNX_PREFIX = "jaxlowfp_"  # attribute name of an NNX op's QuantOp: jaxlowfp_dot_general0, jaxlowfp_einsum1, ...
+
+if qwix.__version__ not in SUPPORTED_QWIX:
+    raise ImportError(f"jaxlowfp.qwix_provider is tested with Qwix {', '.join(SUPPORTED_QWIX)} and uses its private "
+                      f"rule lookup; Qwix {qwix.__version__} is installed. Install a tested version "
+                      f"(pip install 'jaxlowfp[qwix]') or run tests/test_qwix_provider.py against the new one first.")
+
+# Qwix's own quantization settings: a RecipeRule quantizes by its recipe, so any of these set would be ignored
+_QWIX_ONLY = {"weight_qtype": None, "act_qtype": None, "tile_size": None, "act_static_scale": (None, False),
+              "weight_calibration_method": "absmax", "act_calibration_method": (None, "absmax")}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RecipeRule(qwix.QuantizationRule):
+    """A Qwix rule that quantizes with a :class:`jaxlowfp.qat.Recipe`.
+
+    Attributes:
+      module_path: regex, ``re.fullmatch``-ed against the calling module's path ("/"-joined, as Qwix builds it:
+        NNX attribute path such as ``layers/0/mlp/up``, Linen scope path such as ``Block_0/Dense_1``).
+      op_names: the ops this rule applies to, a subset of :data:`OP_NAMES`; empty for all.
+      recipe: the recipe, or None to keep the matched ops in high precision (first match wins, so a None rule
+        before a broad one excludes modules).
+    Qwix's own ``weight_qtype`` / ``act_qtype`` / ``tile_size`` / calibration fields must stay unset.
+    """
+
+    recipe: qat.Recipe | None = None
+
+    def __post_init__(self) -> None:
+        if self.recipe is not None and not isinstance(self.recipe, qat.Recipe):
+            raise TypeError(f"RecipeRule(module_path={self.module_path!r}).recipe must be a jaxlowfp.qat.Recipe or "
+                            f"None (high precision); got {type(self.recipe).__name__}: {self.recipe!r}")
+        if not isinstance(self.module_path, str):
+            raise TypeError(f"module_path must be a regex string; got {self.module_path!r}")
+        try:
+            re.compile(self.module_path)
+        except re.error as e:
+            raise ValueError(f"module_path {self.module_path!r} is not a valid regular expression: {e}") from None
+        if isinstance(self.op_names, str):
+            raise TypeError(f"op_names must be a collection of op names, e.g. ('einsum',); got the string "
+                            f"{self.op_names!r}")
+        bad = [op for op in self.op_names if op not in OP_NAMES]
+        if bad:
+            raise ValueError(f"RecipeRule(module_path={self.module_path!r}): op_names {bad} are not intercepted by "
+                             f"this provider; allowed: {OP_NAMES}")
+        for name, default in _QWIX_ONLY.items():
+            value = getattr(self, name)
+            if value not in (default if isinstance(default, tuple) else (default,)):
+                raise ValueError(f"RecipeRule(module_path={self.module_path!r}) sets {name}={value!r}, a setting of "
+                                 f"Qwix's own quantizers that this provider would ignore; the recipe decides "
+                                 f"(leave {name} unset)")
+
+
+def _dims_of_weight(dn: Any, weight: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    (lc, rc), (lb, rb) = dn
+    return (tuple(lc), tuple(lb)) if weight == 0 else (tuple(rc), tuple(rb))
+
+
+class RecipeProvider(qwix.QuantizationProvider):
+    """Qwix provider that runs intercepted ``dot_general`` / ``einsum`` ops through a :class:`RecipeRule`'s recipe.
+
+    Args:
+      rules: :class:`RecipeRule` s, in order of precedence (the first match decides).
+      carry: Linen only: "mutable" (state in ``amax_state``: ``apply(..., mutable=["amax_state"])``) or
+        "gradient" (state in ``_overwrite_with_gradient``, :mod:`jaxlowfp.owg`). NNX state is always variables.
+      observe_only: the initial phase of every op (True: the high-precision warmup; switch it with
+        ``jaxlowfp.qnnx.set_observe_only`` / ``jaxlowfp.qlinen.set_observe_only``).
+      rngs: NNX only: an ``nnx.Rngs`` whose 'quant' stream (or default) seeds stochastic-rounding recipes (each
+        op forks it). Linen draws from the ``quant`` rng stream (``apply(..., rngs={"quant": key})``).
+      disable_jit: passed to Qwix.
+    """
+
+    def __init__(self, rules: Sequence[RecipeRule], *, carry: str = "mutable", observe_only: bool = False,
+                 rngs: nnx.Rngs | None = None, disable_jit: bool = False):
+        one_of(carry, CARRIES, "carry")
+        if not isinstance(observe_only, bool):
+            raise TypeError(f"observe_only must be a Python bool (the initial phase); got {observe_only!r}")
+        if rngs is not None and not isinstance(rngs, nnx.Rngs):
+            raise TypeError(f"rngs must be an nnx.Rngs or None; got {type(rngs).__name__}")
+        if isinstance(rules, RecipeRule) or not isinstance(rules, Sequence):
+            raise TypeError(f"rules must be a sequence of RecipeRule; got {type(rules).__name__}")
+        self.carry = carry
+        self.observe_only = observe_only
+        self.rngs = rngs
+        super().__init__(rules, disable_jit=disable_jit)
+
+    def _init_rule(self, rule: qwix.QuantizationRule) -> RecipeRule:
+        # Qwix's base fills in act_static_scale / act_calibration_method for its own quantizers; ours has none.
+        if not isinstance(rule, RecipeRule):
+            raise TypeError(f"RecipeProvider takes jaxlowfp.qwix_provider.RecipeRule rules; got "
+                            f"{type(rule).__name__}: {rule!r}")
+        return rule
+
+    def get_intercept_map(self) -> dict[str, Callable[..., Any]]:
+        return super().get_intercept_map() | {"jax.lax.dot_general": self.dot_general,
+                                              "jax.numpy.einsum": self.einsum}
+
+    def dot_general(self, lhs: Any, rhs: Any, dimension_numbers: Any, precision: Any = None,
+                    preferred_element_type: Any = None, *, out_sharding: Any = None) -> jax.Array:
+        """The intercepted ``jax.lax.dot_general``."""
+        rule, op_id = self._get_current_rule_and_op_id("dot_general")
+        if rule is None or rule.recipe is None:
+            return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                                       preferred_element_type=preferred_element_type, out_sharding=out_sharding)
+        self._refuse_sharding(out_sharding, op_id)
+        return self._quantized(rule, op_id, lhs, rhs, dimension_numbers, precision, preferred_element_type)
+
+    def einsum(self, subscripts: str, *operands: Any, precision: Any = None, preferred_element_type: Any = None,
+               _dot_general: Callable[..., jax.Array] = jax.lax.dot_general, out_sharding: Any = None,
+               **kwargs: Any) -> jax.Array:
+        """The intercepted ``jax.numpy.einsum`` (two operands, one of them a parameter, under a quantizing rule)."""
+        rule, op_id = self._get_current_rule_and_op_id("einsum")
+        if rule is None or rule.recipe is None:
+            return jnp.einsum(subscripts, *operands, precision=precision, preferred_element_type=preferred_element_type,
+                              _dot_general=_dot_general, out_sharding=out_sharding, **kwargs)
+        if kwargs:
+            raise TypeError(f"{self._where(op_id)}: einsum arguments {sorted(kwargs)} are not supported by the "
+                            f"quantized einsum")
+        if len(operands) != 2:
+            raise ValueError(f"{self._where(op_id)}: a quantized einsum takes two operands; {subscripts!r} has "
+                             f"{len(operands)} (exclude this module or op with a RecipeRule(recipe=None))")
+        self._refuse_sharding(out_sharding, op_id)
+        lhs, rhs = operands
+        e = parse_einsum(subscripts, lhs, rhs)
+        y = self._quantized(rule, op_id, lhs, rhs, e.dimension_numbers, precision, preferred_element_type)
+        return y if e.out_perm == tuple(range(y.ndim)) else jnp.transpose(y, e.out_perm)
+
+    # -- internals --------------------------------------------------------------------------------------------
+
+    def _where(self, op_id: str | None) -> str:
+        path = "/".join(map(str, flax_util.get_current_module_path()))
+        return f"{path}:{op_id}" if op_id else path
+
+    def _refuse_sharding(self, out_sharding: Any, op_id: str) -> None:
+        if out_sharding is not None:
+            raise NotImplementedError(f"{self._where(op_id)}: out_sharding is not supported by the quantized matmul")
+
+    def _weight_operand(self, lhs: Any, rhs: Any, op_id: str) -> int:
+        """0 or 1: which operand is a parameter of the calling module (Qwix's own test, ``find_param``)."""
+        found = [flax_util.find_param(x) for x in (lhs, rhs)]
+        if found[0] is None and found[1] is None:
+            raise ValueError(
+                f"{self._where(op_id)}: a quantizing rule matched a contraction of two activations (shapes "
+                f"{tuple(lhs.shape)} and {tuple(rhs.shape)}; neither is a parameter of this module). A recipe "
+                f"quantizes a weight and an activation: narrow module_path / op_names, or put a "
+                f"RecipeRule(recipe=None) for this module first")
+        if found[0] is not None and found[1] is not None:
+            raise ValueError(f"{self._where(op_id)}: both operands are parameters ({found[0]!r}, {found[1]!r}); "
+                             f"which one is the weight is ambiguous: exclude this op")
+        return 0 if found[0] is not None else 1
+
+    def _quantized(self, rule: RecipeRule, op_id: str, lhs: Any, rhs: Any, dn: Any, precision: Any,
+                   preferred_element_type: Any) -> jax.Array:
+        weight = self._weight_operand(lhs, rhs, op_id)
+        module = flax_util.get_current_module()
+        if isinstance(module, nn.Module):
+            return contract_in(module, (op_id, op_id, op_id), rule.recipe, lhs, rhs, dn, weight=weight,
+                               observe_only=self.observe_only, carry=self.carry, precision=precision,
+                               preferred_element_type=preferred_element_type)
+        if self.carry != "mutable":
+            raise NotImplementedError(f"{self._where(op_id)}: carry={self.carry!r} is for Linen models; an NNX "
+                                      f"model's scale state is its QuantOp variables (carry='mutable')")
+        name = NNX_PREFIX + op_id
+        op = getattr(module, name, None)
+        if op is None:
+            w = rhs if weight == 1 else lhs
+            w_contract, w_batch = (tuple(d % w.ndim for d in ax) for ax in _dims_of_weight(_normalize(dn), weight))
+            k, m = contraction_sizes(w.shape, w_contract, w_batch)
+            path = "/".join(map(str, flax_util.get_current_module_path()))
+            op = QuantOp(rule.recipe, k=k, m=m, dtype=jnp.result_type(lhs), observe_only=self.observe_only,
+                         path=f"{path}/{name}" if path else name, rngs=self.rngs)
+            setattr(module, name, op)
+        elif not isinstance(op, QuantOp) or op.recipe != rule.recipe:
+            raise ValueError(f"{self._where(op_id)}: the module's {name!r} holds "
+                             f"{getattr(op, 'recipe', op)!r}, not this rule's recipe {rule.recipe.name!r} (quantized "
+                             f"before by another provider or rule?)")
+        return op.contract(lhs, rhs, dn, weight=weight, precision=precision,
+                           preferred_element_type=preferred_element_type)
+
+
+def _normalize(dn: Any) -> Any:
+    (lc, rc), (lb, rb) = dn
+    return (tuple(lc), tuple(rc)), (tuple(lb), tuple(rb))

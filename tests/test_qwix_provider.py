@@ -1,0 +1,220 @@
+"""The Qwix provider (jaxlowfp.qwix_provider): Qwix's own quantize_model intercepts the model's matmuls and our
+recipes quantize them. Judges: Qwix's interception and rule lookup (the real package, pinned), and our own
+QuantLinear / qlinen path on the same model, which the provider must equal bit for bit."""
+import inspect
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import qwix
+from flax import nnx
+from qwix._src import interception, qconfig
+from qwix._src.utils import flax_util
+
+from jaxlowfp import qat, qlinen, qnnx, qwix_provider, training
+from jaxlowfp.qwix_provider import RecipeProvider, RecipeRule
+
+HIF8 = qat.hif8_w8a8()
+NVFP4 = qat.nvfp4_w4a4("mse")
+
+
+def test_the_private_qwix_api_the_provider_relies_on():
+    """An upgrade of Qwix that changes any of these fails here, not silently in a user's model."""
+    assert qwix.__version__ in qwix_provider.SUPPORTED_QWIX
+    sig = inspect.signature(qconfig.QuantizationProvider._get_current_rule_and_op_id)
+    assert list(sig.parameters) == ["self", "op_name", "only_rule", "repeated_call"]
+    assert list(inspect.signature(qconfig.QuantizationProvider._init_rule).parameters) == ["self", "rule"]
+    assert list(inspect.signature(qconfig.QuantizationProvider.__init__).parameters) == ["self", "rules",
+                                                                                          "disable_jit"]
+    assert "get_intercept_map" in vars(qconfig.QuantizationProvider)
+    assert list(inspect.signature(flax_util.find_param).parameters) == ["x", "ptq_array_type"]
+    assert callable(flax_util.get_current_module) and callable(flax_util.get_current_module_path)
+    for name in ("jax.lax.dot_general", "jax.numpy.einsum"):
+        assert interception.has_attribute(name)
+    fields = {f.name for f in qwix.QuantizationRule.__dataclass_fields__.values()}
+    assert {"module_path", "op_names", "weight_qtype", "act_qtype", "tile_size"} <= fields
+
+
+def test_rules_are_validated():
+    with pytest.raises(TypeError, match="jaxlowfp.qat.Recipe"):
+        RecipeRule(module_path="up", recipe="hif8")
+    with pytest.raises(ValueError, match="weight_qtype"):
+        RecipeRule(module_path="up", recipe=HIF8, weight_qtype=jnp.int8)
+    with pytest.raises(ValueError, match=r"op_names \['conv_general_dilated'\]"):
+        RecipeRule(module_path="up", recipe=HIF8, op_names=("conv_general_dilated",))
+    with pytest.raises(ValueError, match="not a valid regular expression"):
+        RecipeRule(module_path="up(", recipe=HIF8)
+    with pytest.raises(TypeError, match="RecipeRule"):
+        RecipeProvider([qwix.QtRule(module_path="up", weight_qtype=jnp.int8)])
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs, d=32, h=64):
+        self.up = nnx.Linear(d, h, rngs=rngs)
+        self.down = nnx.Linear(h, d, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.gelu(self.up(x)))
+
+
+def _loss_fn(m, batch):
+    return jnp.mean((m(batch[0]) - batch[1]) ** 2), {}
+
+
+def _batch(n=8, d=32, seed=0):
+    x = jax.random.normal(jax.random.key(seed), (n, d), jnp.float32)
+    return x, jnp.sin(x)
+
+
+def _train(model, steps, recipe_warmup=1, microbatches=1):
+    tx = optax.adam(1e-2)
+    graphdef, state = training.init(model, tx)
+    step = jax.jit(training.make_step(graphdef, tx, _loss_fn, warmup=qat.Warmup(steps=recipe_warmup),
+                                      microbatches=microbatches))
+    out = []
+    for i in range(steps):
+        state, m = step(state, _batch(seed=i))
+        out.append(float(m["loss"]))
+    return state, out
+
+
+def _histories(state):
+    """{layer: RecipeState} of the amax histories, keyed by layer name (provider or QuantLinear path)."""
+    out = {}
+    for path, v in nnx.to_flat_state(state.qstate):
+        out[path[0]] = v.get_value()
+    return out
+
+
+@pytest.mark.parametrize("recipe", [HIF8, NVFP4, qat.fp8_delayed(history_len=16)],
+                         ids=["hif8_w8a8", "nvfp4_4over6", "fp8_delayed"])
+def test_provider_equals_quant_linear_bit_for_bit(recipe):
+    x = _batch()[0]
+    ours = MLP(nnx.Rngs(0))
+    qnnx.quantize(ours, [qnnx.Rule(path="up|down", recipe=recipe)])
+    provider = RecipeProvider([RecipeRule(module_path="up|down", recipe=recipe)])
+    theirs = qwix.quantize_model(MLP(nnx.Rngs(0)), provider, x)
+    assert provider.get_unused_rules() == []
+    assert sorted(p for p, _ in qnnx.iter_quant_ops(theirs)) == ["down/jaxlowfp_dot_general0",
+                                                                  "up/jaxlowfp_dot_general0"]
+    # quantize_model ran the model once: its histories recorded that call; ours has to see the same input
+    ours(x)
+    s_ours, l_ours = _train(ours, 3)
+    s_theirs, l_theirs = _train(theirs, 3)
+    assert l_ours == l_theirs  # every step's loss, bit for bit (step 0 observe-only, then quantized)
+    for a, b in zip(jax.tree.leaves(s_ours.params), jax.tree.leaves(s_theirs.params)):
+        np.testing.assert_array_equal(a, b)  # parameters after 3 optimizer steps: same gradients
+    h_ours, h_theirs = _histories(s_ours), _histories(s_theirs)
+    for name in ("up", "down"):
+        for a, b in zip(jax.tree.leaves(h_ours[name]), jax.tree.leaves(h_theirs[name])):
+            np.testing.assert_array_equal(a, b)
+    if recipe.delayed_grad:  # the output-gradient history is fed through the pending slot, as a gradient
+        assert int(h_theirs["down"].grad.count) >= 2
+
+
+def test_first_match_wins_none_keeps_and_op_names_filter():
+    class Mixed(nnx.Module):
+        def __init__(self, rngs):
+            self.w = nnx.Param(jax.random.normal(rngs.params(), (32, 16)) * 0.1)
+            self.lin = nnx.Linear(16, 16, rngs=rngs)
+            self.keep = nnx.Linear(16, 16, rngs=rngs)
+
+        def __call__(self, x):
+            h = jnp.einsum("btd,df->btf", x, self.w[...])
+            return self.keep(self.lin(h))
+
+    x = jax.random.normal(jax.random.key(1), (2, 3, 32))
+    rules = [RecipeRule(module_path="keep", recipe=None),
+             RecipeRule(module_path=".*", op_names=("einsum",), recipe=HIF8),
+             RecipeRule(module_path="lin", op_names=("dot_general",), recipe=NVFP4),
+             RecipeRule(module_path="nothing/here", recipe=HIF8)]
+    provider = RecipeProvider(rules)
+    model = qwix.quantize_model(Mixed(nnx.Rngs(0)), provider, x)
+    ops = {p: op.recipe.name for p, op in qnnx.iter_quant_ops(model)}
+    assert ops == {"jaxlowfp_einsum0": "hif8_w8a8", "lin/jaxlowfp_dot_general0": "nvfp4_w4a4_mse"}
+    assert [r.module_path for r in provider.get_unused_rules()] == ["nothing/here"]
+    # the einsum (weight on the right, through the flattened GEMM) equals QuantEinsum on the same kernel
+    qe = qnnx.QuantEinsum("btd,df->btf", (32, 16), recipe=HIF8, rngs=nnx.Rngs(5))
+    qe.kernel.set_value(model.w[...])
+    model.jaxlowfp_einsum0.amax.set_value(HIF8.init())
+    got = jnp.einsum("btd,df->btf", x, model.w[...])  # outside the intercepted call: plain
+    assert got.shape == (2, 3, 16)
+    np.testing.assert_array_equal(qe(x), _intercepted_einsum(model, x))
+    stats = qnnx.collect_stats(model)
+    assert stats["jaxlowfp_einsum0/activation/amax"] == pytest.approx(float(jnp.max(jnp.abs(x))))
+    assert qnnx.set_observe_only(model, True) == 2
+
+
+def _intercepted_einsum(model, x):
+    """The first op of Mixed.__call__, as the provider runs it (a fresh history, as qe has)."""
+    h = model.jaxlowfp_einsum0.contract(x, model.w[...], (((2,), (0,)), ((), ())))
+    return h
+
+
+def test_two_activations_under_a_rule_is_an_error():
+    class Attn(nnx.Module):
+        def __init__(self, rngs):
+            self.q = nnx.Linear(16, 16, rngs=rngs)
+
+        def __call__(self, x):
+            q = self.q(x)
+            return jnp.einsum("bqd,bkd->bqk", q, x)
+
+    with pytest.raises(ValueError, match="two activations"):
+        qwix.quantize_model(Attn(nnx.Rngs(0)), RecipeProvider([RecipeRule(module_path="", recipe=HIF8)]),
+                            jnp.ones((2, 4, 16)))
+
+
+class LinenMLP(nn.Module):
+    dot_general_cls: object = None
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(64, dot_general_cls=self.dot_general_cls, name="up")(x)
+        return nn.Dense(32, dot_general_cls=self.dot_general_cls, name="down")(jax.nn.gelu(h))
+
+
+@pytest.mark.parametrize("recipe", [HIF8, NVFP4], ids=["hif8_w8a8", "nvfp4_4over6"])
+def test_linen_provider_equals_qlinen(recipe):
+    x, tgt = _batch()
+    provider = RecipeProvider([RecipeRule(module_path="up|down", recipe=recipe)])
+    theirs = qwix.quantize_model(LinenMLP(), provider)
+    ours = LinenMLP(dot_general_cls=qlinen.quant_dot_general_cls(recipe))
+    v_t = theirs.init(jax.random.key(0), x)
+    v_o = ours.init(jax.random.key(0), x)
+    np.testing.assert_array_equal(v_t["params"]["up"]["kernel"], v_o["params"]["up"]["kernel"])
+
+    def run(model, v):
+        def loss(p):
+            y, upd = model.apply({**v, "params": p}, x, mutable=[qlinen.AMAX_COLLECTION, qlinen.STATS_COLLECTION])
+            return jnp.mean((y - tgt) ** 2), upd
+        (l, upd), g = jax.value_and_grad(loss, has_aux=True)(v["params"])
+        return l, g, upd
+
+    for v in (v_t, v_o):
+        v[qlinen.PHASE_COLLECTION] = jax.tree.map(lambda _: jnp.asarray(False), v[qlinen.PHASE_COLLECTION])
+    l_t, g_t, u_t = run(theirs, v_t)
+    l_o, g_o, u_o = run(ours, v_o)
+    assert float(l_t) == float(l_o)
+    for a, b in zip(jax.tree.leaves(g_t), jax.tree.leaves(g_o)):
+        np.testing.assert_array_equal(a, b)
+    st_t = u_t[qlinen.AMAX_COLLECTION]["up"]["dot_general0"]
+    st_o = u_o[qlinen.AMAX_COLLECTION]["up"]["QuantDotGeneral_0"]["recipe_state"]
+    for a, b in zip(jax.tree.leaves(st_t), jax.tree.leaves(st_o)):
+        np.testing.assert_array_equal(a, b)
+    assert "up/dot_general0/activation/amax" in qlinen.collect_stats(u_t)
+    assert qlinen.set_observe_only(v_t, True)[qlinen.PHASE_COLLECTION]["up"]["dot_general0"]
+
+
+def test_the_readme_qwix_snippet_runs(capsys):
+    import re
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    found = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if b.startswith("# Qwix: pip install")]
+    assert len(found) == 1, "the README's Qwix snippet is missing"
+    exec(compile(found[0], "README.md (Qwix snippet)", "exec"), {})
+    ops, loss = capsys.readouterr().out.strip().rsplit("] ", 1)
+    assert ops == "['jaxlowfp_einsum0', 'out/jaxlowfp_dot_general0'" and np.isfinite(float(loss))
