@@ -159,7 +159,7 @@ def test_mamba2_by_interception_equals_module_replacement(third_party_promotion)
     results = []
     for model in (theirs, ours):
         graphdef, state = training.init(model, tx)
-        step = jax.jit(training.make_step(graphdef, tx, _lm_loss, warmup=qat.Warmup(steps=1), microbatches=2))
+        step = jax.jit(training.make_step(graphdef, tx, _lm_loss, warmup=qat.Warmup(steps=1)))
         losses = []
         for _ in range(2):
             state, metrics = step(state, ids)
@@ -174,7 +174,7 @@ def test_mamba2_by_interception_equals_module_replacement(third_party_promotion)
     hist_o = {p[:-1]: v.get_value() for p, v in nnx.to_flat_state(s_o.qstate)}
     assert sorted(hist_t) == sorted(hist_o)
     for k in hist_t:
-        assert int(hist_t[k].activation.count) == 3  # quantize_model's call + 2 steps, microbatches merged
+        assert int(hist_t[k].activation.count) == 3  # quantize_model's call + 2 steps
         np.testing.assert_allclose(hist_t[k].activation.history, hist_o[k].activation.history, rtol=1e-6)
 
 
@@ -206,10 +206,10 @@ def test_nano_moe_trains_with_carried_state_and_maxtext_accumulation(third_party
         return state.apply_gradients(grads=g), l
 
     losses = []
-    for _ in range(3):
+    for _ in range(2):
         state, l = step(state, ids)
         losses.append(float(l))
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
     carried = state.params[owg.COLLECTION]["block_0"]["MoELayer_0"]["expert_0"]["Dense_0"]["dot_general0"]
     st, observe = owg.decode(carried)
-    assert int(st.activation.count) == 3 and not bool(observe)  # one record per step, not per microbatch
+    assert int(st.activation.count) == 2 and not bool(observe)  # one record per step, not per microbatch
