@@ -393,6 +393,12 @@ class Llama(nnx.Module):
         """The model family's scale folds for `jaxlowfp.ptq` (SmoothQuant, AWQ): `smoothing_folds` of the config."""
         return smoothing_folds(self.config)
 
+    def ptq_blocks(self) -> tuple[Any, list[tuple[str, Any]], Any]:
+        """The model's block structure for sequential PTQ (`jaxlowfp.ptq.sequential`): ``(embed, blocks, head)``
+        with ``embed(model, tokens) -> x`` (the first block's input), ``blocks`` the ``(path, call)`` of every
+        block in order, ``call(block, x) -> x`` (the plain causal pass), and ``head(model, x) -> logits``."""
+        return _ptq_embed, [(f"blocks/{i}", _ptq_block) for i in range(self.config.n_layers)], _ptq_head
+
     def _head(self, x: jax.Array) -> jax.Array:
         h = self.final_norm(x)
         if self.config.tie_embeddings:  # logits = h @ E^T
@@ -446,6 +452,18 @@ class Llama(nnx.Module):
         if cache is None:
             return logits
         return logits, KVCache(tuple(ks), tuple(vs), valid, cache.index + jnp.int32(t))
+
+
+def _ptq_embed(model: Llama, tokens: jax.Array) -> jax.Array:
+    return model.embed(tokens.astype(jnp.int32))
+
+
+def _ptq_block(block: Block, x: jax.Array) -> jax.Array:
+    return block(x)[0]
+
+
+def _ptq_head(model: Llama, x: jax.Array) -> jax.Array:
+    return model._head(x)
 
 
 def smoothing_folds(config: ModelConfig) -> tuple[list[tuple[str, tuple[str, ...]]], list[tuple[str, str]]]:

@@ -3,6 +3,7 @@ model, chosen by module-path rules, in place."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -15,13 +16,14 @@ from jax import lax
 
 from jaxlowfp import nvfp4
 from jaxlowfp._core.progress import progress_bar
-from jaxlowfp.ptq import calibrate, serving, smooth
+from jaxlowfp.ptq import calibrate, sequential, serving, smooth
 from jaxlowfp.ptq.formats import Scheme, TensorFormat, rtn_weight
 from jaxlowfp.ptq.gptq import GPTQ, gptq_weight
 from jaxlowfp.ptq.smooth import AWQ, Fold, SmoothQuant
 from jaxlowfp.rules import QuantizeReport, Rule, check_rules, select
 
 METHODS = ("rtn", "gptq", "smoothquant", "awq")
+PIPELINES = ("auto", "sequential", "one-pass")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,6 +72,9 @@ class PTQResult:
     seconds:  wall time, calibration included
     fused:    groups of layers that share one NVFP4 global scale (`jaxlowfp.ptq.serving.fused_groups`)
     convention: "jaxlowfp" or "compressed-tensors", the NVFP4 arithmetic of `packed` (`jaxlowfp.ptq.serving`)
+    pipeline: how the statistics were calibrated: "sequential" (block by block, `jaxlowfp.ptq.sequential`),
+      "one-pass" (one pass over the unquantized model, or the `stats` given) or "none" (RTN without calibration)
+    peak_stats_bytes: the most bytes of calibration statistics (and, sequential, activations) held at once
     """
 
     report: QuantizeReport
@@ -82,6 +87,8 @@ class PTQResult:
     seconds: float = 0.0
     fused: tuple[tuple[str, ...], ...] = ()
     convention: str = "jaxlowfp"
+    pipeline: str = "one-pass"
+    peak_stats_bytes: int = 0
 
 
 def _batches(calibration: Any, batch_size: int, forward_is_default: bool) -> list[Any]:
@@ -151,6 +158,8 @@ def quantize(
     progress: bool = False,
     fused: Any = "auto",
     convention: str = "jaxlowfp",
+    pipeline: str = "auto",
+    propagate: str = "quantized",
 ) -> PTQResult:
     """Post-training quantization of the Linear layers that `rules` select, in place.
 
@@ -167,6 +176,12 @@ def quantize(
       fused: layers that share one NVFP4 global scale, as serving engines fuse them (q/k/v, gate/up): "auto"
         (`jaxlowfp.ptq.serving.fused_groups`), None, or a list of path tuples.
       convention: NVFP4 weight arithmetic, "jaxlowfp" or "compressed-tensors" (llm-compressor's RTN; static_6).
+      pipeline: "sequential" (block by block through the quantized prefix, one block's statistics at a time; needs
+        the model's ``ptq_blocks()``, `jaxlowfp.ptq.sequential`), "one-pass" (every layer's statistics from one
+        pass over the unquantized model), or "auto": sequential for GPTQ, SmoothQuant and AWQ when the model has
+        ``ptq_blocks()`` and neither `forward` nor `stats` is given, else one-pass.
+      propagate: sequential only: "quantized" (the quantized prefix runs as deployed, activation quantization
+        included) or "weights" (activations in high precision while propagating, as llm-compressor does).
 
     Afterwards each quantized layer is still an ``nnx.Linear``: its kernel holds the dequantized quantized weights,
     and, for W4A4 / W8A8 schemes, its ``dot_general`` is an `ActQuant` that fake-quantizes the input at run time.
@@ -195,6 +210,7 @@ def quantize(
     if isinstance(m, (SmoothQuant, AWQ)):
         folds, skipped = _folds(model, mods, m, targets)
 
+    pipe = _pipeline(pipeline, propagate, model, m, forward, calibration, stats)
     if stats is not None:
         stats = dict(stats)
         need = [p for p in targets if p not in stats or not isinstance(stats[p], calibrate.LayerStats)]
@@ -202,24 +218,97 @@ def quantize(
             raise ValueError(f"stats has no LayerStats for the layers {need[:4]}")
         if isinstance(m, GPTQ) and any(stats[p].hessian is None for p in targets):
             raise ValueError("GPTQ needs stats collected with hessian=True")
-        if isinstance(m, AWQ) and any(stats[p].samples is None for p in targets):
-            raise ValueError("AWQ needs stats collected with samples_per_batch > 0")
+        if (isinstance(m, AWQ) or (isinstance(m, SmoothQuant) and m.alphas is not None)) and any(
+                stats[p].samples is None for p in targets):
+            raise ValueError(f"{m.name} needs stats collected with samples_per_batch > 0")
     else:
         stats = {}
-    if calibration is not None:
-        batches = _batches(calibration, batch_size, forward is None)
-        samples = 0
-        if isinstance(m, AWQ):
-            samples = max(1, -(-m.samples // len(batches)))
-        stats = calibrate.collect(model, list(targets), batches, forward=forward or calibrate.default_forward,
-                                  hessian=isinstance(m, GPTQ), samples_per_batch=samples, progress=progress)
+    packed: dict[str, tuple[nvfp4.NVFP4Array, jax.Array]] = {}
 
-    if isinstance(m, (SmoothQuant, AWQ)):
-        stats = smooth_model(model, m, folds, targets, stats, progress=progress)
+    def process(paths: list[str], st: dict[str, calibrate.LayerStats]) -> None:
+        """Folds that reach `paths`, then their weights (fused groups: one amax after the folds)."""
+        sub = {p: targets[p] for p in paths}
+        if isinstance(m, (SmoothQuant, AWQ)):
+            st = smooth_model(model, m, [f for f in folds if any(p in sub for p in f.layers)], sub, st,
+                              progress=progress)
+        if isinstance(m, AWQ) and m.clip:  # llm-awq's clipping search, on the inputs as scaled
+            for p in sub:
+                if not re.fullmatch(m.clip_skip, p):
+                    k = mods[p].kernel
+                    k.set_value(smooth.clip_weight(k[...], st[p].samples, sub[p].weight, clip_grid=m.clip_grid,
+                                                   max_shrink=m.max_shrink).astype(k[...].dtype))
+        grp = [g for g in groups if any(p in sub for p in g)]
+        split = [g for g in grp if not all(p in sub for p in g)]
+        if split:
+            raise ValueError(f"fused group {split[0]} spans two blocks of the sequential pipeline; pass fused=None "
+                             "or pipeline='one-pass'")
+        shared = {p: jnp.max(jnp.stack([jnp.max(jnp.abs(mods[x].kernel[...].astype(jnp.float32))) for x in g]))
+                  for g in grp for p in g}  # after the folds: the amax of the weights as they are quantized
+        _quantize_weights(mods, m, sub, st, shared, convention, packed, progress)
 
-    packed = {}
-    shared = {p: jnp.max(jnp.stack([jnp.max(jnp.abs(mods[x].kernel[...].astype(jnp.float32))) for x in g]))
-              for g in groups for p in g}  # after the folds: the amax of the weights as they are quantized
+    samples = 0
+    batches = None if calibration is None else _batches(calibration, batch_size, forward is None)
+    if batches is not None and (isinstance(m, AWQ) or (isinstance(m, SmoothQuant) and m.alphas is not None)):
+        samples = max(1, -(-m.samples // len(batches)))
+    if pipe == "sequential":
+        blocks = sequential.model_blocks(model, mods)
+        for f in folds:
+            if len({sequential.owner(p, blocks) for p in (f.prev, *f.layers)}) != 1:
+                raise ValueError(f"sequential calibration: {f} folds across blocks; use pipeline='one-pass'")
+        act_amax, peak = sequential.run(model, mods, blocks, batches, list(targets), process,
+                                        hessian=isinstance(m, GPTQ), samples_per_batch=samples,
+                                        propagate=propagate, progress=progress)
+    else:
+        if batches is not None:
+            stats = calibrate.collect(model, list(targets), batches, forward=forward or calibrate.default_forward,
+                                      hessian=isinstance(m, GPTQ), samples_per_batch=samples, progress=progress)
+        peak = sequential.stats_bytes(stats)
+        act_amax = {p: float(np.max(stats[p].amax)) for p in targets if p in stats}
+        process(list(targets), stats)
+
+    report = QuantizeReport(
+        quantized=tuple((p, s.name) for p, s in targets.items()),
+        kept=tuple(kept), unmatched=tuple(unmatched), already_quantized=tuple(already),
+        unused_rules=unused,
+        quantized_fraction=float(done / total) if total else 0.0,
+    )
+    return PTQResult(report=report, method=m.name, schemes=dict(targets), packed=packed, act_amax=act_amax,
+                     folds=tuple(folds), skipped=tuple(skipped), seconds=time.perf_counter() - t0,
+                     fused=tuple(groups), convention=convention, pipeline=pipe, peak_stats_bytes=peak)
+
+
+def _pipeline(pipeline: str, propagate: str, model: nnx.Module, m: Method, forward: Any, calibration: Any,
+              stats: Any) -> str:
+    """The calibration pipeline that runs (see `quantize`)."""
+    if propagate not in sequential.PROPAGATE:
+        raise ValueError(f"propagate={propagate!r} is not supported; allowed: "
+                         f"{', '.join(map(repr, sequential.PROPAGATE))}")
+    if pipeline not in PIPELINES:
+        raise ValueError(f"pipeline={pipeline!r} is not supported; allowed: {', '.join(map(repr, PIPELINES))}")
+    if calibration is None and stats is None:
+        return "none"
+    if pipeline == "auto":
+        seq = (not isinstance(m, RTN) and stats is None and forward is None
+               and callable(getattr(model, "ptq_blocks", None)))
+        return "sequential" if seq else "one-pass"
+    if pipeline == "sequential":
+        if not callable(getattr(model, "ptq_blocks", None)):
+            raise ValueError(f"pipeline='sequential': a {type(model).__name__} does not say its block structure (it "
+                             "has no ptq_blocks() method); use pipeline='one-pass'")
+        if stats is not None:
+            raise ValueError("pipeline='sequential' calibrates block by block from `calibration`; `stats` (from one "
+                             "pass over the unquantized model) needs pipeline='one-pass'")
+        if forward is not None:
+            raise ValueError("pipeline='sequential' runs the model's ptq_blocks(); `forward` is for the one-pass "
+                             "pipeline")
+    return pipeline
+
+
+def _quantize_weights(mods: Mapping[str, Any], m: Method, targets: Mapping[str, Scheme],
+                      stats: Mapping[str, calibrate.LayerStats], shared: Mapping[str, jax.Array], convention: str,
+                      packed: dict, progress: bool) -> None:
+    """Quantize the kernels of `targets` in place (GPTQ with their Hessians, else RTN); NVFP4 arrays into `packed`;
+    W4A4 / W8A8 layers get their run-time activation quantizer."""
     for path in progress_bar(list(targets), desc=f"{m.name} weights", enabled=progress):
         lin, sch = mods[path], targets[path]
         kernel = lin.kernel[...]
@@ -235,17 +324,6 @@ def quantize(
             packed[path] = (qw.packed, qw.s_enc)
         if sch.activation is not None:
             lin.dot_general = ActQuant(sch.activation)
-
-    report = QuantizeReport(
-        quantized=tuple((p, s.name) for p, s in targets.items()),
-        kept=tuple(kept), unmatched=tuple(unmatched), already_quantized=tuple(already),
-        unused_rules=unused,
-        quantized_fraction=float(done / total) if total else 0.0,
-    )
-    return PTQResult(report=report, method=m.name, schemes=dict(targets), packed=packed,
-                     act_amax={p: float(np.max(stats[p].amax)) for p in targets if p in stats}, folds=tuple(folds),
-                     skipped=tuple(skipped), seconds=time.perf_counter() - t0, fused=tuple(groups),
-                     convention=convention)
 
 
 def _folds(model: nnx.Module, mods: dict, m: SmoothQuant | AWQ, targets: Mapping[str, Scheme]
@@ -283,14 +361,20 @@ def smooth_model(model: nnx.Module, method: SmoothQuant | AWQ, folds: Sequence[F
         first = next(p for p in f.layers if p in schemes)
         st = stats[first]
         kernels = tuple(mods[p].kernel[...] for p in f.layers)
-        if isinstance(method, SmoothQuant):
+        if isinstance(method, SmoothQuant) and method.alphas is None:
             s = smooth.smoothquant_scales(st.amax, kernels, method.alpha)
         else:
             if st.samples is None:
-                raise ValueError(f"AWQ needs calibration samples of {first}")
-            cands, losses = smooth.awq_losses(jnp.asarray(st.samples), kernels, jnp.asarray(st.abs_mean),
-                                              scheme=schemes[first], grid=method.grid)
-            s = np.asarray(cands[int(jnp.argmin(losses))])
+                raise ValueError(f"{method.name} needs calibration samples of {first}")
+            if isinstance(method, SmoothQuant):  # the small alpha search
+                cands = np.stack([smooth.smoothquant_scales(st.amax, kernels, a) for a in method.alphas])
+            else:
+                w_mean = smooth.awq_w_mean(kernels, schemes[first].weight.group)
+                cands = smooth.awq_candidates(st.abs_mean, w_mean, method.grid_params())
+            losses = np.asarray(smooth.awq_losses(st.samples, kernels, cands, scheme=schemes[first]))
+            if not np.isfinite(losses).any():
+                raise ValueError(f"{method.name}: no finite loss for the fold into {f.prev} (non-finite activations?)")
+            s = cands[int(np.nanargmin(np.where(np.isfinite(losses), losses, np.nan)))]
         smooth.apply_fold(mods, f, s)
         for p in f.layers:  # the layers' inputs are now X / s
             if p in stats:

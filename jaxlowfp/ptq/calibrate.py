@@ -12,6 +12,7 @@ never the activations themselves::
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -72,40 +73,16 @@ def default_forward(model: nnx.Module, batch: jax.Array) -> Any:
 def collect(model: nnx.Module, paths: Sequence[str], batches: Iterable[Any], *,
             forward: Callable[[nnx.Module, Any], Any] = default_forward, hessian: bool = False,
             samples_per_batch: int = 0, progress: bool = False) -> dict[str, LayerStats]:
-    """`LayerStats` of the inputs of the Linear layers at `paths`, over `batches` (each passed to `forward`)."""
+    """`LayerStats` of the inputs of the Linear layers at `paths`, over `batches` (each passed to `forward`).
+
+    The jitted step is keyed by the module's graph definition, `paths` and `forward`, so the identical blocks of a
+    model (`jaxlowfp.ptq.sequential`) share one compilation."""
     paths = tuple(paths)
     graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def step(state, batch):
-        m = nnx.merge(graphdef, state)
-        sink: dict[str, jax.Array] = {}
-        mods = linear_modules(m)
-        for p in paths:
-            mods[p].dot_general = _Recorder(p, sink)
-        forward(m, batch)
-        out, done = {}, {}
-        for p in paths:
-            if p not in sink:
-                raise ValueError(f"calibration: layer {p!r} was not called by the forward pass")
-            if id(sink[p]) in done:  # layers fed the very same array (q/k/v, gate/up): reduce it once
-                out[p] = done[id(sink[p])]
-                continue
-            x = sink[p].reshape(-1, sink[p].shape[-1]).astype(jnp.float32)
-            a = jnp.abs(x)
-            st = {"amax": jnp.max(a, axis=0), "abs_sum": jnp.sum(a, axis=0), "tokens": jnp.int32(x.shape[0])}
-            if hessian:
-                st["hessian"] = jnp.matmul(x.T, x, precision=_HI)
-            if samples_per_batch:
-                k = min(samples_per_batch, x.shape[0])
-                st["samples"] = x[np.linspace(0, x.shape[0] - 1, k).round().astype(np.int32)]
-            out[p] = done[id(sink[p])] = st
-        return out
-
     total: dict[str, dict[str, Any]] = {}
     bar = progress_bar(batches, desc="calibrate", enabled=progress)
     for batch in bar:
-        res = jax.device_get(step(state, batch))
+        res = jax.device_get(_step(graphdef, state, batch, paths, forward, hessian, samples_per_batch))
         for p, st in res.items():
             acc = total.setdefault(p, {"tokens": 0, "amax": None, "abs_sum": None, "hessian": None, "samples": []})
             acc["tokens"] += int(st["tokens"])
@@ -115,6 +92,8 @@ def collect(model: nnx.Module, paths: Sequence[str], batches: Iterable[Any], *,
                 acc["hessian"] = st["hessian"] if acc["hessian"] is None else acc["hessian"] + st["hessian"]
             if samples_per_batch:
                 acc["samples"].append(st["samples"])
+            del st
+        del res
     if not total:
         raise ValueError("calibration: no batches were given")
     return {p: LayerStats(tokens=a["tokens"], amax=np.asarray(a["amax"]), abs_sum=np.asarray(a["abs_sum"]),
@@ -123,3 +102,31 @@ def collect(model: nnx.Module, paths: Sequence[str], batches: Iterable[Any], *,
             for p, a in total.items()}
 
 
+@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6))
+def _step(graphdef, state, batch, paths: tuple[str, ...], forward, hessian: bool, samples_per_batch: int):
+    """One calibration batch: the statistics of every layer at `paths` (numpy-ready dicts)."""
+    m = nnx.merge(graphdef, state)
+    sink: dict[str, jax.Array] = {}
+    mods = linear_modules(m)
+    for p in paths:
+        if p not in mods:
+            raise ValueError(f"calibration: no nnx.Linear at {p!r}")
+        mods[p].dot_general = _Recorder(p, sink)
+    forward(m, batch)
+    out, done = {}, {}
+    for p in paths:
+        if p not in sink:
+            raise ValueError(f"calibration: layer {p!r} was not called by the forward pass")
+        if id(sink[p]) in done:  # layers fed the very same array (q/k/v, gate/up): reduce it once
+            out[p] = done[id(sink[p])]
+            continue
+        x = sink[p].reshape(-1, sink[p].shape[-1]).astype(jnp.float32)
+        a = jnp.abs(x)
+        st = {"amax": jnp.max(a, axis=0), "abs_sum": jnp.sum(a, axis=0), "tokens": jnp.int32(x.shape[0])}
+        if hessian:
+            st["hessian"] = jnp.matmul(x.T, x, precision=_HI)
+        if samples_per_batch:
+            k = min(samples_per_batch, x.shape[0])
+            st["samples"] = x[np.linspace(0, x.shape[0] - 1, k).round().astype(np.int32)]
+        out[p] = done[id(sink[p])] = st
+    return out

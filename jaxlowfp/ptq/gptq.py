@@ -14,6 +14,16 @@ inputs X [n, in]::
         q_j   = the column rounded on that fixed grid
         e_j   = (w_j - q_j) / U_jj;        w_k -= e_j U_jk  for every later column k
 
+``scales="original"`` instead fixes every group's scale before the loop from the original weights, as
+llm-compressor 0.14 does (its observer's qparams, ``modifiers/gptq/base.py: compress_module_list``).
+
+The settings mean what llm-compressor's ``GPTQModifier`` options mean: ``damp_percent = 100 * dampening_frac``
+(λ = dampening_frac * mean(diag H), dead inputs set to 1 first, ``gptq/helpers.py: factorize_hessian``),
+``block_size`` its ``block_size`` (lazy-update width) and ``act_order=True`` its ``actorder="weight"`` (alias
+``"static"``, its default): columns by decreasing H_ii, scale groups still the contiguous original groups
+(``g_idx`` gathered by the permutation in ``gptq_quantize.py``). Where the damped H is not positive definite
+llm-compressor falls back to round-to-nearest; here λ is raised instead.
+
 Only the chosen grid's error feeds back. With no correlation between inputs (H diagonal) nothing feeds back and the
 result is round-to-nearest, bit for bit.
 """
@@ -33,6 +43,7 @@ from jaxlowfp.ptq.formats import (QuantizedWeight, TensorFormat, hif8_fake_quant
                                   mxfp4_fix, nvfp4_column, nvfp4_fix, pack_nvfp4)
 
 _HI = lax.Precision.HIGHEST
+SCALES = ("as-reached", "original")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -43,13 +54,15 @@ class GPTQ:
       damp_percent: λ as a percentage of the mean Hessian diagonal (GPTQ's default 1 %); raised x10 (up to
         three times) if the Cholesky factorization fails.
       block_size: columns per lazy-update chunk (the result does not depend on it beyond float rounding).
-      act_order: process input channels in order of decreasing H_ii (each scale group is still fixed when its
-        first column is reached, from all its columns as they stand).
+      act_order: process input channels in order of decreasing H_ii (llm-compressor's actorder="weight").
+      scales: "as-reached" (each scale group fixed when its first column is reached, from all its columns as they
+        stand) or "original" (every group fixed from the original weights before the loop, as llm-compressor).
     """
 
     damp_percent: float = 1.0
     block_size: int = 128
     act_order: bool = False
+    scales: str = "as-reached"
 
     def __post_init__(self) -> None:
         d = self.damp_percent
@@ -60,6 +73,8 @@ class GPTQ:
             raise ValueError(f"block_size must be a positive int; got {b!r}")
         if not isinstance(self.act_order, bool):
             raise TypeError(f"act_order must be a bool; got {self.act_order!r}")
+        if self.scales not in SCALES:
+            raise ValueError(f"scales={self.scales!r} is not supported; allowed: {', '.join(map(repr, SCALES))}")
 
     name = "gptq"
 
@@ -169,12 +184,26 @@ def gptq_weight(kernel: jax.Array, hessian: jax.Array, fmt: TensorFormat, cfg: G
     first[group_cols.min(axis=1)] = True
     if fmt.kind == "hif8":
         params0 = jnp.full((1, out), hif8_scale(amax), jnp.float32)
+    elif cfg.scales == "original":  # every group fixed now, from the original weights; never again
+        params0 = _original_scales(jnp.asarray(w), amax, fmt=fmt, g=g)
+        first[:] = False
     else:
         params0 = jnp.zeros((n_groups, out), jnp.float32)
     chunk = int(np.gcd(n_in, cfg.block_size))
     qv, deq, params = _gptq(jnp.asarray(w[:, perm]), jnp.asarray(u), jnp.asarray(group_of, jnp.int32), jnp.asarray(first),
                             jnp.asarray(group_cols, jnp.int32), params0, amax, fmt=fmt, chunk=chunk)
     return QuantizedWeight(*_finish(qv, deq, params, jnp.asarray(pos, jnp.int32), amax, fmt=fmt))
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "g"))
+def _original_scales(w: jax.Array, amax: jax.Array, *, fmt: TensorFormat, g: int) -> jax.Array:
+    """[groups, out] scales of every group of the original W [out, in] (the fixes of the column loop)."""
+    cols = jnp.swapaxes(w.reshape(w.shape[0], -1, g), 0, 1)  # [groups, out, g]
+    if fmt.kind == "nvfp4":
+        return jax.vmap(lambda c: nvfp4_fix(c, fmt, amax))(cols)
+    if fmt.kind == "mxfp4":
+        return jax.vmap(mxfp4_fix)(cols)
+    raise ValueError(f"GPTQ(scales='original') supports nvfp4, mxfp4 and hif8 weights; got {fmt.kind!r}")
 
 
 @functools.partial(jax.jit, static_argnames=("fmt",))

@@ -1,0 +1,150 @@
+"""Sequential (block-by-block) calibration: each block's statistics come from the outputs of the blocks already
+quantized, and only one block's statistics are held at a time.
+
+The GPTQ paper (Frantar et al. 2022, section 4: "we quantize layer by layer, feeding the inputs of block k+1 with the
+outputs of the already quantized block k") and llm-compressor's sequential pipeline (``pipelines/sequential/
+pipeline.py`` in llm-compressor 0.14: calibrate a subgraph, compress it, propagate its quantized outputs) do this.
+With ``X_0 = embed(tokens)`` for every calibration batch::
+
+    for block k = 0, 1, ...:
+        stats_k   = statistics of block k's target layers on X_k        (one pass over the calibration batches)
+        process(block k's layers, stats_k)                               (folds, then GPTQ / RTN of the weights)
+        X_{k+1}   = block_k(X_k) with its quantized weights             (propagate; stats_k is dropped)
+    layers outside every block (e.g. a head): statistics on head(X_N), then process
+
+Within a block every layer sees the block's unquantized earlier layers during its calibration pass (as in
+llm-compressor). ``propagate="quantized"`` runs the quantized block as it is deployed (weights and run-time
+activation quantization), ``"weights"`` with its activations in high precision (llm-compressor: its pipeline runs
+under ``DisableQuantization``, so only the weights are quantized while propagating).
+
+Memory: the calibration activations ``X_k`` (n_batches x [batch, seq, d_model]) plus one block's statistics
+(Hessians [in, in] of its layers), not the whole model's; `run` returns the largest number of bytes of statistics and
+activations it held at once.
+
+The model says its block structure with a ``ptq_blocks()`` method (`jaxlowfp.models.Llama` has one):
+``(embed, blocks, head)``, ``embed(model, batch) -> X_0``, ``blocks = [(path, call), ...]`` in order with
+``call(block_module, X) -> X``, ``head(model, X)`` the rest of the model (for target layers outside the blocks).
+Module-level functions (not fresh lambdas) let the identical blocks share one compilation.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from jaxlowfp._core.progress import progress_bar
+from jaxlowfp.ptq import calibrate
+
+PROPAGATE = ("quantized", "weights")
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """A model's ``ptq_blocks()``, checked: `embed`, `blocks` [(path, call)], `head`."""
+
+    embed: Callable[[nnx.Module, Any], Any]
+    blocks: tuple[tuple[str, Callable[[nnx.Module, Any], Any]], ...]
+    head: Callable[[nnx.Module, Any], Any] | None
+
+
+def model_blocks(model: nnx.Module, mods: Mapping[str, Any]) -> Blocks:
+    """The checked ``model.ptq_blocks()`` (ValueError naming what is missing or wrong)."""
+    own = getattr(model, "ptq_blocks", None)
+    if not callable(own):
+        raise ValueError(f"sequential calibration: a {type(model).__name__} does not say its block structure (it has "
+                         "no ptq_blocks() method); use pipeline='one-pass'")
+    got = own()
+    if not (isinstance(got, tuple) and len(got) == 3):
+        raise TypeError(f"{type(model).__name__}.ptq_blocks() must return (embed, blocks, head); got {got!r}")
+    embed, blocks, head = got
+    blocks = tuple((str(p), c) for p, c in blocks)
+    if not callable(embed) or not blocks or not all(callable(c) for _, c in blocks):
+        raise TypeError(f"{type(model).__name__}.ptq_blocks(): embed and every block call must be callables and "
+                        f"there must be at least one block; got embed={embed!r}, blocks={blocks[:2]!r}")
+    for p, _ in blocks:
+        if not isinstance(mods.get(p), nnx.Module):
+            raise ValueError(f"{type(model).__name__}.ptq_blocks(): no module at block path {p!r}")
+    return Blocks(embed=embed, blocks=blocks, head=head if callable(head) else None)
+
+
+def owner(path: str, blocks: Blocks) -> str | None:
+    """The block path that contains layer `path` (None: outside every block)."""
+    for p, _ in blocks.blocks:
+        if path.startswith(p + "/"):
+            return p
+    return None
+
+
+def _nbytes(tree: Any) -> int:
+    return int(sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes")))
+
+
+def stats_bytes(stats: Mapping[str, calibrate.LayerStats]) -> int:
+    return sum(_nbytes(dataclasses.astuple(s)) for s in stats.values())
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _embed(graphdef, state, batch, fn):
+    return fn(nnx.merge(graphdef, state), batch)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4))
+def _propagate(graphdef, state, x, fn, act_quant: bool):
+    block = nnx.merge(graphdef, state)
+    if not act_quant:  # llm-compressor's DisableQuantization: only the (already quantized) weights act
+        for lin in calibrate.linear_modules(block).values():
+            lin.dot_general = lax.dot_general
+    return fn(block, x)
+
+
+def run(model: nnx.Module, mods: Mapping[str, Any], blocks: Blocks, batches: Sequence[Any], targets: Sequence[str],
+        process: Callable[[list[str], dict[str, calibrate.LayerStats]], None], *, hessian: bool,
+        samples_per_batch: int, propagate: str = "quantized", progress: bool = False
+        ) -> tuple[dict[str, float], int]:
+    """Calibrate and quantize `targets` block by block (module docstring). ``process(paths, stats)`` quantizes
+    the layers at `paths` (full paths) with their statistics `stats` in place. Returns ({path: activation amax},
+    the peak bytes of statistics and calibration activations held at once)."""
+    if propagate not in PROPAGATE:
+        raise ValueError(f"propagate={propagate!r} is not supported; allowed: {', '.join(map(repr, PROPAGATE))}")
+    by_block: dict[str | None, list[str]] = {}
+    for t in targets:
+        by_block.setdefault(owner(t, blocks), []).append(t)
+    g, s = nnx.split(model)
+    xs = [_embed(g, s, b, blocks.embed) for b in batches]
+    del g, s
+    act_amax: dict[str, float] = {}
+    peak = _nbytes(xs)
+    bar = progress_bar(list(blocks.blocks), desc="sequential", enabled=progress)
+    for i, (path, call) in enumerate(bar):
+        block = mods[path]
+        mine = by_block.get(path, [])
+        if mine:
+            rel = [t[len(path) + 1:] for t in mine]
+            st = calibrate.collect(block, rel, xs, forward=call, hessian=hessian, samples_per_batch=samples_per_batch)
+            stats = {f"{path}/{r}": v for r, v in st.items()}
+            del st
+            peak = max(peak, _nbytes(xs) + stats_bytes(stats))
+            act_amax.update({p: float(np.max(v.amax)) for p, v in stats.items()})
+            process(mine, stats)
+            del stats
+        if i + 1 < len(blocks.blocks) or None in by_block:
+            g, s = nnx.split(block)
+            xs = [_propagate(g, s, x, call, propagate == "quantized") for x in xs]
+            del g, s
+    rest = by_block.get(None, [])
+    if rest:
+        if blocks.head is None:
+            raise ValueError(f"sequential calibration: layers {rest[:4]} are outside every block of ptq_blocks() and "
+                             "the model gives no head; use pipeline='one-pass'")
+        stats = calibrate.collect(model, rest, xs, forward=blocks.head, hessian=hessian,
+                                  samples_per_batch=samples_per_batch)
+        peak = max(peak, _nbytes(xs) + stats_bytes(stats))
+        act_amax.update({p: float(np.max(v.amax)) for p, v in stats.items()})
+        process(rest, stats)
+    return act_amax, peak
