@@ -193,3 +193,18 @@ def test_gptq_original_scales_and_clipping():
     assert np.all(np.abs(c) <= np.abs(np.asarray(k)) + 0)
     err = lambda w: float(np.mean((x @ np.asarray(k) - x @ np.asarray(ptq.rtn_weight(jnp.asarray(w), fmt).kernel)) ** 2))  # noqa: E731
     assert err(c) <= err(np.asarray(k))
+
+
+def test_cli_options():
+    from train import ptq_cli
+
+    a = ptq_cli.parse_args([])
+    assert (a.pipeline, a.awq_grid, a.awq_duo, a.gptq_scales, a.alpha_search) == ("sequential", 20, True,
+                                                                                    "as-reached", None)
+    a = ptq_cli.parse_args(["--pipeline", "one-pass", "--awq-duo", "both", "--awq-clip", "--alpha-search",
+                            "0.3,0.5", "--gptq-scales", "original", "--block-size", "64"])
+    assert (a.pipeline, a.awq_duo, a.awq_clip, a.alpha_search, a.gptq_scales, a.block_size) == (
+        "one-pass", "both", True, (0.3, 0.5), "original", 64)
+    for bad in (["--alpha-search", "x"], ["--alpha-search", "1.5"], ["--block-size", "0"], ["--pipeline", "no"]):
+        with pytest.raises(SystemExit):
+            ptq_cli.parse_args(bad)

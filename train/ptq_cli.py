@@ -62,9 +62,23 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"(default {v}; --full: {FULL[k]})")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default: %(default)s)")
     p.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength (default: %(default)s)")
-    p.add_argument("--awq-grid", type=int, default=10, help="AWQ grid points in [0, 1) (default: %(default)s)")
-    p.add_argument("--damp", type=float, default=1.0, help="GPTQ damping, %% of mean diag H (default: %(default)s)")
-    p.add_argument("--act-order", action="store_true", help="GPTQ act-order")
+    p.add_argument("--alpha-search", default=None,
+                   help="SmoothQuant: comma-separated alphas, each fold takes the best (e.g. 0.3,0.4,0.5,0.6,0.7)")
+    p.add_argument("--awq-grid", type=int, default=20, help="AWQ grid points, llm-compressor's n_grid (default: "
+                   "%(default)s)")
+    p.add_argument("--awq-duo", default="true", choices=("true", "false", "both"),
+                   help="AWQ duo scaling, as llm-compressor's duo_scaling (default: %(default)s)")
+    p.add_argument("--awq-clip", action="store_true", help="AWQ: llm-awq's weight clipping search")
+    p.add_argument("--damp", type=float, default=1.0, help="GPTQ damping, %% of mean diag H = 100 x llm-compressor's "
+                   "dampening_frac (default: %(default)s)")
+    p.add_argument("--act-order", action="store_true", help="GPTQ act-order (llm-compressor's actorder='weight')")
+    p.add_argument("--block-size", type=int, default=128, help="GPTQ lazy-update width (default: %(default)s)")
+    p.add_argument("--gptq-scales", default="as-reached", choices=("as-reached", "original"),
+                   help="GPTQ block scales fixed as reached, or from the original weights as llm-compressor "
+                   "(default: %(default)s)")
+    p.add_argument("--pipeline", default="sequential", choices=("sequential", "one-pass"),
+                   help="calibration of GPTQ / SmoothQuant / AWQ: block by block through the quantized prefix, or "
+                   "one pass over the unquantized model shared by every method and format (default: %(default)s)")
     p.add_argument("--export", action="store_true",
                    help="export the gptq / nvfp4-mse model (compressed-tensors NVFP4) to <out>/export and check reload")
     p.add_argument("--out", default=None, help="report directory (default: runs/ptq-<model>)")
@@ -79,8 +93,16 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             setattr(args, k, (FULL if args.full else SMALL)[k])
         elif v < (0 if k == "mc_items" else 1):
             p.error(f"--{k.replace('_', '-')} must be positive; got {v}")
-    if args.batch_size < 1 or args.awq_grid < 1:
-        p.error("--batch-size and --awq-grid must be positive")
+    if args.batch_size < 1 or args.awq_grid < 1 or args.block_size < 1:
+        p.error("--batch-size, --awq-grid and --block-size must be positive")
+    args.awq_duo = {"true": True, "false": False}.get(args.awq_duo, args.awq_duo)
+    if args.alpha_search is not None:
+        try:
+            args.alpha_search = tuple(float(a) for a in args.alpha_search.split(",") if a.strip())
+        except ValueError:
+            p.error(f"--alpha-search must be comma-separated numbers; got {args.alpha_search!r}")
+        if not args.alpha_search or not all(0 <= a <= 1 for a in args.alpha_search):
+            p.error(f"--alpha-search needs numbers in [0, 1]; got {args.alpha_search}")
     if not 0 <= args.alpha <= 1:
         p.error(f"--alpha must be in [0, 1]; got {args.alpha}")
     args.weight_block = (16, 16) if args.weight_block == "16x16" else (1, 16)
@@ -275,8 +297,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"error: --layers {args.layers!r} matches no Linear of the model")
 
     t0 = time.perf_counter()
-    need_h = "gptq" in args.methods
-    samples = 512 if "awq" in args.methods else 0
+    # one pass: every method's statistics (sequential: RTN's activation maxima only; the others calibrate themselves)
+    need_h = "gptq" in args.methods and args.pipeline == "one-pass"
+    samples = 512 if args.pipeline == "one-pass" and ("awq" in args.methods or (
+        "smoothquant" in args.methods and args.alpha_search)) else 0
     batches = [calib[i:i + args.batch_size] for i in range(0, len(calib), args.batch_size)]
     stats = ptq.collect(model, layers, batches, hessian=need_h, samples_per_batch=-(-samples // len(batches)),
                         progress=not args.no_progress)
@@ -293,16 +317,21 @@ def main(argv: Sequence[str] | None = None) -> int:
               "mean": _geomean([hp[t] for t in names])}
     rows.append(hp_row)
     print(_row_line(hp_row, names), file=sys.stderr)
-    methods = {"rtn": ptq.RTN(), "gptq": ptq.GPTQ(damp_percent=args.damp, act_order=args.act_order),
-               "smoothquant": ptq.SmoothQuant(alpha=args.alpha), "awq": ptq.AWQ(grid=args.awq_grid)}
+    methods = {"rtn": ptq.RTN(),
+               "gptq": ptq.GPTQ(damp_percent=args.damp, act_order=args.act_order, block_size=args.block_size,
+                                scales=args.gptq_scales),
+               "smoothquant": ptq.SmoothQuant(alpha=args.alpha, alphas=args.alpha_search),
+               "awq": ptq.AWQ(grid=args.awq_grid, duo_scaling=args.awq_duo, clip=args.awq_clip)}
     export_line = None
     for fmt in args.formats:
         sch = ptq.scheme(fmt, weights_only=args.weights_only,
                          weight_block=args.weight_block if fmt.startswith("nvfp4") else (1, 16))
         for method in args.methods:
             m = _restore(graphdef, hp_state)
-            res = ptq.quantize(m, [ptq.Rule(path=args.layers, scheme=sch)], method=methods[method], stats=stats,
-                               progress=not args.no_progress)
+            own = args.pipeline == "sequential" and method != "rtn"  # calibrated block by block in this call
+            res = ptq.quantize(m, [ptq.Rule(path=args.layers, scheme=sch)], method=methods[method],
+                               stats=None if own else stats, calibration=calib if own else None,
+                               batch_size=args.batch_size, progress=not args.no_progress)
             r = _evaluate(m, tok, texts, task, args)
             row = {"method": method, "format": fmt, **r, "ptq_s": res.seconds, "mean": _geomean([r[t] for t in names])}
             rows.append(row)
@@ -329,10 +358,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"# Post-training quantization of {args.model}",
         f"Layers: every Linear matching `{args.layers}` ({len(layers)} of "
         f"{len(linear_modules(model))}); {scheme_txt}; NVFP4 weight blocks "
-        f"{'x'.join(map(str, args.weight_block))}. Methods: RTN; GPTQ (damp {args.damp} %, act-order "
-        f"{args.act_order}, NVFP4-aware: scale and 4/6 choice fixed when a block is reached); SmoothQuant "
-        f"(alpha {args.alpha}) and AWQ (grid {args.awq_grid}), both folded into the preceding RMSNorm / up_proj, "
-        f"then RTN. {sizes}.",
+        f"{'x'.join(map(str, args.weight_block))}. Calibration: {args.pipeline} ("
+        f"{'block by block through the quantized prefix, per quantize call' if args.pipeline == 'sequential' else 'one pass over the unquantized model'}). "
+        f"Methods: RTN; GPTQ (damp {args.damp} %, act-order {args.act_order}, block size {args.block_size}, "
+        f"NVFP4-aware: scale and 4/6 choice fixed {'when a block is reached' if args.gptq_scales == 'as-reached' else 'from the original weights'}); "
+        f"SmoothQuant (alpha {args.alpha_search or args.alpha}) and AWQ (grid {args.awq_grid}, duo scaling "
+        f"{args.awq_duo}, clipping {args.awq_clip}), both folded into the preceding RMSNorm / up_proj, then RTN. "
+        f"{sizes}.",
         table,
         "Four Over Six against static_6 (geometric mean of the word perplexities; the paper reports 4/6 lowering "
         "perplexity relative to standard NVFP4 under every PTQ method it tests):",
