@@ -41,8 +41,10 @@ __all__ = [
     "ChoiceItem",
     "Request",
     "TextScore",
+    "budget_docs",
     "choice_requests",
     "encode_pair",
+    "pair_request",
     "perplexity",
     "rolling_requests",
     "score_choices",
@@ -84,25 +86,34 @@ def _bucket(n: int) -> int:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _ll_sums(graphdef: nnx.GraphDef, state: nnx.State, inputs: jax.Array, targets: jax.Array,
-             weights: jax.Array) -> jax.Array:
-    """Per row: sum over ``weights`` of ``log softmax(model(inputs))[targets]`` (float32 [B])."""
+             weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per row: sum over ``weights`` of ``log softmax(model(inputs))[targets]`` (float32 [B]), and whether every
+    weighted target is the argmax of its logits (bool [B]; ties count as greedy only for the first maximum)."""
     logits = nnx.merge(graphdef, state)(inputs)
     ll = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(logits, axis=-1)
-    return jnp.sum(jnp.where(weights, ll, 0.0), axis=-1)
+    greedy = jnp.all((jnp.argmax(logits, axis=-1) == targets) | ~weights, axis=-1)
+    return jnp.sum(jnp.where(weights, ll, 0.0), axis=-1), greedy
 
 
 def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size: int = 8, progress: bool = False,
-                   desc: str = "score") -> tuple[np.ndarray, dict[str, float]]:
+                   desc: str = "score", greedy: bool = False, max_batch_tokens: int | None = None
+                   ) -> tuple[np.ndarray, dict[str, float]] | tuple[np.ndarray, np.ndarray, dict[str, float]]:
     """Log-likelihood (float64 [n]) of every request, and throughput stats.
 
     Requests are sorted by length and batched with right padding (a causal model never looks right, so padding
-    needs no attention mask) to a power of two >= 64, capped at ``max_seq_len``. Stats: ``tokens`` (model inputs,
-    padding excluded), ``scored`` tokens, ``seconds`` and ``tokens_per_s`` (inputs per wall second, compilation
-    included).
+    needs no attention mask) to a power of two >= 64, capped at ``max_seq_len``; every batch has ``batch_size``
+    rows (fewer for long sequences when ``max_batch_tokens`` caps rows x padded length, the logits' memory), so the
+    forward pass compiles once per padded length. Stats: ``tokens`` (model inputs, padding
+    excluded), ``scored`` tokens, ``seconds`` and ``tokens_per_s`` (inputs per wall second, compilation included).
+    ``greedy=True`` returns ``(ll, is_greedy, stats)``: ``is_greedy`` (bool [n]) says whether greedy decoding
+    would produce every scored token (lm-eval's ``is_greedy``: ``argmax logits[t-1] == tokens[t]`` for each).
     The model is not changed (state written by the forward pass, e.g. amax histories, is dropped).
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
+    if max_batch_tokens is not None and (isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int)
+                                         or max_batch_tokens < 1):
+        raise ValueError(f"max_batch_tokens must be a positive int or None; got {max_batch_tokens!r}")
     vocab, max_len = model.config.vocab, model.config.max_seq_len
     for r in requests:
         if not 1 <= r.n_pred < len(r.tokens):
@@ -113,16 +124,21 @@ def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size
     order = sorted(range(len(requests)), key=lambda i: -len(requests[i].tokens))
     graphdef, state = nnx.split(model)
     out = np.zeros(len(requests), np.float64)
+    is_greedy = np.zeros(len(requests), bool)
     n_in = sum(len(r.tokens) - 1 for r in requests)
     n_scored = sum(r.n_pred for r in requests)
-    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    batches, start = [], 0
+    while start < len(order):  # longest first: a batch's first request sets its padded length and its rows
+        length = min(_bucket(len(requests[order[start]].tokens) - 1), max_len)
+        rows = batch_size if max_batch_tokens is None else max(1, min(batch_size, max_batch_tokens // length))
+        batches.append((order[start:start + rows], length, rows))
+        start += rows
     t0 = time.perf_counter()
     bar = progress_bar(total=n_in, desc=desc, unit="tok", enabled=progress)
-    for idx in batches:
-        length = min(_bucket(len(requests[idx[0]].tokens) - 1), max_len)
-        inputs = np.zeros((batch_size, length), np.int32)
-        targets = np.zeros((batch_size, length), np.int32)
-        weights = np.zeros((batch_size, length), bool)
+    for idx, length, rows in batches:
+        inputs = np.zeros((rows, length), np.int32)
+        targets = np.zeros((rows, length), np.int32)
+        weights = np.zeros((rows, length), bool)
         for row, i in enumerate(idx):
             t = np.asarray(requests[i].tokens, np.int64)
             if t.min() < 0 or t.max() >= vocab:
@@ -130,16 +146,18 @@ def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size
             n = len(t) - 1
             inputs[row, :n], targets[row, :n] = t[:-1], t[1:]
             weights[row, n - requests[i].n_pred: n] = True
-        sums = np.asarray(_ll_sums(graphdef, state, jnp.asarray(inputs), jnp.asarray(targets), jnp.asarray(weights)))
-        out[idx] = sums[: len(idx)]
+        sums, top = _ll_sums(graphdef, state, jnp.asarray(inputs), jnp.asarray(targets), jnp.asarray(weights))
+        out[idx] = np.asarray(sums)[: len(idx)]
+        is_greedy[idx] = np.asarray(top)[: len(idx)]
         if bar is not None:
             bar.update(sum(len(requests[i].tokens) - 1 for i in idx))
             bar.set_postfix_str(f"{bar.n / (time.perf_counter() - t0):.0f} tok/s")
     if bar is not None:
         bar.close()
     seconds = time.perf_counter() - t0
-    return out, {"tokens": float(n_in), "scored": float(n_scored), "seconds": seconds,
-                 "tokens_per_s": n_in / seconds if seconds > 0 else math.nan}
+    stats = {"tokens": float(n_in), "scored": float(n_scored), "seconds": seconds,
+             "tokens_per_s": n_in / seconds if seconds > 0 else math.nan}
+    return (out, is_greedy, stats) if greedy else (out, stats)
 
 
 
@@ -182,12 +200,31 @@ def _count_words(text: str) -> int:
     return len(re.split(r"\s+", text))  # lm-eval's word count (wikitext)
 
 
+def budget_docs(tokenizer: Any, docs: Iterable[str], max_tokens: int | None = None) -> list[tuple[str, list[int]]]:
+    """``(text, token ids)`` of the documents within ``max_tokens`` tokens: taken in order, documents without
+    tokens skipped, the last one cut to fit (its text is then the decoded kept tokens)."""
+    out = []
+    n_tok, budget = 0, math.inf if max_tokens is None else max_tokens
+    for doc in docs:
+        if n_tok >= budget:
+            break
+        ids = tokenizer.encode(doc)
+        if not ids:
+            continue
+        if n_tok + len(ids) > budget:
+            ids = ids[: int(budget - n_tok)]
+            doc = tokenizer.decode(ids)
+        out.append((doc, ids))
+        n_tok += len(ids)
+    return out
+
+
 def perplexity(model: nnx.Module, tokenizer: Any, docs: Iterable[str], *, name: str = "text",
                max_tokens: int | None = None, max_length: int = 512, stride: int | None = None,
                batch_size: int = 8, prefix_token: int | None = None, progress: bool = False) -> TextScore:
     """Rolling-window token, word and byte perplexity of documents (module docstring).
 
-    ``max_tokens`` caps the tokens scored: documents are taken in order, the last one cut to fit (its text is then
+    ``max_tokens`` caps the tokens scored (`budget_docs`: documents in order, the last one cut to fit, its text then
     the decoded kept tokens, so words and bytes count exactly what was scored). ``stride`` defaults to
     ``max_length`` (lm-eval's disjoint windows). ``prefix_token`` defaults to the tokenizer's BOS id, else its EOS id.
     """
@@ -200,16 +237,7 @@ def perplexity(model: nnx.Module, tokenizer: Any, docs: Iterable[str], *, name: 
         raise ValueError("the tokenizer has neither a BOS nor an EOS token; pass prefix_token")
     requests: list[Request] = []
     n_docs = n_tok = n_words = n_bytes = 0
-    budget = math.inf if max_tokens is None else max_tokens
-    for doc in docs:
-        if n_tok >= budget:
-            break
-        ids = tokenizer.encode(doc)
-        if not ids:
-            continue
-        if n_tok + len(ids) > budget:
-            ids = ids[: int(budget - n_tok)]
-            doc = tokenizer.decode(ids)
+    for doc, ids in budget_docs(tokenizer, docs, max_tokens):
         requests += rolling_requests(ids, prefix_token=prefix, max_length=max_length, stride=stride)
         n_docs, n_tok = n_docs + 1, n_tok + len(ids)
         n_words += _count_words(doc)
@@ -255,17 +283,31 @@ def encode_pair(tokenizer: Any, context: str, continuation: str) -> tuple[list[i
     return ctx, whole[len(ctx):]
 
 
+def pair_request(context: Sequence[int], continuation: Sequence[int], *, max_length: int) -> Request:
+    """The `Request` scoring ``continuation`` after ``context`` (token ids). A sequence longer than ``max_length + 1``
+    tokens keeps its end (lm-eval's left truncation of the context); a continuation longer than ``max_length``
+    cannot be scored whole and is an error, as in lm-eval."""
+    if not continuation:
+        raise ValueError("the continuation has no tokens")
+    if len(continuation) > max_length:
+        raise ValueError(f"a continuation of {len(continuation)} tokens exceeds max_length={max_length}")
+    if not context:
+        raise ValueError("the context has no tokens; prepend a prefix (BOS or EOS) token, as lm-eval does")
+    seq = (list(context) + list(continuation))[-(max_length + 1):]
+    return Request(tuple(int(t) for t in seq), len(continuation))
+
+
 def choice_requests(tokenizer: Any, items: Sequence[ChoiceItem], *, max_length: int) -> list[Request]:
-    """One `Request` per (item, choice), items in order; a sequence longer than ``max_length + 1`` tokens keeps its
-    end (lm-eval's left truncation)."""
+    """One `Request` per (item, choice), items in order (`encode_pair`, then `pair_request`: a sequence longer
+    than ``max_length + 1`` tokens keeps its end, lm-eval's left truncation)."""
     requests = []
     for i, item in enumerate(items):
         for j, cont in enumerate(item.choices):
             ctx, cont_ids = encode_pair(tokenizer, item.context, cont)
-            if not cont_ids:
-                raise ValueError(f"item {i} choice {j}: the continuation {cont!r} has no tokens")
-            seq = (ctx + cont_ids)[-(max_length + 1):]
-            requests.append(Request(tuple(seq), min(len(cont_ids), len(seq) - 1)))
+            try:
+                requests.append(pair_request(ctx, cont_ids, max_length=max_length))
+            except ValueError as e:
+                raise ValueError(f"item {i} choice {j} ({cont!r}): {e}") from None
     return requests
 
 

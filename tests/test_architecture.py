@@ -36,6 +36,7 @@ FLOORS = {
     "jaxlowfp.models": 6,
     "jaxlowfp.evaluation": 6,
     "jaxlowfp.ptq": 7,
+    "jaxlowfp.harness": 7,  # the lm-eval backend (jaxlowfp[lm-eval])
     "jaxlowfp": 8,  # the package's own __init__ (lazy: imports nothing of its own)
     "train": 9,
 }

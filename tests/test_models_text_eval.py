@@ -142,7 +142,7 @@ def test_prose_text_from_the_brotli_archive(tmp_path):
 def test_eval_and_generate_commands(tiny, tmp_path, capsys):
     path = tiny[0]
     out = tmp_path / "report"
-    rc = eval_cli.main(["--model", str(path), "--texts", "python", "--max-tokens", "40", "--max-length", "16",
+    rc = eval_cli.main(["--model", str(path), "--texts", "python", "--max-tokens", "40", "--max-length", "32",
                         "--mc-items", "4", "--no-progress", "--out", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out

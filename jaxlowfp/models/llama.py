@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -554,15 +554,22 @@ def generate(
     top_k: int | None = None,
     eos_id: int | None = None,
     seed: int = 0,
+    stop: Callable[[int, list[int]], bool] | None = None,
+    pad_to: int | None = None,
 ) -> list[list[int]]:
     """Continue each prompt (a list of token ids) by up to ``max_new_tokens`` tokens with a `KVCache`.
 
     Prompts are left-padded into one batch (positions count real tokens only, so every row is continued as if
     alone). ``temperature == 0`` is greedy decoding; otherwise tokens are drawn from ``softmax(logits / T)``,
     restricted to the ``top_k`` most likely when given, with keys from ``seed``. A row stops after ``eos_id``
-    (included). Returns the new tokens of every prompt. Never changes the model.
+    (included), or when ``stop(row, new_tokens)``, asked after each new token of a row, returns True (e.g. a stop
+    string appeared in the decoded text). ``pad_to`` left-pads to at least that many prompt tokens, so batches of
+    different prompt lengths share one compiled shape. Returns the new tokens of every prompt. Never changes the
+    model.
     """
     _check_int(max_new_tokens, "max_new_tokens")
+    if pad_to is not None:
+        _check_int(pad_to, "pad_to")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
         raise ValueError(f"temperature must be a number >= 0; got {temperature!r}")
     if top_k is not None:
@@ -574,7 +581,7 @@ def generate(
         raise ValueError("prompts must be a non-empty list of non-empty token lists")
     if any(t < 0 or t >= model.config.vocab for r in rows for t in r):
         raise ValueError(f"prompt token ids must be in [0, {model.config.vocab})")
-    p = max(map(len, rows))
+    p = max(max(map(len, rows)), pad_to or 0)
     capacity = p + max_new_tokens
     if capacity > model.config.max_seq_len:
         raise ValueError(f"prompt length {p} + max_new_tokens {max_new_tokens} exceeds max_seq_len="
@@ -597,7 +604,7 @@ def generate(
         host = np.asarray(nxt)
         for i in np.flatnonzero(~done):
             out[i].append(int(host[i]))
-            done[i] |= eos_id is not None and int(host[i]) == eos_id
+            done[i] |= (eos_id is not None and int(host[i]) == eos_id) or (stop is not None and bool(stop(i, out[i])))
         if done.all() or step == max_new_tokens - 1:
             break
         nxt, cache = _generate_step(graphdef, state, nxt[:, None], ones, cache, keys[step + 1], temp, top_k or 0)

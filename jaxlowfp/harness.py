@@ -1,0 +1,535 @@
+"""An lm-eval (EleutherAI lm-evaluation-harness) model backend for jaxlowfp models, registered as ``jaxlowfp``.
+
+lm-eval turns a benchmark into requests of three kinds and a model backend answers them; the prompts, the answer
+normalisations and the metrics stay lm-eval's, so the numbers compare with published ones:
+
+- ``loglikelihood(context, continuation)`` -> ``(log p(continuation | context), is_greedy)``. The pair is tokenized
+  by lm-eval's own ``TemplateLM`` (trailing whitespace of the context moves to the continuation; an empty context
+  becomes the prefix token), then scored by `jaxlowfp.evaluation.score_requests`. A sequence longer than
+  ``max_length + 1`` tokens keeps its end (left truncation, as lm-eval's HF backend; one warning says how many).
+- ``loglikelihood_rolling(text)`` -> ``log p(text)``: lm-eval's disjoint rolling windows of ``max_length`` tokens
+  after the prefix token (`jaxlowfp.evaluation.rolling_requests`), the sum over every token. lm-eval turns it into
+  word perplexity ``exp(-LL / words)``, byte perplexity ``exp(-LL / bytes)`` and bits per byte.
+- ``generate_until(context, gen_kwargs)`` -> text: `jaxlowfp.models.generate` with a KV cache, greedy or sampled
+  (``do_sample``, ``temperature``, ``top_k``), ``max_gen_toks`` new tokens at most, stopped at the EOS token or at
+  the first stop string of ``until`` (the text is cut there, lm-eval's ``postprocess_generated_text``). The prompt
+  keeps its last ``max_length - max_gen_toks`` tokens. Other generation arguments are errors, not ignored.
+
+Batches have ``batch_size`` rows and lengths padded to a power of two (right padding for scoring: a causal model
+never looks right; left padding with an attention mask for generation), so the forward pass compiles once per
+padded shape. An empty request list returns an empty list.
+
+Model arguments (``--model_args k=v,...``; `ARGUMENTS` lists them):
+  pretrained       registry name (``smollm2-135m``), ``.gguf`` file or Hugging Face directory (`jaxlowfp.models.load`)
+  dtype            compute dtype ``float32`` (default) or ``bfloat16``; parameters stay float32
+  ptq_export       a directory written by `jaxlowfp.ptq.export` (e.g. ``python -m train ptq --export``), loaded into
+                   the ``pretrained`` architecture: the quantized weights and activation formats that were exported
+  quantize         fake quantization (`jaxlowfp.qnnx.quantize`): ``none``, ``hif8`` (HiF8 W8A8, the Max-Window
+                   recipe), ``nvfp4`` (NVFP4 W4A4 with Four Over Six, MSE rule), ``nvfp4-<rule>`` (static_6,
+                   static_4, abs_max, mae, mse), ``fp8`` (E4M3/E5M2 delayed scaling)
+  layers           which Linear layers ``quantize`` takes: ``paper`` (default: the MLPs of blocks keep_first ..
+                   n - keep_last - 1, `jaxlowfp.qnnx.paper_rules`), ``all`` (every attention and MLP projection)
+                   or a regex of module paths; ``keep_first`` (3), ``keep_last`` (2)
+  ptq              post-training quantization (`jaxlowfp.ptq.quantize`): ``none``, ``rtn``, ``gptq``,
+                   ``smoothquant``, ``awq``, to ``ptq_scheme`` (default ``nvfp4-mse``; ``weights_only=true`` for
+                   W4A16) of the layers matching ``ptq_layers``; all but RTN calibrate on ``calibration`` (a UTF-8
+                   text file) cut into ``calib_seqs`` x ``calib_len`` tokens (8 x 256)
+  batch_size (8; ``max_batch_tokens``, 32768, caps rows x padded length, fewer rows for long windows),
+  max_length (the model's max_seq_len), max_gen_toks (256), prefix_token_id (BOS, else EOS),
+  seed (0, for sampling), progress (false); stride (default max_length: lm-eval's disjoint rolling windows; less
+  gives every later window ``max_length - stride`` tokens of extra context, which lm-eval's own backends do not)
+  device, max_batch_size, trust_remote_code: accepted from lm-eval's command line and unused (JAX places the
+  computation on its default backend).
+
+In-process (what ``python -m train eval`` does): ``JaxLowFPLM(model=model, tokenizer=tok)`` wraps a loaded (and
+possibly quantized) model, then ``lm_eval.simple_evaluate(model=lm, tasks=[...])``.
+
+From the command line, lm-eval 0.4.13 has no plugin mechanism that would let ``lm_eval --model jaxlowfp`` import
+this module; ``python -m jaxlowfp.harness`` (console script ``jaxlowfp-lm-eval``) registers the backend and runs
+lm-eval's own command line with the same arguments::
+
+    python -m jaxlowfp.harness --model jaxlowfp --model_args pretrained=smollm2-135m,quantize=hif8 \\
+        --tasks hellaswag,arc_challenge,mmlu --batch_size 8
+
+Needs the ``jaxlowfp[lm-eval]`` extra (``lm-eval``, no PyTorch) and ``jaxlowfp[models]`` for checkpoints.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+try:
+    import lm_eval
+    import lm_eval.models  # the built-in backends: registered before ours, or get_model would never load them
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.api.registry import register_model
+    from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError("jaxlowfp.harness needs lm-eval (EleutherAI's lm-evaluation-harness, no PyTorch): "
+                      "pip install 'jaxlowfp[lm-eval]'") from e
+
+from jaxlowfp.evaluation import budget_docs, pair_request, rolling_requests, score_requests
+
+__all__ = ["ARGUMENTS", "LM_EVAL_VERSION", "QUANTIZE", "JaxLowFPLM", "choice_task", "evaluate", "fake_quantize", "main",
+           "rolling_task"]
+
+log = logging.getLogger(__name__)
+
+LM_EVAL_VERSION: str = lm_eval.__version__
+PTQ_LAYERS = r".*(attn|mlp)/\w+_proj"  # every attention and MLP projection (not the embedding, not lm_head)
+_NVFP4_RULES = ("static_6", "static_4", "abs_max", "mae", "mse")
+QUANTIZE = ("none", "hif8", "nvfp4", *(f"nvfp4-{r}" for r in _NVFP4_RULES), "fp8")
+_GEN_KEYS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p")
+
+
+def _recipe(name: str) -> Any:
+    from jaxlowfp import qat
+
+    if name == "hif8":
+        return qat.hif8_w8a8()
+    if name == "fp8":
+        return qat.fp8_delayed()
+    if name == "nvfp4":
+        return qat.nvfp4_w4a4("mse")
+    return qat.nvfp4_w4a4(name.split("-", 1)[1])
+
+
+def fake_quantize(model: Any, quantize: str, *, layers: str = "paper", keep_first: int = 3, keep_last: int = 2
+                  ) -> Any:
+    """Fake-quantize ``model``'s Linear layers in place (`jaxlowfp.qnnx.quantize`) with the recipe named
+    ``quantize`` (`QUANTIZE`) on ``layers`` (module docstring); returns the `jaxlowfp.rules.QuantizeReport`. A
+    selection that quantizes nothing is an error, never a silent high-precision evaluation."""
+    from jaxlowfp.qnnx import paper_rules, quantize as qnnx_quantize
+    from jaxlowfp.rules import Rule
+
+    if quantize not in QUANTIZE or quantize == "none":
+        raise ValueError(f"quantize={quantize!r}; allowed: {', '.join(QUANTIZE[1:])} (or none for no quantization)")
+    recipe = _recipe(quantize)
+    if layers == "paper":
+        rules = paper_rules(model.config.n_layers, keep_first=keep_first, keep_last=keep_last, recipe=recipe)
+    else:
+        rules = [Rule(path=PTQ_LAYERS if layers == "all" else layers, recipe=recipe)]
+    report = qnnx_quantize(model, rules)
+    if not report.quantized:
+        raise ValueError(f"quantize={quantize!r}, layers={layers!r} selects no Linear layer of the model "
+                         f"(unmatched: {list(report.unmatched)[:6]} ...)")
+    return report
+
+
+def _ptq(model: Any, tokenizer: Any, method: str, *, scheme: str, layers: str, weights_only: bool,
+         calibration: str | None, calib_seqs: int, calib_len: int) -> Any:
+    """Post-training quantization of ``model`` in place (module docstring); the `jaxlowfp.ptq.PTQResult`."""
+    from jaxlowfp import ptq
+
+    m = ptq.method_from_name(method)
+    tokens = None
+    if calibration is not None:
+        text = Path(calibration).read_text(encoding="utf-8")
+        ids = tokenizer.encode(text)
+        need = calib_seqs * calib_len
+        if len(ids) < need:
+            raise ValueError(f"calibration={calibration!r} has {len(ids)} tokens; calib_seqs x calib_len needs {need}")
+        tokens = np.asarray(ids[:need], np.int32).reshape(calib_seqs, calib_len)
+    elif method != "rtn":
+        raise ValueError(f"ptq={method!r} needs calibration=<a UTF-8 text file> (only rtn needs no calibration)")
+    rules = [ptq.Rule(path=layers, scheme=ptq.scheme(scheme, weights_only=weights_only))]
+    return ptq.quantize(model, rules, method=m, calibration=tokens)
+
+
+def _positive_int(value: Any, what: str) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{what} must be a positive int; got {value!r}")
+    return int(value)
+
+
+def _bucket(n: int, cap: int) -> int:
+    """Padded length: a power of two >= 16, at most ``cap``."""
+    return min(max(16, 1 << (max(n, 1) - 1).bit_length()), cap)
+
+
+# every model argument and its default (the constructor's keyword arguments)
+ARGUMENTS: dict[str, Any] = {
+    "pretrained": None, "model": None, "tokenizer": None, "dtype": "float32", "ptq_export": None,
+    "quantize": "none", "layers": "paper", "keep_first": 3, "keep_last": 2,
+    "ptq": "none", "ptq_scheme": "nvfp4-mse", "ptq_layers": PTQ_LAYERS, "weights_only": False, "calibration": None,
+    "calib_seqs": 8, "calib_len": 256,
+    "batch_size": 8, "max_batch_tokens": 32768, "max_length": None, "stride": None, "max_gen_toks": 256,
+    "prefix_token_id": None, "seed": 0, "progress": False,
+    "device": None, "max_batch_size": None, "trust_remote_code": None,
+}
+
+
+class JaxLowFPLM(TemplateLM):
+    """lm-eval's ``LM`` for a `jaxlowfp.models.Llama` (module docstring for the arguments).
+
+    After every call, ``calls`` holds one record per request kind answered: ``{"kind", "requests", "tokens"
+    (model inputs), "scored" (tokens), "log_likelihood" (sum), "seconds"}`` (generation: ``new_tokens``).
+    """
+
+    def __init__(self, pretrained: str | None = None, **kwargs: Any) -> None:
+        super().__init__()
+        unknown = sorted(set(kwargs) - set(ARGUMENTS))
+        if unknown:
+            raise ValueError(f"unknown model argument(s) {unknown} for --model jaxlowfp; allowed: "
+                             f"{', '.join(k for k in ARGUMENTS if k not in ('model', 'tokenizer'))}")
+        a = dict(ARGUMENTS, **kwargs, pretrained=pretrained)
+        if a["quantize"] not in QUANTIZE:
+            raise ValueError(f"quantize={a['quantize']!r}; allowed: {', '.join(QUANTIZE)}")
+        from jaxlowfp.ptq import METHODS, SCHEMES
+
+        if a["ptq"] not in ("none", *METHODS):
+            raise ValueError(f"ptq={a['ptq']!r}; allowed: none, {', '.join(METHODS)}")
+        if a["ptq_scheme"] not in SCHEMES:
+            raise ValueError(f"ptq_scheme={a['ptq_scheme']!r}; allowed: {', '.join(SCHEMES)}")
+        if a["quantize"] != "none" and a["ptq"] != "none":
+            raise ValueError("give quantize (fake quantization) or ptq (post-training quantization), not both")
+        if a["dtype"] not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype={a['dtype']!r}; allowed: float32, bfloat16")
+        if a["batch_size"] in ("auto", None) or str(a["batch_size"]).startswith("auto"):
+            raise ValueError(f"batch_size={a['batch_size']!r}: the jaxlowfp backend needs a fixed batch size (an int;"
+                             " one compiled shape per padded length)")
+        self._batch_size = _positive_int(a["batch_size"], "batch_size")
+        self._max_gen_toks = _positive_int(a["max_gen_toks"], "max_gen_toks")
+        self.seed = int(a["seed"])
+        self.progress = bool(a["progress"])
+
+        if a["model"] is not None:
+            if isinstance(a["model"], str):
+                raise ValueError(f"model={a['model']!r}: name a checkpoint with pretrained=; model= takes an "
+                                 "in-process jaxlowfp.models.Llama")
+            if pretrained is not None or a["tokenizer"] is None:
+                raise ValueError("give pretrained=<name or path>, or model= with tokenizer= (an in-process model)")
+            if a["ptq_export"] is not None or a["quantize"] != "none" or a["ptq"] != "none":
+                raise ValueError("with model= the model is evaluated as given: quantize it before wrapping it "
+                                 "(jaxlowfp.harness.fake_quantize, jaxlowfp.ptq.quantize)")
+            self.model, self.tokenizer, self.source = a["model"], a["tokenizer"], type(a["model"]).__name__
+        elif pretrained is None:
+            raise ValueError("the jaxlowfp backend needs pretrained=<registry name, .gguf file or Hugging Face "
+                             "directory> (or model= and tokenizer= in process)")
+        else:
+            from jaxlowfp.models import load
+
+            self.model, self.tokenizer = load(pretrained, dtype=a["dtype"])
+            self.source = str(pretrained)
+        cfg = self.model.config
+        self._max_length = cfg.max_seq_len if a["max_length"] is None else _positive_int(a["max_length"],
+                                                                                          "max_length")
+        if self._max_length > cfg.max_seq_len:
+            raise ValueError(f"max_length={self._max_length} exceeds the model's max_seq_len={cfg.max_seq_len}")
+        self.stride = self._max_length if a["stride"] is None else _positive_int(a["stride"], "stride")
+        if self.stride > self._max_length:
+            raise ValueError(f"stride={self.stride} exceeds max_length={self._max_length}")
+        self.max_batch_tokens = None if a["max_batch_tokens"] is None else _positive_int(a["max_batch_tokens"],
+                                                                                         "max_batch_tokens")
+        tok = self.tokenizer
+        prefix = a["prefix_token_id"]
+        if prefix is None:
+            prefix = tok.bos_id if tok.bos_id is not None else tok.eos_id
+        if prefix is None:
+            raise ValueError("the tokenizer has neither a BOS nor an EOS token; give prefix_token_id")
+        self._prefix = int(prefix)
+        notes = []
+        if a["ptq_export"] is not None:
+            from jaxlowfp import ptq
+
+            schemes = ptq.load(self.model, a["ptq_export"])
+            notes.append(f"PTQ export {a['ptq_export']}: {len(schemes)} quantized layers "
+                         f"({', '.join(sorted({s.name for s in schemes.values()}))})")
+        if a["quantize"] != "none":
+            report = fake_quantize(self.model, a["quantize"], layers=a["layers"], keep_first=int(a["keep_first"]),
+                                   keep_last=int(a["keep_last"]))
+            notes.append(f"fake quantization {a['quantize']} of {len(report.quantized)} layers "
+                         f"({100 * report.quantized_fraction:.1f} % of linear weights, layers={a['layers']})")
+        if a["ptq"] != "none":
+            res = _ptq(self.model, self.tokenizer, a["ptq"], scheme=a["ptq_scheme"], layers=a["ptq_layers"],
+                       weights_only=bool(a["weights_only"]), calibration=a["calibration"],
+                       calib_seqs=_positive_int(a["calib_seqs"], "calib_seqs"),
+                       calib_len=_positive_int(a["calib_len"], "calib_len"))
+            notes.append(f"PTQ {res.method} to {a['ptq_scheme']} of {len(res.schemes)} layers")
+        self.quantization = "; ".join(notes) or "none"
+        self._warned_truncation = False
+        self.calls: list[dict[str, Any]] = []
+        log.info("jaxlowfp backend: %s (%s), max_length %d, batch %d; quantization: %s", self.source,
+                 np.dtype(getattr(self.model, "dtype", np.float32)).name, self._max_length, self._batch_size,
+                 self.quantization)
+
+    # -- lm-eval's TemplateLM interface -------------------------------------------------------------------------
+
+    @property
+    def eot_token_id(self) -> int:
+        eos = self.tokenizer.eos_id
+        return self._prefix if eos is None else int(eos)
+
+    @property
+    def prefix_token_id(self) -> int:
+        return self._prefix
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def max_gen_toks(self) -> int:
+        return self._max_gen_toks
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(getattr(self.tokenizer, "source", type(self.tokenizer).__name__)).replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+        """The tokenizer's ids; ``add_special_tokens=False`` (lm-eval's empty-context case) without a BOS the
+        tokenizer would add."""
+        inner = getattr(self.tokenizer, "tokenizer", None)
+        if add_special_tokens is False and inner is not None and hasattr(inner, "encode"):
+            return list(inner.encode(string, add_special_tokens=False).ids)
+        return list(self.tokenizer.encode(string))
+
+    def tok_decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def _warn_truncation(self, n: int, what: str) -> None:
+        if n and not self._warned_truncation:
+            log.warning("%d %s longer than max_length=%d tokens: truncated from the left (lm-eval's HF backend "
+                        "does the same); this warning is shown once", n, what, self._max_length)
+            self._warned_truncation = True
+
+    def _score(self, requests: list, kind: str, greedy: bool) -> tuple:
+        out = score_requests(self.model, requests, batch_size=self._batch_size, progress=self.progress, desc=kind,
+                             greedy=greedy, max_batch_tokens=self.max_batch_tokens)
+        stats = out[-1]
+        self.calls.append({"kind": kind, "requests": len(requests), "tokens": stats["tokens"],
+                           "scored": stats["scored"], "log_likelihood": float(np.sum(out[0])),
+                           "seconds": stats["seconds"]})
+        return out
+
+    def loglikelihood(self, requests: list, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """lm-eval's tokenization of the pairs (TemplateLM.loglikelihood), then `_loglikelihood_tokens`."""
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not self.progress)
+
+    def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False, **kwargs: Any
+                              ) -> list[tuple[float, bool]]:
+        """``requests``: ``((context, continuation), context ids, continuation ids)`` from TemplateLM."""
+        if not requests:
+            return []
+        reqs = []
+        for (strings, ctx, cont) in requests:
+            try:
+                reqs.append(pair_request(ctx, cont, max_length=self._max_length))
+            except ValueError as e:
+                raise ValueError(f"loglikelihood request {strings!r}: {e}") from None
+        self._warn_truncation(sum(len(c) + len(t) > self._max_length + 1 for _, c, t in requests), "requests")
+        ll, top, _ = self._score(reqs, "loglikelihood", greedy=True)
+        answers = [(float(v), bool(g)) for v, g in zip(ll, top)]
+        for (strings, _, _), ans in zip(requests, answers):
+            self.cache_hook.add_partial("loglikelihood", strings, ans)
+        return answers
+
+    def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
+        """Per text: the total log-likelihood over lm-eval's disjoint rolling windows (an empty text: 0.0)."""
+        if not requests:
+            return []
+        windows, owner = [], []
+        for i, req in enumerate(requests):
+            (text,) = req.args
+            ws = rolling_requests(self.tok_encode(text), prefix_token=self._prefix, max_length=self._max_length,
+                                  stride=self.stride)
+            windows += ws
+            owner += [i] * len(ws)
+        totals = np.zeros(len(requests), np.float64)
+        if windows:
+            ll, _ = self._score(windows, "loglikelihood_rolling", greedy=False)
+            np.add.at(totals, np.asarray(owner), ll)
+        for req, v in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, float(v))
+        return [float(v) for v in totals]
+
+    def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
+        """Generate for each ``(context, gen_kwargs)``; requests with equal ``gen_kwargs`` share batches."""
+        if not requests:
+            return []
+        groups: dict[str, list[int]] = {}
+        for i, req in enumerate(requests):
+            groups.setdefault(json.dumps(req.args[1], sort_keys=True, default=str), []).append(i)
+        out: list[str | None] = [None] * len(requests)
+        t0, new_tokens, n_trunc = time.perf_counter(), 0, 0
+        for idx in groups.values():
+            gen = requests[idx[0]].args[1]
+            if not isinstance(gen, dict):
+                raise ValueError(f"generate_until needs a dict of generation arguments; got {gen!r}")
+            kw = dict(normalize_gen_kwargs(gen, self._max_gen_toks))
+            until = handle_stop_sequences(kw.pop("until", None), eos=self.tok_decode([self.eot_token_id]) or None)
+            max_new = _positive_int(kw.pop("max_gen_toks"), "max_gen_toks")
+            sample = bool(kw.pop("do_sample", False))
+            temperature = float(kw.pop("temperature", 0.0) or 0.0) if sample else 0.0
+            kw.pop("temperature", None)
+            top_k = kw.pop("top_k", None)
+            top_p = kw.pop("top_p", None)
+            if top_p is not None and float(top_p) != 1.0:
+                raise ValueError(f"generation argument top_p={top_p} is not supported by the jaxlowfp backend "
+                                 "(nucleus sampling); use top_k or temperature")
+            if kw:
+                raise ValueError(f"generation argument(s) {sorted(kw)} not supported by the jaxlowfp backend; "
+                                 f"supported: {', '.join(_GEN_KEYS)} (max_gen_toks aliases: max_new_tokens, "
+                                 "max_tokens, max_completion_tokens)")
+            max_ctx = self._max_length - max_new
+            if max_ctx < 1:
+                raise ValueError(f"max_gen_toks={max_new} leaves no room for a prompt within max_length="
+                                 f"{self._max_length}")
+            prompts = {}
+            for i in idx:
+                ids = self.tok_encode(requests[i].args[0]) or [self._prefix]
+                n_trunc += len(ids) > max_ctx
+                prompts[i] = ids[-max_ctx:]
+            order = sorted(idx, key=lambda i: -len(prompts[i]))
+            pad_to = _bucket(len(prompts[order[0]]), max_ctx)  # one compiled shape for every batch of the group
+            for b, start in enumerate(range(0, len(order), self._batch_size)):
+                rows = order[start:start + self._batch_size]
+                batch = [prompts[i] for i in rows]
+                batch += [[self._prefix]] * (self._batch_size - len(batch))  # fixed batch shape; stopped at once
+
+                def stop(row: int, new: list[int], n_real: int = len(rows)) -> bool:
+                    if row >= n_real:
+                        return True
+                    text = self.tok_decode(new)
+                    return any(s and s in text for s in until)
+
+                from jaxlowfp.models import generate
+
+                outs = generate(self.model, batch, max_new_tokens=max_new, temperature=temperature,
+                                top_k=None if top_k is None else _positive_int(top_k, "top_k"),
+                                eos_id=self.eot_token_id, seed=self.seed + b, stop=stop,
+                                pad_to=pad_to)
+                for i, new in zip(rows, outs):
+                    new_tokens += len(new)
+                    if new and new[-1] == self.eot_token_id:
+                        new = new[:-1]
+                    text = postprocess_generated_text(self.tok_decode(new), until, None)
+                    out[i] = text
+                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
+        self._warn_truncation(n_trunc, "prompts")
+        self.calls.append({"kind": "generate_until", "requests": len(requests), "new_tokens": new_tokens,
+                           "seconds": time.perf_counter() - t0})
+        return out  # type: ignore[return-value]
+
+
+if __name__ != "__main__":  # under `python -m jaxlowfp.harness` the importable module registers (below)
+    register_model("jaxlowfp")(JaxLowFPLM)
+
+
+def _in_memory(rows: list[dict]) -> Any:
+    def dataset(**_: Any) -> Any:  # lm-eval calls it with the run's metadata, not needed here
+        import datasets
+
+        return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
+
+    return dataset
+
+
+def rolling_task(name: str, docs: Sequence[str], *, tokenizer: Any = None, max_tokens: int | None = None
+                 ) -> dict[str, Any]:
+    """An lm-eval task (a config dict for ``simple_evaluate``) scoring the rolling perplexity of ``docs``, in the
+    layout of lm-eval's ``wikitext`` task: word and byte perplexity, bits per byte. The documents stay in memory.
+    With ``max_tokens`` (and the ``tokenizer``), only that many tokens of the documents are kept
+    (`jaxlowfp.evaluation.budget_docs`: in order, the last document cut and decoded from its kept tokens)."""
+    if isinstance(docs, str) or not all(isinstance(d, str) for d in docs):
+        raise TypeError(f"rolling_task {name!r}: docs must be a sequence of str")
+    if max_tokens is not None:
+        if tokenizer is None:
+            raise ValueError("max_tokens needs the tokenizer")
+        docs = [d for d, _ in budget_docs(tokenizer, docs, _positive_int(max_tokens, "max_tokens"))]
+    docs = [d for d in docs if d]
+    if not docs:
+        raise ValueError(f"rolling_task {name!r} needs at least one non-empty document")
+    return {"task": name, "custom_dataset": _in_memory([{"text": d} for d in docs]), "test_split": "test",
+            "output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "text",
+            "metric_list": [{"metric": m, "aggregation": a, "higher_is_better": False} for m, a in
+                            (("word_perplexity", "weighted_perplexity"), ("byte_perplexity", "weighted_perplexity"),
+                             ("bits_per_byte", "bits_per_byte"))],
+            "metadata": {"version": 1.0}}
+
+
+def choice_task(name: str, items: Sequence[Any], *, target_delimiter: str = "") -> dict[str, Any]:
+    """An lm-eval multiple-choice task over `jaxlowfp.evaluation.ChoiceItem` s: each choice is scored as the
+    continuation ``target_delimiter + choice`` of the context (default ``""``: the choices are continuations as
+    given); ``acc`` and ``acc_norm`` (lm-eval: log-likelihood per character of the choice)."""
+    rows = [{"context": it.context, "choices": list(it.choices), "label": int(it.label)} for it in items]
+    if not rows:
+        raise ValueError(f"choice_task {name!r} needs at least one item")
+    return {"task": name, "custom_dataset": _in_memory(rows), "test_split": "test", "output_type": "multiple_choice",
+            "doc_to_text": "context", "doc_to_choice": "choices", "doc_to_target": "label",
+            "target_delimiter": target_delimiter,
+            "metric_list": [{"metric": m, "aggregation": "mean", "higher_is_better": True}
+                            for m in ("acc", "acc_norm")],
+            "metadata": {"version": 1.0}}
+
+
+def evaluate(lm: JaxLowFPLM, tasks: Sequence[str | dict], *, include_path: str | None = None,
+             **kwargs: Any) -> dict[str, Any]:
+    """``lm_eval.simple_evaluate`` of the backend ``lm`` on ``tasks``: lm-eval task names (their datasets come
+    from the Hugging Face hub), paths of local task YAMLs or directories, or config dicts (`rolling_task`,
+    `choice_task`). Only with names does lm-eval index its own task library (about 10 s). ``kwargs`` go to
+    ``simple_evaluate`` (``limit``, ``num_fewshot``, ...); samples are logged. Returns lm-eval's results dict."""
+    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    if isinstance(tasks, (str, dict)):
+        tasks = [tasks]
+    expanded: list[str | dict] = []
+    for t in tasks:  # local YAML files and directories as lm-eval's command line reads them
+        path = Path(t) if isinstance(t, str) else None
+        if path is not None and path.is_dir():
+            files = sorted(path.glob("*.yaml"))
+            if not files:
+                raise ValueError(f"task directory {t!r} has no *.yaml task file")
+            expanded += [load_yaml(str(f), resolve_func=True) for f in files]
+        elif path is not None and path.suffix == ".yaml":
+            if not path.is_file():
+                raise ValueError(f"task file {t!r} does not exist")
+            expanded.append(load_yaml(str(path), resolve_func=True))
+        else:
+            expanded.append(t)
+    if not expanded:
+        raise ValueError("evaluate needs at least one task")
+    names = [t for t in expanded if isinstance(t, str)]
+    manager = TaskManager(include_path=include_path, include_defaults=bool(names))
+    kwargs.setdefault("verbosity", "ERROR")
+    kwargs.setdefault("log_samples", True)
+    task_log = logging.getLogger("lm_eval.api.task")
+    task_log.addFilter(_quiet_custom_dataset)  # lm-eval's advice on --metadata for every in-memory task
+    try:
+        return lm_eval.simple_evaluate(model=lm, tasks=expanded, task_manager=manager, **kwargs)
+    finally:
+        task_log.removeFilter(_quiet_custom_dataset)
+
+
+def _quiet_custom_dataset(record: logging.LogRecord) -> bool:
+    return "Custom kwargs can be passed to `--metadata`" not in record.getMessage()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m jaxlowfp.harness ...``: lm-eval's command line with the ``jaxlowfp`` backend registered."""
+    import sys
+
+    from lm_eval.__main__ import cli_evaluate
+
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    from jaxlowfp.harness import main as _main  # registers the backend once, under its importable name
+
+    _main()

@@ -1,0 +1,252 @@
+"""jaxlowfp.harness, the lm-eval backend: the three local task kinds (tests/lm_eval_tasks: multiple choice, rolling
+perplexity, generation with exact match) run through lm-eval's own ``simple_evaluate`` on a tiny random-weight
+model and on SmolLM2. lm-eval builds the requests (prompts, whitespace handling, rolling windows) and computes the
+metrics; the log-likelihoods equal the library's own scoring (`jaxlowfp.evaluation`) and the numpy oracle, the
+generations equal the oracle's greedy decoding; bad input is a clear error; the command line prints lm-eval's table."""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the local tasks must load without the Hugging Face hub
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import lm_eval  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.api.registry import get_model  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+from test_models_gguf import write_gguf  # noqa: E402
+from test_models_oracle import forward, log_softmax, random_weights, read_gguf  # noqa: E402
+from jaxlowfp import evaluation as ev  # noqa: E402
+from jaxlowfp.harness import JaxLowFPLM  # noqa: E402
+from jaxlowfp.models import load  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TASKS = ROOT / "tests" / "lm_eval_tasks"
+MC, ROLLING, GEN = "jaxlowfp_local_mc", "jaxlowfp_local_rolling", "jaxlowfp_local_gen"
+CFG = dict(vocab=272, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=96, tied=False,
+           theta=10_000.0, eps=1e-5)  # max_seq_len 64: the tasks' longer requests exercise left truncation
+LL_TOL = 1e-4  # per request; float32 forward passes of the same tokens in other batch rows / padded lengths
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("h") / "tiny.gguf"
+    write_gguf(path, random_weights(CFG, seed=7))
+    model, tok = load(path)
+    w, cfg, layout = read_gguf(path)
+    return path, model, tok, lambda ids: log_softmax(forward(w, cfg, np.asarray(ids), layout))
+
+
+def _evaluate(lm, tasks, **kw):
+    tm = TaskManager(include_path=str(TASKS), include_defaults=False)  # not lm-eval's own tasks: 10 s to index
+    return lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=tm, log_samples=True, verbosity="ERROR", **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny):
+    _, model, tok, _ = tiny
+    lm = JaxLowFPLM(model=model, tokenizer=tok, batch_size=4)
+    return lm, _evaluate(lm, [MC, ROLLING, GEN])
+
+
+def _oracle_ll(oracle, r: ev.Request) -> tuple[float, bool]:
+    """log p and is_greedy of a request from the numpy oracle."""
+    lp = oracle(r.tokens[:-1])
+    pos = range(len(r.tokens) - r.n_pred, len(r.tokens))
+    return (float(sum(lp[t - 1, r.tokens[t]] for t in pos)),
+            all(int(np.argmax(lp[t - 1])) == r.tokens[t] for t in pos))
+
+
+def test_registered_beside_the_built_in_backends():
+    assert get_model("jaxlowfp") is JaxLowFPLM
+    assert get_model("dummy").__name__ == "DummyLM"  # registering ours did not hide lm-eval's own
+
+
+def test_multiple_choice_equals_the_library_and_the_oracle(tiny, tiny_run):
+    _, model, tok, oracle = tiny
+    lm, res = tiny_run
+    samples = sorted(res["samples"][MC], key=lambda s: s["doc_id"])
+    items = [ev.ChoiceItem(s["arguments"][0][0], tuple(c for _, c in s["arguments"]), s["doc"]["label"])
+             for s in samples]
+    got = np.asarray([[r[0] for r in s["resps"]] for s in samples])[..., 0]
+    greedy = [[bool(r[0][1]) for r in s["resps"]] for s in samples]
+    reqs = ev.choice_requests(tok, items, max_length=lm.max_length)
+    ours, _ = ev.score_requests(model, reqs, batch_size=4)
+    np.testing.assert_allclose(got.ravel(), ours, atol=LL_TOL, rtol=0)
+    assert (got.argmax(1) == ours.reshape(got.shape).argmax(1)).all()  # identical choices
+    one_row, _ = ev.score_requests(model, reqs, batch_size=4, max_batch_tokens=64)  # rows x length <= 64: 1 row
+    np.testing.assert_allclose(one_row, ours, atol=LL_TOL, rtol=0)
+    lib = ev.score_choices(model, tok, items, max_length=lm.max_length, batch_size=4)
+    assert res["results"][MC]["acc,none"] == lib["acc"]
+    # acc_norm: lm-eval divides by the characters of the choice without the leading space
+    chars = np.asarray([[len(c) for c in s["doc"]["choices"]] for s in samples])
+    want_norm = np.mean((got / chars).argmax(1) == [s["doc"]["label"] for s in samples])
+    assert res["results"][MC]["acc_norm,none"] == pytest.approx(want_norm)
+    for r, v, g in zip(reqs, got.ravel(), sum(greedy, [])):
+        want, want_greedy = _oracle_ll(oracle, r)
+        assert v == pytest.approx(want, abs=2e-4) and g == want_greedy
+    assert any(len(r.tokens) == lm.max_length + 1 for r in reqs)  # some were left-truncated to the window
+
+
+def test_rolling_perplexity_equals_the_library(tiny, tiny_run):
+    _, model, tok, _ = tiny
+    lm, res = tiny_run
+    docs = [s["doc"]["text"] for s in sorted(res["samples"][ROLLING], key=lambda s: s["doc_id"])]
+    s = ev.perplexity(model, tok, docs, max_length=lm.max_length, batch_size=4)
+    r = res["results"][ROLLING]
+    assert s.tokens > 2 * lm.max_length  # several windows per document
+    assert r["word_perplexity,none"] == pytest.approx(s.word_perplexity, rel=1e-5)
+    assert r["byte_perplexity,none"] == pytest.approx(s.byte_perplexity, rel=1e-5)
+    assert r["bits_per_byte,none"] == pytest.approx(s.bits_per_byte, rel=1e-5)
+
+
+def test_generation_equals_the_oracles_greedy_decoding(tiny, tiny_run):
+    _, _, tok, oracle = tiny
+    lm, res = tiny_run
+    samples = res["samples"][GEN]
+    until = samples[0]["arguments"][0][1]["until"]
+    assert until == ["\n", ".", ","]
+    for s in samples:
+        ids = tok.encode(s["arguments"][0][0])[-(lm.max_length - 8):]
+        new = []
+        for _ in range(8):  # max_gen_toks of the task
+            lp = oracle(ids + new)[-1]
+            top2 = np.sort(lp)[-2:]
+            assert top2[1] - top2[0] > 1e-4, "a near tie: the comparison would depend on rounding"
+            new.append(int(np.argmax(lp)))
+            text = tok.decode(new, skip_special_tokens=True)
+            if new[-1] == tok.eos_id or any(u in text for u in until):
+                break
+        if new[-1] == tok.eos_id:
+            new = new[:-1]
+        text = tok.decode(new, skip_special_tokens=True)
+        for u in until:
+            text = text.split(u)[0]
+        assert s["resps"][0][0] == text
+    assert res["results"][GEN]["exact_match,strip"] == np.mean([s["exact_match"] for s in samples])
+
+
+def test_calls_are_recorded(tiny_run):
+    lm, _ = tiny_run
+    kinds = {c["kind"]: c for c in lm.calls}
+    assert set(kinds) == {"loglikelihood", "loglikelihood_rolling", "generate_until"}
+    assert kinds["loglikelihood"]["requests"] == 8 * 4 and kinds["generate_until"]["requests"] == 6
+
+
+def _inst(kind, *args):
+    return Instance(request_type=kind, doc={}, arguments=tuple(args), idx=0)
+
+
+def test_bad_input_is_a_clear_error(tiny, caplog):
+    path, model, tok, oracle = tiny
+    lm = JaxLowFPLM(model=model, tokenizer=tok, batch_size=4)  # tiny_run's shapes: compiled already
+    for kw, msg in [(dict(colour="red"), r"unknown model argument\(s\) \['colour'\].*allowed: pretrained, dtype"),
+                    (dict(batch_size="auto"), "needs a fixed batch size"),
+                    (dict(quantize="int3"), "quantize='int3'; allowed: none, hif8, nvfp4"),
+                    (dict(quantize="hif8", ptq="rtn"), "not both"),
+                    (dict(ptq="gptq"), "needs calibration"),
+                    (dict(layers="nothing/here", quantize="hif8"), "selects no Linear layer"),
+                    (dict(max_length=128), "max_length=128 exceeds the model's max_seq_len=64"),
+                    (dict(dtype="float16"), "dtype='float16'; allowed: float32, bfloat16")]:
+        with pytest.raises(ValueError, match=msg):
+            JaxLowFPLM(pretrained=str(path), **kw)
+    with pytest.raises(ValueError, match="name a checkpoint with pretrained="):
+        JaxLowFPLM(model="smollm2-135m")
+    with pytest.raises(ValueError, match="needs pretrained="):
+        JaxLowFPLM()
+    gen = "the cat"
+    for kw, msg in [({"top_p": 0.9, "do_sample": True, "temperature": 1.0}, "top_p=0.9 is not supported"),
+                    ({"repetition_penalty": 1.1}, r"\['repetition_penalty'\] not supported"),
+                    ({"max_gen_toks": 64}, "max_gen_toks=64 leaves no room for a prompt")]:
+        with pytest.raises(ValueError, match=msg):
+            lm.generate_until([_inst("generate_until", gen, kw)])
+    with pytest.raises(ValueError, match="a continuation of [0-9]+ tokens exceeds max_length=64"):
+        lm.loglikelihood([_inst("loglikelihood", "a", " b" * 70)])
+    assert lm.loglikelihood([]) == [] and lm.loglikelihood_rolling([]) == [] and lm.generate_until([]) == []
+    assert lm.loglikelihood_rolling([_inst("loglikelihood_rolling", "")]) == [0.0]  # no token, nothing to score
+    # a context longer than the window: truncated from the left, said once, scored on the tokens it keeps
+    long_ctx = "the thin cat sat on the mat " * 8
+    with caplog.at_level(logging.WARNING, logger="jaxlowfp.harness"):
+        (ll, _), (ll2, _) = lm.loglikelihood([_inst("loglikelihood", long_ctx, " and ran"),
+                                             _inst("loglikelihood", long_ctx, " away")])
+        lm.loglikelihood([_inst("loglikelihood", long_ctx, " again")])
+    warned = [r for r in caplog.records if "truncated from the left" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].getMessage().startswith("2 requests longer than max_length=64")
+    ctx, cont = ev.encode_pair(tok, long_ctx, " and ran")
+    assert len(ctx) + len(cont) > 65
+    req = ev.pair_request(ctx, cont, max_length=64)
+    assert req.tokens == tuple((ctx + cont)[-65:])
+    assert ll == pytest.approx(_oracle_ll(oracle, req)[0], abs=2e-4)
+    # an empty context is the prefix (BOS) token, as in lm-eval
+    (e, _), = lm.loglikelihood([_inst("loglikelihood", "", "the cat")])
+    cat = tok.encode("the cat")
+    assert e == pytest.approx(_oracle_ll(oracle, ev.Request((1, *cat), len(cat)))[0], abs=2e-4)
+
+
+def test_quantization_from_model_arguments(tiny):
+    path, model, tok, _ = tiny
+    req = [_inst("loglikelihood", "the thin cat sat", " on the mat")]
+    (hp, _), = JaxLowFPLM(model=model, tokenizer=tok, batch_size=1).loglikelihood(req)
+    lm = JaxLowFPLM(pretrained=str(path), quantize="nvfp4", layers="all", batch_size=1)
+    assert re.fullmatch(r"fake quantization nvfp4 of 14 layers \(77\.9 % of linear weights, layers=all\)",
+                        lm.quantization)
+    (q, _), = lm.loglikelihood(req)
+    assert q != hp and abs(q - hp) < 0.2 * abs(hp)  # 4-bit weights and activations move it, a little
+    # (77.9 %: the untied lm_head, 272 x 64 of the 79 k linear weights, is not an attention or MLP projection)
+    with pytest.raises(ValueError, match="leaves no block of n_blocks=2"):
+        JaxLowFPLM(pretrained=str(path), quantize="hif8")  # the paper's layers: keep_first 3, keep_last 2
+
+
+def test_a_ptq_export_from_model_arguments(tiny, tmp_path):
+    path, _, tok, _ = tiny
+    from jaxlowfp import ptq
+
+    model, _ = load(path)
+    calib = np.random.default_rng(0).integers(0, CFG["vocab"], (2, 32)).astype(np.int32)
+    res = ptq.quantize(model, [ptq.Rule(path=r"blocks/\d+/mlp/\w+_proj", scheme=ptq.scheme("nvfp4-mse"))],
+                       method="rtn", calibration=calib)
+    ptq.export(model, res, tmp_path / "export")
+    req = [_inst("loglikelihood", "the thin cat sat", " on the mat")]
+    want = JaxLowFPLM(model=model, tokenizer=tok, batch_size=1).loglikelihood(req)
+    lm = JaxLowFPLM(pretrained=str(path), ptq_export=str(tmp_path / "export"), batch_size=1)
+    assert lm.quantization.endswith("6 quantized layers (nvfp4-mse)")
+    assert lm.loglikelihood(req) == want  # the exported weights reload bit for bit (jaxlowfp.ptq.load)
+
+
+def test_command_line_prints_lm_evals_table(tiny):
+    path = tiny[0]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxlowfp.harness", "--model", "jaxlowfp", "--model_args",
+         f"pretrained={path},quantize=hif8,layers=all", "--tasks", str(TASKS), "--limit", "2", "--batch_size", "2"],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for row in (f"|{GEN}", f"|{MC}", f"|{ROLLING}", "word_perplexity", "exact_match", "acc_norm"):
+        assert row in proc.stdout
+    assert "jaxlowfp (" in proc.stdout and "quantize': 'hif8'" in proc.stdout
+
+
+def test_smollm2_end_to_end():
+    model, tok = load("smollm2-135m")
+    lm = JaxLowFPLM(model=model, tokenizer=tok, batch_size=8, max_length=64)
+    res = _evaluate(lm, [MC, ROLLING], limit=3)
+    samples = sorted(res["samples"][MC], key=lambda s: s["doc_id"])
+    items = [ev.ChoiceItem(s["arguments"][0][0], tuple(c for _, c in s["arguments"]), s["doc"]["label"])
+             for s in samples]
+    got = np.asarray([[r[0][0] for r in s["resps"]] for s in samples])
+    ours, _ = ev.score_requests(model, ev.choice_requests(tok, items, max_length=64), batch_size=8)
+    np.testing.assert_allclose(got.ravel(), ours, atol=LL_TOL, rtol=0)
+    assert (got.argmax(1) == ours.reshape(got.shape).argmax(1)).all()
+    docs = [s["doc"]["text"] for s in sorted(res["samples"][ROLLING], key=lambda s: s["doc_id"])]
+    ppl = ev.perplexity(model, tok, docs, max_length=64, batch_size=8)
+    assert res["results"][ROLLING]["word_perplexity,none"] == pytest.approx(ppl.word_perplexity, rel=1e-5)
+    assert res["results"][ROLLING]["byte_perplexity,none"] == pytest.approx(ppl.byte_perplexity, rel=1e-5)
+    assert 1.5 < ppl.byte_perplexity < 4  # a trained model on English prose (a random one would be ~400)
