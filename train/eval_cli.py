@@ -6,9 +6,12 @@
 
 ``eval`` prints word / byte / token perplexity of held-out Shakespeare, Python standard library and English prose
 (`train.text_eval`), the multiple-choice accuracy with the real tokenizer and the throughput, and writes the table to
-``<out>/report.md`` (default ``runs/eval-<model>/``). Its defaults (4096 tokens per text, 48 items) take about
-2 minutes of CPU time (SmolLM2-135M, float32; 4.5 minutes of wall time on a busy 2-core machine);
-``--max-tokens``, ``--mc-items``, ``--max-length`` and ``--stride`` evaluate more.
+``<out>/report.md`` (default ``runs/eval-<model>/``). Everything is scored through lm-eval with the library's backend
+(`jaxlowfp.harness`): the texts and the choice task are local in-memory lm-eval tasks, and ``--tasks`` adds lm-eval
+tasks by name (``hellaswag,arc_challenge,mmlu,wikitext``: their datasets come from the Hugging Face hub) or local
+task YAML files and directories, with lm-eval's own table in the report. Its defaults (4096 tokens per text,
+48 items) take about 2 minutes of CPU time (SmolLM2-135M, float32; 4.5 minutes of wall time on a busy 2-core
+machine); ``--max-tokens``, ``--mc-items``, ``--max-length`` and ``--stride`` evaluate more.
 """
 from __future__ import annotations
 
@@ -61,6 +64,11 @@ def parse_eval_args(argv: Sequence[str]) -> argparse.Namespace:
                         "2): HiF8 W8A8 or NVFP4 4/6 W4A4 (default: %(default)s)")
     p.add_argument("--keep-first", type=int, default=3)
     p.add_argument("--keep-last", type=int, default=2)
+    p.add_argument("--tasks", default=None,
+                   help="comma-separated lm-eval tasks scored as well: names (hellaswag, arc_challenge, mmlu, "
+                        "wikitext; datasets from the Hugging Face hub) or local task YAML files / directories")
+    p.add_argument("--limit", type=_positive, default=None, help="at most this many documents per --tasks task")
+    p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples for --tasks (lm-eval's default)")
     p.add_argument("--out", default=None, help="report directory (default: runs/eval-<model>)")
     p.add_argument("--seed", type=int, default=0, help="seed of the multiple-choice task (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -76,6 +84,7 @@ def parse_eval_args(argv: Sequence[str]) -> argparse.Namespace:
         p.error(f"--stride {args.stride} must be <= --max-length {args.max_length}")
     if args.mc_items < 0:
         p.error("--mc-items must be >= 0")
+    args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else []
     return args
 
 
@@ -127,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from . import evaluate as ev
     from .data import DataError, load_domain
     from .report import text_table
-    from .text_eval import load_texts, perplexity, score_choices_tokens
+    from .text_eval import CHOICE_TASK, lm_eval_note, load_texts, perplexity, score_choices_tokens, text_task
 
     t0 = time.perf_counter()
     model, tok, load_s = _load(args.model, args.dtype)
@@ -149,6 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         task = ev.build_choice_task(load_domain("shakespeare").val, n_items=args.mc_items, seed=args.seed)
         mc = score_choices_tokens(model, tok, task, max_length=args.max_length, batch_size=args.batch_size,
                                   progress=not args.no_progress)
+    extra = _lm_eval_tasks(model, tok, args) if args.tasks else None
     wall = time.perf_counter() - t0
     scored = sum(s.tokens for s in scores)
     score_s = sum(s.seconds for s in scores)
@@ -158,9 +168,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"acc {mc['acc']:.3f}, acc_norm {mc['acc_norm']:.3f}" if mc else "multiple choice: skipped")
     summary = (f"{scored} tokens scored in {score_s:.0f} s ({scored / score_s:.0f} scored tok/s incl. compilation); "
                f"total wall time {wall:.0f} s (loading {load_s:.0f} s)")
+    note = lm_eval_note([text_task(s.name) for s in scores] + ([CHOICE_TASK] if mc else [])
+                        + (list(extra[2]) if extra is not None else []))
     print(text_table(HEADER, _rows(scores)))
     print(lines_mc)
     print(summary)
+    print(note)
+    if extra is not None:
+        print(extra[0])
 
     out = Path(args.out or f"runs/eval-{name}")
     out.mkdir(parents=True, exist_ok=True)
@@ -172,6 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         text_table(HEADER, _rows(scores), markdown=True),
         lines_mc + ".",
         summary + ".",
+        note + ".",
+        *([f"lm-eval tasks ({extra[1]}):\n\n{extra[0]}"] if extra is not None else []),
         "word/byte perplexity: lm-eval's `loglikelihood_rolling` definitions (exp of minus the total log-likelihood "
         "per whitespace-separated word / per UTF-8 byte); token ppl per model token. Texts: validation parts of "
         "train.data's Shakespeare and Python-stdlib domains, and the last 10 % of Alice's Adventures in Wonderland "
@@ -181,10 +198,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = {"model": args.model, "quantize": args.quantize, "settings": vars(args) | {"texts": args.texts},
                "texts": [dict(vars(s), word_perplexity=s.word_perplexity, byte_perplexity=s.byte_perplexity,
                               token_perplexity=s.token_perplexity, bits_per_byte=s.bits_per_byte) for s in scores],
-               "multiple_choice": mc, "wall_s": wall, "load_s": load_s}
+               "multiple_choice": mc, "wall_s": wall, "load_s": load_s, "lm_eval": note,
+               "lm_eval_tasks": None if extra is None else extra[2]}
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     print(f"report: {out / 'report.md'}")
     return 0
+
+
+def _lm_eval_tasks(model: Any, tok: Any, args: argparse.Namespace) -> tuple[str, str, dict]:
+    """lm-eval's table of the ``--tasks`` (the model's whole window, as lm-eval's own backends), a line on the
+    settings, and the results."""
+    from lm_eval.utils import make_table
+
+    from jaxlowfp.harness import JaxLowFPLM, evaluate
+
+    lm = JaxLowFPLM(model=model, tokenizer=tok, batch_size=args.batch_size, progress=not args.no_progress)
+    try:
+        res = evaluate(lm, args.tasks, limit=args.limit, num_fewshot=args.num_fewshot, log_samples=False)
+    except (ConnectionError, OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"error: --tasks {','.join(args.tasks)}: {type(e).__name__}: {e} (lm-eval's tasks "
+                         "download their datasets from the Hugging Face hub; without access, give local task "
+                         "YAML files)") from e
+    settings = (f"limit {args.limit}, num_fewshot {args.num_fewshot}, batch {args.batch_size}, windows of "
+                f"{lm.max_length} tokens")
+    table = make_table(res) + (make_table(res, "groups") if "groups" in res else "")
+    return table, settings, res["results"]
 
 
 def parse_generate_args(argv: Sequence[str]) -> argparse.Namespace:

