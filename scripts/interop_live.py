@@ -24,8 +24,12 @@ Python 3.11 venvs outside the repository:
    with ``scheme="NVFP4"`` (W4A4, calibrated on 4 random sequences) on the tiny model; transformers' log-probs of
    both (the tiny one with compressed-tensors' activation quantization), and (ct venv) compressed-tensors 0.20's
    dequantizer on both, the same judge as for ours.
-4. llama.cpp (llamacpp venv): per-token log-probs of both GGUF files, and a greedy chat reply.
-5. ours (.venv): compare, print the record, and write the fixtures (a few rows per tensor: well under 5 MB).
+4. llama.cpp (llamacpp venv): per-token log-probs of both GGUF files (F32 KV cache: the default F16 cache alone
+   moves log-probs by ~2e-3), and a greedy chat reply.
+5. ours (.venv): compare, print the record, and write the fixtures (a few rows per tensor, llm-compressor's tiny
+   W4A4 checkpoint and its logits: about 300 KB) with the record, ``tests/fixtures/interop/record.json``.
+
+The run here took about 40 minutes on 2 cores (the llama-cpp-python build, once, another 60).
 """
 from __future__ import annotations
 
