@@ -50,6 +50,26 @@ Stochastic rounding (gradients) rounds each scaled value ``y`` to one of its two
   "stochastic" biased and this variant unbiased for every rule). Blocks whose scale is subnormal or zero in E4M3
   (block max below about 2^-14 of the tensor max) are still rounded coarsely.
 
+Per-block scale search (``rule="search"``, after llm-compressor's ``nvfp4_expanded_mse`` and ModelOpt's scale
+calibration, here over the E4M3 grid itself): the 4/6 constants (E = 256), and each block takes the E4M3 scale of
+minimum MSE among every E4M3 value from ``e4m3(0.81 * base)`` to ``e4m3(1.8 * base)`` (about ten codes, which include
+4/6's two candidates, so its error per block is never above 4/6 ``mse``'s); ties keep the map-to-6 scale.
+``selected_map4`` then says where the search left the map-to-6 scale. Round to nearest only; no Pallas kernel.
+
+MS-EDEN (``rounding="ms_eden"``, Quartet II, arXiv 2601.22813; implemented from fouroversix's Triton kernel
+``kernels/triton/quartet_ii.py``, which has no CPU path, so it is not compared with a reference run): unbiased
+gradients by moving the randomness from the elements into the block scale. With ``S_dec = amax / 255.99 / 6.0721``
+(6.0721 = 6 / ((17/16) * 0.93)) and ``s = e4m3((blk_amax / 6.0721) / S_dec)``, the elements are rounded to nearest
+(ties away from zero, as the kernel), ``y = x / (s * S_dec)``, ``q = E2M1(y)``; then the block scale becomes
+``c = s * <y, y> / <y, q>`` (EDEN's least-squares correction) and is rounded stochastically to one of its two E4M3
+neighbours with ``E[s'] = c``: ``E[x̂] = q * c * S_dec``, so ``E[<x̂, x>] = <x, x>`` for every block, and with a
+random rotation in front (the 16-point RHT with fresh random signs, :mod:`jaxlowfp.hadamard`) the rotated-back
+estimate is nearly unbiased element-wise (EDEN is exact for a uniformly random rotation, which a signed 16-point
+Hadamard is not: a relative squared bias of about 6e-6 remains), at about round-to-nearest error instead of
+stochastic rounding's 2.5x larger one (``tests/test_nvfp4_search.py`` measures both; ``docs/formats/if4.md`` 3). Rule "static_6", 1x16 blocks; one uniform per block
+from `key`. The kernel applies the RHT itself and re-rotates with random signs on request
+(``quartet_ii_rerotate_had``); here the rotation is the caller's (``qat`` gradients: ``QuantSpec(hadamard=True)``).
+
 The block math lives in ``jaxlowfp._core.nvfp4_blocks`` (shared with the Pallas kernel); the 16x16 random
 Hadamard transform of the training recipe in :mod:`jaxlowfp.hadamard` (re-exported here). The public functions
 run under an internal ``jax.jit`` (static configuration, so no retrace). Derivatives are those of the function
@@ -78,6 +98,7 @@ import jax.numpy as jnp
 from jaxlowfp import dispatch
 from jaxlowfp._core.checks import one_of
 from jaxlowfp._core.nvfp4_blocks import (
+    ALL_RULES,
     BLOCK,
     BLOCK_SHAPES,
     ROUNDINGS,
@@ -102,7 +123,8 @@ from jaxlowfp._core.nvfp4_blocks import (
 from jaxlowfp.hadamard import hadamard16, hadamard_matrix
 
 __all__ = [
-    "NVFP4Array", "NVFP4Config", "RULES", "ROUNDINGS", "BLOCK_SHAPES", "quantize", "dequantize", "fake_quantize",
+    "NVFP4Array", "NVFP4Config", "RULES", "ALL_RULES", "ROUNDINGS", "BLOCK_SHAPES", "quantize", "dequantize",
+    "fake_quantize",
     "selected_map4", "global_scales", "rule_constants", "unpack_nibbles", "hadamard16", "hadamard_matrix",
 ]
 
@@ -119,7 +141,12 @@ def _run(x: jax.Array, global_amax: jax.Array | None, key: jax.Array | None, *, 
     blk = block_amax(xb)
     amax = tensor_amax(blk) if global_amax is None else global_amax.astype(jnp.float32)
     s_enc, s_dec = global_scales(amax, cfg.rule, cfg.rounding)
-    u = None if key is None else to_blocks(jax.random.uniform(key, x.shape, jnp.float32), cfg.rows)
+    if key is None:
+        u = None
+    elif cfg.rounding == "ms_eden":  # one uniform per block: the scale is what is rounded stochastically
+        u = jax.random.uniform(key, blk.shape, jnp.float32)
+    else:
+        u = to_blocks(jax.random.uniform(key, x.shape, jnp.float32), cfg.rows)
     res = quantize_blocks(xb, amax, s_enc, s_dec, rule=cfg.rule, rounding=cfg.rounding, u=u, blk_amax=blk)
     scale_shape = (*x.shape[:-1], x.shape[-1] // BLOCK) if cfg.rows == 1 else (
         *x.shape[:-2], x.shape[-2] // BLOCK, x.shape[-1] // BLOCK)
@@ -134,6 +161,11 @@ def _run(x: jax.Array, global_amax: jax.Array | None, key: jax.Array | None, *, 
 
 def _use_pallas(impl: str, kernel: str, rounding: str, backend: str, config: dict[str, Any]) -> bool:
     one_of(impl, dispatch.IMPLS, "impl")
+    if config["rule"] not in RULES:
+        if impl == "pallas":
+            raise ValueError(f"impl='pallas': the NVFP4 kernel implements the rules {', '.join(RULES)} (got rule="
+                             f"{config['rule']!r}); use impl='xla' or 'auto'")
+        return False
     if rounding in STOCHASTIC:
         if impl == "pallas":
             raise ValueError(f"impl='pallas': the NVFP4 kernel has no stochastic rounding (got rounding={rounding!r}); "
@@ -163,12 +195,14 @@ def quantize(
 
     Args:
       x: the tensor; blocks run along the last axis (the GEMM reduction axis).
-      rule: "static_6" (standard NVFP4), "static_4", or the Four Over Six rules "abs_max", "mae", "mse".
+      rule: "static_6" (standard NVFP4), "static_4", the Four Over Six rules "abs_max", "mae", "mse", or
+        "search" (per-block E4M3 scale search, minimum MSE; see the module docstring).
       block_shape: (1, 16), or (16, 16) tiles over the last two axes (one scale and one 4/6 choice per tile).
       global_amax: a float scalar >= 0 used instead of max|x| (delayed or all-reduced amax): values above it
         saturate, and a negative or non-finite one makes every scale NaN; see the module docstring.
-      rounding: "nearest" (RNE), "stochastic" or "stochastic_unbiased" (reproducible from `key`; see the module
-        docstring: only the latter is unbiased with 4/6 rules and at saturating block maxima).
+      rounding: "nearest" (RNE), "stochastic", "stochastic_unbiased" or "ms_eden" (reproducible from `key`; see
+        the module docstring: "stochastic" is biased with 4/6 rules and at saturating block maxima; "ms_eden" needs
+        rule="static_6" and 1x16 blocks).
       key: PRNG key, required for (and only for) the stochastic roundings.
       impl: "auto" (the Pallas kernel where it is recorded as verified on this GPU, else this jnp code), "xla",
         or "pallas" (the kernel, bit-identical, or a clear error where it cannot run; no stochastic rounding).
@@ -220,7 +254,8 @@ def selected_map4(
     key: jax.Array | None = None,
 ) -> jax.Array:
     """bool per block (shape of `NVFP4Array.scales`): True where the block maps its max to 4 (telemetry), for the
-    same arguments as :func:`quantize` (the choice of rounding="stochastic" depends on `key`)."""
+    same arguments as :func:`quantize` (the choice of rounding="stochastic" depends on `key`); for rule="search",
+    True where the search chose another scale than the map-to-6 one."""
     cfg = NVFP4Config(rule=rule, block_shape=block_shape, rounding=rounding)
     x, global_amax = validate_args(x, cfg, global_amax, key)
     return _run(x, global_amax, key, cfg=cfg, out="map4")

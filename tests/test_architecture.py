@@ -23,6 +23,7 @@ FLOORS = {
     "jaxlowfp.hadamard": 1,
     "jaxlowfp.rules": 1,
     "jaxlowfp.nvfp4": 2,
+    "jaxlowfp.if4": 2,  # IF3 / IF4 / IF6 adaptive block formats, beside nvfp4
     "jaxlowfp.mx": 2,
     "jaxlowfp.scaling": 2,
     "jaxlowfp.qat": 3,

@@ -30,7 +30,8 @@ from typing import Any, Sequence
 __all__ = ["main", "parse_args"]
 
 METHODS = ("rtn", "gptq", "smoothquant", "awq")
-FORMATS = ("nvfp4-static_6", "nvfp4-static_4", "nvfp4-abs_max", "nvfp4-mae", "nvfp4-mse", "mxfp4", "hif8")
+FORMATS = ("nvfp4-static_6", "nvfp4-static_4", "nvfp4-abs_max", "nvfp4-mae", "nvfp4-mse", "mxfp4", "hif8",
+           "nvfp4-search", "if4-mse", "if4-mae", "if4-abs_max")  # the last four: issue 24 (scale search, IF4)
 FOUR_OVER_SIX = ("nvfp4-abs_max", "nvfp4-mae", "nvfp4-mse")
 DEFAULT_FORMATS = ("nvfp4-static_6", "nvfp4-mse", "hif8")  # the paper's PTQ comparison, about 10 minutes
 LAYERS = r".*(attn|mlp)/\w+_proj"

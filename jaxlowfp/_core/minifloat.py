@@ -60,7 +60,7 @@ class Format(abc.ABC):
 
     Attributes:
       name: short lookup name ("hif8", "e4m3", ...).
-      bits: code width (8 or 4); codes are always stored one per uint8.
+      bits: code width (8, 6 or 4); codes are always stored one per uint8.
       max_finite, min_normal, min_subnormal: the representable range (positive magnitudes).
       default_target_max: the clip bound / scale target for weights and activations in QAT recipes.
       default_grad_target_max: the same for gradients.
@@ -78,8 +78,8 @@ class Format(abc.ABC):
     has_nan: bool
 
     def __post_init__(self) -> None:
-        if self.bits not in (4, 8):
-            raise ValueError(f"bits must be 4 or 8; got {self.bits!r}")
+        if self.bits not in (4, 6, 8):
+            raise ValueError(f"bits must be 4, 6 or 8; got {self.bits!r}")
         if not 0 < self.min_subnormal <= self.min_normal < self.max_finite:
             raise ValueError(
                 f"need 0 < min_subnormal <= min_normal < max_finite; got {self.min_subnormal}, {self.min_normal}, "

@@ -23,17 +23,28 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxlowfp._core.bits import FLT_MAX, SIGN, div_const, from_bits, materialize, no_contract, u32
+from jaxlowfp._core.bits import FLT_MAX, SIGN, div_const, from_bits, ieee_div, materialize, no_contract, u32
 from jaxlowfp._core.checks import float_dtype, float_input, one_of
-from jaxlowfp._core.minifloat import E2M1, E4M3
+from jaxlowfp._core.minifloat import _E2M1_THRESHOLDS, E2M1, E4M3
 from jaxlowfp._core.pytree import pytree_dataclass
 
-Rule = Literal["static_6", "static_4", "abs_max", "mae", "mse"]
-Rounding = Literal["nearest", "stochastic", "stochastic_unbiased"]
-RULES = ("static_6", "static_4", "abs_max", "mae", "mse")
+Rule = Literal["static_6", "static_4", "abs_max", "mae", "mse", "search"]
+Rounding = Literal["nearest", "stochastic", "stochastic_unbiased", "ms_eden"]
+RULES = ("static_6", "static_4", "abs_max", "mae", "mse")  # the rules the Pallas kernels implement
+ALL_RULES = RULES + ("search",)  # "search": the per-block E4M3 scale search (jnp only)
 FOUR_OVER_SIX = ("abs_max", "mae", "mse")
-ROUNDINGS = ("nearest", "stochastic", "stochastic_unbiased")
-STOCHASTIC = ("stochastic", "stochastic_unbiased")  # the roundings that need a PRNG key
+ROUNDINGS = ("nearest", "stochastic", "stochastic_unbiased", "ms_eden")
+STOCHASTIC = ("stochastic", "stochastic_unbiased", "ms_eden")  # the roundings that need a PRNG key
+# Scale search (rule="search"): every E4M3 scale from e4m3(base * 0.81) to e4m3(base * 1.8), the range of
+# llm-compressor's nvfp4_expanded_mse grid (1.8 * (1 - i / 200), i < 111); at most SEARCH_CODES codes (a test
+# sweeps every base).
+SEARCH_RANGE = (0.81, 1.8)
+SEARCH_CODES = 12
+# MS-EDEN (rounding="ms_eden", Quartet II, arXiv 2601.22813), constants of fouroversix's Triton kernel
+# kernels/triton/quartet_ii.py (eden_1x16s_fp4_kernel) and model/modules/linear.py:
+EDEN_SCALE_MAX = 255.99  # the E4M3 target of the tensor scale, below 448 so the corrected scale still fits
+EDEN_SCALE_OVERRIDE = (17 / 16) * 0.93  # QUARTET_II_BACKWARD_SCALE_OVERRIDE
+EDEN_VAL_MAX = float(np.float32(6.0 / EDEN_SCALE_OVERRIDE))  # a block max maps to 6 / 0.988 = 6.07
 UNBIASED_FACTOR = 16 / 17  # fouroversix RoundStyle.stochastic_unbiased.adjustment_factor (Quartet II)
 BLOCK_SHAPES = ((1, 16), (16, 16))
 BLOCK = 16
@@ -41,8 +52,9 @@ _MANT = 0x400000  # the one mantissa bit of an E2M1 value held in float32 (set f
 
 
 def rule_constants(rule: str) -> tuple[float, float]:
-    """(M, E) of `rule`: the element max a block max maps to, and the E4M3 max the tensor scale targets."""
-    one_of(rule, RULES, "rule")
+    """(M, E) of `rule`: the element max a block max maps to, and the E4M3 max the tensor scale targets ("search"
+    uses the 4/6 constants, so both see the same tensor scale)."""
+    one_of(rule, ALL_RULES, "rule")
     return {"static_6": (6.0, 448.0), "static_4": (4.0, 448.0)}.get(rule, (6.0, 256.0))
 
 
@@ -67,10 +79,12 @@ class NVFP4Config:
     """Static NVFP4 quantization settings (hashable, so `jit` does not retrace).
 
     Attributes:
-      rule: "static_6" | "static_4" | "abs_max" | "mae" | "mse".
+      rule: "static_6" | "static_4" | "abs_max" | "mae" | "mse" | "search" (per-block E4M3 scale search, MSE).
       block_shape: (1, 16) blocks along the last axis, or (16, 16) tiles over the last two axes.
-      rounding: "nearest" (RNE), "stochastic" (P(up) = fractional distance) or "stochastic_unbiased" (the same with
-        16/17 headroom and a draw-independent 4/6 choice); the stochastic ones need a PRNG key.
+      rounding: "nearest" (RNE), "stochastic" (P(up) = fractional distance), "stochastic_unbiased" (the same with
+        16/17 headroom and a draw-independent 4/6 choice) or "ms_eden" (Quartet II's MS-EDEN: round to nearest,
+        then the EDEN correction folded into a stochastically rounded block scale; rule "static_6", 1x16 only);
+        all but "nearest" need a PRNG key.
     """
 
     rule: Rule = "mse"
@@ -78,7 +92,7 @@ class NVFP4Config:
     rounding: Rounding = "nearest"
 
     def __post_init__(self) -> None:
-        one_of(self.rule, RULES, "rule")
+        one_of(self.rule, ALL_RULES, "rule")
         one_of(self.rounding, ROUNDINGS, "rounding")
         bs = self.block_shape
         ok = isinstance(bs, (tuple, list)) and all(isinstance(b, int) and not isinstance(b, bool) for b in bs)
@@ -86,6 +100,13 @@ class NVFP4Config:
         if bs not in BLOCK_SHAPES:
             raise ValueError(f"block_shape={self.block_shape!r} is not supported; allowed: (1, 16), (16, 16)")
         object.__setattr__(self, "block_shape", bs)
+        if self.rule == "search" and self.rounding != "nearest":
+            raise ValueError(f"rule='search' is implemented with rounding='nearest' only; got "
+                             f"rounding={self.rounding!r}")
+        if self.rounding == "ms_eden" and (self.rule != "static_6" or bs != (1, 16)):
+            raise ValueError(f"rounding='ms_eden' sets its own block scale (block max -> {EDEN_VAL_MAX:.4f}, then the "
+                             f"EDEN correction) on 1x16 blocks: use rule='static_6', block_shape=(1, 16); got "
+                             f"rule={self.rule!r}, block_shape={bs}")
 
     @property
     def rows(self) -> int:
@@ -121,8 +142,14 @@ class NVFP4Array:
 def global_scales(amax: jax.Array, rule: str, rounding: str = "nearest") -> tuple[jax.Array, jax.Array]:
     """(S_enc, S_dec) float32 scalars: ``S_enc = min(enc / amax, FLT_MAX)`` (``enc = M*E``, times 16/17 rounded
     once for "stochastic_unbiased"), 1 when amax == 0, NaN when amax is not finite or negative (a bad
-    caller-supplied amax poisons the tensor visibly); ``S_dec = 1 / S_enc``."""
-    enc = scale_constants(rule, rounding).enc
+    caller-supplied amax poisons the tensor visibly); ``S_dec = 1 / S_enc``. "ms_eden": :func:`eden_global_scales`."""
+    if rounding == "ms_eden":
+        return eden_global_scales(amax)
+    return global_scales_enc(amax, scale_constants(rule, rounding).enc)
+
+
+def global_scales_enc(amax: jax.Array, enc: float) -> tuple[jax.Array, jax.Array]:
+    """:func:`global_scales` for the constant ``enc`` (= M*E, one float32) of any two-level format."""
     amax = jnp.asarray(amax, jnp.float32)
     s_enc = jnp.minimum(enc / amax, FLT_MAX)
     s_enc = jnp.where(amax == 0, 1.0, s_enc)
@@ -232,6 +259,21 @@ def _pairwise(r: jax.Array, op) -> jax.Array:
     return r[..., 0, :]
 
 
+def accumulate_error(acc: jax.Array | None, d: jax.Array, rule: str) -> jax.Array:
+    """The running block error after one more column of differences `d` (`acc` None at the first column):
+    ``acc + d*d`` (mse; ``d*d`` through :func:`no_contract`, so no FMA), ``acc + |d|`` (mae) or ``max(acc, |d|)``."""
+    if rule == "abs_max":
+        t = jnp.abs(d)
+        return t if acc is None else jnp.maximum(acc, t)
+    t = no_contract(d * d) if rule == "mse" else jnp.abs(d)
+    return t if acc is None else acc + t
+
+
+def combine_rows(acc: jax.Array, rule: str) -> jax.Array:
+    """The per-row errors [..., R, nb] of a block combined pairwise over rows (TE's 2D order): sum, or max."""
+    return _pairwise(acc, jnp.maximum if rule == "abs_max" else jnp.add)
+
+
 def _block_errors(xb, s, s_dec, amax, blk, rule: str, enc: float, u) -> jax.Array:
     """The 4/6 error of the candidate with block scales `s` [..., nb], in the original domain::
 
@@ -258,18 +300,125 @@ def _block_errors(xb, s, s_dec, amax, blk, rule: str, enc: float, u) -> jax.Arra
         v = e2m1_rne(ax * inv) if u is None else e2m1_stochastic(ax * inv, u[..., i])
         vb = lax.bitcast_convert_type(v, jnp.uint32)
         xhat = from_bits(vb & u32(~_MANT & 0xFFFFFFFF)) * jnp.where((vb & u32(_MANT)) != 0, hi, lo)
-        d = xhat - ax  # = ±(x̂ - x): x̂ carries x's sign (or is 0)
-        if rule == "abs_max":
-            t = jnp.abs(d)
-            acc = t if acc is None else jnp.maximum(acc, t)
-        else:
-            t = no_contract(d * d) if rule == "mse" else jnp.abs(d)
-            acc = t if acc is None else acc + t
+        acc = accumulate_error(acc, xhat - ax, rule)  # xhat - ax = ±(x̂ - x): x̂ carries x's sign (or is 0)
         if u is not None:
             vmax = v if vmax is None else jnp.maximum(vmax, v)
-    err = _pairwise(acc, jnp.maximum if rule == "abs_max" else jnp.add)
+    err = combine_rows(acc, rule)
     vmax = e2m1_rne(blk * inv[..., 0, :]) if u is None else _pairwise(vmax, jnp.maximum)  # RNE: monotone in |x|
     return jnp.where(jnp.isinf((vmax * s) * amax), jnp.inf, err)
+
+
+def search_scales(xb, base, s6, s_dec, amax, blk, enc: float) -> tuple[jax.Array, jax.Array]:
+    """Per-block scale search (rule "search"): the E4M3 scale of minimum MSE among every E4M3 value from
+    ``e4m3(base * 0.81)`` to ``e4m3(base * 1.8)`` (a block max mapped anywhere from 6/0.81 = 7.4, clipped, down to
+    6/1.8 = 3.3), with the 4/6 error of :func:`_block_errors` (original domain, global scale included)::
+
+        err* = err(s6);  for each code c in [code(e4m3(0.81 base)), code(e4m3(1.8 base))], in increasing order:
+            s = decode(c);  keep s if err(s) < err*          (strict: ties keep s6, then the smaller scale)
+
+    The candidates include s6 = e4m3(base) and the map-to-4 scale e4m3(1.5 base), so the chosen error is never
+    above the 4/6 ``mse`` one (same sum order). Returns (scales, moved) with `moved` = the scale is not s6."""
+    lo = E4M3.encode(base * np.float32(SEARCH_RANGE[0]), saturate=True).astype(jnp.int32)
+    hi = E4M3.encode(base * np.float32(SEARCH_RANGE[1]), saturate=True).astype(jnp.int32)
+    best = _block_errors(xb, s6, s_dec, amax, blk, "mse", enc, None)
+    s = s6
+    for k in range(SEARCH_CODES):
+        code = lo + k
+        sk = jnp.where(jnp.isfinite(s6), E4M3.decode(code.astype(jnp.uint8)), jnp.nan)
+        ek = _block_errors(xb, sk, s_dec, amax, blk, "mse", enc, None)
+        better = (code <= hi) & (ek < best)
+        s = jnp.where(better, sk, s)
+        best = jnp.where(better, ek, best)
+    return s, s != s6
+
+
+# ---- MS-EDEN (Quartet II), from fouroversix's Triton kernel kernels/triton/quartet_ii.py
+
+
+def eden_global_scales(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """MS-EDEN's tensor scale ``S_dec = (amax / 255.99) / (6 / 0.988125)`` (two correctly rounded divisions; 1 when
+    amax == 0, NaN when it is not finite or negative), returned as ``(1 / S_dec, S_dec)``."""
+    amax = jnp.asarray(amax, jnp.float32)
+    s_dec = div_const(div_const(amax, EDEN_SCALE_MAX), EDEN_VAL_MAX)
+    s_dec = jnp.where(amax == 0, 1.0, s_dec)
+    s_dec = jnp.where(jnp.isfinite(amax) & (amax >= 0), s_dec, jnp.nan)
+    return 1.0 / s_dec, s_dec
+
+
+def e2m1_half_up(a: jax.Array) -> jax.Array:
+    """E2M1 magnitude of ``a >= 0`` with ties away from zero (the thresholds of the E2M1 grid taken with ``>=``:
+    0.25 -> 0.5, 1.25 -> 1.5, 2.5 -> 3, 5 -> 6), saturating at 6: the rounding of the MS-EDEN kernel."""
+    v = jnp.zeros(a.shape, jnp.float32)
+    for (t, _), g in zip(_E2M1_THRESHOLDS, (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)):
+        v = jnp.where(a >= t, g, v)
+    return v
+
+
+def _row_sum(t: jax.Array) -> jax.Array:
+    """Σ over the last axis (16 columns, in order) of [..., 1, nb, 16] -> [..., nb]; the terms are >= 0 and pass
+    :func:`no_contract` (no FMA into the sum)."""
+    acc = no_contract(t[..., 0])
+    for i in range(1, BLOCK):
+        acc = acc + no_contract(t[..., i])
+    return acc[..., 0, :]
+
+
+def eden_prepare(xb: jax.Array, s_dec: jax.Array, blk: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """MS-EDEN's round-to-nearest block scale and scaled values for 1x16 blocks [..., 1, nb, 16]::
+
+        s = e4m3_rne_satfinite((blk_amax / (6 / 0.988125)) / S_dec),  1 where that is 0,  NaN for non-finite blocks
+        y = x / (s * S_dec)                                           (IEEE division, as the kernel's ``/``)
+
+    Returns (s [..., nb], y float32 [..., 1, nb, 16])."""
+    t = ieee_div(div_const(blk, EDEN_VAL_MAX), jnp.broadcast_to(s_dec, blk.shape))
+    s = E4M3.round(t, saturate=True)
+    s = jnp.where(jnp.isfinite(blk), jnp.where(s == 0, 1.0, s), jnp.nan)
+    xf = xb.astype(jnp.float32)
+    return s, ieee_div(xf, jnp.broadcast_to(per_element(s * s_dec), xf.shape))
+
+
+def eden_scale(y: jax.Array, q: jax.Array, s: jax.Array, u: jax.Array) -> jax.Array:
+    """The EDEN-corrected scale, stochastically rounded to E4M3 with per-block uniforms `u` in [0, 1)::
+
+        c    = s * (Σ y² / Σ |y| |q|)      (1 where Σ |y||q| == 0; sums over the block's 16 values)
+        b    = code of e4m3_rne(c);  up = e4m3(b) if e4m3(b) > c else e4m3(b + 1);  down = e4m3(b - 1) or e4m3(b)
+        s'   = up if u < (c - down) / (up - down) else down          (E[s'] = c between two E4M3 neighbours)
+
+    so ``E[q * s'] = q * c``: the rounded block, rescaled by the least-squares factor <y, y> / <y, q>, which makes
+    ``E[<x̂, x>] = <x, x>`` for every block (EDEN's correction, here per 16 values). Guards the kernel does not
+    need in range: ``down`` is 0 below the smallest code, ``up`` stays 448 at the top."""
+    ay = jnp.abs(y)
+    num = _row_sum(ay * ay)
+    den = _row_sum(ay * jnp.abs(q))
+    c = s * jnp.where(den == 0, 1.0, ieee_div(num, jnp.where(den == 0, 1.0, den)))
+    b = E4M3.encode(c, saturate=True).astype(jnp.int32)
+    curr = E4M3.decode(b.astype(jnp.uint8))
+    nxt = jnp.where(b >= 0x7E, curr, E4M3.decode(jnp.minimum(b + 1, 0x7E).astype(jnp.uint8)))
+    prv = jnp.where(b <= 0, 0.0, E4M3.decode(jnp.maximum(b - 1, 0).astype(jnp.uint8)))
+    above = curr > c
+    up = jnp.where(above, curr, nxt)
+    down = jnp.where(above, prv, curr)
+    gap = up - down
+    p = jnp.where(gap > 0, ieee_div(c - down, jnp.where(gap > 0, gap, 1.0)), 0.0)
+    return jnp.where(jnp.isfinite(s), jnp.where(u < p, up, down), jnp.nan)
+
+
+def ms_eden_blocks(xb: jax.Array, s_dec: jax.Array, blk: jax.Array, u: jax.Array) -> BlockResult:
+    """NVFP4 with MS-EDEN (rounding "ms_eden", 1x16 blocks): :func:`eden_prepare`, E2M1 round to nearest with ties
+    away from zero (:func:`e2m1_half_up`), then :func:`eden_scale`; x̂ = (q * s') * S_dec."""
+    s, y = eden_prepare(xb, s_dec, blk)
+    v = e2m1_half_up(jnp.abs(y))
+    return _signed_result(xb, v, eden_scale(y, v, s, u), jnp.zeros(s.shape, jnp.bool_))
+
+
+def _signed_result(xb: jax.Array, v: jax.Array, s: jax.Array, map4: jax.Array) -> BlockResult:
+    """BlockResult of E2M1 magnitudes `v` with x's sign bit (+0 where s == 0), nibbles 0 where s is NaN."""
+    xf = xb.astype(jnp.float32)
+    sign = lax.bitcast_convert_type(xf, jnp.uint32) & per_element(jnp.where(s == 0, u32(0), u32(SIGN)))
+    values = from_bits(lax.bitcast_convert_type(v, jnp.uint32) | sign)
+    nib = ((sign >> 28).astype(jnp.int32) | e2m1_index(v)).astype(jnp.uint8)
+    nib = jnp.where(per_element(jnp.isnan(s)), jnp.uint8(0), nib)
+    return BlockResult(nib, values, s, map4)
 
 
 def quantize_blocks(
@@ -302,10 +451,14 @@ def quantize_blocks(
                   the same draws (as the fouroversix and TE kernels); "nearest" and "stochastic_unbiased" compare
                   the round-to-nearest candidates, so the choice does not depend on the draw.
 
-    The Pallas kernel (``pallas_kernels/nvfp4.py``) reproduces this order bit for bit.
+    The Pallas kernel (``pallas_kernels/nvfp4.py``) reproduces this order bit for bit. ``rule="search"``: see
+    :func:`search_scales` (`map4` then says where the search left the map-to-6 scale); ``rounding="ms_eden"``:
+    :func:`ms_eden_blocks` (per-block uniforms `u`, shaped like the scales).
     """
-    enc, blk_div = scale_constants(rule, rounding)
     blk = block_amax(xb) if blk_amax is None else blk_amax
+    if rounding == "ms_eden":
+        return ms_eden_blocks(xb, s_dec, blk, u)
+    enc, blk_div = scale_constants(rule, rounding)
     base = div_const(blk, blk_div) * s_enc
     finite = jnp.isfinite(blk)
 
@@ -314,6 +467,8 @@ def quantize_blocks(
 
     s = e4m3(base)
     map4 = jnp.full(s.shape, rule == "static_4")
+    if rule == "search":
+        s, map4 = search_scales(xb, base, s, s_dec, amax, blk, enc)
     if rule in FOUR_OVER_SIX:
         s4 = e4m3(base * 1.5)
         uc = u if rounding == "stochastic" else None
@@ -321,14 +476,9 @@ def quantize_blocks(
             xb, s, s_dec, amax, blk, rule, enc, uc)
         s = jnp.where(map4, s4, s)
     s = materialize(s)  # one fusion computes the scales (and 4/6 choices); the element loop reads them
-    xf = xb.astype(jnp.float32)
-    ay = jnp.abs(xf) * per_element(_inverse(s, s_dec))
+    ay = jnp.abs(xb.astype(jnp.float32)) * per_element(_inverse(s, s_dec))
     v = e2m1_rne(ay) if u is None else e2m1_stochastic(ay, u)
-    sign = lax.bitcast_convert_type(xf, jnp.uint32) & per_element(jnp.where(s == 0, u32(0), u32(SIGN)))
-    values = from_bits(lax.bitcast_convert_type(v, jnp.uint32) | sign)
-    nib = ((sign >> 28).astype(jnp.int32) | e2m1_index(v)).astype(jnp.uint8)
-    nib = jnp.where(per_element(jnp.isnan(s)), jnp.uint8(0), nib)
-    return BlockResult(nib, values, s, map4)
+    return _signed_result(xb, v, s, map4)
 
 
 # ---- layout: tensors <-> blocks
@@ -383,6 +533,9 @@ def validate_kernel_args(
     """`validate_args` for a GPU kernel (Triton or Mosaic): round to nearest only, fewer than 2^31 elements (the
     kernels index with int32). Returns ``(cfg, x, global_amax)``."""
     cfg = NVFP4Config(rule=rule, block_shape=block_shape, rounding=rounding)
+    if cfg.rule not in RULES:
+        raise ValueError(f"the {kernel} kernel implements the rules {', '.join(RULES)}; got rule={rule!r} (use "
+                         f"impl='xla', jaxlowfp.nvfp4)")
     if cfg.rounding != "nearest" or key is not None:
         raise ValueError(
             f"the {kernel} kernel implements rounding='nearest' only (got rounding={rounding!r}"

@@ -5,7 +5,10 @@ Every quantizer here is a public ``jaxlowfp`` function (``nvfp4``, ``mx``, ``qat
 the last axis, the GEMM reduction axis. A ``nnx.Linear`` kernel is ``[in, out]``, so weights are quantized as
 ``kernel.T`` (``[out, in]``, PyTorch's layout, blocks along ``in``) and transposed back::
 
-    nvfp4  x̂ = (q * s_b) * S_dec      E2M1 q, E4M3 s_b per 16 values (rule: static_6, static_4, abs_max, mae, mse)
+    nvfp4  x̂ = (q * s_b) * S_dec      E2M1 q, E4M3 s_b per 16 values (rule: static_6, static_4, abs_max, mae, mse,
+                                     search)
+    if4    x̂ = (q * s_b) * S_dec, or ((q * s_b) * 6/7) * S_dec   E2M1 or INT4 q per block of 16 (rule: mse, mae,
+                                     abs_max; jaxlowfp.if4)
     mxfp4  x̂ = q * 2^e_b              E2M1 q, E8M0 2^e_b per 32 values (OCP floor rule)
     hif8   x̂ = HiF8(clip(x / s, +-15)) * s,   s = amax / 15   (per tensor; the Max-Window paper's target)
 """
@@ -19,11 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlowfp import formats, mx, nvfp4, qat
+from jaxlowfp import formats, if4, mx, nvfp4, qat
 from jaxlowfp.scaling import CurrentScaling
 
-KINDS = ("nvfp4", "mxfp4", "hif8")
-NVFP4_RULES = tuple(nvfp4.RULES)
+KINDS = ("nvfp4", "mxfp4", "hif8", "if4")
+NVFP4_RULES = tuple(nvfp4.ALL_RULES)
+IF4_RULES = tuple(if4.RULES)
+TWO_LEVEL = ("nvfp4", "if4")  # E4M3 scales per 16 values and an FP32 tensor scale
 NVFP4_BLOCK_SHAPES = tuple(nvfp4.BLOCK_SHAPES)
 HIF8_TARGET = 15.0
 _FLT_MAX = float(np.finfo(np.float32).max)
@@ -39,9 +44,11 @@ class TensorFormat:
     """How one tensor is quantized.
 
     Attributes:
-      kind: "nvfp4", "mxfp4" (OCP MX, E2M1 elements, 32 per E8M0 scale) or "hif8" (per-tensor scale).
-      rule: NVFP4 only: "static_6" (standard), "static_4", or the Four Over Six rules "abs_max", "mae", "mse".
-      block_shape: NVFP4 only: (1, 16), or (16, 16) tiles (weights only).
+      kind: "nvfp4", "mxfp4" (OCP MX, E2M1 elements, 32 per E8M0 scale), "hif8" (per-tensor scale) or "if4"
+        (NVFP4's scales, each block on the E2M1 or the INT4 grid).
+      rule: NVFP4: "static_6" (standard), "static_4", the Four Over Six rules "abs_max", "mae", "mse", or "search"
+        (per-block E4M3 scale search); IF4: the grid choice "mse", "mae" or "abs_max".
+      block_shape: NVFP4 / IF4 only: (1, 16), or (16, 16) tiles (weights only).
     """
 
     kind: str
@@ -50,38 +57,41 @@ class TensorFormat:
 
     def __post_init__(self) -> None:
         _one_of(self.kind, KINDS, "kind")
-        if self.kind == "nvfp4":
+        if self.kind in TWO_LEVEL:
             object.__setattr__(self, "rule", "mse" if self.rule is None else self.rule)
             bs = (1, 16) if self.block_shape is None else self.block_shape
             bs = tuple(bs) if isinstance(bs, (list, tuple)) else bs
-            _one_of(self.rule, NVFP4_RULES, "rule")
+            _one_of(self.rule, NVFP4_RULES if self.kind == "nvfp4" else IF4_RULES, "rule")
             _one_of(bs, NVFP4_BLOCK_SHAPES, "block_shape")
             object.__setattr__(self, "block_shape", bs)
         else:
             for f in ("rule", "block_shape"):
                 if getattr(self, f) is not None:
-                    raise ValueError(f"{f}={getattr(self, f)!r} applies to kind='nvfp4' only; got kind={self.kind!r}")
+                    raise ValueError(f"{f}={getattr(self, f)!r} applies to kind='nvfp4' or 'if4' only; got "
+                                     f"kind={self.kind!r}")
 
     @property
     def group(self) -> int | None:
         """Elements per scale along the reduction axis (None: one scale per tensor)."""
-        return {"nvfp4": 16, "mxfp4": mx.BLOCK}.get(self.kind)
+        return {"nvfp4": 16, "if4": 16, "mxfp4": mx.BLOCK}.get(self.kind)
 
     @property
     def rows(self) -> int:
         """Rows per scale tile across the reduction axis (16 for NVFP4 16x16 tiles, else 1)."""
-        return self.block_shape[0] if self.kind == "nvfp4" else 1
+        return self.block_shape[0] if self.kind in TWO_LEVEL else 1
 
     @property
     def name(self) -> str:
-        if self.kind == "nvfp4":
-            return f"nvfp4-{self.rule}" + ("-16x16" if self.rows == 16 else "")
+        if self.kind in TWO_LEVEL:
+            return f"{self.kind}-{self.rule}" + ("-16x16" if self.rows == 16 else "")
         return self.kind
 
     def fake_quantize(self, x: jax.Array) -> jax.Array:
         """Quantize-dequantize `x` (blocks along the last axis) with the current per-tensor amax, in x's dtype."""
         if self.kind == "nvfp4":
             return nvfp4.fake_quantize(x, rule=self.rule, block_shape=self.block_shape)
+        if self.kind == "if4":
+            return if4.fake_quantize(x, rule=self.rule, block_shape=self.block_shape)
         if self.kind == "mxfp4":
             return mx.fake_quantize(x, elem="e2m1")
         return hif8_fake_quantize(x)
@@ -126,7 +136,9 @@ class Scheme:
         if self.activation is None:
             return f"{w} W-only"
         a = self.activation.name
-        return w if a == w or (self.weight.kind == "nvfp4" and self.activation.rule == self.weight.rule) else f"{w} / a {a}"
+        same = self.weight.kind in TWO_LEVEL and self.activation.kind == self.weight.kind and (
+            self.activation.rule == self.weight.rule)
+        return w if a == w or same else f"{w} / a {a}"
 
     def check_layer(self, in_features: int, out_features: int, where: str) -> None:
         """Block-scaled formats need whole blocks along `in` (and whole 16-row tiles along `out`)."""
@@ -141,21 +153,24 @@ class Scheme:
                                  f"of 16; got {out_features}")
 
 
-SCHEMES = ("nvfp4-static_6", "nvfp4-static_4", "nvfp4-abs_max", "nvfp4-mae", "nvfp4-mse", "mxfp4", "hif8")
+SCHEMES = ("nvfp4-static_6", "nvfp4-static_4", "nvfp4-abs_max", "nvfp4-mae", "nvfp4-mse", "mxfp4", "hif8",
+           "nvfp4-search", "if4-mse", "if4-mae", "if4-abs_max")
 
 
 def scheme(name: str, *, weights_only: bool = False, weight_block: tuple[int, int] = (1, 16)) -> Scheme:
-    """A named scheme: ``"nvfp4-<rule>"`` (W4A4 NVFP4, weights and activations with the same rule), ``"mxfp4"``
-    (W4A4 MXFP4) or ``"hif8"`` (W8A8 HiF8, per-tensor scales). ``weights_only``: no activation quantization
-    (W4A16 / W8A16). ``weight_block``: NVFP4 weight blocks, (1, 16) or (16, 16)."""
+    """A named scheme: ``"nvfp4-<rule>"`` (W4A4 NVFP4, weights and activations with the same rule; ``"search"``
+    is the per-block scale search), ``"if4-<rule>"`` (W4A4 IF4), ``"mxfp4"`` (W4A4 MXFP4) or ``"hif8"`` (W8A8
+    HiF8, per-tensor scales). ``weights_only``: no activation quantization (W4A16 / W8A16). ``weight_block``:
+    NVFP4 / IF4 weight blocks, (1, 16) or (16, 16)."""
     _one_of(name, SCHEMES, "scheme")
-    if name.startswith("nvfp4-"):
+    kind = name.split("-", 1)[0]
+    if kind in TWO_LEVEL:
         rule = name.split("-", 1)[1]
-        w = TensorFormat(kind="nvfp4", rule=rule, block_shape=tuple(weight_block))
-        a = TensorFormat(kind="nvfp4", rule=rule)
+        w = TensorFormat(kind=kind, rule=rule, block_shape=tuple(weight_block))
+        a = TensorFormat(kind=kind, rule=rule)
     else:
         if tuple(weight_block) != (1, 16):
-            raise ValueError(f"weight_block applies to NVFP4 schemes only; got {weight_block!r} with {name!r}")
+            raise ValueError(f"weight_block applies to NVFP4 / IF4 schemes only; got {weight_block!r} with {name!r}")
         w = a = TensorFormat(kind=name)
     return Scheme(weight=w, activation=None if weights_only else a)
 
@@ -217,6 +232,35 @@ def nvfp4_column(col: jax.Array, s: jax.Array, s_dec: jax.Array) -> tuple[jax.Ar
     q = formats.E2M1.round(col * jnp.where(s == 0, 0.0, inv), saturate=True)
     q = jnp.where(s == 0, 0.0, q)
     return q, (q * s) * s_dec
+
+
+def block_global_scales(fmt: TensorFormat, amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(S_enc, S_dec) of a two-level format (NVFP4 by its rule, IF4: M*448 / amax)."""
+    return if4.global_scales(amax, "if4") if fmt.kind == "if4" else nvfp4.global_scales(amax, fmt.rule)
+
+
+def if4_fix(cols: jax.Array, fmt: TensorFormat, global_amax: jax.Array) -> jax.Array:
+    """IF4's block scale and grid choice (float32 per row [out]) of the 16 columns `cols` [out, 16] as they stand:
+    the E4M3 scale value, negated for an INT block (fouroversix's sign-bit flag, as a float)."""
+    arr = if4.quantize(cols, rule=fmt.rule, block_shape=fmt.block_shape, global_amax=global_amax)
+    s = arr.scales.astype(jnp.float32).reshape(-1)
+    return jnp.repeat(s, fmt.rows) if fmt.rows > 1 else s
+
+
+def if4_column(col: jax.Array, p: jax.Array, s_dec: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(grid value q, dequantized) of a column with fixed flagged scales `p` (:func:`if4_fix`): E2M1 q and
+    ``(q * s) * S_dec`` where p >= 0, else the INT4 q = round_half_even(min(|y| * 7/6, 7)) and
+    ``((q * s) * 6/7) * S_dec``; y = x * min(1 / (s * S_dec), FLT_MAX), +0 where s == 0."""
+    s = jnp.abs(p)
+    inv = jnp.where(s == 0, 0.0, jnp.minimum(1.0 / (s * s_dec), _FLT_MAX))
+    y = col * inv
+    g = if4.GRIDS["if4"]
+    qi = jnp.sign(y) * jnp.round(jnp.minimum(jnp.abs(y) * np.float32(g.rcp), np.float32(g.int_max)))
+    qi = jnp.where(qi == 0, 0.0, qi)  # an integer 0 has no sign (as jaxlowfp.if4 decodes it)
+    is_int = p < 0
+    q = jnp.where(is_int, qi, formats.E2M1.round(y, saturate=True))
+    q = jnp.where(s == 0, 0.0, q)
+    return q, jnp.where(is_int, ((q * s) * np.float32(g.step)) * s_dec, (q * s) * s_dec)
 
 
 def mxfp4_fix(cols: jax.Array) -> jax.Array:

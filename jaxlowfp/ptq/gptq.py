@@ -39,8 +39,9 @@ import scipy.linalg
 from jax import lax
 
 from jaxlowfp import nvfp4
-from jaxlowfp.ptq.formats import (QuantizedWeight, TensorFormat, hif8_fake_quantize, hif8_scale, mxfp4_column,
-                                  mxfp4_fix, nvfp4_column, nvfp4_fix, pack_nvfp4)
+from jaxlowfp.ptq.formats import (TWO_LEVEL, QuantizedWeight, TensorFormat, block_global_scales, hif8_fake_quantize,
+                                  hif8_scale, if4_column, if4_fix, mxfp4_column, mxfp4_fix, nvfp4_column, nvfp4_fix,
+                                  pack_nvfp4)
 
 _HI = lax.Precision.HIGHEST
 SCALES = ("as-reached", "original")
@@ -99,17 +100,21 @@ def _gptq(w: jax.Array, u: jax.Array, group_of: jax.Array, first: jax.Array, gro
     scale group, first [n] whether it is the group's first column reached, group_cols [groups, g] the processing
     positions of each group's columns; params0 [groups, out] the initial (HiF8: final) per-row scales."""
     out, n = w.shape
-    if fmt.kind == "nvfp4":
-        s_dec = nvfp4.global_scales(amax, fmt.rule)[1]
+    if fmt.kind in TWO_LEVEL:
+        s_dec = block_global_scales(fmt, amax)[1]
 
     def fix(cols):
         if fmt.kind == "nvfp4":
             return nvfp4_fix(cols, fmt, amax)
+        if fmt.kind == "if4":  # the scale, negated for an INT4 block
+            return if4_fix(cols, fmt, amax)
         return mxfp4_fix(cols)
 
     def column(col, p):
         if fmt.kind == "nvfp4":
             return nvfp4_column(col, p, s_dec)
+        if fmt.kind == "if4":
+            return if4_column(col, p, s_dec)
         if fmt.kind == "mxfp4":
             return mxfp4_column(col, p)
         deq = hif8_fake_quantize(col, p[0])

@@ -60,6 +60,8 @@ from jaxlowfp.qat.spec import (
     RecipeStats,
     fp8_delayed,
     hif8_w8a8,
+    if4_training,
+    if4_w4a4,
     nvfp4_training,
     nvfp4_w4a4,
 )
@@ -80,4 +82,6 @@ __all__ = [
     "fp8_delayed",
     "nvfp4_w4a4",
     "nvfp4_training",
+    "if4_w4a4",
+    "if4_training",
 ]

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxlowfp import dispatch, formats, nvfp4
+from jaxlowfp import dispatch, formats, if4, nvfp4
 from jaxlowfp._core.bits import ieee_div
 from jaxlowfp._core.checks import bool_flag, float_input, number
 from jaxlowfp._core.nvfp4_blocks import global_scales
@@ -63,11 +63,16 @@ def select(observe: bool | jax.Array, hp: jax.Array, q: jax.Array) -> jax.Array:
 
 def nvfp4_fake_quant(x: jax.Array, spec: QuantSpec, global_amax: jax.Array | None, key: jax.Array | None,
                     axis: int = -1) -> jax.Array:
-    """NVFP4 fake-quant of `x` with blocks along `axis` (moved last for :func:`jaxlowfp.nvfp4.fake_quantize`)."""
+    """NVFP4 (or IF4) fake-quant of `x` with blocks along `axis` (moved last for :func:`jaxlowfp.nvfp4.fake_quantize`
+    / :func:`jaxlowfp.if4.fake_quantize`)."""
     xt = jnp.moveaxis(x, axis, -1)
-    yt = nvfp4.fake_quantize(xt, rule=spec.rule, block_shape=spec.block_shape, global_amax=global_amax,
-                             rounding=spec.rounding, key=key if spec.rounding != "nearest" else None,
-                             impl=spec.impl, backend=spec.backend)
+    k = key if spec.rounding != "nearest" else None
+    if spec.format == "if4":
+        yt = if4.fake_quantize(xt, rule=spec.rule, block_shape=spec.block_shape, global_amax=global_amax,
+                               rounding=spec.rounding, key=k)
+    else:
+        yt = nvfp4.fake_quantize(xt, rule=spec.rule, block_shape=spec.block_shape, global_amax=global_amax,
+                                 rounding=spec.rounding, key=k, impl=spec.impl, backend=spec.backend)
     return jnp.moveaxis(yt.astype(x.dtype), -1, axis)
 
 
@@ -107,7 +112,9 @@ def round_with(xs: jax.Array, spec: QuantSpec, est: jax.Array, key: Any, axis: i
         delayed = isinstance(spec.scaling, DelayedScaling)
         yq = nvfp4_fake_quant(xs, spec, est if delayed else None, key, axis)
         sat = (jnp.abs(xs) > est) if delayed else None
-        scale, counts = global_scales(est, spec.rule, spec.rounding)[1], None  # S_dec = 1 / S_enc
+        gs = if4.global_scales(est, "if4", spec.rounding) if spec.format == "if4" else global_scales(
+            est, spec.rule, spec.rounding)
+        scale, counts = gs[1], None  # S_dec = 1 / S_enc
     else:
         sc, conv, c = spec.scaling, convention(spec), spec.clip_bound
         scale = sc.scale(est)

@@ -1,6 +1,6 @@
 """What a QAT matmul quantizes: :class:`QuantSpec` (one tensor), :class:`Recipe` (weights, activations, gradients),
 their state and statistics pytrees, and the recipe factories (``hif8_w8a8``, ``nvfp4_w4a4``, ``nvfp4_training``,
-``fp8_delayed``)."""
+``if4_w4a4``, ``if4_training``, ``fp8_delayed``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,14 +11,16 @@ import numpy as np
 
 from jaxlowfp import dispatch, formats
 from jaxlowfp._core.checks import one_of
-from jaxlowfp._core.nvfp4_blocks import BLOCK_SHAPES, RULES
+from jaxlowfp._core.if4_blocks import RULES as IF4_RULES
+from jaxlowfp._core.if4_blocks import IFConfig
+from jaxlowfp._core.nvfp4_blocks import ALL_RULES, BLOCK_SHAPES, NVFP4Config
 from jaxlowfp.scaling import AmaxHistory, CurrentScaling, DelayedScaling, PendingAmax, Scaling
 
-FORMATS = ("hif8", "e4m3", "e5m2", "nvfp4")
+FORMATS = ("hif8", "e4m3", "e5m2", "nvfp4", "if4")
 CLIPS = ("target", "format")
 STES = ("identity", "masked")
-ROUNDINGS = ("nearest", "stochastic", "stochastic_unbiased")
-NVFP4_RULES = RULES
+ROUNDINGS = ("nearest", "stochastic", "stochastic_unbiased", "ms_eden")
+NVFP4_RULES = ALL_RULES
 NVFP4_BLOCKS = BLOCK_SHAPES
 NVFP4_ELEMENT_MAX = 6.0  # E2M1
 KERNELS = {"hif8": "hif8.scaled_fake_quant", "nvfp4": "nvfp4.fake_quantize"}  # kernel names in jaxlowfp.dispatch
@@ -46,9 +48,10 @@ class QuantSpec:
     """How one tensor is quantized.
 
     Attributes:
-      format: "hif8" (default), "e4m3", "e5m2" (per-tensor scaled 8-bit) or "nvfp4" (E2M1 with E4M3 block scales
+      format: "hif8" (default), "e4m3", "e5m2" (per-tensor scaled 8-bit), "nvfp4" (E2M1 with E4M3 block scales
         and a float32 per-tensor scale; the two-level scale is computed by :mod:`jaxlowfp.nvfp4`, and `scaling`
-        only supplies its global amax when delayed).
+        only supplies its global amax when delayed) or "if4" (the same two-level scale, each block on the E2M1 or
+        the INT4 grid: :mod:`jaxlowfp.if4`; everything said about NVFP4 below applies to it).
       scaling: a :class:`~jaxlowfp.scaling.DelayedScaling` or :class:`~jaxlowfp.scaling.CurrentScaling`; default
         ``CurrentScaling(target_max=<format default>)`` (15 for HiF8, 6 for NVFP4).
       target_max: clip bound for ``clip="target"``; default ``scaling.target_max`` (the value amax maps to), so
@@ -56,10 +59,12 @@ class QuantSpec:
         6 (its two-level scale is fixed by the rule; the scaling supplies only the global amax).
       clip: "target" clips ``x / scale`` at ``+-target_max`` before rounding; "format" at the format's max.
       ste: "identity" (gradient passes unchanged) or "masked" (zero gradient where the value was clipped).
-      rule, block_shape: NVFP4 only: the block-scale rule ("mse" = Four Over Six with MSE selection, ...) and the
-        block, (1, 16) or (16, 16) (2D, weights). Default "mse" and (1, 16); must stay None for 8-bit formats.
-      rounding: "nearest", "stochastic" or "stochastic_unbiased" (NVFP4 only; both need a PRNG key; see
-        :mod:`jaxlowfp.nvfp4` for what the unbiased variant does).
+      rule, block_shape: NVFP4 / IF4 only: the block-scale rule (NVFP4: "mse" = Four Over Six with MSE selection,
+        ..., "search"; IF4: the grid choice "mse", "mae" or "abs_max") and the block, (1, 16) or (16, 16) (2D,
+        weights). Default "mse" and (1, 16); must stay None for 8-bit formats.
+      rounding: "nearest", "stochastic", "stochastic_unbiased" or "ms_eden" (NVFP4 / IF4 only; all but "nearest"
+        need a PRNG key; see :mod:`jaxlowfp.nvfp4` for the unbiased variants; "ms_eden" needs rule "static_6"
+        for NVFP4, "mse" for IF4, and 1x16 blocks).
       hadamard: gradient spec only: apply the 16-point randomized Hadamard transform to both operands of the
         weight-gradient GEMM before quantizing them (NVFP4 training recipe).
       impl: "auto" (Pallas kernel on a GPU that supports it, XLA elsewhere), "xla" (the jnp code) or "pallas"
@@ -109,18 +114,19 @@ class QuantSpec:
             self._check_nvfp4()
             if self.scaling.target_max != NVFP4_ELEMENT_MAX or self.target_max not in (None, NVFP4_ELEMENT_MAX):
                 raise ValueError(
-                    f"format='nvfp4' maps the global amax to 6 * E inside jaxlowfp.nvfp4, so target_max (and "
-                    f"scaling.target_max) must be 6.0, the E2M1 max; got target_max={self.target_max!r}, "
+                    f"format={self.format!r} maps the global amax to 6 * E inside jaxlowfp.{self.format}, so "
+                    f"target_max (and scaling.target_max) must be 6.0, the E2M1 max; got "
+                    f"target_max={self.target_max!r}, "
                     f"scaling.target_max={self.scaling.target_max!r}"
                 )
         else:
             for field in ("rule", "block_shape"):
                 if getattr(self, field) is not None:
-                    raise ValueError(f"{field}={getattr(self, field)!r} applies to format='nvfp4' only; got "
-                                     f"format={self.format!r}")
+                    raise ValueError(f"{field}={getattr(self, field)!r} applies to format='if4' or "
+                                     f"format='nvfp4' only; got format={self.format!r}")
             if self.rounding != "nearest":
-                raise ValueError(f"rounding={self.rounding!r} is implemented for format='nvfp4' only; got "
-                                 f"format={self.format!r} (use rounding='nearest')")
+                raise ValueError(f"rounding={self.rounding!r} is implemented for format='if4' and format='nvfp4' "
+                                 f"only; got format={self.format!r} (use rounding='nearest')")
             if self.scaling.target_max > fmt_max:
                 raise ValueError(
                     f"scaling.target_max={self.scaling.target_max} exceeds the {self.format} max finite value "
@@ -138,16 +144,22 @@ class QuantSpec:
     def _check_nvfp4(self) -> None:
         if self.rule is None:
             object.__setattr__(self, "rule", "mse")
-        one_of(self.rule, NVFP4_RULES, "rule")
+        one_of(self.rule, NVFP4_RULES if self.format == "nvfp4" else IF4_RULES, "rule")
         if self.block_shape is None:
             object.__setattr__(self, "block_shape", (1, 16))
         if isinstance(self.block_shape, list):
             object.__setattr__(self, "block_shape", tuple(self.block_shape))
         one_of(self.block_shape, NVFP4_BLOCKS, "block_shape")
+        if self.format == "nvfp4":  # the combinations the quantizer accepts (e.g. ms_eden: static_6, 1x16)
+            NVFP4Config(rule=self.rule, block_shape=self.block_shape, rounding=self.rounding)
+        else:
+            IFConfig(format="if4", rule=self.rule, block_shape=self.block_shape, rounding=self.rounding)
 
     @property
     def is_nvfp4(self) -> bool:
-        return self.format == "nvfp4"
+        """Whether the tensor is two-level block-scaled ("nvfp4" or "if4": E4M3 scales per 16, an FP32 tensor
+        scale, blocks along the GEMM's contraction axis)."""
+        return self.format in ("nvfp4", "if4")
 
     @property
     def element_format(self) -> formats.Format:
@@ -290,14 +302,39 @@ def nvfp4_w4a4(rule: str = "mse") -> Recipe:
     return Recipe(weight=spec, activation=spec, grad=None, name=f"nvfp4_w4a4_{rule}")
 
 
-def nvfp4_training(rule: str = "mse") -> Recipe:
+def nvfp4_training(rule: str = "mse", grad_rounding: str = "stochastic") -> Recipe:
     """NVFP4 training (NVIDIA recipe, fouroversix's FourOverSixLinearFunction): 16x16 weight blocks, 1x16
-    activation and gradient blocks, stochastic rounding on gradients, Hadamard on both wgrad operands."""
+    activation and gradient blocks, stochastic rounding on gradients, Hadamard on both wgrad operands.
+    ``grad_rounding``: "stochastic" (default), "stochastic_unbiased" or "ms_eden" (Quartet II; its gradients use
+    the static_6 block scale, the EDEN correction replacing 4/6)."""
+    grad_rule = "static_6" if grad_rounding == "ms_eden" else rule
+    suffix = "" if grad_rounding == "stochastic" else f"_{grad_rounding}"
     return Recipe(
         weight=QuantSpec(format="nvfp4", rule=rule, block_shape=(16, 16)),
         activation=QuantSpec(format="nvfp4", rule=rule, block_shape=(1, 16)),
-        grad=QuantSpec(format="nvfp4", rule=rule, block_shape=(1, 16), rounding="stochastic", hadamard=True),
-        name=f"nvfp4_training_{rule}",
+        grad=QuantSpec(format="nvfp4", rule=grad_rule, block_shape=(1, 16), rounding=grad_rounding, hadamard=True),
+        name=f"nvfp4_training_{rule}{suffix}",
+    )
+
+
+def if4_w4a4(rule: str = "mse") -> Recipe:
+    """IF4 W4A4 (fouroversix ``DataType.if4`` PTQ / fake-quant): 1x16 blocks, current per-tensor amax, round to
+    nearest, each block on the E2M1 or INT4 grid by `rule`."""
+    spec = QuantSpec(format="if4", rule=rule, block_shape=(1, 16))
+    return Recipe(weight=spec, activation=spec, grad=None, name=f"if4_w4a4_{rule}")
+
+
+def if4_training(rule: str = "mse", grad_rounding: str = "stochastic_unbiased") -> Recipe:
+    """IF4 training as fouroversix's ``transformer_340M_if4.json`` (IF4 with ``scale_rule`` mse,
+    ``gradient_round_style`` stochastic_unbiased) on the layout of :func:`nvfp4_training` (16x16 weight tiles,
+    Hadamard on both wgrad operands); ``grad_rounding="ms_eden"`` is its ``_mseden`` variant's gradient rounding
+    (fouroversix applies MS-EDEN to both operands of both backward GEMMs; here to the output gradient)."""
+    grad_rule = "mse" if grad_rounding == "ms_eden" else rule
+    return Recipe(
+        weight=QuantSpec(format="if4", rule=rule, block_shape=(16, 16)),
+        activation=QuantSpec(format="if4", rule=rule, block_shape=(1, 16)),
+        grad=QuantSpec(format="if4", rule=grad_rule, block_shape=(1, 16), rounding=grad_rounding, hadamard=True),
+        name=f"if4_training_{rule}_{grad_rounding}",
     )
 
 
