@@ -16,7 +16,9 @@ texts and windows; word perplexity with paired standard errors, and the wall tim
 3. Their exports are loaded into our model (codes, E4M3 block scales and global scale decoded in compressed-tensors'
    arithmetic; AWQ's folded norms as exported); ours: ``jaxlowfp.ptq.quantize`` with the same tokens, sequential,
    static_6 and 4/6 (mse), at llm-compressor's settings (GPTQ ``act_order=True, scales="original"``, AWQ
-   ``grid=20, duo_scaling=True``) and on all blocks (GPTQ with our scales as reached).
+   ``grid=20, duo_scaling=True``) and on all blocks (GPTQ with our scales as reached); RTN and the all-block GPTQ
+   and AWQ also with the per-block E4M3 scale search ``nvfp4-search`` (``jaxlowfp.nvfp4`` rule "search", after
+   llm-compressor's ``nvfp4_expanded_mse``) next to 4/6.
 4. Every model runs with the same run-time activation quantization (NVFP4 1x16 blocks from the current amax, the
    weight format's rule), scored on the held-out texts of ``train.text_eval`` in disjoint windows (lm-eval's
    rolling loglikelihood); word perplexity per text and the geometric mean, and per row the paired difference of
@@ -182,32 +184,35 @@ def main() -> None:
                      "ptq_s": seconds, "eval_s": time.perf_counter() - t, **word_ppl(lls[key], wins)})
         print(rows[-1], flush=True)
 
-    if args.reuse and cache.is_file():
+    if args.reuse and cache.is_file():  # rows already measured are kept; missing ones are measured
         saved = json.loads(cache.read_text())
         rows, lls = saved["rows"], {k: {t: np.asarray(v) for t, v in d.items()} for k, d in saved["lls"].items()}
-    else:
+    if "hp" not in lls:
         add("hp", "-", "-", "none", "float32", nnx.merge(graphdef, hp_state, copy=True), 0.0)
-        pairs, _ = model.smoothing_folds()
-        few = tuple(ptq.Fold(prev=p, layers=ls) for p, ls in pairs if int(p.split("/")[1]) < nb)
-        ours = [  # (key, method, settings label, layers, method object)
-            ("rtn", "rtn", "-", LAYERS, ptq.RTN()),
-            ("gptq", "gptq", "llm-compressor's (act_order, scales from the original weights)" + part_txt, part,
-             ptq.GPTQ(act_order=True, scales="original")),
-            ("awq", "awq", "llm-compressor's (grid 20, duo scaling)" + part_txt + ", RTN everywhere", LAYERS,
-             ptq.AWQ(folds=few)),
-            ("gptq-ours", "gptq", "ours (act_order, scales as reached), all blocks", LAYERS,
-             ptq.GPTQ(act_order=True)),
-            ("awq-all", "awq", "grid 20, duo scaling, all blocks", LAYERS, ptq.AWQ()),
-        ]
-        for key, method, label, layers, obj in ours:
-            for rule in ("static_6", "mse"):
-                m = nnx.merge(graphdef, hp_state, copy=True)
-                t = time.perf_counter()
-                ptq.quantize(m, [ptq.Rule(path=layers, scheme=ptq.scheme(f"nvfp4-{rule}"))], method=obj,
-                             calibration=None if method == "rtn" else calib)
-                add(f"{key}-{rule}", label, "jaxlowfp", method, rule, m, time.perf_counter() - t)
-                cache.write_text(json.dumps({"rows": rows, "lls": {k: {t: v.tolist() for t, v in d.items()}
-                                                                   for k, d in lls.items()}}))
+    pairs, _ = model.smoothing_folds()
+    few = tuple(ptq.Fold(prev=p, layers=ls) for p, ls in pairs if int(p.split("/")[1]) < nb)
+    ours = [  # (key, method, settings label, layers, method object)
+        ("rtn", "rtn", "-", LAYERS, ptq.RTN()),
+        ("gptq", "gptq", "llm-compressor's (act_order, scales from the original weights)" + part_txt, part,
+         ptq.GPTQ(act_order=True, scales="original")),
+        ("awq", "awq", "llm-compressor's (grid 20, duo scaling)" + part_txt + ", RTN everywhere", LAYERS,
+         ptq.AWQ(folds=few)),
+        ("gptq-ours", "gptq", "ours (act_order, scales as reached), all blocks", LAYERS,
+         ptq.GPTQ(act_order=True)),
+        ("awq-all", "awq", "grid 20, duo scaling, all blocks", LAYERS, ptq.AWQ()),
+    ]
+    search = {"rtn", "gptq-ours", "awq-all"}  # issue 24's per-block scale search (nvfp4-search) next to 4/6
+    for key, method, label, layers, obj in ours:
+        for rule in ("static_6", "mse", "search") if key in search else ("static_6", "mse"):
+            if f"{key}-{rule}" in lls:
+                continue
+            m = nnx.merge(graphdef, hp_state, copy=True)
+            t = time.perf_counter()
+            ptq.quantize(m, [ptq.Rule(path=layers, scheme=ptq.scheme(f"nvfp4-{rule}"))], method=obj,
+                         calibration=None if method == "rtn" else calib)
+            add(f"{key}-{rule}", label, "jaxlowfp", method, rule, m, time.perf_counter() - t)
+            cache.write_text(json.dumps({"rows": rows, "lls": {k: {t: v.tolist() for t, v in d.items()}
+                                                               for k, d in lls.items()}}))
     if args.part == "ours":
         return
     lc = prepare(args)
@@ -226,8 +231,8 @@ def main() -> None:
     ref_of = {}
     for r in rows:  # ours at llm-compressor's settings (static_6) vs its row; 4/6 vs our static_6; the rest vs float
         if r["tool"] == "jaxlowfp":
-            if r["format"] == "mse":
-                ref_of[r["key"]] = r["key"].replace("-mse", "-static_6")
+            if r["format"] in ("mse", "search"):
+                ref_of[r["key"]] = r["key"].replace(f"-{r['format']}", "-static_6")
             else:
                 ref_of[r["key"]] = {"rtn": "lc-rtn", "gptq": "lc-gptq", "awq": "lc-awq"}.get(
                     r["key"][: -len("-static_6")], "hp")
