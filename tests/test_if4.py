@@ -59,9 +59,10 @@ def _cases(fmt, block):
     return src, [n for n in CASES if CASES[n]["block"] == block and n not in skip]
 
 
-# 2D tiles: every rule for IF4, MSE for IF6 (the fixtures hold all; fewer compiles keep the file fast)
-PARAMS = [(f, r, "1x16") for f in ("if4", "if6_e2m3", "if6_e3m2") for r in RULES] + [
-    ("if4", r, "16x16") for r in RULES] + [(f, "mse", "16x16") for f in ("if6_e2m3", "if6_e3m2")]
+# IF4: every rule, 1x16 and 16x16; IF6: one rule per grid and E2M3 tiles. The fixtures hold every combination; this
+# subset keeps the file's compile time within CI's budget (each combination is one compilation).
+PARAMS = [("if4", r, b) for b in ("1x16", "16x16") for r in RULES] + [
+    ("if6_e2m3", "mse", "1x16"), ("if6_e3m2", "abs_max", "1x16"), ("if6_e2m3", "mae", "16x16")]
 
 
 @pytest.mark.parametrize("fmt,rule,block", PARAMS)
@@ -103,15 +104,12 @@ def test_codes_and_scales_match_fouroversix(fmt, rule, block):
 
 
 def test_fixture_amax_is_the_tensor_amax():
-    """The global_amax passed above is max |x| (each case without a supplied amax), and passing it changes nothing."""
+    """The global_amax passed above is max |x|, the amax the quantizer computes itself (each case without a
+    supplied amax; the two paths differ only in where `amax` comes from: ``jaxlowfp.if4._run``)."""
     for name, c in CASES.items():
         if c["amax"] is None:
             a = np.abs(np.asarray(load_x(name), np.float32)).max()
             assert np.float32(a).tobytes() == PYPI[f"amax/if4/mse/{name}"].tobytes(), name
-    x = load_x("gauss_bf16")
-    q0, q1 = if4.quantize(x), if4.quantize(x, global_amax=PYPI["amax/if4/mse/gauss_bf16"])
-    for a, b in zip(jax.tree.leaves(q0), jax.tree.leaves(q1)):
-        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
 def test_dequantize_matches_fouroversix():
@@ -134,8 +132,7 @@ def test_head_if4_equals_pypi():
     assert HEAD_META["checked_against_pypi"] == {"if4": "identical to PyPI 1.0.5 on every case and rule"}
 
 
-@pytest.mark.parametrize("fmt,block_shape", [("if4", (1, 16)), ("if4", (16, 16)), ("if6_e2m3", (1, 16)),
-                                              ("if3", (1, 16))])
+@pytest.mark.parametrize("fmt,block_shape", [("if4", (1, 16)), ("if4", (16, 16)), ("if3", (1, 16))])
 def test_fake_quantize_is_dequantize_of_quantize(fmt, block_shape):
     x = jnp.asarray(np.random.default_rng(1).standard_t(3, (32, 64)).astype(np.float32)).astype(jnp.bfloat16)
     kw = dict(format=fmt, block_shape=block_shape)
@@ -163,7 +160,7 @@ def _grid_values(fmt):
     return fpv, np.arange(g.int_max + 1) * np.float64(np.float32(g.step))
 
 
-@pytest.mark.parametrize("fmt,rule", [("if3", r) for r in RULES] + [("if4", "mae"), ("if6_e3m2", "mse")])
+@pytest.mark.parametrize("fmt,rule", [("if3", r) for r in RULES] + [("if4", "mae")])
 def test_choice_is_the_smaller_error(fmt, rule):
     """Every block's grid is the one with the smaller error (float64 check; the float32 sums may only disagree on
     near-ties), and every decoded element is a grid value times the block scale. For IF3 this is the outside
@@ -296,7 +293,9 @@ def test_ptq_schemes_rtn_and_gptq():
 
     s = ptq.scheme("if4-mse")
     assert (s.weight.kind, s.weight.rule, s.name) == ("if4", "mse", "if4-mse")
-    assert ptq.scheme("nvfp4-search", weight_block=(16, 16)).weight.name == "nvfp4-search-16x16"
+    ss = ptq.scheme("nvfp4-search", weight_block=(16, 16))
+    assert (ss.weight.name, ss.activation.rule, ss.name) == ("nvfp4-search-16x16", "mse",
+                                                             "nvfp4-search-16x16 / a nvfp4-mse")
     with pytest.raises(ValueError, match="rule='static_6' is not supported"):
         ptq.TensorFormat(kind="if4", rule="static_6")
     k = np.random.default_rng(7).standard_normal((64, 16)).astype(np.float32)  # [in, out]
@@ -311,3 +310,28 @@ def test_module_doctest():
 
     result = doctest.testmod(if4, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_qat_linear_trains_with_if4_and_ms_eden_gradients():
+    """A quantized linear layer with qat.if4_training(grad_rounding="ms_eden") runs forward and backward: the forward
+    is the matmul of the IF4 fake-quantized operands, the gradients are finite and near the high-precision ones."""
+    from jaxlowfp import qat
+
+    g = np.random.default_rng(8)
+    x = jnp.asarray(g.standard_normal((32, 64)).astype(np.float32))
+    w = jnp.asarray(g.standard_normal((64, 32)).astype(np.float32))
+    recipe = qat.if4_training(grad_rounding="ms_eden")
+    state = recipe.init()
+
+    def loss(x, w):
+        y, _, _ = qat.linear(x, w, recipe=recipe, state=state, key=jax.random.key(0))
+        return jnp.sum(y * y), y
+
+    (_, y), (gx, gw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w)
+    want = if4.fake_quantize(x) @ if4.fake_quantize(w.T, block_shape=(16, 16)).T
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-4)
+    hx, hw = jax.grad(lambda a, b: jnp.sum((a @ b) ** 2), argnums=(0, 1))(x, w)
+    for got, hp in ((gx, hx), (gw, hw)):
+        assert np.isfinite(np.asarray(got)).all()
+        rel = float(jnp.linalg.norm(got - hp) / jnp.linalg.norm(hp))
+        assert rel < 0.3, rel

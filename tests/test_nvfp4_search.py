@@ -36,12 +36,14 @@ def _data(shape=(64, 256), seed=0):
     return x
 
 
-def test_search_is_the_mse_minimum_over_the_range():
+def test_search_is_the_mse_minimum_and_never_worse_than_four_over_six():
     """float64 oracle: for each block, every E4M3 value in [e4m3(0.81 base), e4m3(1.8 base)] quantized with the
-    NVFP4 element step, the one of least squared error (ties: the map-to-6 scale first, then the smaller). The
-    chosen scale must agree wherever the best error beats the runner-up by more than float32 noise."""
+    NVFP4 element step, the one of least squared error (ties: the map-to-6 scale first). The chosen scale must agree
+    wherever the best error beats the runner-up by more than float32 noise. Per block the search's MSE is at most
+    4/6 mse's (its candidates include both of 4/6's), and overall it drops below 4/6's."""
     x = _data()
-    q = nvfp4.quantize(x, rule="search")
+    q, y46, y6 = jax.jit(lambda v: (nvfp4.quantize(v, rule="search"), nvfp4.fake_quantize(v, rule="mse"),
+                                    nvfp4.fake_quantize(v, rule="static_6")))(x)
     got = np.asarray(q.scales, np.float64)
     amax = np.abs(x).max()
     s_enc = F32(1536) / F32(amax)
@@ -65,29 +67,21 @@ def test_search_is_the_mse_minimum_over_the_range():
     assert clear.mean() > 0.9
     assert np.array_equal(got[clear], want[clear])
     assert np.array_equal(got[e6 == best], s6[e6 == best])  # s6 among the best: kept (ties keep map-to-6)
+    assert 0.3 < (got != s6).mean() < 0.95  # the search moves most blocks off map-to-6
 
-
-def test_search_never_worse_than_four_over_six():
-    """Per block, the search's MSE is at most 4/6 mse's (its candidates include both of 4/6's), and overall the
-    error drops below 4/6's; `selected_map4` says where the scale moved off map-to-6."""
-    x = jnp.asarray(_data(seed=1))
-    xb = np.asarray(x, np.float64).reshape(64, -1, 16)
-    ys = jax.jit(lambda v: [nvfp4.fake_quantize(v, rule=r) for r in ("search", "mse", "static_6")]
-                 + [nvfp4.selected_map4(v, rule="search")])(x)
-    e_search, e46, e6 = (((np.asarray(y, np.float64).reshape(xb.shape) - xb) ** 2).sum(-1) for y in ys[:3])
+    x64 = x.astype(np.float64).reshape(xb.shape)
+    e_search, e46, e_6 = (((np.asarray(v, np.float64).reshape(xb.shape) - x64) ** 2).sum(-1)
+                          for v in (q.dequantize(), y46, y6))
     assert np.all(e_search <= e46 * (1 + 1e-6))
-    assert e_search.sum() < 0.95 * e46.sum() < e6.sum()
-    moved = np.asarray(ys[3])
-    assert 0.3 < moved.mean() < 0.95
+    assert e_search.sum() < 0.95 * e46.sum() < e_6.sum()
 
 
 def test_search_tiles_and_errors():
     x = jnp.asarray(_data((32, 64), seed=2))
-    kw = dict(rule="search", block_shape=(16, 16))
-    q, deq, fake = jax.jit(lambda v: (lambda a: (a, a.dequantize(), nvfp4.fake_quantize(v, **kw)))(
-        nvfp4.quantize(v, **kw)))(x)
+    q = nvfp4.quantize(x, rule="search", block_shape=(16, 16))
     assert q.scales.shape == (2, 4) and q.rule == "search"
-    assert np.array_equal(np.asarray(deq), np.asarray(fake))
+    err = lambda y: float(jnp.sum((y - x) ** 2))  # noqa: E731
+    assert err(q.dequantize()) <= err(nvfp4.quantize(x, rule="mse", block_shape=(16, 16)).dequantize())
     with pytest.raises(ValueError, match="rounding='nearest' only"):
         nvfp4.quantize(x, rule="search", rounding="stochastic", key=jax.random.key(0))
     with pytest.raises(ValueError, match="kernel implements the rules"):
@@ -166,7 +160,7 @@ def _rotated_draws(rounding, n, fmt="nvfp4"):
     return x.astype(np.float64), out
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "if4"])
+@pytest.mark.parametrize("fmt", ["nvfp4"])  # IF4's MS-EDEN: tests/test_if4.py, bench/nvfp4.py
 def test_ms_eden_statistics_against_stochastic_rounding(fmt, record_property):
     """Quartet II's claim, measured: behind a random-sign RHT, MS-EDEN's error per draw is far below stochastic
     rounding's (round-to-nearest level: 0.0093 vs 0.0235 relative for NVFP4 on N(0,1)), every block's projection

@@ -158,8 +158,10 @@ SCHEMES = ("nvfp4-static_6", "nvfp4-static_4", "nvfp4-abs_max", "nvfp4-mae", "nv
 
 
 def scheme(name: str, *, weights_only: bool = False, weight_block: tuple[int, int] = (1, 16)) -> Scheme:
-    """A named scheme: ``"nvfp4-<rule>"`` (W4A4 NVFP4, weights and activations with the same rule; ``"search"``
-    is the per-block scale search), ``"if4-<rule>"`` (W4A4 IF4), ``"mxfp4"`` (W4A4 MXFP4) or ``"hif8"`` (W8A8
+    """A named scheme: ``"nvfp4-<rule>"`` (W4A4 NVFP4, weights and activations with the same rule, except
+    ``"nvfp4-search"``: the per-block scale search calibrates the weights, and the activations, quantized at run
+    time, use 4/6 ``mse``, the search being a weight calibration as llm-compressor's observer), ``"if4-<rule>"``
+    (W4A4 IF4), ``"mxfp4"`` (W4A4 MXFP4) or ``"hif8"`` (W8A8
     HiF8, per-tensor scales). ``weights_only``: no activation quantization (W4A16 / W8A16). ``weight_block``:
     NVFP4 / IF4 weight blocks, (1, 16) or (16, 16)."""
     _one_of(name, SCHEMES, "scheme")
@@ -167,7 +169,7 @@ def scheme(name: str, *, weights_only: bool = False, weight_block: tuple[int, in
     if kind in TWO_LEVEL:
         rule = name.split("-", 1)[1]
         w = TensorFormat(kind=kind, rule=rule, block_shape=tuple(weight_block))
-        a = TensorFormat(kind=kind, rule=rule)
+        a = TensorFormat(kind=kind, rule="mse" if rule == "search" else rule)
     else:
         if tuple(weight_block) != (1, 16):
             raise ValueError(f"weight_block applies to NVFP4 / IF4 schemes only; got {weight_block!r} with {name!r}")
