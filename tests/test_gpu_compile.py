@@ -79,28 +79,46 @@ def test_spills_and_shared_memory_overflow_are_problems():
     assert "input_reduce_fusion" in _stats(other_spills=("input_reduce_fusion",)).problems()[0]
 
 
-def test_compile_error_names_kernel_configuration_and_target(monkeypatch):
+# compile_target must run in a fresh process (jax registers the CUDA plugin's topology once, when it first
+# discovers plugins; a pytest worker may have started jax before this file put the plugin on sys.path)
+BAD_KERNEL = """
+import importlib.util, json, sys
+import jax, jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+spec = importlib.util.spec_from_file_location("compile_kernels", sys.argv[1])
+ck = importlib.util.module_from_spec(spec); sys.modules[spec.name] = ck; spec.loader.exec_module(ck)
+
+def body(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2
+
+def bad_kernel(config):  # a 3-element block: Triton needs power-of-two sizes
+    spec = pl.BlockSpec((3,), lambda i: (0,))
+    fn = pl.pallas_call(body, grid=(1,), in_specs=[spec], out_specs=spec,
+                        out_shape=jax.ShapeDtypeStruct((3,), jnp.float32),
+                        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1))
+    return fn, (jax.ShapeDtypeStruct((3,), jnp.float32),)
+
+ck.build = bad_kernel
+config = ck.all_configs()[0]
+stats, errors = ck.compile_target("sm_80 (A100)", [config], log=lambda s: None)
+print(json.dumps({"label": config.label, "stats": len(stats), "errors": errors}))
+"""
+
+
+def test_compile_error_names_kernel_configuration_and_target():
     """A kernel that fails to compile for the target is reported with its configuration, not raised."""
-    import jax
-    import jax.numpy as jnp
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as plt
+    import json
+    import os
+    import subprocess
 
-    def body(x_ref, o_ref):
-        o_ref[...] = x_ref[...] * 2
-
-    def bad_kernel(config):  # a 3-element block: Triton needs power-of-two sizes
-        spec = pl.BlockSpec((3,), lambda i: (0,))
-        fn = pl.pallas_call(body, grid=(1,), in_specs=[spec], out_specs=spec,
-                            out_shape=jax.ShapeDtypeStruct((3,), jnp.float32),
-                            compiler_params=plt.CompilerParams(num_warps=4, num_stages=1))
-        return fn, (jax.ShapeDtypeStruct((3,), jnp.float32),)
-
-    monkeypatch.setattr(ck, "build", bad_kernel)
-    config = ck.all_configs()[0]
-    stats, errors = ck.compile_target("sm_80 (A100)", [config], log=lambda s: None)
-    assert stats == [] and len(errors) == 1
-    assert errors[0].startswith(f"{config.label} for sm_80 (A100): compile error:") and "power of 2" in errors[0]
+    p = subprocess.run([sys.executable, "-c", BAD_KERNEL, str(SCRIPT)], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert p.returncode == 0, p.stderr[-4000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["stats"] == 0 and len(got["errors"]) == 1, got
+    error = got["errors"][0]
+    assert error.startswith(f"{got['label']} for sm_80 (A100): compile error:") and "power of 2" in error, error
 
 
 def test_configurations_cover_every_kernel_rule_block_and_dtype():

@@ -1,6 +1,7 @@
 """The paper's grid (``--grid paper``) and the NVFP4 pretraining grid (``--grid fouroversix``): the arms, their
-recipes and matched baselines, the flags, the loss APE against the matched-LR baseline, the final gaps, and both
-grids end to end on the tiny model."""
+recipes and matched baselines, the flags, the loss APE against the matched-LR baseline, the final gaps, and the
+fouroversix grid end to end on the tiny model (the paper grid runs end to end in test_train_main, from the demo's
+pretraining cache)."""
 from __future__ import annotations
 
 import json
@@ -131,28 +132,18 @@ def _run(argv, tmp_path):
     return p.stdout
 
 
-def test_the_paper_grid_runs_end_to_end(tmp_path):
-    out = tmp_path / "grid"
-    stdout = _run(["--grid", "paper", "--steps", "3", "--pretrain-steps", "3", "--warmup-steps", "1",
-                   "--arms", "hp_high,most_recent_high,current_low_warmup", "--out", str(out)], tmp_path)
-    assert "LR" in stdout and "hif8 current scaling, lr 3e-5, warmup 1" in stdout, stdout
-    rows = json.loads((out / "results.json").read_text())["rows"]
-    assert rows[0].get("lr") is None and [r["lr"] for r in rows[1:]] == pytest.approx([3e-4, 3e-4, 3e-5])
-    assert rows[2]["loss_ape"] > 0 and rows[2]["max_saturated_fraction"] > 0
-    assert rows[3]["loss_ape"] is None  # its baseline, hp_low, did not run
-    assert rows[3]["max_saturated_fraction"] == 0.0  # current scaling clips nothing
-    report = (out / "report.md").read_text()
-    assert "## Loss vs evaluation" in report and "`hp_high`" in report and "A val loss rise" in report
-
-
 def test_the_fouroversix_grid_runs_end_to_end(tmp_path):
+    # static_6 rather than a Four Over Six rule: the workflow (pretraining arms, table, report) is the same and the
+    # 4/6 selection compiles several times slower on CPU; its recipe is checked above, its training in test_nnx
+    # (test_nvfp4_training_needs_whole_tiles_and_rngs_and_trains) and the gap-closed column in
+    # test_final_gaps_and_the_share_of_static_6_gap_closed
     out = tmp_path / "fos"
-    stdout = _run(["--grid", "fouroversix", "--pretrain-steps", "3", "--arms", "hp,mae", "--out", str(out)],
+    stdout = _run(["--grid", "fouroversix", "--pretrain-steps", "3", "--arms", "hp,static_6", "--out", str(out)],
                   tmp_path)
-    assert "gap to HP" in stdout and "nvfp4 training, mae (Four Over Six)" in stdout, stdout
+    assert "gap to HP" in stdout and "nvfp4 training, static_6 (standard NVFP4)" in stdout, stdout
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert "final_gap" not in rows[0] and np.isfinite(rows[1]["final_gap"])
     assert all(np.isfinite(r["final_loss"]) for r in rows)
-    metrics = [json.loads(line) for line in (out / "mae" / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (out / "static_6" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 3 and all(r["finite"] for r in metrics)
     assert "## Final loss gap to high precision" in (out / "report.md").read_text()

@@ -128,7 +128,8 @@ def test_bad_arguments_raise_clear_errors(init):
 
 
 def test_stochastic_rounding_recipe_draws_from_the_quant_rng_stream():
-    dense = nn.Dense(32, dot_general_cls=jlinen.quant_dot_general_cls(qat.nvfp4_training()))
+    # static_6: the rule does not matter for where the key comes from, and it compiles fastest
+    dense = nn.Dense(32, dot_general_cls=jlinen.quant_dot_general_cls(qat.nvfp4_training(rule="static_6")))
     x = jax.random.normal(jax.random.key(2), (16, 32))
     variables = dense.init({"params": jax.random.key(0), jlinen.RNG_STREAM: jax.random.key(1)}, x)
 

@@ -646,6 +646,81 @@ def test_train_step_records_the_output_gradient_amax(microbatches):
     np.testing.assert_allclose(float(rs.grad.history[0]), want[0], rtol=1e-6)
 
 
+def test_microbatches_give_the_parameters_and_amax_histories_of_one_big_batch():
+    """k microbatches and one batch k times larger (jaxlowfp.training.make_step): the same parameters and amax
+    histories, to float32 rounding. Step 1 is the observe-only warmup, so every later step quantizes with the same
+    delayed estimate in both runs. The first step's recorded amaxes are the max over the microbatches, each run alone
+    from the same state (not their sum, as Flax's fp8 ops did, nor the last one, as Levanter kept). SGD: Adam divides
+    every coordinate by its own gradient's magnitude, so rounding-level gradients would get sign-like updates.
+
+    Not bitwise: the microbatch step is another XLA program (a scan of k gradient computations on 2-row slices,
+    their mean) than the big batch's (8-row matmuls), so the activations, gradient sums and hence the updates and
+    the later amaxes round differently (relative differences of a few float32 ulps, ~1e-7; a wrong merge or a
+    wrong mean is off by a factor). Exact where the very same float32 values meet a max: step 1's record of
+    up_proj, fed by the batch itself through the initial weight."""
+    from flax import nnx
+
+    from jaxlowfp import qnnx, training
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.up_proj = nnx.Linear(16, 32, rngs=rngs)
+            self.down_proj = nnx.Linear(32, 16, rngs=rngs)
+
+        def __call__(self, x):
+            return self.down_proj(jnp.tanh(self.up_proj(x)))
+
+    def loss_fn(m, b):
+        return jnp.mean((m(b["x"]) - b["t"]) ** 2), {}
+
+    model = Net(nnx.Rngs(0))
+    qnnx.quantize(model, [qnnx.Rule(path=".*_proj", recipe=qat.hif8_w8a8())])
+    k, b = 4, 2
+    rng = np.random.default_rng(8)
+    batches = []
+    for _ in range(4):
+        x = rng.standard_normal((k * b, 16)).astype(np.float32)
+        x[b:2 * b] *= 3.0  # the second microbatch holds the largest amax: neither the last one nor the sum
+        batches.append({"x": jnp.asarray(x), "t": jnp.asarray(rng.standard_normal((k * b, 16)), jnp.float32)})
+    tx, warmup = optax.sgd(0.1), qat.Warmup(steps=1)
+    graphdef, init = training.init(model, tx)
+    amax = lambda st, layer: st.qstate[layer]["amax"].get_value()  # noqa: E731 (its RecipeState)
+    runs = {}
+    for micro in (1, k):
+        step = jax.jit(training.make_step(graphdef, tx, loss_fn, warmup=warmup, microbatches=micro))
+        state, states = init, []
+        for batch in batches:
+            state, m = step(state, batch)
+            assert bool(m["finite"])
+            states.append(state)
+        runs[micro] = states
+    big, small = runs[1], runs[k]
+    for a, c in zip(jax.tree.leaves(big[-1].params), jax.tree.leaves(small[-1].params)):
+        np.testing.assert_allclose(np.asarray(c), np.asarray(a), rtol=1e-6, atol=1e-6)
+    for t, (s_big, s_small) in enumerate(zip(big, small)):
+        for layer in ("up_proj", "down_proj"):
+            for part in ("weight", "activation"):
+                a, c = getattr(amax(s_big, layer), part), getattr(amax(s_small, layer), part)
+                np.testing.assert_allclose(np.asarray(c.history), np.asarray(a.history), rtol=1e-6)
+                assert int(c.count) == int(a.count) == t + 1 and np.asarray(a.history).shape[0] > 1
+    first = amax(small[0], "up_proj")
+    np.testing.assert_array_equal(np.asarray(first.activation.history), np.asarray(amax(big[0], "up_proj")
+                                                                                  .activation.history))
+    np.testing.assert_array_equal(np.asarray(first.weight.history), np.asarray(amax(big[0], "up_proj").weight.history))
+
+    one = jax.jit(training.make_step(graphdef, tx, loss_fn, warmup=warmup))
+    x0 = batches[0]
+    alone = [one(init, jax.tree.map(lambda v, i=i: v[i * b:(i + 1) * b], x0))[0] for i in range(k)]
+    for layer in ("up_proj", "down_proj"):
+        merged = float(amax(small[0], layer).activation.history[0])
+        each = np.array([float(amax(s, layer).activation.history[0]) for s in alone])  # each microbatch's amax
+        if layer == "up_proj":  # the batch itself: the same values
+            assert merged == each.max() == float(np.abs(np.asarray(x0["x"])).max())
+        else:  # computed by another program (a 2-row step of its own): float32 rounding
+            np.testing.assert_allclose(merged, each.max(), rtol=1e-6)
+        assert each.argmax() != k - 1 and merged < each.sum() / 1.5
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Warmup
 
@@ -685,5 +760,5 @@ def test_stochastic_unbiased_rounding_in_a_recipe_needs_a_key_and_nvfp4():
         qat.fake_quant(jnp.ones((2, 16)), spec.init(), spec)
     y, _, _ = qat.fake_quant(jnp.ones((2, 16)), spec.init(), spec, key=jax.random.key(0))
     assert y.shape == (2, 16)
-    with pytest.raises(ValueError, match="format='nvfp4' only"):
+    with pytest.raises(ValueError, match=r"stochastic_unbiased' is implemented for format=.*'nvfp4'.* only"):
         QuantSpec(format="hif8", rounding="stochastic_unbiased")

@@ -100,7 +100,7 @@ def test_mesh_parsing_and_param_specs():
     assert tuple(param_spec((64,), 2)) == ()  # small: replicated
 
 
-def test_python_m_train_runs_end_to_end_and_reuses_the_pretrained_model(tmp_path):
+def test_python_m_train_runs_end_to_end_and_the_paper_grid_reuses_the_pretrained_model(tmp_path):
     run_dir = tmp_path / "run"
     argv = [sys.executable, "-m", "train", "--preset", "tiny", "--steps", "4", "--pretrain-steps", "4",
             "--seq-len", "32", "--batch-size", "8", "--max-bytes", "200000", "--eval-batches", "2", "--mc-items", "8",
@@ -128,9 +128,24 @@ def test_python_m_train_runs_end_to_end_and_reuses_the_pretrained_model(tmp_path
             "amax_estimate", "skipped", "observe_only"} <= set(paper[0])
     assert len(list(tmp_path.glob("pretrained-*/done.json"))) == 1
 
-    again = subprocess.run(argv + ["--arms", "hp"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+    # the paper's grid (--grid paper) from the same pretraining cache: the pretrained model is reused, and every
+    # quantized arm's loss APE is against the high-precision arm at its own learning rate
+    grid = tmp_path / "grid"
+    base = [a for a in argv if a not in ("--out", str(run_dir))]
+    again = subprocess.run(base + ["--grid", "paper", "--steps", "3", "--warmup-steps", "1", "--arms",
+                                   "hp_high,most_recent_high,current_low_warmup", "--out", str(grid)],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-4000:]
     assert "pretrained model reused" in again.stderr and "pretraining: reused from cache" in again.stdout
+    assert "LR" in again.stdout and "hif8 current scaling, lr 3e-5, warmup 1" in again.stdout, again.stdout
+    rows = json.loads((grid / "results.json").read_text())["rows"]
+    assert rows[0].get("lr") is None and [r["lr"] for r in rows[1:]] == pytest.approx([3e-4, 3e-4, 3e-5])
+    assert rows[2]["loss_ape"] > 0 and rows[2]["max_saturated_fraction"] > 0
+    assert rows[3]["loss_ape"] is None  # its baseline, hp_low, did not run
+    assert rows[3]["max_saturated_fraction"] == 0.0  # current scaling clips nothing
+    report = (grid / "report.md").read_text()
+    assert "## Loss vs evaluation" in report and "`hp_high`" in report and "A val loss rise" in report
 
 
 @pytest.mark.parametrize("fmt, recipe", [("hif8", "hif8_w8a8"), ("nvfp4", "nvfp4_w4a4_mae")])
