@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from jaxlowfp.ptq.checkpoint import llama_hf_config as hf_config  # noqa: F401 (the PTQ notebook's name)
+
 __all__ = ["main", "parse_args"]
 
 METHODS = ("rtn", "gptq", "smoothquant", "awq")
@@ -235,19 +237,6 @@ def _plot(rows: list[dict], texts: Sequence[str], hp_row: dict, path: Path) -> N
     plt.close(fig)
 
 
-def hf_config(cfg: Any) -> dict:
-    """A Hugging Face ``config.json`` for a `jaxlowfp.models.llama.ModelConfig` (Llama; Qwen2 with q/k/v bias; Qwen3 with
-    q/k norm)."""
-    arch = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
-    return {"architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                               "qwen3": "Qwen3ForCausalLM"}[arch]], "model_type": arch,
-            "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
-            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
-            "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "vocab_size": cfg.vocab,
-            "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": cfg.tie_embeddings,
-            "hidden_act": "silu", "torch_dtype": "float32"}
-
-
 def export_and_check(model: Any, result: Any, graphdef: Any, hp_state: Any, calib: Any, out: Path) -> str:
     """Export the model (HF tensor names), reload it into a fresh copy and compare logits bit for bit."""
     import jax.numpy as jnp
@@ -256,7 +245,7 @@ def export_and_check(model: Any, result: Any, graphdef: Any, hp_state: Any, cali
     from jaxlowfp.models.common import tensor_specs
 
     names = {s.path: s.hf for s in tensor_specs(model.config)}
-    ptq.export(model, result, out, tensor_names=names, model_config=hf_config(model.config))
+    ptq.export(model, result, out, tensor_names=names)  # config.json: ptq.checkpoint.llama_hf_config
     fresh = _restore(graphdef, hp_state)
     ptq.load(fresh, out)
     x = jnp.asarray(calib[:1, :64])

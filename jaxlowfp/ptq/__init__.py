@@ -1,4 +1,5 @@
-"""Post-training quantization (PTQ) of Flax NNX models: round-to-nearest, GPTQ, SmoothQuant and AWQ to NVFP4 (with
+"""Post-training quantization (PTQ) of Flax NNX models (``nnx.Linear``, ``nnx.LinearGeneral`` and ``nnx.Einsum``
+layers): round-to-nearest, GPTQ, SmoothQuant and AWQ to NVFP4 (with
 Four Over Six block scaling), MXFP4 and HiF8, and export of NVFP4 weights in the compressed-tensors layout.
 
 The Four Over Six paper's PTQ setting: W4A4, weights quantized once (here: offline, by the chosen method), activations
@@ -37,7 +38,8 @@ Schemes (`formats`): ``"nvfp4-static_6"``, ``"nvfp4-static_4"``, ``"nvfp4-abs_ma
 >>> res.report.quantized, res.report.unmatched, res.report.unused_rules
 ((('up_proj', 'nvfp4-mse'),), ('down_proj',), ('gate_proj',))
 """
-from jaxlowfp.ptq.api import METHODS, RTN, ActQuant, PTQResult, Rule, method_from_name, quantize, smooth_model
+from jaxlowfp.ptq.api import METHODS, RTN, PTQResult, Rule, method_from_name, quantize, smooth_model
+from jaxlowfp.ptq.layers import ActQuant, EinsumActQuant
 from jaxlowfp.ptq.calibrate import LayerStats, collect
 from jaxlowfp.ptq.checkpoint import ExportReport, export, load
 from jaxlowfp.ptq.formats import SCHEMES, QuantizedWeight, Scheme, TensorFormat, rtn_weight, scheme
@@ -47,7 +49,8 @@ from jaxlowfp.ptq.smooth import AWQ, Fold, SmoothQuant
 
 __all__ = [
     "METHODS", "SCHEMES", "RTN", "GPTQ", "SmoothQuant", "AWQ", "Rule", "Scheme", "TensorFormat", "Fold",
-    "ActQuant", "PTQResult", "QuantizedWeight", "LayerStats", "quantize", "scheme", "method_from_name",
+    "ActQuant", "EinsumActQuant", "PTQResult", "QuantizedWeight", "LayerStats", "quantize", "scheme",
+    "method_from_name",
     "rtn_weight", "gptq_weight", "smooth_model", "collect", "export", "load", "ExportReport", "export_gguf",
     "GGUFReport",
 ]

@@ -1,5 +1,6 @@
-"""`quantize(model, rules, method=..., calibration=...)`: post-training quantization of the Linear layers of an NNX
-model, chosen by module-path rules, in place."""
+"""`quantize(model, rules, method=..., calibration=...)`: post-training quantization of the ``nnx.Linear``,
+``nnx.LinearGeneral`` and ``nnx.Einsum`` layers of an NNX model, chosen by module-path rules, in place (each
+weight quantized as the GEMM matrix of `jaxlowfp.ptq.layers`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,12 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax import lax
 
 from jaxlowfp import nvfp4
 from jaxlowfp._core.progress import progress_bar
 from jaxlowfp.ptq import calibrate, sequential, serving, smooth
-from jaxlowfp.ptq.formats import Scheme, TensorFormat, rtn_weight
+from jaxlowfp.ptq.layers import act_quant, default_hook, hook_name, is_act_quant, layout
+from jaxlowfp.ptq.formats import Scheme, rtn_weight
 from jaxlowfp.ptq.gptq import GPTQ, gptq_weight
 from jaxlowfp.ptq.smooth import AWQ, Fold, SmoothQuant
 from jaxlowfp.rules import QuantizeReport, Rule, check_rules, select
@@ -44,19 +45,6 @@ def method_from_name(method: str | Method) -> Method:
         return {"rtn": RTN, "gptq": GPTQ, "smoothquant": SmoothQuant, "awq": AWQ}[method]()
     raise ValueError(f"unknown PTQ method {method!r}; allowed: {', '.join(map(repr, METHODS))} or an RTN, GPTQ, "
                      f"SmoothQuant or AWQ object")
-
-
-@dataclasses.dataclass(frozen=True)
-class ActQuant:
-    """The ``dot_general`` of a PTQ'd ``nnx.Linear``: fake-quantizes the input with its current per-tensor amax,
-    then the plain ``lax.dot_general`` (the kernel already holds the quantized weights). Hashable, so models with
-    the same formats share compiled code."""
-
-    fmt: TensorFormat
-
-    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kw):
-        return lax.dot_general(self.fmt.fake_quantize(lhs), rhs, dimension_numbers, precision=precision,
-                               preferred_element_type=preferred_element_type, **kw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,16 +105,17 @@ def _batches(calibration: Any, batch_size: int, forward_is_default: bool) -> lis
 
 
 def _select(model: nnx.Module, rules: Sequence[Rule]) -> tuple[dict, list, list, list, tuple[str, ...], int, int]:
-    linears = calibrate.linear_modules(model)
-    fresh = [p for p, lin in linears.items() if not isinstance(lin.dot_general, ActQuant)]
+    layers = calibrate.quantizable_modules(model)
+    fresh = [p for p, mod in layers.items() if not is_act_quant(getattr(mod, hook_name(mod)))]
     decided, unused = select(rules, fresh)
     decided = dict(zip(fresh, decided))
     targets, kept, unmatched, already = {}, [], [], []
     total = done = 0
-    for path, lin in linears.items():
-        size = int(np.prod(lin.kernel.shape))
+    for path, mod in layers.items():
+        size = int(np.prod(mod.kernel.shape))
         total += size
-        if isinstance(lin.dot_general, ActQuant):
+        hook = getattr(mod, hook_name(mod))
+        if is_act_quant(hook):
             already.append(path)
             done += size
             continue
@@ -137,9 +126,10 @@ def _select(model: nnx.Module, rules: Sequence[Rule]) -> tuple[dict, list, list,
         if rules[idx].scheme is None:
             kept.append((path, rules[idx].path))
             continue
-        rules[idx].scheme.check_layer(lin.in_features, lin.out_features, path)
-        if lin.dot_general is not lax.dot_general:
-            raise ValueError(f"{path}: this nnx.Linear has a custom dot_general ({lin.dot_general!r}); PTQ would "
+        view = layout(mod, path)
+        rules[idx].scheme.check_layer(view.k, view.n, path)
+        if hook not in (default_hook(mod), None) or getattr(mod, "dot_general_cls", None) is not None:
+            raise ValueError(f"{path}: this {type(mod).__name__} has a custom {hook_name(mod)} ({hook!r}); PTQ would "
                              f"replace it. Exclude it from the rules.")
         targets[path] = rules[idx].scheme
         done += size
@@ -161,10 +151,13 @@ def quantize(
     pipeline: str = "auto",
     propagate: str = "quantized",
 ) -> PTQResult:
-    """Post-training quantization of the Linear layers that `rules` select, in place.
+    """Post-training quantization of the layers that `rules` select, in place.
 
     Args:
-      model: any ``nnx.Module``; its ``nnx.Linear`` layers (kernel [in, out]) are the candidates.
+      model: any ``nnx.Module``; its ``nnx.Linear`` (kernel [in, out]), ``nnx.LinearGeneral`` and ``nnx.Einsum``
+        layers are the candidates (the last two as the GEMM matrix of `jaxlowfp.ptq.layers`: blocks along the
+        flattened contraction; batched contractions are refused). SmoothQuant / AWQ folds and `export` take
+        ``nnx.Linear`` layers.
       rules: `Rule` (path regex -> `Scheme` or None); the first match decides; every Linear is checked before any
         change, so an error leaves the model as it was.
       method: "rtn", "gptq", "smoothquant", "awq" or a configured `RTN` / `GPTQ` / `SmoothQuant` / `AWQ`.
@@ -183,8 +176,9 @@ def quantize(
       propagate: sequential only: "quantized" (the quantized prefix runs as deployed, activation quantization
         included) or "weights" (activations in high precision while propagating, as llm-compressor does).
 
-    Afterwards each quantized layer is still an ``nnx.Linear``: its kernel holds the dequantized quantized weights,
-    and, for W4A4 / W8A8 schemes, its ``dot_general`` is an `ActQuant` that fake-quantizes the input at run time.
+    Afterwards each quantized layer is still the same module: its kernel holds the dequantized quantized weights,
+    and, for W4A4 / W8A8 schemes, its ``dot_general`` is an `ActQuant` (an Einsum's ``einsum_op`` an
+    `EinsumActQuant`) that fake-quantizes the input at run time.
     """
     t0 = time.perf_counter()
     if not isinstance(model, nnx.Module):
@@ -195,9 +189,10 @@ def quantize(
         raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
     targets, kept, unmatched, already, unused, total, done = _select(model, rules)
     if not targets:
-        names = list(calibrate.linear_modules(model))
-        raise ValueError(f"no nnx.Linear layer matches a rule with a scheme (rules: {[r.path for r in rules]}); the "
-                         f"model's Linear layers: {names[:12]}{' ...' if len(names) > 12 else ''}")
+        names = list(calibrate.quantizable_modules(model))
+        raise ValueError(f"no nnx.Linear layer matches a rule with a scheme (nor an nnx.LinearGeneral or "
+                         f"nnx.Einsum; rules: {[r.path for r in rules]}); the model's layers: "
+                         f"{names[:12]}{' ...' if len(names) > 12 else ''}")
     if calibration is not None and stats is not None:
         raise ValueError("pass calibration or stats, not both")
     if calibration is None and stats is None and not isinstance(m, RTN):
@@ -208,6 +203,11 @@ def quantize(
     mods = {"/".join(map(str, p)): x for p, x in nnx.iter_graph(model) if isinstance(x, nnx.Module)}
     folds, skipped = [], []
     if isinstance(m, (SmoothQuant, AWQ)):
+        general = [p for p in targets if not isinstance(mods[p], nnx.Linear)]
+        if general:
+            raise ValueError(f"method {m.name!r} folds per-channel scales into nnx.Linear layers; "
+                             f"{', '.join(f'{p} ({type(mods[p]).__name__})' for p in general[:3])} are not: use rtn "
+                             f"or gptq for them (or keep them with scheme=None)")
         folds, skipped = _folds(model, mods, m, targets)
 
     pipe = _pipeline(pipeline, propagate, model, m, forward, calibration, stats)
@@ -310,8 +310,9 @@ def _quantize_weights(mods: Mapping[str, Any], m: Method, targets: Mapping[str, 
     """Quantize the kernels of `targets` in place (GPTQ with their Hessians, else RTN); NVFP4 arrays into `packed`;
     W4A4 / W8A8 layers get their run-time activation quantizer."""
     for path in progress_bar(list(targets), desc=f"{m.name} weights", enabled=progress):
-        lin, sch = mods[path], targets[path]
-        kernel = lin.kernel[...]
+        mod, sch = mods[path], targets[path]
+        view = layout(mod, path)
+        kernel = view.to_matrix(mod.kernel[...])  # [K, N]
         if isinstance(m, GPTQ):
             qw = gptq_weight(kernel, stats[path].gptq_hessian(), sch.weight, m, where=path,
                              global_amax=shared.get(path))
@@ -319,11 +320,11 @@ def _quantize_weights(mods: Mapping[str, Any], m: Method, targets: Mapping[str, 
             qw = serving.ct_weight(kernel, sch.weight, shared.get(path))
         else:
             qw = rtn_weight(kernel, sch.weight, shared.get(path))
-        lin.kernel.set_value(qw.kernel.astype(lin.kernel[...].dtype))
+        mod.kernel.set_value(view.from_matrix(qw.kernel).astype(mod.kernel[...].dtype))
         if qw.packed is not None:
             packed[path] = (qw.packed, qw.s_enc)
         if sch.activation is not None:
-            lin.dot_general = ActQuant(sch.activation)
+            setattr(mod, hook_name(mod), act_quant(mod, sch.activation))
 
 
 def _folds(model: nnx.Module, mods: dict, m: SmoothQuant | AWQ, targets: Mapping[str, Scheme]

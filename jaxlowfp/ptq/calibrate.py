@@ -1,8 +1,9 @@
-"""Calibration: statistics of the inputs of chosen ``nnx.Linear`` layers, from a few batches of real data.
+"""Calibration: statistics of the inputs of chosen layers (``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum``),
+from a few batches of real data.
 
-Each batch runs the whole model once under ``jax.jit``; inside the trace every target layer's ``dot_general`` is
-swapped for a recorder that hands its input to a reduction, so what leaves the forward pass is per-layer statistics,
-never the activations themselves::
+Each batch runs the whole model once under ``jax.jit``; inside the trace every target layer's ``dot_general`` (an
+Einsum's ``einsum_op``) is swapped for a recorder that hands its input, as ``x' [rows, K]`` (`jaxlowfp.ptq.layers`),
+to a reduction, so what leaves the forward pass is per-layer statistics, never the activations themselves::
 
     hessian   Σ x x^T over tokens                 [in, in]   (GPTQ: H = 2/n Σ x x^T)
     amax      max |x_j| over tokens                [in]       (SmoothQuant; the exported activation global scale)
@@ -23,6 +24,7 @@ from flax import nnx
 from jax import lax
 
 from jaxlowfp._core.progress import progress_bar
+from jaxlowfp.ptq.layers import contracted_axes, hook_name, input_rows, quantizable_modules
 
 _HI = lax.Precision.HIGHEST
 
@@ -50,15 +52,27 @@ class LayerStats:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Recorder:
-    """A `dot_general` that records its lhs (the layer input) into `sink` while tracing."""
+    """A `dot_general` that records its lhs (the layer input) and its contracted axes into `sink` while tracing."""
 
     path: str
     sink: dict
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kw):
-        self.sink[self.path] = lhs
+        self.sink[self.path] = (lhs, contracted_axes(lhs, dimension_numbers))
         return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                preferred_element_type=preferred_element_type, **kw)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _EinsumRecorder:
+    """The `_Recorder` of an ``nnx.Einsum`` (its ``einsum_op``)."""
+
+    path: str
+    sink: dict
+
+    def __call__(self, spec, lhs, rhs, **kw):
+        self.sink[self.path] = (lhs, contracted_axes(lhs, spec=spec, rhs=rhs))
+        return jnp.einsum(spec, lhs, rhs, **kw)
 
 
 def linear_modules(model: nnx.Module) -> dict[str, nnx.Linear]:
@@ -107,20 +121,23 @@ def _step(graphdef, state, batch, paths: tuple[str, ...], forward, hessian: bool
     """One calibration batch: the statistics of every layer at `paths` (numpy-ready dicts)."""
     m = nnx.merge(graphdef, state)
     sink: dict[str, jax.Array] = {}
-    mods = linear_modules(m)
+    mods = quantizable_modules(m)
     for p in paths:
         if p not in mods:
-            raise ValueError(f"calibration: no nnx.Linear at {p!r}")
-        mods[p].dot_general = _Recorder(p, sink)
+            raise ValueError(f"calibration: no nnx.Linear, nnx.LinearGeneral or nnx.Einsum at {p!r}")
+        recorder = _EinsumRecorder if hook_name(mods[p]) == "einsum_op" else _Recorder
+        setattr(mods[p], hook_name(mods[p]), recorder(p, sink))
     forward(m, batch)
     out, done = {}, {}
     for p in paths:
         if p not in sink:
             raise ValueError(f"calibration: layer {p!r} was not called by the forward pass")
-        if id(sink[p]) in done:  # layers fed the very same array (q/k/v, gate/up): reduce it once
-            out[p] = done[id(sink[p])]
+        lhs, axes = sink[p]
+        key = (id(lhs), axes)
+        if key in done:  # layers fed the very same array (q/k/v, gate/up): reduce it once
+            out[p] = done[key]
             continue
-        x = sink[p].reshape(-1, sink[p].shape[-1]).astype(jnp.float32)
+        x = input_rows(lhs, axes).astype(jnp.float32)
         a = jnp.abs(x)
         st = {"amax": jnp.max(a, axis=0), "abs_sum": jnp.sum(a, axis=0), "tokens": jnp.int32(x.shape[0])}
         if hessian:
@@ -128,5 +145,5 @@ def _step(graphdef, state, batch, paths: tuple[str, ...], forward, hessian: bool
         if samples_per_batch:
             k = min(samples_per_batch, x.shape[0])
             st["samples"] = x[np.linspace(0, x.shape[0] - 1, k).round().astype(np.int32)]
-        out[p] = done[id(sink[p])] = st
+        out[p] = done[key] = st
     return out

@@ -61,7 +61,8 @@ from jaxlowfp import nvfp4
 from jaxlowfp._core import ct_nvfp4
 from jaxlowfp.models.quantized import read_safetensors
 from jaxlowfp.ptq import serving
-from jaxlowfp.ptq.api import ActQuant, PTQResult
+from jaxlowfp.ptq.api import PTQResult
+from jaxlowfp.ptq.layers import ActQuant, require_linear
 from jaxlowfp.ptq.calibrate import linear_modules
 from jaxlowfp.ptq.formats import Scheme, TensorFormat
 
@@ -205,6 +206,7 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
     if bad:
         raise ValueError(f"export writes NVFP4 weights; layers {bad[:4]} use "
                          f"{sorted({result.schemes[p].weight.name for p in bad})}")
+    require_linear(model, result.schemes, "export (compressed-tensors)")
     if tensor_names is None:
         tensor_names = _hf_names(model)
     if model_config is None and _hf_names(model) is not None:

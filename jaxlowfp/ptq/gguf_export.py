@@ -32,6 +32,7 @@ from jaxlowfp import mx
 from jaxlowfp._core.checks import optional_module
 from jaxlowfp.ptq import serving
 from jaxlowfp.ptq.api import PTQResult
+from jaxlowfp.ptq.layers import require_linear
 
 
 
@@ -171,6 +172,7 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
     cfg = model.config
     arch = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
     schemes = {} if result is None or float32 else result.schemes
+    require_linear(model, schemes, "export_gguf")
     bad = {p: s.weight.name for p, s in schemes.items() if s.weight.kind not in ("nvfp4", "mxfp4")}
     if bad:
         raise ValueError(f"GGUF has no type for the weight formats {sorted(set(bad.values()))} (layers "

@@ -36,10 +36,10 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax import lax
 
 from jaxlowfp._core.progress import progress_bar
 from jaxlowfp.ptq import calibrate
+from jaxlowfp.ptq.layers import default_hook, hook_name
 
 PROPAGATE = ("quantized", "weights")
 
@@ -98,8 +98,8 @@ def _embed(graphdef, state, batch, fn):
 def _propagate(graphdef, state, x, fn, act_quant: bool):
     block = nnx.merge(graphdef, state)
     if not act_quant:  # llm-compressor's DisableQuantization: only the (already quantized) weights act
-        for lin in calibrate.linear_modules(block).values():
-            lin.dot_general = lax.dot_general
+        for mod in calibrate.quantizable_modules(block).values():
+            setattr(mod, hook_name(mod), default_hook(mod))
     return fn(block, x)
 
 
