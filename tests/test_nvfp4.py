@@ -147,48 +147,66 @@ CASES = {  # per (rule, block shape): a batch of distributions, its per-tensor s
 
 
 # ------------------------------------------------------------------------------------------------ tests
-@pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("block_shape", [(1, 16), (16, 16)], ids=["1x16", "16x16"])
-def test_matches_reference_and_round_trips(rule, block_shape):
-    """Codes, scales, global scale and dequantized values equal the reference exactly on 5 distributions;
-    fake_quantize equals dequantize(quantize(x)) bit for bit. Alternates f32/bf16 per rule."""
-    shape, dtype = CASES[block_shape][RULES.index(rule) % 2]
-    xs = np.stack([make(d, shape, seed=i, dtype=dtype) for i, d in enumerate(DISTS)])
-    kw = dict(rule=rule, block_shape=block_shape)
-    x = xs[0]
-    q = nvfp4.quantize(x, **kw)
-    assert q.codes.shape == (*shape[:-1], shape[-1] // 2) and q.codes.dtype == jnp.uint8
-    assert q.dtype == jnp.dtype(dtype) and q.shape == shape and q.rule == rule
-    check_against_ref(q, x, rule, block_shape)
-    deq = nvfp4.dequantize(q)
-    ref = ref_dequantize(np.asarray(q.codes), np.asarray(q.scales).astype(F32), np.asarray(q.global_scale), shape,
-                         block_shape[0])
-    assert same_bits(deq, ref).all()
-    fq = nvfp4.fake_quantize(x, **kw)
-    assert fq.dtype == jnp.dtype(dtype)
-    assert same_bits(np.asarray(fq).astype(F32), np.asarray(nvfp4.dequantize(q, dtype)).astype(F32)).all()
-    # every distribution, each with its own global amax (vmap = one tensor per slice)
-    qs = jax.vmap(lambda v: nvfp4.quantize(v, **kw))(xs)
-    for i in range(len(DISTS)):
-        check_against_ref(jax.tree_util.tree_map(lambda a, i=i: a[i], qs), xs[i], rule, block_shape)
-
-
-@pytest.mark.parametrize("rule", ["mse", "mae"])
-@pytest.mark.parametrize("block_shape", [(1, 16), (16, 16)], ids=["1x16", "16x16"])
-def test_inside_jit_bit_exact_on_larger_tensors(rule, block_shape):
-    """256x1024 tensors inside a user's jit: sensitive to XLA's reciprocal-multiply rewrite and FMA contraction
-    (spec 8), which change ~30 % of the affected roundings, so a regression flips scales, codes or 4/6 choices."""
-    bf16 = block_shape == (16, 16)
-    x = make("student_t" if bf16 else "normal", (256, 1024), seed=11, dtype=ml_dtypes.bfloat16 if bf16 else F32)
+def test_matches_reference_and_round_trips(block_shape):
+    """Codes, scales, global scale and dequantized values equal the reference exactly on 5 distributions, for every
+    rule; fake_quantize equals dequantize(quantize(x)) bit for bit. Alternates f32/bf16 per rule. All rules run in
+    one user jit (one compilation per block shape instead of three per rule: the quantizers are inlined into it,
+    which is the bit-exactness-under-jit promise; the eager entry points are checked against the same reference in
+    the tests below, and test_pytree_jit_and_no_retrace checks a vmapped slice against the unbatched call)."""
+    cases = {}
+    for rule in RULES:
+        shape, dtype = CASES[block_shape][RULES.index(rule) % 2]
+        cases[rule] = np.stack([make(d, shape, seed=i, dtype=dtype) for i, d in enumerate(DISTS)])
 
     @jax.jit
-    def f(v):
-        q = nvfp4.quantize(v, rule=rule, block_shape=block_shape)
-        return q, nvfp4.fake_quantize(v, rule=rule, block_shape=block_shape) * 1  # fused into other work
+    def run(cases):
+        out = {}
+        for rule, xs in cases.items():
+            kw = dict(rule=rule, block_shape=block_shape)
+            # every distribution, each with its own global amax (vmap = one tensor per slice)
+            qs = jax.vmap(lambda v, kw=kw: nvfp4.quantize(v, **kw))(xs)
+            out[rule] = qs, nvfp4.fake_quantize(xs[0], **kw)
+        return out
 
-    q, fq = f(x)
-    check_against_ref(q, x, rule, block_shape)
-    assert same_bits(np.asarray(fq).astype(F32), np.asarray(nvfp4.dequantize(q, x.dtype)).astype(F32)).all()
+    for rule, (qs, fq) in run(cases).items():
+        xs = cases[rule]
+        q = jax.tree_util.tree_map(lambda a: a[0], qs)  # the first distribution's tensor
+        x, shape, dtype = xs[0], xs.shape[1:], xs.dtype
+        assert q.codes.shape == (*shape[:-1], shape[-1] // 2) and q.codes.dtype == jnp.uint8
+        assert q.dtype == jnp.dtype(dtype) and q.shape == shape and q.rule == rule
+        check_against_ref(q, x, rule, block_shape)
+        deq = nvfp4.dequantize(q)
+        ref = ref_dequantize(np.asarray(q.codes), np.asarray(q.scales).astype(F32), np.asarray(q.global_scale),
+                             shape, block_shape[0])
+        assert same_bits(deq, ref).all()
+        assert fq.dtype == jnp.dtype(dtype)
+        assert same_bits(np.asarray(fq).astype(F32), np.asarray(nvfp4.dequantize(q, dtype)).astype(F32)).all()
+        for i in range(len(DISTS)):
+            check_against_ref(jax.tree_util.tree_map(lambda a, i=i: a[i], qs), xs[i], rule, block_shape)
+
+
+def test_inside_jit_bit_exact_on_larger_tensors():
+    """256x1024 tensors inside a user's jit: sensitive to XLA's reciprocal-multiply rewrite and FMA contraction
+    (spec 8), which change ~30 % of the affected roundings, so a regression flips scales, codes or 4/6 choices.
+    One large tensor per error-sum rule (mse: 1x16 float32, mae: 16x16 bfloat16 tiles), both in one program; the
+    other rule x block shape x dtype combinations run at small size in test_matches_reference_and_round_trips."""
+    cases = {"mse": ((1, 16), make("normal", (256, 1024), seed=11)),
+             "mae": ((16, 16), make("student_t", (256, 1024), seed=11, dtype=ml_dtypes.bfloat16))}
+
+    @jax.jit
+    def f(xs):
+        out = {}
+        for rule, (block_shape, v) in cases.items():
+            q = nvfp4.quantize(xs[rule], rule=rule, block_shape=block_shape)
+            out[rule] = q, nvfp4.fake_quantize(xs[rule], rule=rule, block_shape=block_shape) * 1  # fused into other work
+        return out
+
+    got = f({r: v for r, (_, v) in cases.items()})
+    for rule, (block_shape, x) in cases.items():
+        q, fq = got[rule]
+        check_against_ref(q, x, rule, block_shape)
+        assert same_bits(np.asarray(fq).astype(F32), np.asarray(nvfp4.dequantize(q, x.dtype)).astype(F32)).all()
 
 
 def test_packing_order_by_hand():
@@ -207,11 +225,10 @@ def test_packing_order_by_hand():
 
 def test_four_over_six_beats_static_6_on_gaussian():
     x = make("normal", (256, 1024), seed=42)
-    err = {}
-    for rule in ("static_6", "mse"):
-        y = np.asarray(jax.jit(lambda v: nvfp4.fake_quantize(v, rule=rule))(x))
-        err[rule] = float(((y - x) ** 2).sum() / (x**2).sum())
-    map4 = np.asarray(nvfp4.selected_map4(x, rule="mse"))
+    ys, map4 = jax.jit(lambda v: ({r: nvfp4.fake_quantize(v, rule=r) for r in ("static_6", "mse")},
+                                  nvfp4.selected_map4(v, rule="mse")))(x)
+    err = {rule: float(((np.asarray(y) - x) ** 2).sum() / (x**2).sum()) for rule, y in ys.items()}
+    map4 = np.asarray(map4)
     np.testing.assert_array_equal(map4, ref_quantize(x, "mse")[3])
     frac4 = float(map4.mean())
     assert err["mse"] <= 0.92 * err["static_6"], err  # spec table: 0.00756 vs 0.00904 (-16 %)
@@ -240,14 +257,19 @@ def test_stochastic_rounding_unbiased_and_reproducible():
     assert (np.abs(bias) <= 5 * se + 1e-5).all()
     z = bias[se > 0] / se[se > 0]
     assert abs(z.mean()) < 4 / np.sqrt(z.size)  # no systematic bias over the 256 elements
+    # reproducible from the key; another key, other codes; fake_quantize draws what quantize does (one program)
+    @jax.jit
+    def sr(k1, k2):
+        kw = dict(rounding="stochastic")
+        return {rule: (nvfp4.quantize(x, rule=rule, key=k1, **kw), nvfp4.quantize(x, rule=rule, key=k2, **kw),
+                       nvfp4.fake_quantize(x, rule=rule, key=k1, **kw)) for rule in ("static_6", "mse")}
+
     k = jax.random.key(7)
-    for rule in ("static_6", "mse"):
-        q1 = nvfp4.quantize(x, rule=rule, rounding="stochastic", key=k)
-        q2 = nvfp4.quantize(x, rule=rule, rounding="stochastic", key=k)
-        q3 = nvfp4.quantize(x, rule=rule, rounding="stochastic", key=jax.random.key(8))
-        np.testing.assert_array_equal(np.asarray(q1.codes), np.asarray(q2.codes))
+    first, again, other = sr(k, jax.random.key(8)), sr(k, k), sr(jax.random.key(8), k)
+    for rule, (q1, q3, fq) in first.items():
+        np.testing.assert_array_equal(np.asarray(q1.codes), np.asarray(again[rule][0].codes))
+        np.testing.assert_array_equal(np.asarray(q3.codes), np.asarray(other[rule][0].codes))
         assert (np.asarray(q1.codes) != np.asarray(q3.codes)).any()
-        fq = nvfp4.fake_quantize(x, rule=rule, rounding="stochastic", key=k)
         assert same_bits(fq, nvfp4.dequantize(q1)).all()
 
 
@@ -258,8 +280,8 @@ def test_zero_tensor_and_zero_scales():
     assert not np.asarray(nvfp4.dequantize(q)).any()
     # a block far below the tensor max gets a scale that rounds to 0 -> its codes are 0 and it dequantizes to 0
     x = np.concatenate([np.full(16, 1e4, F32), np.full(16, -1e-6, F32)])
-    for rule in RULES:
-        q = nvfp4.quantize(x, rule=rule)
+    qs = jax.jit(lambda v: {rule: nvfp4.quantize(v, rule=rule) for rule in RULES})(x)  # one compilation
+    for rule, q in qs.items():
         assert float(np.asarray(q.scales).astype(F32)[1]) == 0.0
         assert not np.asarray(q.codes[8:]).any()
         check_against_ref(q, x, rule, (1, 16))
@@ -267,17 +289,18 @@ def test_zero_tensor_and_zero_scales():
 
 def test_non_finite_inputs_poison_visibly():
     x = make("normal", (16, 64), seed=1)
-    for bad in (np.nan, np.inf, -np.inf):
+    amax = np.float32(np.abs(x).max())
+    run = jax.jit(lambda v, a: {rule: (nvfp4.quantize(v, rule=rule), nvfp4.fake_quantize(v, rule=rule),
+                                       nvfp4.quantize(v, rule=rule, global_amax=a)) for rule in ("static_6", "mse")})
+    for bad in (np.nan, np.inf, -np.inf):  # one compilation, three runs
         xb = x.copy()
         xb[3, 20] = bad
-        for rule in ("static_6", "mse"):
-            q = nvfp4.quantize(xb, rule=rule)
+        for rule, (q, fq, q_amax) in run(xb, amax).items():
             assert np.isnan(np.asarray(q.global_scale))  # the tensor amax is not finite
             assert np.isnan(np.asarray(q.scales).astype(F32)).all()
-            assert np.isnan(np.asarray(nvfp4.fake_quantize(xb, rule=rule))).all()
+            assert np.isnan(np.asarray(fq)).all()
             # with a finite caller-supplied amax only the block holding the bad value is poisoned
-            amax = float(np.abs(x).max())
-            q = nvfp4.quantize(xb, rule=rule, global_amax=np.float32(amax))
+            q = q_amax
             s = np.asarray(q.scales).astype(F32)
             assert np.isnan(s[3, 1]) and np.isfinite(np.delete(s.ravel(), 3 * 4 + 1)).all()
             deq = np.asarray(nvfp4.dequantize(q))
@@ -287,12 +310,12 @@ def test_non_finite_inputs_poison_visibly():
 def test_global_amax_supplied_and_saturation():
     x = make("normal", (32, 64), seed=2)
     amax = np.float32(np.abs(x).max())
-    for rule in ("static_6", "mse"):
-        q1 = nvfp4.quantize(x, rule=rule)
-        q2 = nvfp4.quantize(x, rule=rule, global_amax=amax)
+    run = jax.jit(lambda v, a: {rule: (nvfp4.quantize(v, rule=rule), nvfp4.quantize(v, rule=rule, global_amax=a),
+                                       nvfp4.quantize(v, rule=rule, global_amax=a / 4))
+                                for rule in ("static_6", "mse")})
+    for rule, (q1, q2, q3) in run(x, amax).items():
         np.testing.assert_array_equal(np.asarray(q1.codes), np.asarray(q2.codes))
         # a stale amax 4x too small: matches the reference, block scales saturate at 448 and elements at +-6
-        q3 = nvfp4.quantize(x, rule=rule, global_amax=amax / 4)
         check_against_ref(q3, x, rule, (1, 16), global_amax=amax / 4)
         assert np.asarray(q3.scales).astype(F32).max() == 448.0
         deq = np.asarray(nvfp4.dequantize(q3))
@@ -453,13 +476,14 @@ def test_nan_anywhere_in_a_block_gives_it_a_nan_scale(dtype, block_shape):
 def test_four_over_six_where_the_error_overflows():
     """Tensors near the float32 range, where the error's ((q*s)*amax) overflows to Inf for some blocks and not
     others (the twin takes per-block quotients there): still bit-identical to the reference."""
-    for seed, top in enumerate((2e35, 1e37, 3.0e38)):
+    run = jax.jit(lambda v: {rule: nvfp4.quantize(v, rule=rule) for rule in ("abs_max", "mae", "mse")})
+    for seed, top in enumerate((2e35, 1e37, 3.0e38)):  # one compilation, three runs
         x = make("laplace", (8, 256), seed=20 + seed)
         x = (x / np.abs(x).max() * top).astype(F32)
         x[1] *= F32(1e-3)  # blocks far below the tensor max: small scales, no overflow
-        for rule in ("abs_max", "mae", "mse"):
+        for rule, q in run(x).items():
             with np.errstate(over="ignore"):  # the reference overflows exactly where the specification does
-                check_against_ref(nvfp4.quantize(x, rule=rule), x, rule, (1, 16))
+                check_against_ref(q, x, rule, (1, 16))
 
 
 def test_derivatives_are_the_functions_own():
@@ -469,11 +493,18 @@ def test_derivatives_are_the_functions_own():
     x = make("normal", (16, 64), seed=12)
     t = make("normal", (16, 64), seed=13)
     k = np.unravel_index(np.argmax(np.abs(x)), x.shape)
-    for rule in ("static_6", "mse"):
-        y, dy = jax.jvp(lambda v, rule=rule: nvfp4.fake_quantize(v, rule=rule), (x,), (t,))
+
+    @jax.jit  # both jvps and the gradient in one compilation
+    def derivs(v, t):
+        jvps = {rule: jax.jvp(lambda v, rule=rule: nvfp4.fake_quantize(v, rule=rule), (v,), (t,))
+                for rule in ("static_6", "mse")}
+        return jvps, jax.grad(lambda v: jnp.sum(nvfp4.fake_quantize(v, rule="static_6") * t))(v)
+
+    jvps, g = derivs(x, t)
+    for rule, (y, dy) in jvps.items():
         want = np.asarray(y) * (np.sign(x[k]) * t[k] / np.abs(x).max())
         np.testing.assert_allclose(np.asarray(dy), want, rtol=1e-5, atol=1e-12)
-    g = np.asarray(jax.grad(lambda v: jnp.sum(nvfp4.fake_quantize(v, rule="static_6") * t))(x))
-    y = np.asarray(nvfp4.fake_quantize(x, rule="static_6"))
+    g = np.asarray(g)
+    y = np.asarray(jvps["static_6"][0])
     assert np.count_nonzero(g) == 1 and g[k] == pytest.approx(float(np.sum(y * t)) * np.sign(x[k]) / np.abs(x).max(),
                                                                  rel=1e-5)
