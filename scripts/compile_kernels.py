@@ -453,8 +453,14 @@ def _stats(target: str, config: Config, lowered_text: str, work: Path, smem_limi
 # ---- driver: one subprocess per target, a pool of at most `jobs` -------------------------------------------------
 
 
-def _worker(target: str, out: Path, backends: tuple[str, ...]) -> int:
-    stats, errors = compile_target(target, all_configs(backends), log=lambda s: print(s, flush=True))
+def _worker(target: str, out: Path, backends: tuple[str, ...], labels: list[str] | None = None) -> int:
+    configs = all_configs(backends)
+    if labels is not None:
+        unknown = set(labels) - {c.label for c in configs}
+        if unknown:
+            raise CompileCheckError(f"no configuration labelled {sorted(unknown)} for backends {backends}")
+        configs = [c for c in configs if c.label in set(labels)]
+    stats, errors = compile_target(target, configs, log=lambda s: print(s, flush=True))
     out.write_text(json.dumps({"stats": [dataclasses.asdict(s) for s in stats], "errors": errors}))
     return 0
 
@@ -468,9 +474,11 @@ def _from_json(d: dict) -> KernelStats:
 
 def run_targets(targets: list[str], *, backends: tuple[str, ...] = ("triton",), jobs: int = DEFAULT_JOBS,
                 timeout: float = 1800.0, log: Callable[[str], None] = print,
+                select: dict[str, list[Config]] | None = None,
                 ) -> tuple[list[KernelStats], list[str], dict[str, float]]:
     """Compile every configuration of `backends` for each target, one subprocess per target: (stats, errors,
-    seconds per target)."""
+    seconds per target). `select` (target -> configurations) compiles only those for a target it names (the test
+    suite's cheaper subset); targets it does not name get every configuration."""
     check_toolchain()
     unknown = [t for t in targets if t not in {**TARGETS, **EXTRA_TARGETS}]
     if unknown:
@@ -485,8 +493,10 @@ def run_targets(targets: list[str], *, backends: tuple[str, ...] = ("triton",), 
             out = Path(tmp) / "result.json"
             t0 = time.perf_counter()
             try:
+                labels = [] if select is None or target not in select else [
+                    "--worker-labels", json.dumps([c.label for c in select[target]])]
                 proc = subprocess.run([sys.executable, __file__, "--worker", target, "--worker-out", str(out),
-                                       "--backends", *backends],
+                                       "--backends", *backends, *labels],
                                       env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                                       check=False)
             except subprocess.TimeoutExpired:
@@ -543,9 +553,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-write", action="store_true", help="print only; do not touch bench/RESULTS.md")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--worker-labels", type=json.loads, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        return _worker(args.worker, args.worker_out, tuple(args.backends))
+        return _worker(args.worker, args.worker_out, tuple(args.backends), args.worker_labels)
     load = os.getloadavg()[0]
     try:
         stats, errors, seconds = run_targets(args.targets, backends=tuple(args.backends), jobs=args.jobs)
@@ -567,8 +578,9 @@ def main(argv: list[str] | None = None) -> int:
         from _results import write_section
 
         write_section(SECTION, (
-            f"`.venv/bin/python scripts/compile_kernels.py` (run by `make test` through tests/test_gpu_compile.py, "
-            f"without writing) on a CPU-only host: jax {jax.__version__}, jax-cuda12-plugin "
+            f"`.venv/bin/python scripts/compile_kernels.py` (`make test` runs part of it through "
+            f"tests/test_gpu_compile.py: every configuration for sm_80, every kernel for each target) on a CPU-only "
+            f"host: jax {jax.__version__}, jax-cuda12-plugin "
             f"{importlib.metadata.version('jax-cuda12-plugin')} (jaxlib {jaxlib.__version__}), ptxas "
             f"{ptxas_v.group(2) if ptxas_v else '?'}. Every configuration is compiled, not only lowered, for each "
             "target from XLA's own target description; Triton and ptxas run for real. Each cell is "
