@@ -1,7 +1,8 @@
 """Two real processes (`jax.distributed`, gloo CPU collectives, coordinator on localhost, two CPU devices each)
-train the data=2 x fsdp=2 HiF8 W8A8 QAT model for 3 steps and checkpoint; a fresh pair restores the checkpoint and
-trains 3 more. Losses, params, optimizer state, amax histories and the rest of the model state equal bit for bit
-those of one process with 4 CPU devices and the same mesh that trains the 6 steps without stopping.
+train the data=2 x fsdp=2 HiF8 W8A8 QAT model (the tiny preset cut to 2 blocks, block 1 quantized) for 3 steps
+and checkpoint; a fresh pair restores the checkpoint and trains 3 more. Losses, params, optimizer state, amax
+histories and the rest of the model state equal bit for bit those of one process with 4 CPU devices and the same
+mesh that trains the 6 steps without stopping.
 
 The reference process also joins a (one-process) `jax.distributed` job, so that its all-reduces run through gloo
 too: without a distributed client XLA's in-process CPU all-reduce adds the 4 partial gradients in device order and
