@@ -84,8 +84,9 @@ def test_pallas_kernel_path_applies_the_policy_after_the_kernel(monkeypatch):
     x, clean = poisoned(1)
     base = delayed("hif8", 15.0)
     state = base.scaling.update(base.init(), jnp.float32(np.max(np.abs(clean))))
-    got = qat.fake_quant(x, state, dataclasses.replace(base, impl="pallas"))
-    want = qat.fake_quant(x, state, dataclasses.replace(base, impl="xla"))
+    fq = jax.jit(qat.fake_quant, static_argnums=2)  # one compilation each, not one per eager op
+    got = fq(x, state, dataclasses.replace(base, impl="pallas"))
+    want = fq(x, state, dataclasses.replace(base, impl="xla"))
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     assert np.isposinf(np.asarray(got[0])[3]) and np.isnan(np.asarray(got[0])[10])
@@ -156,6 +157,8 @@ def test_hif8_qat_step_with_an_inf_activation_is_skipped_and_counted(tmp_path, m
     assert nonfinite_leaves(state) == []
     state, m = step(state, batch())  # training goes on
     assert bool(m["finite"]) and int(state.step) == 3 and int(state.skipped) == 1
+    if microbatches == 1:  # the state after a skip is the state before it, whatever the microbatches (above)
+        return
     with Checkpointer(tmp_path / "ckpt") as ckpt:  # refuses non-finite params; there are none
         ckpt.save(3, state)
         restored, _ = ckpt.restore(state)
