@@ -31,9 +31,20 @@ def tokens():
     return jnp.asarray(np.random.default_rng(1).integers(0, 256, (4, 32)), jnp.int32)
 
 
+_REFERENCES: dict = {}  # (method, act_quant) -> reference model: the GPTQ one serves two tests (never mutated)
+
+
 def _reference(method, tokens, *, act_quant: bool = True) -> Llama:
     """Block by block with the one-pass pipeline over the whole model. act_quant=False: the quantized blocks run
-    with high-precision activations while the next block is calibrated (their ActQuant swapped out, then back)."""
+    with high-precision activations while the next block is calibrated (their ActQuant swapped out, then back).
+    Cached per (method, act_quant) for the module's one token fixture."""
+    key = (repr(method), act_quant)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _reference_uncached(method, tokens, act_quant=act_quant)
+    return _REFERENCES[key]
+
+
+def _reference_uncached(method, tokens, *, act_quant: bool) -> Llama:
     model = _model()
     lins = calibrate.linear_modules(model)
     for i in range(N):
