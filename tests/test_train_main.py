@@ -106,7 +106,10 @@ def test_python_m_train_runs_end_to_end_and_the_paper_grid_reuses_the_pretrained
             "--seq-len", "32", "--batch-size", "8", "--max-bytes", "200000", "--eval-batches", "2", "--mc-items", "8",
             "--warmup-steps", "2", "--checkpoint-every", "2", "--out", str(run_dir), "--cache-dir", str(tmp_path),
             "--no-progress"]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    # one persistent compilation cache for both runs: the grid run's high-precision and most_recent arms and every
+    # evaluation are the same XLA programs as the first run's, and load instead of compiling again
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla-cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
     p = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]
     for needle in ("B val loss", "A val loss", "MC acc_norm", "loss APE %", "max sat", "pretrained (start)",
