@@ -90,13 +90,22 @@ def test_encode_all_16bit_patterns(dtype, mode):
     assert bad.size == 0, f"{bad.size} mismatches, first: {x[bad[:5]]} got {got[bad[:5]]} want {want[bad[:5]]}"
 
 
-@pytest.mark.parametrize("region", [boundary_values, denormal_region, overflow_region, specials])
-def test_encode_float32_regions(region, mode):
-    x = region()
+REGIONS = (boundary_values, denormal_region, overflow_region, specials)
+
+
+def regions(*fns) -> tuple[np.ndarray, np.ndarray]:
+    """The regions concatenated (one array: one compilation) and each element's region name."""
+    parts = [f() for f in fns]
+    return np.concatenate(parts), np.concatenate([np.full(len(p), f.__name__) for f, p in zip(fns, parts)])
+
+
+def test_encode_float32_regions(mode):
+    x, where = regions(*REGIONS)
     got = np.asarray(fn(hif8.encode, mode)(jnp.asarray(x)))
     want = oracle_encode(x)
     bad = np.flatnonzero(got != want)
-    assert bad.size == 0, f"{bad.size} mismatches, first: {x[bad[:5]]!r} got {got[bad[:5]]} want {want[bad[:5]]}"
+    assert bad.size == 0, (f"{bad.size} mismatches in {sorted(set(where[bad]))}, first: {x[bad[:5]]!r} "
+                           f"got {got[bad[:5]]} want {want[bad[:5]]}")
 
 
 def test_encode_random_float32_bit_patterns(mode):
@@ -111,26 +120,30 @@ def test_special_codes():
     assert hif8.encode(x, saturate=True).tolist() == [0x80, 0x6E, 0xEE, 0x00, 0x00, 0x00, 0x6E, 0xEE, 0x6E, 0x6E]
 
 
-@pytest.mark.parametrize("region", [boundary_values, overflow_region, specials])
-def test_saturate_maps_only_overflow_to_max(region, mode):
-    x = region()
+def test_saturate_maps_only_overflow_to_max(mode):
+    x, where = regions(boundary_values, overflow_region, specials)
     want = oracle_encode(x)
     want = np.where(want == 0x6F, 0x6E, np.where(want == 0xEF, 0xEE, want))
-    assert (np.asarray(fn(hif8.encode, mode, saturate=True)(jnp.asarray(x))) == want).all()
+    got = np.asarray(fn(hif8.encode, mode, saturate=True)(jnp.asarray(x)))
+    assert (got == want).all(), sorted(set(where[got != want]))
     r = np.asarray(fn(hif8.round, mode, saturate=True)(jnp.asarray(x)))
-    assert same_bits(r, oracle_decode(want)).all()
+    assert same_bits(r, oracle_decode(want)).all(), sorted(set(where[~same_bits(r, oracle_decode(want))]))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("saturate", [False, True])
-def test_round_equals_decode_of_encode_and_is_idempotent(dtype, saturate, mode):
+def test_round_equals_decode_of_encode_and_is_idempotent(dtype, mode):
+    """Both saturate settings (in jit mode: one program for the two)."""
     x = np.concatenate([boundary_values(), overflow_region(), specials(), denormal_region(20_000)])
     x = jnp.asarray(x).astype(dtype)
-    r = fn(hif8.round, mode, saturate=saturate)(x)
-    assert r.dtype == dtype
-    d = hif8.decode(hif8.encode(x, saturate=saturate), dtype)
-    assert same_bits(np.asarray(r, np.float32), np.asarray(d, np.float32)).all()
-    assert same_bits(np.asarray(hif8.round(r, saturate=saturate), np.float32), np.asarray(r, np.float32)).all()
+
+    def both(v):
+        return [hif8.round(v, saturate=sat) for sat in (False, True)]
+
+    for sat, r in zip((False, True), jax.jit(both)(x) if mode == "jit" else both(x)):
+        assert r.dtype == dtype
+        d = hif8.decode(hif8.encode(x, saturate=sat), dtype)  # eager: jit against eager in jit mode
+        assert same_bits(np.asarray(r, np.float32), np.asarray(d, np.float32)).all(), sat
+        assert same_bits(np.asarray(hif8.round(r, saturate=sat), np.float32), np.asarray(r, np.float32)).all(), sat
 
 
 def test_round_gives_unsigned_zero():

@@ -30,17 +30,35 @@ def data(shape=(8, 64), seed=0):
     return x
 
 
-def bias_stats(x, rule, rounding, block_shape=(1, 16)):
+# every (x, rule, rounding, block shape) whose draws the tests below take: all drawn by one jitted program
+BIAS_CASES = [(rule, rounding, (1, 16)) for rule in RULES for rounding in ("stochastic_unbiased", "stochastic")] + [
+    ("static_6", "stochastic_unbiased", (16, 16)), ("mse", "stochastic_unbiased", (16, 16)),
+    ("mse", "stochastic", (16, 16))]
+
+
+@pytest.fixture(scope="module")
+def draws():
+    """{case: (x, N_DRAWS fake-quantizations)}: one compilation for every case instead of one per case."""
+    xs = {(1, 16): data(), (16, 16): data((32, 32), seed=1)}
+    keys = jax.random.split(jax.random.key(2024), N_DRAWS)
+
+    @jax.jit
+    def run(xs, keys):
+        return {c: jax.vmap(lambda k, c=c: nvfp4.fake_quantize(xs[c[2]], rule=c[0], block_shape=c[2], rounding=c[1],
+                                                                key=k))(keys) for c in BIAS_CASES}
+
+    out = run(xs, keys)
+    return {c: (xs[c[2]], np.asarray(out[c], np.float64)) for c in BIAS_CASES}
+
+
+def bias_stats(draws, rule, rounding, block_shape=(1, 16)):
     """max |z|, the mean z (times sqrt(#elements): ~N(0, 1) when unbiased) and the relative magnitude bias
     Σ(|mean| - |x|) / Σ|x| of N_DRAWS fake-quantizations. The standard error of each element's mean is the exact
     one, (hi - lo) * s * S_dec * sqrt(p (1 - p) / N) with p = (y - lo) / (hi - lo), where the oracle knows the
     scale (every rule of "stochastic_unbiased", the static rules of "stochastic"); else (plain "stochastic" with a
     4/6 rule: the scale depends on the draw) the sample one, floored at 1e-3 |x| so rare up-draws that happen not
     to occur do not count as bias."""
-    keys = jax.random.split(jax.random.key(2024), N_DRAWS)
-    f = jax.jit(jax.vmap(lambda k: nvfp4.fake_quantize(x, rule=rule, block_shape=block_shape, rounding=rounding,
-                                                        key=k)))
-    d = np.asarray(f(keys), np.float64)
+    x, d = draws[rule, rounding, block_shape]
     mean, x64 = d.mean(0), x.astype(np.float64)
     rows = block_shape[0]
     if rounding == "stochastic_unbiased" or rule in ("static_6", "static_4"):
@@ -58,13 +76,12 @@ def bias_stats(x, rule, rounding, block_shape=(1, 16)):
 
 
 @pytest.mark.parametrize("rule", RULES)
-def test_stochastic_unbiased_is_unbiased_and_stochastic_is_not(rule, record_property):
+def test_stochastic_unbiased_is_unbiased_and_stochastic_is_not(rule, record_property, draws):
     """For every rule rounding="stochastic_unbiased" averages to x. Plain "stochastic" is biased where it can be:
     static_6 block maxima saturate at 6 where the E4M3 scale rounded down, and a 4/6 rule keeps the candidate whose
     draw landed closer; static_4 (block max at 4 * 17/16 at most) never saturates and is unbiased too."""
-    x = data()
-    unb = bias_stats(x, rule, "stochastic_unbiased")
-    sto = bias_stats(x, rule, "stochastic")
+    unb = bias_stats(draws, rule, "stochastic_unbiased")
+    sto = bias_stats(draws, rule, "stochastic")
     for k, v in unb.items():
         record_property(f"unbiased_{k}", v)
     for k, v in sto.items():
@@ -77,12 +94,11 @@ def test_stochastic_unbiased_is_unbiased_and_stochastic_is_not(rule, record_prop
         assert sto["max_abs_z"] > 10, sto
 
 
-def test_unbiased_on_16x16_tiles():
-    x = data((32, 32), seed=1)
+def test_unbiased_on_16x16_tiles(draws):
     for rule in ("static_6", "mse"):
-        s = bias_stats(x, rule, "stochastic_unbiased", (16, 16))
+        s = bias_stats(draws, rule, "stochastic_unbiased", (16, 16))
         assert s["max_abs_z"] < 5.5 and abs(s["mean_z"]) < 4, (rule, s)
-    s = bias_stats(x, "mse", "stochastic", (16, 16))
+    s = bias_stats(draws, "mse", "stochastic", (16, 16))
     assert s["max_abs_z"] > 10, s
 
 
@@ -147,15 +163,29 @@ def oracle(x, rule, rows, adjust):
     return np.where(map4, cands[1], cands[0]), dec, np.where(map4[..., None, None], ys[1], ys[0])
 
 
+SHAPES_DTYPES = [((1, 16), np.float32), ((16, 16), ml_dtypes.bfloat16)]
+
+
+@pytest.fixture(scope="module")
+def unbiased_q():
+    """{(rule, block_shape): (x, quantize(x, rounding="stochastic_unbiased"))} for every rule and both block shapes,
+    from one jitted program (one compilation instead of ten)."""
+    x0 = data((32, 64), seed=3) * np.exp(np.random.default_rng(4).uniform(-3, 3, (32, 1)))
+    xs = {bs: x0.astype(dtype) for bs, dtype in SHAPES_DTYPES}
+    q = jax.jit(lambda xs, k: {(rule, bs): nvfp4.quantize(xs[bs], rule=rule, block_shape=bs,
+                                                          rounding="stochastic_unbiased", key=k)
+                               for rule in RULES for bs, _ in SHAPES_DTYPES})(xs, jax.random.key(5))
+    return {c: (xs[c[1]], v) for c, v in q.items()}
+
+
 @pytest.mark.parametrize("rule", RULES)
-@pytest.mark.parametrize("block_shape,dtype", [((1, 16), np.float32), ((16, 16), ml_dtypes.bfloat16)],
-                         ids=["1x16-f32", "16x16-bf16"])
-def test_stochastic_unbiased_scales_choice_and_neighbours(rule, block_shape, dtype):
+@pytest.mark.parametrize("block_shape,dtype", SHAPES_DTYPES, ids=["1x16-f32", "16x16-bf16"])
+def test_stochastic_unbiased_scales_choice_and_neighbours(rule, block_shape, dtype, unbiased_q):
     """Block scales (hence the 4/6 choice), the global scale and every element's two candidate values equal the
     oracle's; with the 16/17 headroom no scaled value exceeds 6, where the plain constants do saturate some."""
     rows = block_shape[0]
-    x = (data((32, 64), seed=3) * np.exp(np.random.default_rng(4).uniform(-3, 3, (32, 1)))).astype(dtype)
-    q = nvfp4.quantize(x, rule=rule, block_shape=block_shape, rounding="stochastic_unbiased", key=jax.random.key(5))
+    x, q = unbiased_q[rule, block_shape]
+    assert x.dtype == dtype
     s, dec, y = oracle(x, rule, rows, A)
     np.testing.assert_array_equal(np.asarray(q.scales).view(np.uint8), s.astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
     assert np.float32(q.global_scale).tobytes() == dec.tobytes()
