@@ -60,24 +60,47 @@ def _cases(fmt, block):
 
 
 # IF4: every rule, 1x16 and 16x16; IF6: one rule per grid and E2M3 tiles. The fixtures hold every combination; this
-# subset keeps the file's compile time within CI's budget (each combination is one compilation).
+# subset keeps the file's compile time within CI's budget. All combinations of one block shape run in one jitted
+# program (one compilation per block shape).
 PARAMS = [("if4", r, b) for b in ("1x16", "16x16") for r in RULES] + [
     ("if6_e2m3", "mse", "1x16"), ("if6_e3m2", "abs_max", "1x16"), ("if6_e2m3", "mae", "16x16")]
 
 
+@pytest.fixture(scope="module")
+def fixture_runs():
+    """{(fmt, rule, block): (names, padded inputs, amax, quantized)}: every case of the fixtures through one vmapped
+    call per combination, with the reference's own tensor amax as global_amax (bit-identical to computing it:
+    test_fixture_amax_is_the_tensor_amax checks it against max |x|)."""
+    out = {}
+    for block in ("1x16", "16x16"):
+        bs = (16, 16) if block == "16x16" else (1, 16)
+        inputs = {}
+        for fmt, rule, b in PARAMS:
+            if b != block:
+                continue
+            src, names = _cases(fmt, block)
+            xs = np.zeros((len(names), *PAD), np.float32)
+            for i, n in enumerate(names):
+                x = np.asarray(load_x(n), np.float32)
+                xs[i, : x.shape[0], : x.shape[1]] = x
+            inputs[fmt, rule] = (xs, np.stack([src[f"amax/{fmt}/{rule}/{n}"] for n in names]))
+
+        def run(inputs, bs=bs):
+            return {(fmt, rule): jax.vmap(lambda v, a, fmt=fmt, rule=rule: if4.quantize(
+                v, format=fmt, rule=rule, block_shape=bs, global_amax=a))(xs, amax)
+                for (fmt, rule), (xs, amax) in inputs.items()}
+
+        for (fmt, rule), q in jax.jit(run)(inputs).items():
+            out[fmt, rule, block] = (_cases(fmt, block)[1], *inputs[fmt, rule], q)
+    return out
+
+
 @pytest.mark.parametrize("fmt,rule,block", PARAMS)
-def test_codes_and_scales_match_fouroversix(fmt, rule, block):
-    """Every case of the fixtures through one vmapped call, with the reference's own tensor amax as global_amax
-    (bit-identical to computing it: the test below checks it against max |x|)."""
-    src, names = _cases(fmt, block)
+def test_codes_and_scales_match_fouroversix(fmt, rule, block, fixture_runs):
+    """Every case of the fixtures, against the reference's codes, scale bytes and decode scale."""
+    src = _cases(fmt, block)[0]
     bs = (16, 16) if block == "16x16" else (1, 16)
-    xs = np.zeros((len(names), *PAD), np.float32)
-    for i, n in enumerate(names):
-        x = np.asarray(load_x(n), np.float32)
-        xs[i, : x.shape[0], : x.shape[1]] = x
-    amax = np.stack([src[f"amax/{fmt}/{rule}/{n}"] for n in names])
-    run = jax.jit(jax.vmap(lambda v, a: if4.quantize(v, format=fmt, rule=rule, block_shape=bs, global_amax=a)))
-    q = run(jnp.asarray(xs), jnp.asarray(amax))
+    names, xs, amax, q = fixture_runs[fmt, rule, block]
     all_scales = np.asarray(jax.lax.bitcast_convert_type(q.scales, jnp.uint8))
     bad = {}
     for i, name in enumerate(names):
@@ -132,20 +155,24 @@ def test_head_if4_equals_pypi():
     assert HEAD_META["checked_against_pypi"] == {"if4": "identical to PyPI 1.0.5 on every case and rule"}
 
 
-@pytest.mark.parametrize("fmt,block_shape", [("if4", (1, 16)), ("if4", (16, 16)), ("if3", (1, 16))])
-def test_fake_quantize_is_dequantize_of_quantize(fmt, block_shape):
+def test_fake_quantize_is_dequantize_of_quantize():
+    """IF4 1x16 and 16x16, IF3 1x16 (one jitted program for the three)."""
     x = jnp.asarray(np.random.default_rng(1).standard_t(3, (32, 64)).astype(np.float32)).astype(jnp.bfloat16)
-    kw = dict(format=fmt, block_shape=block_shape)
+    configs = [("if4", (1, 16)), ("if4", (16, 16)), ("if3", (1, 16))]
 
     @jax.jit
     def run(v):
-        q = if4.quantize(v, **kw)
-        return q, q.dequantize(), if4.fake_quantize(v, **kw), if4.selected_int(v, **kw)
+        out = []
+        for fmt, block_shape in configs:
+            kw = dict(format=fmt, block_shape=block_shape)
+            q = if4.quantize(v, **kw)
+            out.append((q, q.dequantize(), if4.fake_quantize(v, **kw), if4.selected_int(v, **kw)))
+        return out
 
-    q, deq, fake, picked = run(x)
-    assert fake.dtype == jnp.bfloat16 and deq.dtype == jnp.bfloat16
-    assert np.array_equal(np.asarray(deq).view(np.uint16), np.asarray(fake).view(np.uint16))
-    assert np.array_equal(np.asarray(q.is_int), np.asarray(picked))
+    for (fmt, block_shape), (q, deq, fake, picked) in zip(configs, run(x)):
+        assert fake.dtype == jnp.bfloat16 and deq.dtype == jnp.bfloat16
+        assert np.array_equal(np.asarray(deq).view(np.uint16), np.asarray(fake).view(np.uint16)), (fmt, block_shape)
+        assert np.array_equal(np.asarray(q.is_int), np.asarray(picked)), (fmt, block_shape)
 
 
 def _grid_values(fmt):
@@ -160,13 +187,23 @@ def _grid_values(fmt):
     return fpv, np.arange(g.int_max + 1) * np.float64(np.float32(g.step))
 
 
-@pytest.mark.parametrize("fmt,rule", [("if3", r) for r in RULES] + [("if4", "mae")])
-def test_choice_is_the_smaller_error(fmt, rule):
+CHOICE = [("if3", r) for r in RULES] + [("if4", "mae")]
+
+
+@pytest.fixture(scope="module")
+def choice_runs():
+    """x and its quantization for every CHOICE combination, in one jitted program."""
+    x = np.random.default_rng(2).standard_normal((16, 256)).astype(np.float32)
+    return x, jax.jit(lambda v: {c: if4.quantize(v, format=c[0], rule=c[1]) for c in CHOICE})(jnp.asarray(x))
+
+
+@pytest.mark.parametrize("fmt,rule", CHOICE)
+def test_choice_is_the_smaller_error(fmt, rule, choice_runs):
     """Every block's grid is the one with the smaller error (float64 check; the float32 sums may only disagree on
     near-ties), and every decoded element is a grid value times the block scale. For IF3 this is the outside
     check (no reference run exists); for the others it complements the fixtures."""
-    x = np.random.default_rng(2).standard_normal((16, 256)).astype(np.float32)
-    q = if4.quantize(jnp.asarray(x), format=fmt, rule=rule)
+    x, qs = choice_runs
+    q = qs[fmt, rule]
     fpv, intv = _grid_values(fmt)
     s = np.abs(np.asarray(q.scales, np.float64))
     sdec = float(q.global_scale)
@@ -327,8 +364,12 @@ def test_qat_linear_trains_with_if4_and_ms_eden_gradients():
         y, _, _ = qat.linear(x, w, recipe=recipe, state=state, key=jax.random.key(0))
         return jnp.sum(y * y), y
 
-    (_, y), (gx, gw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w)
-    want = if4.fake_quantize(x) @ if4.fake_quantize(w.T, block_shape=(16, 16)).T
+    @jax.jit  # the step and the expected forward in one compilation
+    def run(x, w):
+        return (jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w),
+                if4.fake_quantize(x) @ if4.fake_quantize(w.T, block_shape=(16, 16)).T)
+
+    ((_, y), (gx, gw)), want = run(x, w)
     np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-4)
     hx, hw = jax.grad(lambda a, b: jnp.sum((a @ b) ** 2), argnums=(0, 1))(x, w)
     for got, hp in ((gx, hx), (gw, hw)):
