@@ -1,11 +1,36 @@
 """Test configuration: strict dtype promotion, rank promotion raises, several fake CPU devices (set before any
-backend starts)."""
+backend starts), and one persistent compilation cache per test run.
+
+The cache: many files compile the same programs (the tiny and SmolLM2 models' forward passes, the `python -m train`
+subprocesses' steps), and on 2 CPU cores compiling is much of the suite's time. The controlling pytest process makes
+a fresh directory before the xdist workers start; the workers and every subprocess they run inherit it through
+JAX_COMPILATION_CACHE_DIR, so a program compiled once is loaded, not compiled, by the next process that needs it.
+A loaded executable is the same compiled program, so results are unchanged, bit for bit. Fresh per run (deleted at
+the end): an executable made on one CPU is never loaded on another. Set JAX_COMPILATION_CACHE_DIR yourself to keep
+one, or to an empty string to run without.
+"""
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxlowfp-tests-xla-cache-")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 4)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
+if os.environ["JAX_COMPILATION_CACHE_DIR"]:
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+
+
+def pytest_unconfigure(config):
+    """The controlling process (not an xdist worker) deletes the cache it made."""
+    if _OWN_CACHE and not hasattr(config, "workerinput"):
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
