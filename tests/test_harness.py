@@ -250,3 +250,27 @@ def test_smollm2_end_to_end():
     assert res["results"][ROLLING]["word_perplexity,none"] == pytest.approx(ppl.word_perplexity, rel=1e-5)
     assert res["results"][ROLLING]["byte_perplexity,none"] == pytest.approx(ppl.byte_perplexity, rel=1e-5)
     assert 1.5 < ppl.byte_perplexity < 4  # a trained model on English prose (a random one would be ~400)
+
+
+def test_sampled_generation_and_bfloat16_compute(tiny):
+    """Sampling through generate_until (do_sample, temperature, top_k): the same seed gives the same texts and
+    another seed other texts; top_k=1 is greedy decoding whatever the temperature. dtype=bfloat16 computes in
+    bfloat16: log-likelihoods move by bfloat16 rounding, not more."""
+    path, model, tok, _ = tiny
+    prompts = ["the thin cat", "a dog ran", "on the mat", "we sat"]
+
+    def texts(seed, **gen):
+        gen = {"max_gen_toks": 6, "until": ["\n\n\n"], **gen}
+        lm = JaxLowFPLM(model=model, tokenizer=tok, batch_size=4, seed=seed)
+        return lm.generate_until([_inst("generate_until", p, gen) for p in prompts])
+
+    hot = dict(do_sample=True, temperature=1.5)
+    first = texts(1, **hot)
+    assert texts(1, **hot) == first and texts(2, **hot) != first  # 4 x 6 draws at T = 1.5 over 272 tokens
+    assert texts(3, top_k=1, **hot) == texts(0, do_sample=False)
+
+    req = [_inst("loglikelihood", "the thin cat sat", " on the mat")]
+    (f32, _), = JaxLowFPLM(pretrained=str(path), batch_size=1).loglikelihood(req)
+    bf16 = JaxLowFPLM(pretrained=str(path), dtype="bfloat16", batch_size=1)
+    (b, _), = bf16.loglikelihood(req)
+    assert b != f32 and abs(b - f32) < 0.05 * abs(f32), (b, f32)  # bfloat16: 8 mantissa bits, ~0.4 % per op
