@@ -27,8 +27,6 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from jaxlowfp.ptq.checkpoint import llama_hf_config as hf_config  # noqa: F401 (the PTQ notebook's name)
-
 __all__ = ["main", "parse_args"]
 
 METHODS = ("rtn", "gptq", "smoothquant", "awq")
