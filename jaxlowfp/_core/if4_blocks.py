@@ -45,7 +45,7 @@ from jaxlowfp._core.checks import float_dtype, one_of
 from jaxlowfp._core.minifloat import E2M1, E4M3, MiniFloat
 from jaxlowfp._core.nvfp4_blocks import (
     BLOCK,
-    BLOCK_SHAPES,
+    check_block_shape,
     UNBIASED_FACTOR,
     _block_errors,
     _inverse,
@@ -150,11 +150,7 @@ class IFConfig:
                              f"{', '.join(map(repr, RULES))} (for a static rule use jaxlowfp.nvfp4)")
         one_of(self.rule, RULES, "rule")
         one_of(self.rounding, ROUNDINGS, "rounding")
-        bs = self.block_shape
-        ok = isinstance(bs, (tuple, list)) and all(isinstance(b, int) and not isinstance(b, bool) for b in bs)
-        bs = tuple(bs) if ok else None
-        if bs not in BLOCK_SHAPES:
-            raise ValueError(f"block_shape={self.block_shape!r} is not supported; allowed: (1, 16), (16, 16)")
+        bs = check_block_shape(self.block_shape)
         object.__setattr__(self, "block_shape", bs)
         if self.rounding != "nearest" and self.format != "if4":
             raise ValueError(f"rounding={self.rounding!r} is implemented for format='if4' only (fouroversix rounds "

@@ -47,6 +47,15 @@ EDEN_SCALE_OVERRIDE = (17 / 16) * 0.93  # QUARTET_II_BACKWARD_SCALE_OVERRIDE
 EDEN_VAL_MAX = float(np.float32(6.0 / EDEN_SCALE_OVERRIDE))  # a block max maps to 6 / 0.988 = 6.07
 UNBIASED_FACTOR = 16 / 17  # fouroversix RoundStyle.stochastic_unbiased.adjustment_factor (Quartet II)
 BLOCK_SHAPES = ((1, 16), (16, 16))
+
+
+def check_block_shape(block_shape: Any) -> tuple[int, int]:
+    """`block_shape` as a tuple if it is one of BLOCK_SHAPES (a tuple or list of ints), else a ValueError."""
+    ok = isinstance(block_shape, (tuple, list)) and all(
+        isinstance(b, int) and not isinstance(b, bool) for b in block_shape)
+    if not ok or tuple(block_shape) not in BLOCK_SHAPES:
+        raise ValueError(f"block_shape={block_shape!r} is not supported; allowed: (1, 16), (16, 16)")
+    return tuple(block_shape)
 BLOCK = 16
 _MANT = 0x400000  # the one mantissa bit of an E2M1 value held in float32 (set for 1.5, 3, 6)
 
@@ -94,11 +103,7 @@ class NVFP4Config:
     def __post_init__(self) -> None:
         one_of(self.rule, ALL_RULES, "rule")
         one_of(self.rounding, ROUNDINGS, "rounding")
-        bs = self.block_shape
-        ok = isinstance(bs, (tuple, list)) and all(isinstance(b, int) and not isinstance(b, bool) for b in bs)
-        bs = tuple(bs) if ok else None
-        if bs not in BLOCK_SHAPES:
-            raise ValueError(f"block_shape={self.block_shape!r} is not supported; allowed: (1, 16), (16, 16)")
+        bs = check_block_shape(self.block_shape)
         object.__setattr__(self, "block_shape", bs)
         if self.rule == "search" and self.rounding != "nearest":
             raise ValueError(f"rule='search' is implemented with rounding='nearest' only; got "

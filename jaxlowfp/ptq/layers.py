@@ -122,9 +122,14 @@ def contracted_axes(lhs: Any, dimension_numbers: Any = None, *, spec: str | None
 def input_rows(lhs: jax.Array, contracted: tuple[int, ...]) -> jax.Array:
     """The layer input as ``x' [rows, K]``: the `contracted` axes last, in that order (the view that matches
     `Layout.to_matrix`), the others flattened into rows."""
-    free = tuple(i for i in range(lhs.ndim) if i not in contracted)
-    x = lhs if (*free, *contracted) == tuple(range(lhs.ndim)) else jnp.transpose(lhs, (*free, *contracted))
+    x, _ = _contracted_last(lhs, contracted)
     return x.reshape(-1, math.prod(lhs.shape[i] for i in contracted))
+
+
+def _contracted_last(lhs: jax.Array, contracted: tuple[int, ...]) -> tuple[jax.Array, tuple[int, ...]]:
+    """(`lhs` with the `contracted` axes moved last, in that order; the permutation applied)."""
+    perm = (*(i for i in range(lhs.ndim) if i not in contracted), *contracted)
+    return (lhs if perm == tuple(range(lhs.ndim)) else jnp.transpose(lhs, perm)), perm
 
 
 def _quantize_input(fmt: Any, lhs: jax.Array, contracted: tuple[int, ...]) -> jax.Array:
@@ -132,10 +137,9 @@ def _quantize_input(fmt: Any, lhs: jax.Array, contracted: tuple[int, ...]) -> ja
     layout; a Linear's input [..., K] is quantized as it is)."""
     if contracted == (lhs.ndim - 1,):
         return fmt.fake_quantize(lhs)
-    free = tuple(i for i in range(lhs.ndim) if i not in contracted)
-    perm = (*free, *contracted)
-    xt = jnp.transpose(lhs, perm)
-    q = fmt.fake_quantize(xt.reshape(*xt.shape[:len(free)], -1)).reshape(xt.shape)
+    xt, perm = _contracted_last(lhs, contracted)
+    n_free = lhs.ndim - len(contracted)
+    q = fmt.fake_quantize(xt.reshape(*xt.shape[:n_free], -1)).reshape(xt.shape)
     return jnp.transpose(q, np.argsort(perm))
 
 
