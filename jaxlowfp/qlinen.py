@@ -10,7 +10,7 @@ Collections: `AMAX_COLLECTION` holds each layer's `RecipeState` (the functional 
 `PHASE_COLLECTION` the observe-only flag (bool scalar), `STATS_COLLECTION` the last `RecipeStats`, written only
 when that collection is mutable. Nothing is recorded while initializing, so `init`'s dummy input leaves no trace
 in the histories. Same recipes and numerics as `jaxlowfp.qnnx.QuantLinear` (both call `jaxlowfp.qat`); any
-`DenseGeneral` layout runs through `jaxlowfp.qat.contract` (NVFP4 blocks along the flattened contraction axes).
+`DenseGeneral` layout runs through `jaxlowfp.ops` (NVFP4 blocks along the flattened contraction axes).
 
 `carry="gradient"` keeps each layer's state in the `_overwrite_with_gradient` collection instead (`jaxlowfp.owg`):
 float32 leaves whose gradient is their new value, for train loops written for Flax's fp8 ops (MaxText, Flax's
@@ -40,7 +40,7 @@ import jax.numpy as jnp
 
 from jaxlowfp import owg, qat
 from jaxlowfp._core.checks import bool_flag, one_of
-from jaxlowfp.qat.contract import contract, parse_einsum
+from jaxlowfp.ops import contract, parse_einsum
 from jaxlowfp.qat.telemetry import flatten_floats, named_leaves
 
 __all__ = [
@@ -69,6 +69,12 @@ def _check_recipe(recipe: Any) -> None:
         raise TypeError(f"recipe must be a jaxlowfp.qat.Recipe; got {type(recipe).__name__}: {recipe!r}")
 
 
+def linen_op_key(path: str, name: str) -> str:
+    """The execution-record key (`jaxlowfp.ops.executed`) of the Linen op whose state is variable `name` of the module
+    at `path` ("/"-joined scope path)."""
+    return f"linen:{path}:{name}"
+
+
 def contract_in(
     module: nn.Module,
     names: tuple[str, str, str],
@@ -83,7 +89,7 @@ def contract_in(
     precision: Any = None,
     preferred_element_type: Any = None,
 ) -> jax.Array:
-    """`jaxlowfp.qat.contract.contract` with its state in the variables of the bound Linen `module`.
+    """`jaxlowfp.ops.dot_general` with its state in the variables of the bound Linen `module`.
 
     `names` = (state, phase, stats) variable names: the RecipeState in `AMAX_COLLECTION` (recorded only when that
     collection is mutable and not while initializing), the flag in `PHASE_COLLECTION`, the stats written to
@@ -102,9 +108,11 @@ def contract_in(
         var = scope.variable(AMAX_COLLECTION, names[0], recipe.init)
         phase = scope.variable(PHASE_COLLECTION, names[1], lambda: jnp.asarray(bool(observe_only)))
         state, observe = var.value, phase.value
+    where = "/".join(map(str, module.path))
     out, new_state, stats = contract(
         lhs, rhs, dimension_numbers, recipe=recipe, state=state, weight=weight, observe_only=observe, key=key,
-        precision=precision, preferred_element_type=preferred_element_type, where="/".join(map(str, module.path)))
+        precision=precision, preferred_element_type=preferred_element_type, where=where,
+        op_key=linen_op_key(where, names[0]))
     if carry == "gradient":
         out = owg.overwrite(out, carried, owg.encode(new_state, observe))
     elif not module.is_initializing() and module.is_mutable_collection(AMAX_COLLECTION):
@@ -115,7 +123,7 @@ def contract_in(
 
 
 class QuantDotGeneral(nn.Module):
-    """`lax.dot_general` with lhs (activation) and rhs (weight) fake-quantized by `recipe` via `qat.contract`.
+    """`lax.dot_general` with lhs (activation) and rhs (weight) fake-quantized by `recipe` via `jaxlowfp.ops`.
 
     ``out = dot_general(Q_a(lhs), Q_w(rhs))``, straight-through gradients; ``out`` is bitwise the plain
     `lax.dot_general` while the observe-only flag is set. Any `DenseGeneral` layout (several contracted axes):
@@ -150,7 +158,7 @@ def quant_dot_general_cls(recipe: qat.Recipe, *, observe_only: bool = False, car
 
 class QuantEinsum(nn.Einsum):
     """`flax.linen.Einsum` with input and kernel fake-quantized by `recipe`: same params (``kernel``, ``bias``),
-    shapes and initializers; the einsum runs as the GEMM of `jaxlowfp.qat.contract` (K = the contracted axes,
+    shapes and initializers; the einsum runs as the GEMM of `jaxlowfp.ops` (K = the contracted axes,
     flattened; NVFP4 blocks along it). Linen's Einsum calls `jnp.einsum` directly (no injectable hook), hence a
     subclass. State variables are named as `QuantDotGeneral`'s."""
 

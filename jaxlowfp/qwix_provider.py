@@ -5,7 +5,7 @@ Qwix (github.com/google/qwix) quantizes a Flax model by *interception*: while th
 ``module_path`` regex ``re.fullmatch``-es the calling module's path (and whose ``op_names`` contain the op, if
 given). This provider quantizes the matched op with a :class:`jaxlowfp.qat.Recipe` (HiF8, NVFP4 with every Four
 Over Six rule, MX-style blocks via NVFP4, E4M3/E5M2 delayed scaling): the contraction runs through
-:func:`jaxlowfp.qat.contract.contract`, so it is bit for bit the op :class:`jaxlowfp.qnnx.QuantLinear` runs on the
+:func:`jaxlowfp.ops.dot_general`, so it is bit for bit the op :class:`jaxlowfp.qnnx.QuantLinear` runs on the
 same operands. Which operand is the weight is found as Qwix finds it (the one that is a parameter of the calling
 module); an op between two activations under a quantizing rule is an error (narrow the rule).
 
@@ -53,7 +53,7 @@ from qwix._src.utils import flax_util
 
 from jaxlowfp import qat
 from jaxlowfp._core.checks import one_of
-from jaxlowfp.qat.contract import contraction_sizes, parse_einsum
+from jaxlowfp.ops import contraction_sizes, parse_einsum
 from jaxlowfp.qlinen import CARRIES, contract_in
 from jaxlowfp.qnnx.layer import QuantOp
 

@@ -64,6 +64,8 @@ __all__ = [
     "AmaxHistory",
     "PendingAmax",
     "DelayedScaling",
+    "StaticScaling",
+    "GRANULARITIES",
     "CurrentScaling",
     "Scaling",
     "merge",
@@ -79,6 +81,10 @@ ALGORITHMS = ("most_recent", "max_window", "max", "ema")
 Algorithm = Literal["most_recent", "max_window", "max", "ema"]
 CONVENTIONS = ("default", "te", "flax")
 Convention = Literal["default", "te", "flax"]
+# CurrentScaling.granularity: one amax for the whole tensor, or one per vector along the contraction axis (an
+# activation's tokens, a weight's output channels)
+GRANULARITIES = ("tensor", "token")
+Granularity = Literal["tensor", "token"]
 _TE_ALGORITHMS = ("max_window", "most_recent")  # TE's amax_compute_algo "max" and "most_recent"
 
 
@@ -299,12 +305,19 @@ class CurrentScaling:
 
     The state keeps the last finite amax (``history_len`` 1), the step count and the non-finite count, so the
     same telemetry and :func:`merge` work as for :class:`DelayedScaling`.
+
+    ``granularity="token"``: one amax per vector along the contraction axis (each token of an activation; each
+    output channel of a weight), so a token's quantization depends on that token alone, never on the other rows
+    of its batch or on padding (the dynamic per-token scaling of serving engines). Its state records the max over
+    the tokens.
     """
 
     target_max: float
+    granularity: Granularity = "tensor"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_max", positive_finite(self.target_max, "target_max"))
+        one_of(self.granularity, GRANULARITIES, "granularity")
 
     @property
     def history_len(self) -> int:
@@ -328,7 +341,49 @@ class CurrentScaling:
         return _guarded_scale(amax_est, self.target_max)
 
 
-Scaling = DelayedScaling | CurrentScaling
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StaticScaling:
+    """A fixed, calibrated amax: ``est = amax`` at every step, whatever the tensor holds (values beyond it are
+    clipped). What a serving engine applies to activations with a calibrated input scale (vLLM's static
+    ``input_global_scale`` for NVFP4, ``input_scale`` for FP8), so a quantized result never depends on the other
+    requests of a batch. The state is :class:`CurrentScaling`'s (the last finite amax seen, telemetry only).
+
+    >>> s = StaticScaling(amax=4.0, target_max=15.0)
+    >>> float(s.amax_estimate(s.init(), 9.0)), float(s.scale(s.amax_estimate(s.init(), 9.0)))
+    (4.0, 0.2666666805744171)
+    """
+
+    amax: float
+    target_max: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "amax", positive_finite(self.amax, "amax (the calibrated max |x|)"))
+        object.__setattr__(self, "target_max", positive_finite(self.target_max, "target_max"))
+
+    @property
+    def history_len(self) -> int:
+        return 1
+
+    def init(self) -> AmaxHistory:
+        return _init_state(1)
+
+    def amax_estimate(self, state: AmaxHistory, x_amax: Any) -> jax.Array:
+        """The calibrated `amax` (float32), for any `x_amax`."""
+        _check_state(state, 1, "StaticScaling")
+        _as_amax(x_amax)
+        return jnp.float32(self.amax)
+
+    def update(self, state: AmaxHistory, x_amax: Any) -> AmaxHistory:
+        a = _as_amax(x_amax)
+        _check_state(state, 1, "StaticScaling")
+        return _record(state, a, jnp.float32(self.amax), 0.0)
+
+    def scale(self, amax_est: Any) -> jax.Array:
+        """Dequant multiplier ``amax / target_max`` (IEEE division)."""
+        return _guarded_scale(amax_est, self.target_max)
+
+
+Scaling = DelayedScaling | CurrentScaling | StaticScaling
 
 
 def _is_history(x: Any) -> bool:

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from jaxlowfp import nvfp4, qat, qlinen, qnnx, training
-from jaxlowfp.qat.contract import contract, parse_einsum
+from jaxlowfp.ops import contract, parse_einsum
 from tests.oracles import hif8_fake_quant_f64
 
 HIF8 = qat.hif8_w8a8()

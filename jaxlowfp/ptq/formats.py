@@ -23,9 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlowfp import formats, if4, mx, nvfp4, qat
-from jaxlowfp.scaling import CurrentScaling
+from jaxlowfp.scaling import CurrentScaling, StaticScaling
 
 KINDS = ("nvfp4", "mxfp4", "hif8", "if4")
+# how a W4A4 / W8A8 layer's run-time activation gets its amax: the whole input tensor's (the batch's: the Four Over
+# Six paper's PTQ setting; a score then depends on the other requests of its batch), each token's own (dynamic), or
+# the calibrated input amax (static: what the export writes as input_global_scale and vLLM applies)
+ACTIVATION_SCALES = ("tensor", "token", "static")
 NVFP4_RULES = tuple(nvfp4.ALL_RULES)
 IF4_RULES = tuple(if4.RULES)
 TWO_LEVEL = ("nvfp4", "if4")  # E4M3 scales per 16 values and an FP32 tensor scale
@@ -95,6 +99,25 @@ class TensorFormat:
         if self.kind == "mxfp4":
             return mx.fake_quantize(x, elem="e2m1")
         return hif8_fake_quantize(x)
+
+
+    def quant_spec(self, activation_scale: str = "tensor", amax: float | None = None) -> qat.QuantSpec:
+        """The `jaxlowfp.qat.QuantSpec` that quantizes a run-time activation in this format (the one op layer's
+        description, `jaxlowfp.ops`): its amax per tensor ("tensor", the batch's), per token ("token") or the
+        calibrated `amax` ("static"). MX formats have block scales only: every mode is the same quantizer."""
+        _one_of(activation_scale, ACTIVATION_SCALES, "activation_scale")
+        if activation_scale == "static" and amax is None:
+            raise ValueError(f"activation_scale='static' needs the calibrated amax of the layer's input ({self.name})")
+        if self.kind == "mxfp4":
+            return qat.QuantSpec(format="mxfp4")
+        target = HIF8_TARGET if self.kind == "hif8" else 6.0
+        if activation_scale == "static":
+            scaling: Any = StaticScaling(amax=float(amax), target_max=target)
+        else:
+            scaling = CurrentScaling(target_max=target, granularity=activation_scale)
+        if self.kind == "hif8":
+            return qat.QuantSpec(format="hif8", scaling=scaling, clip="target")
+        return qat.QuantSpec(format=self.kind, rule=self.rule, block_shape=self.block_shape, scaling=scaling)
 
 
 def hif8_scale(amax: jax.Array) -> jax.Array:

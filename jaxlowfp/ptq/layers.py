@@ -2,7 +2,7 @@
 
 Each weight is quantized as a matrix ``W' [K, N]``: its contracted axes first (in the order the layer contracts
 them), flattened to K, then its free axes flattened to N, so block scales run along the GEMM's reduction axis K as
-for a Linear kernel ``[in, out]`` (the same view as `jaxlowfp.qat.contract`). The layer input is seen as
+for a Linear kernel ``[in, out]`` (the same view as `jaxlowfp.ops`). The layer input is seen as
 ``x' [rows, K]`` (its contracted axes last, in the same order), which is what calibration records (Hessians
 ``x'^T x'``, amaxes per K channel) and what the activation quantizer blocks::
 
@@ -16,6 +16,7 @@ GEMM: PTQ refuses them with an error that names the layer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -25,7 +26,9 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from jaxlowfp.qat.contract import parse_einsum
+from jaxlowfp import ops
+from jaxlowfp.ops import parse_einsum
+from jaxlowfp.qat.spec import Recipe
 
 __all__ = ["LAYER_TYPES", "Layout", "layout", "quantizable_modules", "contracted_axes", "input_rows", "ActQuant",
            "EinsumActQuant", "act_quant", "hook_name", "default_hook", "is_act_quant", "require_linear"]
@@ -132,44 +135,60 @@ def _contracted_last(lhs: jax.Array, contracted: tuple[int, ...]) -> tuple[jax.A
     return (lhs if perm == tuple(range(lhs.ndim)) else jnp.transpose(lhs, perm)), perm
 
 
-def _quantize_input(fmt: Any, lhs: jax.Array, contracted: tuple[int, ...]) -> jax.Array:
-    """Fake-quantize `lhs` with its blocks along the flattened contracted axes (per-tensor formats ignore the
-    layout; a Linear's input [..., K] is quantized as it is)."""
-    if contracted == (lhs.ndim - 1,):
-        return fmt.fake_quantize(lhs)
-    xt, perm = _contracted_last(lhs, contracted)
-    n_free = lhs.ndim - len(contracted)
-    q = fmt.fake_quantize(xt.reshape(*xt.shape[:n_free], -1)).reshape(xt.shape)
-    return jnp.transpose(q, np.argsort(perm))
-
-
 @dataclasses.dataclass(frozen=True)
 class ActQuant:
-    """The ``dot_general`` of a PTQ'd ``nnx.Linear`` or ``nnx.LinearGeneral``: fake-quantizes the input with its
-    current per-tensor amax (blocks along the contracted axes), then the plain ``lax.dot_general`` (the kernel
-    already holds the quantized weights). Hashable, so models with the same formats share compiled code."""
+    """The ``dot_general`` of a PTQ'd ``nnx.Linear`` or ``nnx.LinearGeneral``: the one op layer
+    (`jaxlowfp.ops.dot_general`) with the input fake-quantized by `fmt` (blocks along the contracted axes) and the
+    kernel as it is (it already holds the quantized weights).
+
+    activation_scale: where the input's amax comes from: "tensor" (the whole input, i.e. the batch), "token"
+      (each token's own: a score never depends on its batch) or "static" (`amax`, calibrated: vLLM's static input
+      scale). `path` names the layer in errors and reports; `op_key` is its entry in the execution record
+      (`jaxlowfp.ops.executed`). Hashable, so models with the same layers share compiled code."""
 
     fmt: Any
+    activation_scale: str = "tensor"
+    amax: float | None = None
+    path: str = ""
+    op_key: str | None = None
 
-    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kw):
-        return lax.dot_general(_quantize_input(self.fmt, lhs, contracted_axes(lhs, dimension_numbers)), rhs,
-                               dimension_numbers,
-                               precision=precision, preferred_element_type=preferred_element_type, **kw)
+    @functools.cached_property
+    def recipe(self) -> Recipe:
+        """The layer's activation-only recipe (the weight is quantized offline, in the kernel)."""
+        return Recipe(activation=self.fmt.quant_spec(self.activation_scale, self.amax), name=self.fmt.name)
+
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None,
+                 **kw):
+        _no_extras(self.path, out_sharding, kw)
+        return ops.dot_general(lhs, rhs, dimension_numbers, recipe=self.recipe, precision=precision,
+                               preferred_element_type=preferred_element_type, where=self.path or "ActQuant",
+                               op_key=self.op_key)[0]
 
 
 @dataclasses.dataclass(frozen=True)
-class EinsumActQuant:
-    """The ``einsum_op`` of a PTQ'd ``nnx.Einsum``: `ActQuant` for an einsum (the input is the first operand)."""
+class EinsumActQuant(ActQuant):
+    """The ``einsum_op`` of a PTQ'd ``nnx.Einsum``: `ActQuant` for an einsum (the input is the first operand),
+    `jaxlowfp.ops.einsum`."""
 
-    fmt: Any
+    def __call__(self, spec, lhs, rhs, precision=None, preferred_element_type=None, out_sharding=None, **kw):
+        _no_extras(self.path, out_sharding, kw)
+        return ops.einsum(spec, lhs, rhs, recipe=self.recipe, precision=precision,
+                          preferred_element_type=preferred_element_type, where=self.path or "EinsumActQuant",
+                          op_key=self.op_key)[0]
 
-    def __call__(self, spec, lhs, rhs, **kw):
-        return jnp.einsum(spec, _quantize_input(self.fmt, lhs, contracted_axes(lhs, spec=spec, rhs=rhs)), rhs, **kw)
+
+def _no_extras(where: str, out_sharding: Any, kw: dict) -> None:
+    if out_sharding is not None or kw:
+        raise NotImplementedError(f"{where or 'ActQuant'}: the quantized contraction takes no "
+                                  f"{'out_sharding' if out_sharding is not None else sorted(kw)}; shard the inputs "
+                                  f"and parameters instead")
 
 
-def act_quant(mod: nnx.Module, fmt: Any) -> ActQuant | EinsumActQuant:
-    """The run-time activation quantizer for `mod`'s hook."""
-    return EinsumActQuant(fmt) if isinstance(mod, nnx.Einsum) else ActQuant(fmt)
+def act_quant(mod: nnx.Module, fmt: Any, *, activation_scale: str = "tensor", amax: float | None = None,
+              path: str = "") -> ActQuant:
+    """The run-time activation quantizer for `mod`'s hook, with a fresh execution-record key."""
+    cls = EinsumActQuant if isinstance(mod, nnx.Einsum) else ActQuant
+    return cls(fmt, activation_scale, amax, path, ops.new_op_key(path or cls.__name__))
 
 
 def require_linear(model: nnx.Module, paths: Any, what: str) -> None:

@@ -19,14 +19,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxlowfp import dispatch, formats, if4, nvfp4
+from jaxlowfp import dispatch, formats, if4, mx, nvfp4
 from jaxlowfp._core.bits import ieee_div
 from jaxlowfp._core.checks import bool_flag, float_input, number
 from jaxlowfp._core.nvfp4_blocks import global_scales
 from jaxlowfp._core.reduce import abs_max
 from jaxlowfp._core.scaled import saturation_bound, scaled_round_mask
-from jaxlowfp.qat.spec import KERNELS, QuantSpec, QuantStats, check_size, convention
-from jaxlowfp.scaling import AmaxHistory, DelayedScaling
+from jaxlowfp.qat.spec import KERNELS, MX_ELEMENTS, QuantSpec, QuantStats, check_size, convention
+from jaxlowfp.scaling import AmaxHistory, CurrentScaling, DelayedScaling
 
 
 def scaled_round(
@@ -96,9 +96,20 @@ class Rounded(NamedTuple):
     counts: Any  # the fused kernel's result (amax, saturated and underflow counts), else None
 
 
+def per_token(spec: QuantSpec) -> bool:
+    """Whether `spec` takes one amax per vector along the contraction axis (``CurrentScaling(granularity="token")``)."""
+    return getattr(spec.scaling, "granularity", "tensor") == "token"
+
+
+def fixed_estimate(spec: QuantSpec) -> bool:
+    """Whether the amax estimate is given to the quantizer (delayed or static scaling) rather than taken from the
+    tensor itself (current scaling): NVFP4 / IF4 then use it as their global amax."""
+    return not isinstance(spec.scaling, CurrentScaling)
+
+
 def fused_kernel(spec: QuantSpec, x: jax.Array) -> bool:
     """Whether `x` goes through the fused Pallas HiF8 kernel (one pass: value, amax and counters)."""
-    return spec.format == "hif8" and convention(spec) == "default" and dispatch.resolve_impl(
+    return spec.format == "hif8" and convention(spec) == "default" and not per_token(spec) and dispatch.resolve_impl(
         spec.impl, kernel=KERNELS["hif8"], backend=spec.backend, config={"dtype": str(x.dtype)}) == "pallas"
 
 
@@ -108,8 +119,11 @@ def round_with(xs: jax.Array, spec: QuantSpec, est: jax.Array, key: Any, axis: i
 
     Non-finite elements of `xs` come out unchanged (``y = where(isfinite(x), y_q, x)``, every format and path).
     """
-    if spec.is_nvfp4:
-        delayed = isinstance(spec.scaling, DelayedScaling)
+    if spec.is_mx:  # E8M0 block scales from each block of 32; no tensor scale
+        yq = jnp.moveaxis(mx.fake_quantize(jnp.moveaxis(xs, axis, -1), elem=MX_ELEMENTS[spec.format]), -1, axis)
+        sat, scale, counts = None, jnp.float32(1.0), None
+    elif spec.is_nvfp4:
+        delayed = fixed_estimate(spec)
         yq = nvfp4_fake_quant(xs, spec, est if delayed else None, key, axis)
         sat = (jnp.abs(xs) > est) if delayed else None
         gs = if4.global_scales(est, "if4", spec.rounding) if spec.format == "if4" else global_scales(
@@ -141,6 +155,8 @@ def quantize(x: jax.Array, state: AmaxHistory, spec: QuantSpec, observe: bool | 
     if x.size == 0:
         raise ValueError(f"cannot quantize an empty array (shape {x.shape})")
     check_size(x.shape, "the quantized tensor")
+    if per_token(spec):
+        return _quantize_per_token(x, state, spec, observe, key, axis)
     xs = lax.stop_gradient(x)
     fused = fused_kernel(spec, x)
     if fused and isinstance(spec.scaling, DelayedScaling):
@@ -173,6 +189,39 @@ def quantize(x: jax.Array, state: AmaxHistory, spec: QuantSpec, observe: bool | 
     if spec.ste == "masked" and observe is not True:
         keep = keep_mask(r.sat, observe, xs.shape)
     return _Quantized(select(observe, xs, r.y), keep, new_state, stats, est)
+
+
+def _quantize_per_token(x: jax.Array, state: AmaxHistory, spec: QuantSpec, observe: bool | jax.Array,
+                        key: Any, axis: int) -> _Quantized:
+    """`quantize` with one amax per vector along `axis` (``CurrentScaling(granularity="token")``): each vector is
+    quantized exactly as it would be alone (a ``vmap`` of the per-tensor quantizer over the vectors), so no other
+    row of the batch, and no padding, reaches its scale. The stats and the state take the max over the vectors."""
+    xs = lax.stop_gradient(x)
+    xt = jnp.moveaxis(xs, axis, -1)
+    rows = xt.reshape(-1, xt.shape[-1])
+    amax_rows = abs_max(rows, axis=-1).astype(jnp.float32)
+    if spec.is_nvfp4:
+        need_key(spec, key, f"QuantSpec(format={spec.format!r})")
+    if key is None or spec.rounding == "nearest":
+        r = jax.vmap(lambda v, a: round_with(v, spec, a, None, -1))(rows, amax_rows)
+    else:
+        r = jax.vmap(lambda v, a, k: round_with(v, spec, a, k, -1))(rows, amax_rows,
+                                                                    jax.random.split(key, rows.shape[0]))
+    y = jnp.moveaxis(r.y.reshape(xt.shape), -1, axis)
+    sat = None if r.sat is None else jnp.moveaxis(r.sat.reshape(xt.shape), -1, axis)
+    amax = abs_max(amax_rows)
+    n_sat = jnp.zeros((), jnp.int32) if sat is None else jnp.sum(sat, dtype=jnp.int32)
+    n = float(x.size)
+    stats = QuantStats(
+        amax=amax,
+        amax_estimate=amax,
+        scale=jnp.max(r.scale),
+        saturated_fraction=n_sat.astype(jnp.float32) / n,
+        underflow_fraction=jnp.sum((xs != 0) & (y == 0), dtype=jnp.int32).astype(jnp.float32) / n,
+        nonfinite_count=jnp.sum(~jnp.isfinite(xs), dtype=jnp.int32),
+    )
+    keep = keep_mask(sat, observe, xs.shape) if spec.ste == "masked" and observe is not True else None
+    return _Quantized(select(observe, xs, y), keep, spec.scaling.update(state, amax), stats, amax)
 
 
 def keep_mask(sat: jax.Array | None, observe: bool | jax.Array, shape: tuple) -> jax.Array:

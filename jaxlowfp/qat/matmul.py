@@ -15,10 +15,10 @@ from jax import lax
 from jaxlowfp._core.checks import bool_flag, float_input
 from jaxlowfp._core.reduce import abs_max
 from jaxlowfp.hadamard import hadamard16
-from jaxlowfp.qat.fake_quant import (keep_mask, need_key, nvfp4_fake_quant, quantize, round_with, select,
-                                     straight_through)
+from jaxlowfp.qat.fake_quant import (fixed_estimate, keep_mask, need_key, nvfp4_fake_quant, quantize, round_with,
+                                     select, straight_through)
 from jaxlowfp.qat.spec import QuantSpec, Recipe, RecipeState, RecipeStats, check_size, convention
-from jaxlowfp.scaling import AmaxHistory, CurrentScaling, DelayedScaling, PendingAmax, record_pending
+from jaxlowfp.scaling import AmaxHistory, CurrentScaling, PendingAmax, record_pending
 
 # ((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch)), as lax.dot_general takes it
 DimensionNumbers = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
@@ -163,7 +163,7 @@ _qdot.defvjp(_qdot_fwd, _qdot_bwd)
 
 def _global_amax(spec: QuantSpec, est: jax.Array) -> jax.Array | None:
     """The global amax an NVFP4 operand was quantized with in the forward (None: recomputed from the tensor)."""
-    return est if isinstance(spec.scaling, DelayedScaling) else None
+    return est if fixed_estimate(spec) else None
 
 
 def dot_general(
@@ -203,10 +203,11 @@ def dot_general(
     observe = bool_flag(observe_only)
     linear_layout = _is_linear(lhs, rhs, dn)
     needs_layout = recipe.grad is not None and recipe.grad.hadamard
-    needs_layout |= any(s is not None and s.is_nvfp4 for s in (recipe.weight, recipe.activation, recipe.grad))
+    needs_layout |= any(s is not None and s.is_block_scaled for s in (recipe.weight, recipe.activation, recipe.grad))
     if needs_layout and not linear_layout:
         raise NotImplementedError(
-            f"recipe {recipe.name!r} uses NVFP4 blocks or the Hadamard transform, which need the linear layout "
+            f"recipe {recipe.name!r} uses block scales (NVFP4, IF4, MX) or the Hadamard transform, which need the "
+            f"linear layout "
             f"lhs [..., K] . rhs [K, M] (dimension_numbers (((lhs.ndim-1,), (0,)), ((), ()))); got "
             f"dimension_numbers={dn}, lhs {lhs.shape}, rhs {rhs.shape}"
         )

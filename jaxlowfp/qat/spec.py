@@ -14,9 +14,10 @@ from jaxlowfp._core.checks import one_of
 from jaxlowfp._core.if4_blocks import RULES as IF4_RULES
 from jaxlowfp._core.if4_blocks import IFConfig
 from jaxlowfp._core.nvfp4_blocks import ALL_RULES, BLOCK_SHAPES, NVFP4Config
-from jaxlowfp.scaling import AmaxHistory, CurrentScaling, DelayedScaling, PendingAmax, Scaling
+from jaxlowfp.scaling import AmaxHistory, CurrentScaling, DelayedScaling, PendingAmax, Scaling, StaticScaling
 
-FORMATS = ("hif8", "e4m3", "e5m2", "nvfp4", "if4")
+FORMATS = ("hif8", "e4m3", "e5m2", "nvfp4", "if4", "mxfp4", "mxfp8")
+MX_ELEMENTS = {"mxfp4": "e2m1", "mxfp8": "e4m3"}  # OCP MX: E8M0 scale per 32 values along K
 CLIPS = ("target", "format")
 STES = ("identity", "masked")
 ROUNDINGS = ("nearest", "stochastic", "stochastic_unbiased", "ms_eden")
@@ -51,8 +52,11 @@ class QuantSpec:
       format: "hif8" (default), "e4m3", "e5m2" (per-tensor scaled 8-bit), "nvfp4" (E2M1 with E4M3 block scales
         and a float32 per-tensor scale; the two-level scale is computed by :mod:`jaxlowfp.nvfp4`, and `scaling`
         only supplies its global amax when delayed) or "if4" (the same two-level scale, each block on the E2M1 or
-        the INT4 grid: :mod:`jaxlowfp.if4`; everything said about NVFP4 below applies to it).
-      scaling: a :class:`~jaxlowfp.scaling.DelayedScaling` or :class:`~jaxlowfp.scaling.CurrentScaling`; default
+        the INT4 grid: :mod:`jaxlowfp.if4`; everything said about NVFP4 below applies to it), "mxfp4" / "mxfp8"
+        (OCP MX: E2M1 / E4M3 elements with an E8M0 scale per 32 values along the contraction axis, OCP floor
+        rule, :mod:`jaxlowfp.mx`; no tensor scale, so only current scaling, round to nearest).
+      scaling: a :class:`~jaxlowfp.scaling.DelayedScaling`, :class:`~jaxlowfp.scaling.CurrentScaling` (per tensor
+        or per token) or :class:`~jaxlowfp.scaling.StaticScaling` (a calibrated amax); default
         ``CurrentScaling(target_max=<format default>)`` (15 for HiF8, 6 for NVFP4).
       target_max: clip bound for ``clip="target"``; default ``scaling.target_max`` (the value amax maps to), so
         the paper's HiF8 setting clips the scaled tensor at 15. Must not exceed the format's max. NVFP4: must be
@@ -106,10 +110,13 @@ class QuantSpec:
         if self.scaling is None:
             default = NVFP4_ELEMENT_MAX if self.is_nvfp4 else self.element_format.default_target_max
             object.__setattr__(self, "scaling", CurrentScaling(target_max=default))
-        if not isinstance(self.scaling, (DelayedScaling, CurrentScaling)):
+        if not isinstance(self.scaling, (DelayedScaling, CurrentScaling, StaticScaling)):
             raise TypeError(
-                f"scaling must be a DelayedScaling or CurrentScaling; got {type(self.scaling).__name__}"
+                f"scaling must be a DelayedScaling, CurrentScaling or StaticScaling; got {type(self.scaling).__name__}"
             )
+        if self.is_mx and not (isinstance(self.scaling, CurrentScaling) and self.scaling.granularity == "tensor"):
+            raise ValueError(f"format={self.format!r} has no tensor scale (its E8M0 block scales come from each "
+                             f"block of 32), so it takes the default CurrentScaling only; got {self.scaling!r}")
         if self.is_nvfp4:
             self._check_nvfp4()
             if self.scaling.target_max != NVFP4_ELEMENT_MAX or self.target_max not in (None, NVFP4_ELEMENT_MAX):
@@ -150,6 +157,9 @@ class QuantSpec:
         if isinstance(self.block_shape, list):
             object.__setattr__(self, "block_shape", tuple(self.block_shape))
         one_of(self.block_shape, NVFP4_BLOCKS, "block_shape")
+        if self.block_shape[0] > 1 and getattr(self.scaling, "granularity", "tensor") == "token":
+            raise ValueError(f"block_shape={self.block_shape} tiles span {self.block_shape[0]} rows, which one scale "
+                             f"per token cannot give them; per-token scaling takes (1, 16) blocks")
         if self.format == "nvfp4":  # the combinations the quantizer accepts (e.g. ms_eden: static_6, 1x16)
             NVFP4Config(rule=self.rule, block_shape=self.block_shape, rounding=self.rounding)
         else:
@@ -162,8 +172,26 @@ class QuantSpec:
         return self.format in ("nvfp4", "if4")
 
     @property
+    def is_mx(self) -> bool:
+        """Whether the tensor is OCP MX block-scaled ("mxfp4", "mxfp8": E8M0 scales per 32 along the contraction)."""
+        return self.format in MX_ELEMENTS
+
+    @property
+    def is_block_scaled(self) -> bool:
+        """Whether the tensor has per-block scales along the contraction axis (NVFP4, IF4, MX): it then needs the
+        linear layout and whole blocks."""
+        return self.is_nvfp4 or self.is_mx
+
+    @property
+    def blocks(self) -> tuple[int, int] | None:
+        """The scale block (rows, values along K): NVFP4 / IF4 its block_shape, MX (1, 32); None per tensor."""
+        return self.block_shape if self.is_nvfp4 else ((1, 32) if self.is_mx else None)
+
+    @property
     def element_format(self) -> formats.Format:
-        """The element format descriptor (E2M1 for NVFP4)."""
+        """The element format descriptor (E2M1 for NVFP4 and MXFP4, E4M3 for MXFP8)."""
+        if self.is_mx:
+            return formats.get(MX_ELEMENTS[self.format])
         return formats.E2M1 if self.is_nvfp4 else formats.get(self.format)
 
     @property
@@ -259,6 +287,17 @@ class Recipe:
         if self.weight is None and self.activation is None and self.grad is None:
             raise ValueError("a Recipe that quantizes nothing would run in high precision; set weight, activation "
                              "or grad (or call the plain op without a recipe)")
+        token = [r for r in ("weight", "activation", "grad") if getattr(self, r) is not None
+                 and getattr(getattr(self, r).scaling, "granularity", "tensor") == "token"]
+        if token and self.grad is not None:
+            raise ValueError(f"recipe {self.name!r}: per-token scaling ({', '.join(token)}) is implemented for the "
+                             f"forward product with a straight-through backward (grad=None): the quantized backward "
+                             f"re-quantizes operands per tensor")
+        mx = [r for r in ("weight", "activation", "grad") if getattr(self, r) is not None and getattr(self, r).is_mx]
+        if mx and self.grad is not None:
+            raise ValueError(f"recipe {self.name!r}: MX formats ({', '.join(mx)}) are implemented for the forward "
+                             f"product with a straight-through backward (grad=None); quantized gradients with MX "
+                             f"operands are not (use NVFP4 for a quantized backward)")
         if self.delayed_grad and (self.grad.is_nvfp4 or self.grad.hadamard):
             raise ValueError(f"delayed scaling of the output gradient is implemented for the per-tensor 8-bit "
                              f"formats without Hadamard; got grad format={self.grad.format!r}, hadamard="

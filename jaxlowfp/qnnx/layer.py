@@ -18,7 +18,8 @@ from jax import lax
 
 from jaxlowfp import qat
 from jaxlowfp._core.checks import bool_flag
-from jaxlowfp.qat.contract import check_blocks, contract, needs_linear_layout, parse_einsum
+from jaxlowfp import ops
+from jaxlowfp.ops import check_blocks, needs_linear_layout, parse_einsum
 
 class AmaxState(nnx.Variable):
     """A QuantLinear's `RecipeState` (amax histories): the functional QAT state, separate from `nnx.Param`.
@@ -67,7 +68,7 @@ class QuantOp(nnx.Module):
     (`jaxlowfp.qwix_provider`) attaches a bare QuantOp to each module whose matmul it intercepts. Telemetry and
     the warmup switch (`jaxlowfp.qnnx.set_observe_only`) reach every QuantOp in a model.
 
-    `contract(lhs, rhs, dimension_numbers, weight=...)` is `jaxlowfp.qat.contract.contract` with this op's state:
+    `contract(lhs, rhs, dimension_numbers, weight=...)` is `jaxlowfp.ops.dot_general` with this op's state:
     it records the new histories and stats in the variables.
     """
 
@@ -88,6 +89,7 @@ class QuantOp(nnx.Module):
                             f"(its 'quant' stream, or 'default') to draw a key per call")
         self.recipe = recipe
         self.path = path
+        self.op_key = ops.new_op_key(path or where)  # this op's entry in the execution record (jaxlowfp.ops)
         self.amax = AmaxState(recipe.init())
         self.stats = QuantStatsState(_zero_stats(recipe, k, m, dtype, where))
         self.observe_only = QuantPhase(jnp.asarray(bool_flag(observe_only)))
@@ -100,10 +102,11 @@ class QuantOp(nnx.Module):
         is the weight, 0 or 1); the new amax histories and stats are stored in the variables."""
         if key is None and self.rngs is not None:
             key = self.rngs()
-        y, new_state, stats = contract(
+        y, new_state, stats = ops.dot_general(
             lhs, rhs, dimension_numbers, recipe=self.recipe, state=self.amax.get_value(), weight=weight,
             observe_only=self.observe_only[...], key=key, precision=precision,
-            preferred_element_type=preferred_element_type, where=self.path or type(self).__name__)
+            preferred_element_type=preferred_element_type, where=self.path or type(self).__name__,
+            op_key=self.op_key)
         self.amax.set_value(new_state)
         self.stats.set_value(stats)
         return y
@@ -258,7 +261,7 @@ def _einsum_sizes(spec: str, kernel_shape: tuple[int, ...]) -> tuple[tuple[int, 
 
 class QuantEinsum(QuantOp):
     """Drop-in for `nnx.Einsum` (``y = einsum(spec, x, W) + b``) with the input and kernel fake-quantized by a
-    `qat.Recipe`: the einsum runs as the GEMM ``x' [.., K] @ W' [K, M]`` of `jaxlowfp.qat.contract` (K the
+    `qat.Recipe`: the einsum runs as the GEMM ``x' [.., K] @ W' [K, M]`` of `jaxlowfp.ops` (K the
     product of the contracted axes, M of the kernel's free axes), so NVFP4 blocks run along the contraction.
 
     Same `kernel` and `bias` Params (and initialization, from `nnx.Einsum` itself) as `nnx.Einsum`. An einsum
@@ -335,7 +338,7 @@ def _sorted_axes(axes: tuple[int, ...], ndim: int) -> tuple[int, ...]:
 class QuantLinearGeneral(QuantOp):
     """Drop-in for `nnx.LinearGeneral` (contracts the input `axis` with the kernel [*batch, *in_features,
     *out_features]) with input and kernel fake-quantized by a `qat.Recipe`, as the GEMM of
-    `jaxlowfp.qat.contract` (K = prod(in_features), M = prod(out_features)). Same Params and initialization as
+    `jaxlowfp.ops` (K = prod(in_features), M = prod(out_features)). Same Params and initialization as
     `nnx.LinearGeneral` (built by it). A `batch_axis` takes the per-tensor 8-bit recipes only."""
 
     def __init__(self, in_features: Any, out_features: Any, *, recipe: qat.Recipe, observe_only: bool = False,
