@@ -20,8 +20,8 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_MODULES = ("dispatch", "formats", "hadamard", "hif8", "mx", "nvfp4", "qat", "scaling", "rules", "qnnx", "qlinen",
-            "training", "models", "evaluation", "ptq")
+_MODULES = ("dispatch", "formats", "hadamard", "hif8", "mx", "nvfp4", "qat", "ops", "execution", "scaling", "rules",
+            "qnnx", "qlinen", "training", "models", "evaluation", "ptq")
 
 # old names, importable for one release with a DeprecationWarning (they shadowed flax.nnx / flax.linen)
 _DEPRECATED_MODULES = ("nnx", "linen")
@@ -31,6 +31,7 @@ _NAMES = {
     "Format": "formats", "HIF8": "formats", "E4M3": "formats", "E5M2": "formats", "E2M1": "formats",
     "NVFP4Array": "nvfp4",
     "AmaxHistory": "scaling", "PendingAmax": "scaling", "DelayedScaling": "scaling", "CurrentScaling": "scaling",
+    "StaticScaling": "scaling",
     "merge": "scaling",
     "QuantSpec": "qat", "QuantStats": "qat", "Recipe": "qat", "RecipeState": "qat", "RecipeStats": "qat",
     "Warmup": "qat", "fake_quant": "qat", "scaled_round": "qat", "dot_general": "qat", "linear": "qat",

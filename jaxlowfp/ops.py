@@ -26,7 +26,6 @@ are listed). Per-token scaling (``CurrentScaling(granularity="token")``) takes o
 """
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -36,6 +35,8 @@ import jax.numpy as jnp
 import opt_einsum
 
 from jaxlowfp._core.checks import float_input
+from jaxlowfp._core.executed import executed, mark as _mark, new_op_key
+from jaxlowfp._core.executed import forget as forget_executed
 from jaxlowfp.qat.matmul import _normalize_dn, linear
 from jaxlowfp.qat.matmul import dot_general as _batched_dot_general
 from jaxlowfp.qat.spec import Recipe, RecipeState, RecipeStats
@@ -43,34 +44,6 @@ from jaxlowfp.qat.spec import Recipe, RecipeState, RecipeStats
 __all__ = ["Einsum", "parse_einsum", "dot_general", "einsum", "check_blocks", "needs_linear_layout",
            "contraction_sizes", "new_op_key", "executed", "forget_executed"]
 
-# The execution record: the keys of the ops that have been traced (run) at least once in this process. A key names
-# one op instance (`new_op_key`); adapters keep theirs as static data, so it survives nnx.split / merge and jit.
-_EXECUTED: set[str] = set()
-_KEYS = itertools.count()
-
-
-def new_op_key(path: str) -> str:
-    """A fresh key for one quantized op at `path` (unique in the process)."""
-    return f"{path}#{next(_KEYS)}"
-
-
-def executed(op_key: str) -> bool:
-    """Whether the op with this key has executed (been traced) since it was created."""
-    return op_key in _EXECUTED
-
-
-def forget_executed(op_keys: Sequence[str]) -> None:
-    """Drop `op_keys` from the record (an adapter re-created, or a test starting over)."""
-    _EXECUTED.difference_update(op_keys)
-
-
-class Einsum(NamedTuple):
-    """A two-operand einsum as a ``lax.dot_general``: its dimension numbers and the permutation that takes the
-    dot_general output (batch, lhs free, rhs free) to the einsum's output order."""
-
-    dimension_numbers: tuple
-    out_perm: tuple[int, ...]
-    spec: str  # the explicit form, ellipses replaced by letters (opt_einsum's parser)
 
 
 def parse_einsum(spec: str, lhs: Any, rhs: Any) -> Einsum:
@@ -236,11 +209,6 @@ def dot_general(
         y = jnp.transpose(y, (*range(nx, nx + nw), *range(nx)))
     _mark(op_key)
     return y, new_state, stats
-
-
-def _mark(op_key: str | None) -> None:
-    if op_key is not None:
-        _EXECUTED.add(op_key)
 
 
 def einsum(

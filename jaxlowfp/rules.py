@@ -22,10 +22,13 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["QuantizeReport", "Rule", "check_rules", "natural_key", "select"]
+from jaxlowfp._core import executed as _executed
+
+__all__ = ["QuantizeReport", "Rule", "check_rules", "natural_key", "not_executed_message", "select"]
 
 # what each field holds: (module, class). Looked up in sys.modules rather than imported (this module sits below
 # both): an object of that class exists only once its module has been imported.
@@ -98,6 +101,21 @@ def select(rules: Sequence[Rule], paths: Sequence[str]) -> tuple[list[int | None
     return decided, tuple(r.path for i, r in enumerate(rules) if i not in used)
 
 
+def not_executed_message(paths: Sequence[str], *, ran: bool, what: dict[str, str] | None = None) -> str:
+    """The warning for layers configured as quantized whose quantized op never executed; `ran`: whether some
+    other quantized op of the model did (so the model was called); `what`: per path, what it was configured to."""
+    shown = ", ".join(f"{p} ({what[p]})" if what and p in what else p for p in list(paths)[:8])
+    more = f" and {len(paths) - 8} more" if len(paths) > 8 else ""
+    if ran:
+        why = ("the model ran, but these layers were never called: their kernel is read directly (e.g. "
+               "`x @ layer.kernel[...]`) or the module is unused, so their quantized op never ran and their "
+               "inputs stayed in high precision. Call the layer (`layer(x)`), or exclude it from the rules "
+               "(a Rule with no recipe / scheme) so the report says so")
+    else:
+        why = "no quantized op of the model has executed yet: call the model once (under jit is fine) first"
+    return f"{len(paths)} layer(s) reported quantized never ran quantized ({shown}{more}): {why}."
+
+
 def natural_key(path: str) -> list:
     """Sort key that orders ``blocks/2`` before ``blocks/10``."""
     return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", path) if t]
@@ -122,9 +140,41 @@ class QuantizeReport:
     already_quantized: tuple[str, ...]
     unused_rules: tuple[str, ...]
     quantized_fraction: float
+    op_keys: tuple[tuple[str, str], ...] = ()
+
+    def executed(self) -> tuple[str, ...]:
+        """Paths of the layers quantized by this call whose quantized op has run (been traced) since: the
+        execution record of `jaxlowfp.ops`. "quantized" says what the rules configured; this says what ran."""
+        return tuple(p for p, k in self.op_keys if _executed.executed(k))
+
+    def not_executed(self) -> tuple[str, ...]:
+        """Paths quantized by this call whose quantized op has not run yet. After the model has been called, these
+        are layers quantized on paper only: the layer is never called (its kernel is read directly, e.g.
+        ``x @ layer.kernel[...]``), so their inputs are never quantized."""
+        return tuple(p for p, k in self.op_keys if not _executed.executed(k))
+
+    def check_executed(self, *, strict: bool = False) -> tuple[str, ...]:
+        """After the model's first call: a warning (`strict`: a RuntimeError) naming every layer reported quantized
+        whose quantized op never executed, and why; returns their paths."""
+        missing = self.not_executed()
+        if missing:
+            msg = not_executed_message(missing, ran=len(missing) < len(self.op_keys))
+            if strict:
+                raise RuntimeError(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        return missing
 
     def __str__(self) -> str:
-        rows = [(p, "quantized", name) for p, name in self.quantized]
+        keys = dict(self.op_keys)
+        ran = any(_executed.executed(k) for k in keys.values())
+
+        def state(p: str) -> str:
+            if p not in keys:
+                return ""
+            return " (executed)" if _executed.executed(keys[p]) else (
+                " (NOT executed: the layer is never called)" if ran else " (not executed yet)")
+
+        rows = [(p, "quantized", name + state(p)) for p, name in self.quantized]
         rows += [(p, "already", "quantized before this call") for p in self.already_quantized]
         rows += [(p, "kept", f"rule {rx!r} (no recipe or scheme)") for p, rx in self.kept]
         rows += [(p, "unmatched", "no rule: high precision") for p in self.unmatched]

@@ -55,6 +55,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxlowfp.execution import check_executed
 from jaxlowfp import scaling
 from jaxlowfp._core.checks import integer
 from jaxlowfp.qnnx import AmaxState, QuantStatsState, set_observe_only
@@ -200,6 +201,7 @@ def make_step(
             model = nnx.merge(graphdef, p, q, rest, copy=True)  # fresh Variables: mutable in this trace
             set_observe_only(model, observe)
             loss, _ = loss_fn(model, batch)
+            check_executed(model)  # at trace time: a layer reported quantized whose op never ran is named
             _, _, new_q, new_rest = split(model)
             return loss, (new_q, new_rest)
 

@@ -27,6 +27,8 @@ FLOORS = {
     "jaxlowfp.mx": 2,
     "jaxlowfp.scaling": 2,
     "jaxlowfp.qat": 3,
+    "jaxlowfp.ops": 3,  # the one op layer: every quantized contraction (beside the QAT ops it runs)
+    "jaxlowfp.execution": 4,  # which quantized ops of a model ran (reads the record ops writes)
     "jaxlowfp.qnnx": 4,
     "jaxlowfp.qlinen": 4,
     "jaxlowfp.qwix_provider": 4,  # the Qwix provider (optional dependency qwix), beside the Flax integration

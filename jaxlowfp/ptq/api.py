@@ -18,7 +18,7 @@ from jaxlowfp import nvfp4
 from jaxlowfp._core.progress import progress_bar
 from jaxlowfp.ptq import calibrate, sequential, serving, smooth
 from jaxlowfp.ptq.layers import act_quant, default_hook, hook_name, is_act_quant, layout
-from jaxlowfp.ptq.formats import Scheme, rtn_weight
+from jaxlowfp.ptq.formats import ACTIVATION_SCALES, Scheme, rtn_weight
 from jaxlowfp.ptq.gptq import GPTQ, gptq_weight
 from jaxlowfp.ptq.smooth import AWQ, Fold, SmoothQuant
 from jaxlowfp.rules import QuantizeReport, Rule, check_rules, select
@@ -63,6 +63,8 @@ class PTQResult:
     pipeline: how the statistics were calibrated: "sequential" (block by block, `jaxlowfp.ptq.sequential`),
       "one-pass" (one pass over the unquantized model, or the `stats` given) or "none" (RTN without calibration)
     peak_stats_bytes: the most bytes of calibration statistics (and, sequential, activations) held at once
+    activation_scale: how the run-time activations get their amax ("static", "token", "tensor"; see `quantize`),
+      None when no layer quantizes activations
     """
 
     report: QuantizeReport
@@ -77,6 +79,7 @@ class PTQResult:
     convention: str = "jaxlowfp"
     pipeline: str = "one-pass"
     peak_stats_bytes: int = 0
+    activation_scale: str | None = None
 
 
 def _batches(calibration: Any, batch_size: int, forward_is_default: bool) -> list[Any]:
@@ -150,6 +153,7 @@ def quantize(
     convention: str = "jaxlowfp",
     pipeline: str = "auto",
     propagate: str = "quantized",
+    activation_scale: str = "auto",
 ) -> PTQResult:
     """Post-training quantization of the layers that `rules` select, in place.
 
@@ -175,6 +179,11 @@ def quantize(
         ``ptq_blocks()`` and neither `forward` nor `stats` is given, else one-pass.
       propagate: sequential only: "quantized" (the quantized prefix runs as deployed, activation quantization
         included) or "weights" (activations in high precision while propagating, as llm-compressor does).
+      activation_scale: W4A4 / W8A8: where a layer's run-time input amax comes from. "static": the calibrated max
+        |input| (what `export` writes as ``input_global_scale`` and vLLM applies); "token": each token's own amax
+        (dynamic); "tensor": the whole input's, i.e. the batch's (the Four Over Six paper's setting: a score then
+        depends on the other requests in its batch and on padding). "auto" (default): "static" with calibration
+        data or `stats`, else "token". Recorded in `PTQResult.activation_scale`.
 
     Afterwards each quantized layer is still the same module: its kernel holds the dequantized quantized weights,
     and, for W4A4 / W8A8 schemes, its ``dot_general`` is an `ActQuant` (an Einsum's ``einsum_op`` an
@@ -198,6 +207,7 @@ def quantize(
     if calibration is None and stats is None and not isinstance(m, RTN):
         raise ValueError(f"method {m.name!r} needs calibration data (a token array [n, seq] or batches)")
     serving.check_convention(convention, m.name, targets)
+    act_scale = _activation_scale(activation_scale, calibration is not None or stats is not None)
     groups = serving.fused_groups(model, targets, fused)
 
     mods = {"/".join(map(str, p)): x for p, x in nnx.iter_graph(model) if isinstance(x, nnx.Module)}
@@ -224,6 +234,7 @@ def quantize(
     else:
         stats = {}
     packed: dict[str, tuple[nvfp4.NVFP4Array, jax.Array]] = {}
+    op_keys: dict[str, str] = {}
 
     def process(paths: list[str], st: dict[str, calibrate.LayerStats]) -> None:
         """Folds that reach `paths`, then their weights (fused groups: one amax after the folds)."""
@@ -244,7 +255,7 @@ def quantize(
                              "or pipeline='one-pass'")
         shared = {p: jnp.max(jnp.stack([jnp.max(jnp.abs(mods[x].kernel[...].astype(jnp.float32))) for x in g]))
                   for g in grp for p in g}  # after the folds: the amax of the weights as they are quantized
-        _quantize_weights(mods, m, sub, st, shared, convention, packed, progress)
+        _quantize_weights(mods, m, sub, st, shared, convention, packed, progress, act_scale, op_keys)
 
     samples = 0
     batches = None if calibration is None else _batches(calibration, batch_size, forward is None)
@@ -271,10 +282,26 @@ def quantize(
         kept=tuple(kept), unmatched=tuple(unmatched), already_quantized=tuple(already),
         unused_rules=unused,
         quantized_fraction=float(done / total) if total else 0.0,
+        op_keys=tuple((p, op_keys[p]) for p in targets if p in op_keys),
     )
     return PTQResult(report=report, method=m.name, schemes=dict(targets), packed=packed, act_amax=act_amax,
                      folds=tuple(folds), skipped=tuple(skipped), seconds=time.perf_counter() - t0,
-                     fused=tuple(groups), convention=convention, pipeline=pipe, peak_stats_bytes=peak)
+                     fused=tuple(groups), convention=convention, pipeline=pipe, peak_stats_bytes=peak,
+                     activation_scale=act_scale if any(s.activation is not None for s in targets.values()) else None)
+
+
+def _activation_scale(activation_scale: str, calibrated: bool) -> str:
+    """The activation scaling `quantize` applies (see its docstring)."""
+    allowed = ("auto", *ACTIVATION_SCALES)
+    if activation_scale not in allowed:
+        raise ValueError(f"activation_scale={activation_scale!r} is not supported; allowed: "
+                         f"{', '.join(map(repr, allowed))}")
+    if activation_scale == "static" and not calibrated:
+        raise ValueError("activation_scale='static' takes each layer's calibrated input amax: pass calibration "
+                         "data (or stats), or use activation_scale='token' (dynamic, per token)")
+    if activation_scale == "auto":
+        return "static" if calibrated else "token"
+    return activation_scale
 
 
 def _pipeline(pipeline: str, propagate: str, model: nnx.Module, m: Method, forward: Any, calibration: Any,
@@ -306,7 +333,7 @@ def _pipeline(pipeline: str, propagate: str, model: nnx.Module, m: Method, forwa
 
 def _quantize_weights(mods: Mapping[str, Any], m: Method, targets: Mapping[str, Scheme],
                       stats: Mapping[str, calibrate.LayerStats], shared: Mapping[str, jax.Array], convention: str,
-                      packed: dict, progress: bool) -> None:
+                      packed: dict, progress: bool, act_scale: str, op_keys: dict[str, str]) -> None:
     """Quantize the kernels of `targets` in place (GPTQ with their Hessians, else RTN); NVFP4 arrays into `packed`;
     W4A4 / W8A8 layers get their run-time activation quantizer."""
     for path in progress_bar(list(targets), desc=f"{m.name} weights", enabled=progress):
@@ -324,7 +351,14 @@ def _quantize_weights(mods: Mapping[str, Any], m: Method, targets: Mapping[str, 
         if qw.packed is not None:
             packed[path] = (qw.packed, qw.s_enc)
         if sch.activation is not None:
-            setattr(mod, hook_name(mod), act_quant(mod, sch.activation))
+            amax = float(np.max(stats[path].amax)) if act_scale == "static" else None
+            if amax is not None and not (np.isfinite(amax) and amax > 0):
+                raise ValueError(f"{path}: activation_scale='static' needs a finite, positive calibrated input "
+                                 f"amax; calibration gave {amax} (no calibration token reached the layer, or its "
+                                 f"input is non-finite). Use activation_scale='token'")
+            hook = act_quant(mod, sch.activation, activation_scale=act_scale, amax=amax, path=path)
+            setattr(mod, hook_name(mod), hook)
+            op_keys[path] = hook.op_key
 
 
 def _folds(model: nnx.Module, mods: dict, m: SmoothQuant | AWQ, targets: Mapping[str, Scheme]

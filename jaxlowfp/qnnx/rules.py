@@ -106,7 +106,7 @@ def quantize(model: nnx.Module, rules: Sequence[Rule], *, rngs: nnx.Rngs | None 
     nodes = [(p, n) for p, n in nnx.iter_graph(model) if isinstance(n, (*_CONVERT, *_QUANTIZED))]
     decided, unused = select(rules, [_join(p) for p, n in nodes if not isinstance(n, _QUANTIZED)])
     decided = iter(decided)
-    quantized, kept, unmatched, already = [], [], [], []
+    quantized, kept, unmatched, already, keys = [], [], [], [], []
     replacements: dict[int, QuantOp] = {}
     total = done = 0
     for parts, node in nodes:
@@ -133,6 +133,7 @@ def quantize(model: nnx.Module, rules: Sequence[Rule], *, rngs: nnx.Rngs | None 
                 f"replacing it by a quantized layer would drop its own behaviour. Exclude it or quantize it yourself."
             )
         replacements[id(node)] = convert(node, rule.recipe, path=path, rngs=rngs)
+        keys.append((path, id(node)))
         quantized.append((path, rule.recipe.name))
         done += _kernel_size(node)
 
@@ -153,6 +154,7 @@ def quantize(model: nnx.Module, rules: Sequence[Rule], *, rngs: nnx.Rngs | None 
         already_quantized=tuple(already),
         unused_rules=unused,
         quantized_fraction=float(done / total) if total else 0.0,
+        op_keys=tuple((p, replacements[i].op_key) for p, i in keys),
     )
 
 

@@ -1,0 +1,78 @@
+"""What ran: the quantized ops of a model, configured versus executed.
+
+A rule decides that a layer is quantized (the report's "configured"); the layer's quantized op runs only when the
+layer is called. A model that reads a layer's kernel directly (``x @ self.qkv.kernel[...]``) never calls it, so
+its inputs are never quantized while the report lists it. Every quantized op of jaxlowfp (a QAT layer's or the Qwix
+provider's `jaxlowfp.qnnx.QuantOp`, a PTQ layer's `jaxlowfp.ptq.ActQuant`) holds a key in the execution record of
+`jaxlowfp.ops`, marked when the op is traced; this module reads it for a whole model::
+
+    logits = model(tokens)                       # or any jitted step: tracing runs the ops
+    execution.check_executed(model)              # warns, naming each quantized layer that never ran
+    execution.check_executed(model, strict=True) # raises instead
+
+`jaxlowfp.evaluation` and `jaxlowfp.training.make_step` call it after their first traced call, so a layer quantized
+on paper only is named at once.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, NamedTuple
+
+from flax import nnx
+
+from jaxlowfp._core import executed as _record
+from jaxlowfp.rules import not_executed_message
+
+__all__ = ["QuantizedOp", "quantized_ops", "check_executed"]
+
+_WARNED: set[frozenset[str]] = set()
+
+
+class QuantizedOp(NamedTuple):
+    """One quantized op of a model: its path, what it was configured to (recipe or format name), its
+    execution-record key and whether it has executed."""
+
+    path: str
+    configured: str
+    op_key: str
+    executed: bool
+
+
+def _describe(op: Any) -> str:
+    name = getattr(getattr(op, "recipe", None), "name", None) or type(op).__name__
+    return f"PTQ {name}: weights quantized, activation quantization never ran" if hasattr(op, "fmt") else name
+
+
+def quantized_ops(model: Any) -> list[QuantizedOp]:
+    """Every quantized op in `model` (NNX graph order): QuantOps (QAT layers, Qwix provider) and the run-time
+    activation quantizers of PTQ'd layers (held in a layer's ``dot_general`` / ``einsum_op``)."""
+    out = []
+    for parts, node in nnx.iter_graph(model):
+        if not isinstance(node, nnx.Module):
+            continue
+        path = "/".join(map(str, parts))
+        candidates = [(path, node)] + [(path, v) for k, v in vars(node).items()
+                                       if k in ("dot_general", "einsum_op")]
+        for p, op in candidates:
+            key = getattr(op, "op_key", None)
+            if isinstance(key, str) and getattr(op, "recipe", None) is not None:
+                out.append(QuantizedOp(p, _describe(op), key, _record.executed(key)))
+    return out
+
+
+def check_executed(model: Any, *, strict: bool = False, warn_once: bool = True) -> tuple[str, ...]:
+    """Paths of the quantized ops in `model` that have not executed; a RuntimeWarning naming them and saying why
+    (or, with `strict`, a RuntimeError). Call it after the model's first (traced) call. `warn_once`: the same set
+    of layers is warned about once per process."""
+    ops = quantized_ops(model)
+    missing = [op for op in ops if not op.executed]
+    if missing:
+        msg = not_executed_message([op.path for op in missing], ran=len(missing) < len(ops),
+                                   what={op.path: op.configured for op in missing})
+        if strict:
+            raise RuntimeError(msg)
+        token = frozenset(op.op_key for op in missing)
+        if not (warn_once and token in _WARNED):
+            _WARNED.add(token)
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+    return tuple(op.path for op in missing)

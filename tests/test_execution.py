@@ -1,0 +1,149 @@
+"""What runs is what is reported (issue 32): layers quantized on paper whose op never runs are named, and quantized
+scores do not depend on the batch they are computed in."""
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxlowfp import execution, ptq, qat, qnnx
+from jaxlowfp.evaluation import Request, score_requests
+from jaxlowfp.models.llama import PRESETS, Llama
+
+
+class DirectRead(nnx.Module):
+    """canvit-nnx's pattern: the attention projection's kernel is read directly, the layer is never called."""
+
+    def __init__(self, rngs):
+        self.qkv = nnx.Linear(32, 96, rngs=rngs)
+        self.mlp = nnx.Linear(32, 32, rngs=rngs)
+
+    def __call__(self, x):
+        qkv = x @ self.qkv.kernel[...]
+        return self.mlp(x) + qkv[..., :32]
+
+
+def _x():
+    return jnp.asarray(np.random.default_rng(0).standard_normal((2, 8, 32)), jnp.float32)
+
+
+def test_qat_layer_read_directly_is_named():
+    model = DirectRead(nnx.Rngs(0))
+    report = qnnx.quantize(model, [qnnx.Rule(path=".*", recipe=qat.hif8_w8a8())])
+    assert {p for p, _ in report.quantized} == {"qkv", "mlp"}  # configured: both
+    assert set(report.not_executed()) == {"qkv", "mlp"} and "not executed yet" in str(report)
+    with pytest.warns(RuntimeWarning, match="no quantized op of the model has executed yet"):
+        report.check_executed()
+    nnx.jit(lambda m, x: m(x))(model, _x())
+    assert report.executed() == ("mlp",) and report.not_executed() == ("qkv",)
+    assert re.search(r"qkv +quantized +hif8_w8a8 \(NOT executed", str(report))
+    with pytest.warns(RuntimeWarning, match=r"\(qkv\): the model ran.*kernel is read directly"):
+        assert report.check_executed() == ("qkv",)
+    with pytest.raises(RuntimeError, match="qkv"):
+        report.check_executed(strict=True)
+    with pytest.raises(RuntimeError, match=r"qkv \(hif8_w8a8\)"):  # the model-level view says the same
+        execution.check_executed(model, strict=True)
+
+
+def test_ptq_layer_read_directly_is_named():
+    model = DirectRead(nnx.Rngs(0))
+    res = ptq.quantize(model, [ptq.Rule(path=".*", scheme=ptq.scheme("nvfp4-mse"))], activation_scale="token")
+    model(_x())  # eager: the ops trace (run) here too
+    assert res.report.not_executed() == ("qkv",)
+    with pytest.raises(RuntimeError, match=r"qkv \(PTQ nvfp4-mse: weights quantized, activation quantization never ran"):
+        execution.check_executed(model, strict=True)
+
+
+def test_training_step_warns_at_trace_time():
+    from jaxlowfp import training
+    import optax
+
+    model = DirectRead(nnx.Rngs(0))
+    qnnx.quantize(model, [qnnx.Rule(path=".*", recipe=qat.hif8_w8a8())])
+    graphdef, state = training.init(model, optax.sgd(1e-3))
+    step = training.make_step(graphdef, optax.sgd(1e-3), lambda m, b: (jnp.mean(m(b) ** 2), {}))
+    with pytest.warns(RuntimeWarning, match="qkv"):
+        step(state, _x())
+
+
+# --- batch independence -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def requests():
+    rng = np.random.default_rng(1)
+    return [Request(tuple(int(t) for t in rng.integers(0, 256, n)), n_pred=n - 1) for n in (9, 23, 40, 57, 64)]
+
+
+def _quantized(scale):
+    model = Llama(PRESETS["tiny"], rngs=nnx.Rngs(0))
+    calib = np.random.default_rng(2).integers(0, 256, (4, 32))
+    rules = [ptq.Rule(path=r"blocks/\d+/(attn|mlp)/\w+_proj", scheme=ptq.scheme("nvfp4-mse"))]
+    res = ptq.quantize(model, rules, calibration=calib if scale == "static" else None, activation_scale=scale)
+    assert res.activation_scale == scale
+    return model
+
+
+@pytest.mark.parametrize("scale", ["token", "static"])
+def test_scores_do_not_depend_on_the_batch(requests, scale):
+    """Each request scored alone (batch_size=1) and with the others in padded batches of 8 (zero rows fill the
+    batch): the same log-likelihoods. The two runs are different XLA programs ([1, L] vs [8, L]), so equality is
+    checked to float32 rounding of the logits' reductions; the activation quantization itself is per token or
+    static, so no other row or padding reaches a request's scales."""
+    model = _quantized(scale)
+    alone = np.array([score_requests(model, [r], batch_size=1)[0][0] for r in requests])
+    batched = score_requests(model, requests, batch_size=8)[0]
+    np.testing.assert_allclose(batched, alone, rtol=2e-6, atol=2e-5)
+
+
+def test_per_tensor_scores_do_depend_on_the_batch(requests):
+    """The control: with the batch's amax ("tensor", the paper's PTQ setting) the same comparison moves by more
+    than float32 rounding, so the test above can fail."""
+    model = _quantized("tensor")
+    alone = np.array([score_requests(model, [r], batch_size=1)[0][0] for r in requests])
+    batched = score_requests(model, requests, batch_size=8)[0]
+    assert np.max(np.abs(batched - alone)) > 1e-3
+
+
+def test_per_token_quantizer_equals_each_row_alone():
+    """The per-token quantizer on a [rows, K] batch equals quantizing every row by itself, bit for bit, under jit
+    (the same elementwise program per row; max reductions are exact)."""
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((6, 64)) * np.geomspace(1e-3, 1e3, 6)[:, None],
+                    jnp.float32)
+    for fmt in ("nvfp4", "hif8"):
+        spec = ptq.TensorFormat(kind=fmt).quant_spec("token")
+        f = jax.jit(lambda v: qat.fake_quant(v, spec.init(), spec)[0])
+        whole = np.asarray(f(x))
+        rows = np.concatenate([np.asarray(f(x[i:i + 1])) for i in range(x.shape[0])])
+        np.testing.assert_array_equal(whole.view(np.uint32), rows.view(np.uint32))
+        per_tensor = ptq.TensorFormat(kind=fmt).quant_spec("tensor")
+        assert not np.array_equal(whole, np.asarray(qat.fake_quant(x, per_tensor.init(), per_tensor)[0]))
+
+
+def test_static_scale_is_the_calibrated_amax():
+    """activation_scale='static': the layer's input is quantized with the calibration amax (nvfp4.fake_quantize with
+    that global amax, the quantizer the export's input_global_scale stands for), whatever the batch holds."""
+    model = _quantized("static")
+    hook = model.blocks[1].mlp.down_proj.dot_general
+    assert hook.activation_scale == "static" and hook.amax > 0
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((3, 192)), jnp.float32)
+    from jaxlowfp import nvfp4
+
+    want = nvfp4.fake_quantize(x, rule="mse", global_amax=jnp.float32(hook.amax)) @ model.blocks[1].mlp.down_proj.kernel[...]
+    got = hook(x, model.blocks[1].mlp.down_proj.kernel[...], (((1,), (0,)), ((), ())))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_bad_activation_scale():
+    model = Llama(PRESETS["tiny"], rngs=nnx.Rngs(0))
+    rules = [ptq.Rule(path=r"blocks/1/mlp/up_proj", scheme=ptq.scheme("nvfp4-mse"))]
+    with pytest.raises(ValueError, match="activation_scale='static' takes each layer's calibrated input amax"):
+        ptq.quantize(model, rules, activation_scale="static")
+    with pytest.raises(ValueError, match="activation_scale='batch' is not supported; allowed: 'auto', 'tensor'"):
+        ptq.quantize(model, rules, activation_scale="batch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ptq.quantize(model, rules).activation_scale == "token"  # auto without calibration
