@@ -30,6 +30,11 @@ Model arguments (``--model_args k=v,...``; `ARGUMENTS` lists them):
   layers           which Linear layers ``quantize`` takes: ``paper`` (default: the MLPs of blocks keep_first ..
                    n - keep_last - 1, `jaxlowfp.qnnx.paper_rules`), ``all`` (every attention and MLP projection)
                    or a regex of module paths; ``keep_first`` (3), ``keep_last`` (2)
+  act_scale        where quantized activations get their amax: ``token`` (each token's own, dynamic), ``static``
+                   (``ptq`` with calibration: each layer's calibrated input amax, what the export writes and vLLM
+                   applies), ``tensor`` (the whole batch's: scores then depend on the other requests of a batch and
+                   on padding), ``auto`` (default: static for calibrated PTQ, else token); recorded in
+                   ``quantization``
   ptq              post-training quantization (`jaxlowfp.ptq.quantize`): ``none``, ``rtn``, ``gptq``,
                    ``smoothquant``, ``awq``, to ``ptq_scheme`` (default ``nvfp4-mse``; ``weights_only=true`` for
                    W4A16) of the layers matching ``ptq_layers``; all but RTN calibrate on ``calibration`` (a UTF-8
@@ -75,7 +80,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from jaxlowfp.evaluation import budget_docs, pair_request, rolling_requests, score_requests
 
-__all__ = ["ARGUMENTS", "LM_EVAL_VERSION", "QUANTIZE", "JaxLowFPLM", "choice_task", "evaluate", "fake_quantize", "main",
+__all__ = ["ACT_SCALES", "ARGUMENTS", "LM_EVAL_VERSION", "QUANTIZE", "JaxLowFPLM", "eval_recipe", "choice_task", "evaluate", "fake_quantize", "main",
            "rolling_task"]
 
 log = logging.getLogger(__name__)
@@ -99,17 +104,42 @@ def _recipe(name: str) -> Any:
     return qat.nvfp4_w4a4(name.split("-", 1)[1])
 
 
-def fake_quantize(model: Any, quantize: str, *, layers: str = "paper", keep_first: int = 3, keep_last: int = 2
-                  ) -> Any:
+ACT_SCALES = ("auto", "token", "static", "tensor")
+
+
+def eval_recipe(recipe: Any, act_scale: str) -> Any:
+    """`recipe` as evaluated: ``act_scale="token"`` gives its activations one amax per token (current scaling), so a
+    request's score never depends on the other requests in its batch or on padding; ``"tensor"`` keeps the recipe
+    as it is (a fresh model's delayed or current estimate is then the batch's amax). Evaluation computes no
+    gradients, so the recipe's gradient quantization is dropped."""
+    import dataclasses
+
+    from jaxlowfp import qat
+    from jaxlowfp.scaling import CurrentScaling
+
+    if act_scale == "tensor" or recipe.activation is None:
+        return recipe
+    if act_scale != "token":
+        raise ValueError(f"act_scale={act_scale!r} for fake quantization; allowed: token (per token, dynamic) or "
+                         f"tensor (the batch's amax); static needs calibration: use ptq=")
+    a = recipe.activation
+    act = dataclasses.replace(a, scaling=CurrentScaling(target_max=a.scaling.target_max, granularity="token"),
+                              target_max=None)
+    return qat.Recipe(weight=recipe.weight, activation=act, grad=None, name=recipe.name)
+
+
+def fake_quantize(model: Any, quantize: str, *, layers: str = "paper", keep_first: int = 3, keep_last: int = 2,
+                  act_scale: str = "token") -> Any:
     """Fake-quantize ``model``'s Linear layers in place (`jaxlowfp.qnnx.quantize`) with the recipe named
-    ``quantize`` (`QUANTIZE`) on ``layers`` (module docstring); returns the `jaxlowfp.rules.QuantizeReport`. A
-    selection that quantizes nothing is an error, never a silent high-precision evaluation."""
+    ``quantize`` (`QUANTIZE`) on ``layers`` (module docstring), activations scaled per ``act_scale``
+    (`eval_recipe`); returns the `jaxlowfp.rules.QuantizeReport`. A selection that quantizes nothing is an error,
+    never a silent high-precision evaluation."""
     from jaxlowfp.qnnx import paper_rules, quantize as qnnx_quantize
     from jaxlowfp.rules import Rule
 
     if quantize not in QUANTIZE or quantize == "none":
         raise ValueError(f"quantize={quantize!r}; allowed: {', '.join(QUANTIZE[1:])} (or none for no quantization)")
-    recipe = _recipe(quantize)
+    recipe = eval_recipe(_recipe(quantize), act_scale)
     if layers == "paper":
         rules = paper_rules(model.config.n_layers, keep_first=keep_first, keep_last=keep_last, recipe=recipe)
     else:
@@ -122,7 +152,7 @@ def fake_quantize(model: Any, quantize: str, *, layers: str = "paper", keep_firs
 
 
 def _ptq(model: Any, tokenizer: Any, method: str, *, scheme: str, layers: str, weights_only: bool,
-         calibration: str | None, calib_seqs: int, calib_len: int) -> Any:
+         calibration: str | None, calib_seqs: int, calib_len: int, act_scale: str = "auto") -> Any:
     """Post-training quantization of ``model`` in place (module docstring); the `jaxlowfp.ptq.PTQResult`."""
     from jaxlowfp import ptq
 
@@ -138,7 +168,7 @@ def _ptq(model: Any, tokenizer: Any, method: str, *, scheme: str, layers: str, w
     elif method != "rtn":
         raise ValueError(f"ptq={method!r} needs calibration=<a UTF-8 text file> (only rtn needs no calibration)")
     rules = [ptq.Rule(path=layers, scheme=ptq.scheme(scheme, weights_only=weights_only))]
-    return ptq.quantize(model, rules, method=m, calibration=tokens)
+    return ptq.quantize(model, rules, method=m, calibration=tokens, activation_scale=act_scale)
 
 
 def _positive_int(value: Any, what: str) -> int:
@@ -157,7 +187,7 @@ def _bucket(n: int, cap: int) -> int:
 # every model argument and its default (the constructor's keyword arguments)
 ARGUMENTS: dict[str, Any] = {
     "pretrained": None, "model": None, "tokenizer": None, "dtype": "float32", "ptq_export": None,
-    "quantize": "none", "layers": "paper", "keep_first": 3, "keep_last": 2,
+    "quantize": "none", "layers": "paper", "keep_first": 3, "keep_last": 2, "act_scale": "auto",
     "ptq": "none", "ptq_scheme": "nvfp4-mse", "ptq_layers": PTQ_LAYERS, "weights_only": False, "calibration": None,
     "calib_seqs": 8, "calib_len": 256,
     "batch_size": 8, "max_batch_tokens": 32768, "max_length": None, "stride": None, "max_gen_toks": 256,
@@ -190,6 +220,8 @@ class JaxLowFPLM(TemplateLM):
             raise ValueError(f"ptq_scheme={a['ptq_scheme']!r}; allowed: {', '.join(SCHEMES)}")
         if a["quantize"] != "none" and a["ptq"] != "none":
             raise ValueError("give quantize (fake quantization) or ptq (post-training quantization), not both")
+        if a["act_scale"] not in ACT_SCALES:
+            raise ValueError(f"act_scale={a['act_scale']!r}; allowed: {', '.join(ACT_SCALES)}")
         if a["dtype"] not in ("float32", "bfloat16"):
             raise ValueError(f"dtype={a['dtype']!r}; allowed: float32, bfloat16")
         if a["batch_size"] in ("auto", None) or str(a["batch_size"]).startswith("auto"):
@@ -243,16 +275,19 @@ class JaxLowFPLM(TemplateLM):
             notes.append(f"PTQ export {a['ptq_export']}: {len(schemes)} quantized layers "
                          f"({', '.join(sorted({s.name for s in schemes.values()}))})")
         if a["quantize"] != "none":
+            act = "token" if a["act_scale"] == "auto" else a["act_scale"]
             report = fake_quantize(self.model, a["quantize"], layers=a["layers"], keep_first=int(a["keep_first"]),
-                                   keep_last=int(a["keep_last"]))
+                                   keep_last=int(a["keep_last"]), act_scale=act)
             notes.append(f"fake quantization {a['quantize']} of {len(report.quantized)} layers "
-                         f"({100 * report.quantized_fraction:.1f} % of linear weights, layers={a['layers']})")
+                         f"({100 * report.quantized_fraction:.1f} % of linear weights, layers={a['layers']}), "
+                         f"activation scale: {act}")
         if a["ptq"] != "none":
             res = _ptq(self.model, self.tokenizer, a["ptq"], scheme=a["ptq_scheme"], layers=a["ptq_layers"],
                        weights_only=bool(a["weights_only"]), calibration=a["calibration"],
                        calib_seqs=_positive_int(a["calib_seqs"], "calib_seqs"),
-                       calib_len=_positive_int(a["calib_len"], "calib_len"))
-            notes.append(f"PTQ {res.method} to {a['ptq_scheme']} of {len(res.schemes)} layers")
+                       calib_len=_positive_int(a["calib_len"], "calib_len"), act_scale=a["act_scale"])
+            notes.append(f"PTQ {res.method} to {a['ptq_scheme']} of {len(res.schemes)} layers, activation scale: "
+                         f"{res.activation_scale or 'none (weights only)'}")
         self.quantization = "; ".join(notes) or "none"
         self._warned_truncation = False
         self.calls: list[dict[str, Any]] = []

@@ -26,6 +26,7 @@ are listed). Per-token scaling (``CurrentScaling(granularity="token")``) takes o
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -33,6 +34,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import opt_einsum
+from jax import lax
 
 from jaxlowfp._core.checks import float_input
 from jaxlowfp._core.executed import executed, mark as _mark, new_op_key
@@ -42,8 +44,18 @@ from jaxlowfp.qat.matmul import dot_general as _batched_dot_general
 from jaxlowfp.qat.spec import Recipe, RecipeState, RecipeStats
 
 __all__ = ["Einsum", "parse_einsum", "dot_general", "einsum", "check_blocks", "needs_linear_layout",
-           "contraction_sizes", "new_op_key", "executed", "forget_executed"]
+           "contraction_sizes", "new_op_key", "executed", "forget_executed", "ragged_dot", "ragged_state",
+           "EXPERT_SCALES"]
 
+
+
+class Einsum(NamedTuple):
+    """A two-operand einsum as a ``lax.dot_general``: its dimension numbers and the permutation that takes the
+    dot_general output (batch, lhs free, rhs free) to the einsum's output order."""
+
+    dimension_numbers: tuple
+    out_perm: tuple[int, ...]
+    spec: str  # the explicit form, ellipses replaced by letters (opt_einsum's parser)
 
 
 def parse_einsum(spec: str, lhs: Any, rhs: Any) -> Einsum:
@@ -236,3 +248,169 @@ def einsum(
 
 
 contract = dot_general  # the name of jaxlowfp <= 0.1 (jaxlowfp.qat.contract.contract)
+
+
+# --- grouped GEMM (mixtures of experts) -------------------------------------------------------------------------
+
+EXPERT_SCALES = ("per_expert", "shared")
+
+
+def ragged_state(recipe: Recipe, n_groups: int, expert_scales: str = "per_expert") -> RecipeState:
+    """The state of a quantized :func:`ragged_dot` over `n_groups` experts: each operand's amax history stacked
+    along a leading expert axis [G] (``"per_expert"``: every expert's weight and routed activations have their
+    own scale) or one history shared by all experts (``"shared"``)."""
+    if expert_scales not in EXPERT_SCALES:
+        raise ValueError(f"expert_scales={expert_scales!r}; allowed: {', '.join(map(repr, EXPERT_SCALES))}")
+    state = recipe.init()
+    if expert_scales == "shared":
+        return state
+    stack = lambda h: None if h is None else jax.tree.map(  # noqa: E731
+        lambda leaf: jnp.broadcast_to(leaf, (int(n_groups), *leaf.shape)), h)
+    return state._replace(weight=stack(state.weight), activation=stack(state.activation))
+
+
+def _fixed(spec: Any) -> Any:
+    """`spec` taking the estimate it is given as its scale (per tensor current scaling becomes static): the
+    grouped GEMM hands each expert's own amax to the quantizer."""
+    from jaxlowfp.scaling import CurrentScaling, StaticScaling
+
+    if isinstance(spec.scaling, CurrentScaling) and spec.scaling.granularity == "tensor" and not spec.is_mx:
+        return dataclasses.replace(spec, scaling=StaticScaling(amax=1.0, target_max=spec.scaling.target_max),
+                                   target_max=None)
+    return spec
+
+
+def _group_ids(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
+    """(expert of each of the m rows, whether the row belongs to an expert: rows past sum(group_sizes) do not)."""
+    ends = jnp.cumsum(group_sizes)
+    rows = jnp.arange(m)
+    gid = jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)
+    return jnp.minimum(gid, group_sizes.shape[0] - 1), rows < ends[-1]
+
+
+def _segment_amax(row_amax: jax.Array, gid: jax.Array, valid: jax.Array, g: int) -> jax.Array:
+    """max over each expert's rows (NaN if one is NaN; 0 for an expert with no row)."""
+    seg = jnp.where(valid, gid, g)
+    m = jax.ops.segment_max(jnp.where(jnp.isnan(row_amax), 0.0, row_amax), seg, num_segments=g + 1)[:g]
+    nan = jax.ops.segment_max(jnp.isnan(row_amax).astype(jnp.int32), seg, num_segments=g + 1)[:g] > 0
+    return jnp.where(nan, jnp.nan, jnp.maximum(m, 0.0))
+
+
+def ragged_dot(
+    lhs: Any,
+    rhs: Any,
+    group_sizes: Any,
+    *,
+    recipe: Recipe,
+    state: RecipeState | None = None,
+    expert_scales: str = "per_expert",
+    observe_only: bool | jax.Array = False,
+    key: jax.Array | None = None,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    where: str = "",
+    op_key: str | None = None,
+) -> tuple[jax.Array, RecipeState, RecipeStats]:
+    """``jax.lax.ragged_dot(lhs [M, K], rhs [G, K, N], group_sizes [G])`` (rows sorted by expert, ``group_sizes[g]``
+    rows for expert g) with the routed activations and every expert's weight fake-quantized per `recipe`.
+
+    Each expert is quantized as the GEMM ``x_g [m_g, K] @ W_g [K, N]`` of :func:`dot_general` would be: blocks
+    (NVFP4, IF4, MX) along K within the expert, and, with ``expert_scales="per_expert"`` (default), its own amax for
+    its weight and for the rows routed to it, so an expert's quantization never depends on the others' tokens;
+    ``"shared"`` takes one amax over all experts (one history). The state is :func:`ragged_state`'s. An expert that
+    gets no row in a call leaves its activation history as it was (nothing is recorded, never a 0); rows past
+    ``sum(group_sizes)`` are padding and enter no amax. Backward: straight-through (``recipe.grad`` must be None).
+    Returns ``(out [M, N], new_state, stats)``; the stats are over all experts (max amax and scale, fractions of
+    all elements).
+    """
+    from jaxlowfp.qat.fake_quant import keep_mask, round_with, select, straight_through
+    from jaxlowfp._core.checks import bool_flag
+    from jaxlowfp._core.reduce import abs_max
+    from jaxlowfp.qat.spec import QuantStats
+
+    where = where or "jaxlowfp.ops.ragged_dot"
+    if recipe.grad is not None:
+        raise NotImplementedError(f"{where}: recipe {recipe.name!r} quantizes the output gradient; the quantized "
+                                  f"grouped GEMM has a straight-through backward only (use a recipe with grad=None)")
+    lhs, rhs = float_input(lhs, "lhs"), float_input(rhs, "rhs")
+    group_sizes = jnp.asarray(group_sizes)
+    if lhs.ndim != 2 or rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1] or group_sizes.shape != (rhs.shape[0],):
+        raise ValueError(f"{where}: ragged_dot takes lhs [M, K], rhs [G, K, N] and group_sizes [G]; got lhs "
+                         f"{tuple(lhs.shape)}, rhs {tuple(rhs.shape)}, group_sizes {tuple(group_sizes.shape)}")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(f"{where}: group_sizes must be integers; got {group_sizes.dtype}")
+    g, k, n = (int(d) for d in rhs.shape)
+    check_blocks(recipe, k, n, where, k_name="the contraction size K (rhs axis 1)",
+                 m_name="the experts' output size N (rhs axis 2)")
+    if state is None:
+        state = ragged_state(recipe, g, expert_scales)
+    per_expert = expert_scales == "per_expert"
+    if expert_scales not in EXPERT_SCALES:
+        raise ValueError(f"{where}: expert_scales={expert_scales!r}; allowed: {', '.join(map(repr, EXPERT_SCALES))}")
+    observe = bool_flag(observe_only)
+    m = int(lhs.shape[0])
+    gid, valid = _group_ids(group_sizes.astype(jnp.int32), m)
+    has_rows = group_sizes > 0
+    keys = [None, None] if key is None else list(jax.random.split(key, 2))
+
+    def stats_of(x, y, sat, amax, est, scale):
+        n_el = float(x.size)
+        return QuantStats(amax=abs_max(amax), amax_estimate=jnp.max(est), scale=jnp.max(scale),
+                          saturated_fraction=(jnp.zeros((), jnp.float32) if sat is None else
+                                              jnp.sum(sat, dtype=jnp.int32).astype(jnp.float32) / n_el),
+                          underflow_fraction=jnp.sum((x != 0) & (y == 0), dtype=jnp.int32).astype(jnp.float32) / n_el,
+                          nonfinite_count=jnp.sum(~jnp.isfinite(x), dtype=jnp.int32))
+
+    def estimate(spec, hist, amax, keep):
+        """Per expert (vmapped) or shared estimate and new history; experts with keep False keep their history."""
+        if per_expert:
+            est = jax.vmap(spec.scaling.amax_estimate)(hist, amax)
+            new = jax.vmap(spec.scaling.update)(hist, amax)
+            new = jax.tree.map(lambda a, b: jnp.where(keep.reshape(keep.shape + (1,) * (a.ndim - 1)), a, b), new, hist)
+            return est, new
+        a = abs_max(jnp.where(keep, amax, 0.0))
+        est = spec.scaling.amax_estimate(hist, a)
+        new = jax.tree.map(lambda u, v: jnp.where(jnp.any(keep), u, v), spec.scaling.update(hist, a), hist)
+        return jnp.broadcast_to(est, (g,)), new
+
+    # activations: each row with its expert's estimate
+    x = lax.stop_gradient(lhs)
+    spec = recipe.activation
+    if spec is not None:
+        row_amax = abs_max(x, axis=-1).astype(jnp.float32)
+        amax_g = _segment_amax(row_amax, gid, valid, g)
+        est_g, new_a = estimate(spec, state.activation, amax_g, has_rows)
+        token = getattr(spec.scaling, "granularity", "tensor") == "token"
+        est_rows = row_amax if token else est_g[gid]
+        fixed = _fixed(spec)
+        if keys[0] is not None and spec.rounding != "nearest":
+            r = jax.vmap(lambda v, e, kk: round_with(v, fixed, e, kk, -1))(x, est_rows, jax.random.split(keys[0], m))
+        else:
+            r = jax.vmap(lambda v, e: round_with(v, fixed, e, None, -1))(x, est_rows)
+        x_q = select(observe, x, r.y)
+        keep_x = keep_mask(r.sat, observe, x.shape) if spec.ste == "masked" and observe is not True else None
+        st_a = stats_of(x, r.y, None if r.sat is None else r.sat & valid[:, None], amax_g, est_g, r.scale)
+    else:
+        x_q, keep_x, new_a, st_a = x, None, state.activation, None
+
+    # weights: every expert with its own (or the shared) estimate, blocks along K
+    w = lax.stop_gradient(rhs)
+    spec = recipe.weight
+    if spec is not None:
+        amax_w = abs_max(w.reshape(g, -1), axis=-1).astype(jnp.float32)
+        est_w, new_w = estimate(spec, state.weight, amax_w, jnp.ones((g,), bool))
+        fixed = _fixed(spec)
+        if keys[1] is not None and spec.rounding != "nearest":
+            r = jax.vmap(lambda v, e, kk: round_with(v, fixed, e, kk, 0))(w, est_w, jax.random.split(keys[1], g))
+        else:
+            r = jax.vmap(lambda v, e: round_with(v, fixed, e, None, 0))(w, est_w)
+        w_q = select(observe, w, r.y)
+        keep_w = keep_mask(r.sat, observe, w.shape) if spec.ste == "masked" and observe is not True else None
+        st_w = stats_of(w, r.y, r.sat, amax_w, est_w, r.scale)
+    else:
+        w_q, keep_w, new_w, st_w = w, None, state.weight, None
+
+    out = lax.ragged_dot(straight_through(lhs, x_q, keep_x), straight_through(rhs, w_q, keep_w), group_sizes,
+                         precision=precision, preferred_element_type=preferred_element_type)
+    _mark(op_key)
+    return out, state._replace(weight=new_w, activation=new_a), RecipeStats(weight=st_w, activation=st_a)

@@ -78,33 +78,47 @@ def requests():
     return [Request(tuple(int(t) for t in rng.integers(0, 256, n)), n_pred=n - 1) for n in (9, 23, 40, 57, 64)]
 
 
-def _quantized(scale):
+def _quantized(how):
+    """The tiny Llama, its attention and MLP projections quantized to NVFP4 4/6: PTQ (RTN) with the activation
+    scale `how` ("token", "static", "tensor") or the lm-eval backend's fake quantization ("qat-token")."""
     model = Llama(PRESETS["tiny"], rngs=nnx.Rngs(0))
+    if how == "qat-token":
+        from jaxlowfp import harness
+
+        harness.fake_quantize(model, "nvfp4", layers="all", act_scale="token")
+        return model
     calib = np.random.default_rng(2).integers(0, 256, (4, 32))
     rules = [ptq.Rule(path=r"blocks/\d+/(attn|mlp)/\w+_proj", scheme=ptq.scheme("nvfp4-mse"))]
-    res = ptq.quantize(model, rules, calibration=calib if scale == "static" else None, activation_scale=scale)
-    assert res.activation_scale == scale
+    res = ptq.quantize(model, rules, calibration=calib if how == "static" else None, activation_scale=how)
+    assert res.activation_scale == how
     return model
 
 
-@pytest.mark.parametrize("scale", ["token", "static"])
-def test_scores_do_not_depend_on_the_batch(requests, scale):
-    """Each request scored alone (batch_size=1) and with the others in padded batches of 8 (zero rows fill the
-    batch): the same log-likelihoods. The two runs are different XLA programs ([1, L] vs [8, L]), so equality is
-    checked to float32 rounding of the logits' reductions; the activation quantization itself is per token or
-    static, so no other row or padding reaches a request's scales."""
-    model = _quantized(scale)
-    alone = np.array([score_requests(model, [r], batch_size=1)[0][0] for r in requests])
-    batched = score_requests(model, requests, batch_size=8)[0]
+def _alone_and_batched(model, requests, alone_batch=8):
+    alone = np.array([score_requests(model, [r], batch_size=alone_batch)[0][0] for r in requests])
+    return alone, score_requests(model, requests, batch_size=8)[0]
+
+
+@pytest.mark.parametrize("how", ["token", "static", "qat-token"])
+def test_scores_do_not_depend_on_the_batch(requests, how):
+    """Each request scored alone (its batch of 8 filled with zero rows) and with the others in one padded batch of
+    8: bit for bit the same log-likelihoods, since it is the same [8, 64] program and the activations get their
+    amax per token or from calibration, so no other row and no padding reaches a request's scales."""
+    alone, batched = _alone_and_batched(_quantized(how), requests)
+    np.testing.assert_array_equal(batched, alone)
+
+
+def test_scores_alone_in_a_batch_of_one(requests):
+    """batch_size=1 is another XLA program ([1, 64]): equal to float32 rounding of the reductions."""
+    model = _quantized("token")
+    alone, batched = _alone_and_batched(model, requests, alone_batch=1)
     np.testing.assert_allclose(batched, alone, rtol=2e-6, atol=2e-5)
 
 
 def test_per_tensor_scores_do_depend_on_the_batch(requests):
-    """The control: with the batch's amax ("tensor", the paper's PTQ setting) the same comparison moves by more
-    than float32 rounding, so the test above can fail."""
-    model = _quantized("tensor")
-    alone = np.array([score_requests(model, [r], batch_size=1)[0][0] for r in requests])
-    batched = score_requests(model, requests, batch_size=8)[0]
+    """The control: with the batch's amax ("tensor", the paper's PTQ setting) the same comparison moves by much
+    more than float32 rounding, so the test above can fail."""
+    alone, batched = _alone_and_batched(_quantized("tensor"), requests)
     assert np.max(np.abs(batched - alone)) > 1e-3
 
 

@@ -64,6 +64,9 @@ def parse_eval_args(argv: Sequence[str]) -> argparse.Namespace:
                         "2): HiF8 W8A8 or NVFP4 4/6 W4A4 (default: %(default)s)")
     p.add_argument("--keep-first", type=int, default=3)
     p.add_argument("--keep-last", type=int, default=2)
+    p.add_argument("--act-scale", default="token", choices=("token", "tensor"),
+                   help="quantized activations' amax: each token's own (a score never depends on its batch) or the "
+                        "whole batch's (default: %(default)s; jaxlowfp.harness.eval_recipe)")
     p.add_argument("--tasks", default=None,
                    help="comma-separated lm-eval tasks scored as well: names (hellaswag, arc_challenge, mmlu, "
                         "wikitext; datasets from the Hugging Face hub) or local task YAML files / directories")
@@ -104,15 +107,17 @@ def _load(model: str, dtype: str) -> tuple[Any, Any, float]:
     return m, tok, time.perf_counter() - t0
 
 
-def quantize_model(model: Any, kind: str, *, keep_first: int, keep_last: int) -> str:
-    """Swap the middle blocks' MLP projections for fake-quantized ones (``kind``: hif8 or nvfp4); the report."""
+def quantize_model(model: Any, kind: str, *, keep_first: int, keep_last: int, act_scale: str = "token") -> str:
+    """Swap the middle blocks' MLP projections for fake-quantized ones (``kind``: hif8 or nvfp4; activations scaled
+    per ``act_scale``, `jaxlowfp.harness.eval_recipe`); the report."""
     from jaxlowfp import qat
+    from jaxlowfp.harness import eval_recipe
     from jaxlowfp.qnnx import paper_rules, quantize
 
-    recipe = qat.hif8_w8a8() if kind == "hif8" else qat.nvfp4_w4a4("mse")
+    recipe = eval_recipe(qat.hif8_w8a8() if kind == "hif8" else qat.nvfp4_w4a4("mse"), act_scale)
     report = quantize(model, paper_rules(model.config.n_layers, keep_first=keep_first, keep_last=keep_last,
                                          recipe=recipe))
-    return "; ".join(str(report).splitlines()[-2:])
+    return "; ".join(str(report).splitlines()[-2:]) + f"; activation scale: {act_scale}"
 
 
 def _fmt(v: Any, spec: str) -> str:
@@ -144,7 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"vocab {model.config.vocab}, compute {args.dtype}; loaded in {load_s:.1f} s", file=sys.stderr)
     quant = None
     if args.quantize != "none":
-        quant = quantize_model(model, args.quantize, keep_first=args.keep_first, keep_last=args.keep_last)
+        quant = quantize_model(model, args.quantize, keep_first=args.keep_first, keep_last=args.keep_last,
+                               act_scale=args.act_scale)
         print(f"quantized ({args.quantize}): {quant}", file=sys.stderr)
     try:
         texts = load_texts(args.texts)

@@ -62,7 +62,7 @@ from jaxlowfp._core import ct_nvfp4
 from jaxlowfp.models.quantized import read_safetensors
 from jaxlowfp.ptq import serving
 from jaxlowfp.ptq.api import PTQResult
-from jaxlowfp.ptq.layers import ActQuant, require_linear
+from jaxlowfp.ptq.layers import act_quant, require_linear
 from jaxlowfp.ptq.calibrate import linear_modules
 from jaxlowfp.ptq.formats import Scheme, TensorFormat
 
@@ -254,6 +254,10 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
             quant_bits += sum(tensors[f"{m}.{k}"].nbytes * 8 for k in ("weight_packed", "weight_scale",
                                                                          "weight_global_scale"))
             layers[mod_path] = {"name": m, "weight": _fmt_json(sch.weight), "activation": _fmt_json(sch.activation)}
+            if sch.activation is not None:  # how our run-time quantizer scaled it (load rebuilds it bit for bit)
+                layers[mod_path]["activation_scale"] = result.activation_scale
+                if result.activation_scale == "static":
+                    layers[mod_path]["input_amax"] = float(result.act_amax[mod_path])
             continue
         value = np.asarray(var[...], np.float32)
         if leaf == "kernel" and mod_path in linears:
@@ -289,8 +293,9 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
                     if 0 < sum(p in result.schemes for p in g) < len(g))
     meta = {"format": "jaxlowfp-ptq/2", "method": result.method, "layers": layers, "convention": conv,
             "fused": [list(g) for g in result.fused],
-            "activation_scaling": "ours: current per-tensor amax (dynamic); input_global_scale (static_6, what a "
-                                  "serving engine applies) is the calibration amax",
+            "activation_scaling": f"ours: {result.activation_scale} (layers[].activation_scale; static: the "
+                                  f"calibration amax); input_global_scale (static_6, what a serving engine "
+                                  f"applies) is the calibration amax",
             "tensor_names": {p: name_of(p) for p in params}}
     (directory / META_FILE).write_text(json.dumps(meta, indent=1))
     n_params = sum(int(np.prod(v.shape)) for v in params.values())
@@ -337,7 +342,9 @@ def load(model: nnx.Module, directory: str | Path) -> dict[str, Scheme]:
                                  f"kernel {path} is {var.shape}")
             var.set_value(kernel.astype(var[...].dtype))
             lin = linears[mod_path]
-            lin.dot_general = ActQuant(a_fmt) if a_fmt is not None else lax.dot_general
+            lin.dot_general = lax.dot_general if a_fmt is None else act_quant(
+                lin, a_fmt, activation_scale=info.get("activation_scale", "tensor"), amax=info.get("input_amax"),
+                path=mod_path)
             schemes[mod_path] = Scheme(weight=w_fmt, activation=a_fmt)
             continue
         name = names[path]
