@@ -403,7 +403,10 @@ def _merge_pending(p: PendingAmax, axis_name: Any = None) -> PendingAmax:
 
 
 def _merge_stacked(s: AmaxHistory) -> AmaxHistory:
-    """Merge one AmaxHistory whose leaves carry a leading replica axis R."""
+    """Merge one AmaxHistory whose leaves carry a leading replica axis R (and, for per-expert histories of a
+    grouped GEMM, expert axes after it: history [R, G, L], count [R, G]: each expert merged on its own)."""
+    if s.count.ndim > 1 and s.history.ndim == s.count.ndim + 1:
+        return jax.vmap(_merge_stacked, in_axes=1)(s)
     if s.count.ndim != 1 or s.history.ndim != 2:
         raise ValueError(
             f"merge expects states stacked along a leading axis (history [R, L], count [R]); got history "

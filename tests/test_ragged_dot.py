@@ -135,3 +135,70 @@ def test_bad_input_is_clear():
         ops.ragged_dot(x, w, sizes, recipe=RECIPES["hif8"], expert_scales="all")
     with pytest.raises(ValueError, match="block size 16"):
         ops.ragged_dot(x[:, :24], w[:, :24], sizes, recipe=RECIPES["nvfp4"])
+
+
+# --- QAT of a mixture-of-experts layer through qnnx -----------------------------------------------------------
+
+from flax import nnx  # noqa: E402
+
+
+class TinyExperts(nnx.Module):
+    """The grouped-GEMM protocol of `jaxlowfp.qnnx.quantize`: ``grouped_weights`` names the [E, K, N] params, and
+    every product goes through ``quant_<name>`` when quantize attached one (as `jaxlowfp.models.moe.Experts`)."""
+
+    grouped_weights = ("up", "down")
+
+    def __init__(self, rngs):
+        init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+        self.up = nnx.Param(init(rngs.params(), (G, K, N)))
+        self.down = nnx.Param(init(rngs.params(), (G, N, K)))
+
+    def grouped_matmul(self, x, name, sizes):
+        op = getattr(self, "quant_" + name, None)
+        w = getattr(self, name)[...]
+        return jax.lax.ragged_dot(x, w, sizes) if op is None else op.ragged_dot(x, w, sizes)
+
+    def __call__(self, x, sizes):
+        return self.grouped_matmul(nnx.relu(self.grouped_matmul(x, "up", sizes)), "down", sizes)
+
+
+class TinyMoE(nnx.Module):
+    def __init__(self, rngs):
+        self.experts = TinyExperts(rngs)
+
+    def __call__(self, batch):
+        return self.experts(batch["x"], batch["sizes"].reshape(-1))  # a microbatch holds sizes [1, G]
+
+
+def test_qnnx_quantizes_expert_weights_and_training_keeps_empty_experts():
+    import optax
+
+    from jaxlowfp import qnnx, training
+
+    model = TinyMoE(nnx.Rngs(0))
+    x, _ = _operands(5)
+    want = ops.ragged_dot(x, model.experts.up[...], jnp.asarray(SIZES, jnp.int32), recipe=qat.hif8_w8a8())[0]
+    report = qnnx.quantize(model, [qnnx.Rule(path="experts/up", recipe=qat.hif8_w8a8()),
+                                   qnnx.Rule(path="experts/gate", recipe=qat.hif8_w8a8())])
+    assert report.quantized == (("experts/up", "hif8_w8a8"),) and report.unmatched == ("experts/down",)
+    assert report.unused_rules == ("experts/gate",)
+    assert isinstance(model.experts.quant_up, qnnx.QuantRaggedOp)
+    assert model.experts.quant_up.amax.get_value().activation.history.shape == (G, 64)  # one history per expert
+    got = model.experts.grouped_matmul(x, "up", jnp.asarray(SIZES, jnp.int32))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert report.executed() == ("experts/up",)
+
+    sizes = jnp.asarray(np.stack([SIZES, SIZES]), jnp.int32)  # two microbatches, expert 1 empty in both
+    batch = {"x": jnp.concatenate([x, 0.5 * x]), "sizes": sizes.reshape(-1)}
+    graphdef, state = training.init(model, optax.sgd(1e-3))
+    step = training.make_step(graphdef, optax.sgd(1e-3), lambda m, b: (jnp.mean(m(b) ** 2), {}), microbatches=2)
+    batch = {"x": batch["x"], "sizes": sizes}
+    state, metrics = jax.jit(step)(state, batch)
+    hist = nnx.merge(graphdef, state.params, state.qstate, state.rest).experts.quant_up.amax.get_value().activation
+    # the direct call above recorded step 1; the train step's two microbatches merge (by max) into step 2; expert 1,
+    # which no token reached, recorded nothing
+    np.testing.assert_array_equal(np.asarray(hist.count), [2, 0, 2, 2])
+    row_amax = np.max(np.abs(np.asarray(x)), axis=1)
+    np.testing.assert_allclose(float(hist.history[0, 1]), row_amax[:5].max(), rtol=1e-6)  # the larger microbatch
+    np.testing.assert_array_equal(np.asarray(hist.history[1]), 0.0)
+    assert np.isfinite(float(metrics["loss"]))

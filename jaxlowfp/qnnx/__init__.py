@@ -29,7 +29,7 @@ cloned, and the new `QuantLinear` holds the very same `nnx.Param` objects as the
 ('QuantLinear', ('down_proj',), ('gate_proj',))
 """
 from jaxlowfp.qnnx.layer import (AmaxState, QuantEinsum, QuantLinear, QuantLinearGeneral, QuantOp, QuantPhase,
-                                 QuantStatsState)
+                                 QuantRaggedOp, QuantStatsState)
 from jaxlowfp.qnnx.rules import iter_quant_linears, iter_quant_ops, paper_rules, quantize
 from jaxlowfp.rules import QuantizeReport, Rule
 from jaxlowfp.qnnx.telemetry import collect_stats, max_saturated_fraction, set_observe_only
@@ -42,6 +42,7 @@ __all__ = [
     "QuantEinsum",
     "QuantLinearGeneral",
     "QuantOp",
+    "QuantRaggedOp",
     "Rule",
     "QuantizeReport",
     "quantize",

@@ -112,6 +112,61 @@ class QuantOp(nnx.Module):
         return y
 
 
+GROUPED_PREFIX = "quant_"  # a grouped-GEMM module's QuantRaggedOp for weight <name> is its attribute quant_<name>
+
+
+@functools.lru_cache(maxsize=64)
+def _ragged_stats_shapes(recipe: qat.Recipe, n: int, k: int, m: int, dtype: np.dtype, expert_scales: str) -> Any:
+    x = jax.ShapeDtypeStruct((2, k), dtype)
+    w = jax.ShapeDtypeStruct((n, k, m), dtype)
+    sizes = jax.ShapeDtypeStruct((n,), jnp.int32)
+    fn = lambda x, w, g: ops.ragged_dot(x, w, g, recipe=recipe, expert_scales=expert_scales)[2]  # noqa: E731
+    return jax.eval_shape(fn, x, w, sizes)
+
+
+class QuantRaggedOp(QuantOp):
+    """The QAT state of one quantized grouped GEMM (`jaxlowfp.ops.ragged_dot`): the expert weight [E, K, N] of a
+    mixture-of-experts layer and the rows routed to each expert. Its `AmaxState` holds one amax history per
+    expert (``expert_scales="per_expert"``, default: leaves with a leading [E] axis; an expert no token reaches in a
+    step keeps its history) or one shared by all (``"shared"``). Attached by `jaxlowfp.qnnx.quantize` to modules
+    that declare ``grouped_weights``; telemetry, the warmup switch and `jaxlowfp.training` reach it as any
+    QuantOp (microbatch merging by max, expert by expert)."""
+
+    def __init__(self, recipe: qat.Recipe, *, n_experts: int, k: int, m: int, expert_scales: str = "per_expert",
+                 dtype: Any = jnp.float32, observe_only: bool = False, path: str = "",
+                 rngs: nnx.Rngs | None = None):
+        where = path or "QuantRaggedOp"
+        if not isinstance(recipe, qat.Recipe):
+            raise TypeError(f"recipe must be a jaxlowfp.qat.Recipe; got {type(recipe).__name__}: {recipe!r}")
+        if recipe.grad is not None:
+            raise ValueError(f"{where}: recipe {recipe.name!r} quantizes gradients; the quantized grouped GEMM has a "
+                             f"straight-through backward only (use hif8_w8a8, nvfp4_w4a4, an FP8 or MX recipe "
+                             f"without grad)")
+        if expert_scales not in ops.EXPERT_SCALES:
+            raise ValueError(f"{where}: expert_scales={expert_scales!r}; allowed: {ops.EXPERT_SCALES}")
+        check_blocks(recipe, int(k), int(m), where, k_name="the experts' input size K", m_name="their output size N")
+        self._init_quant(recipe, k=k, m=m, dtype=dtype, observe_only=observe_only, path=path, rngs=rngs,
+                         where=where)
+        self.expert_scales = expert_scales
+        self.amax = AmaxState(ops.ragged_state(recipe, int(n_experts), expert_scales))
+        shapes = _ragged_stats_shapes(recipe, int(n_experts), int(k), int(m), np.dtype(dtype), expert_scales)
+        self.stats = QuantStatsState(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+
+    def ragged_dot(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, key: jax.Array | None = None,
+                   precision: Any = None, preferred_element_type: Any = None) -> jax.Array:
+        """``jax.lax.ragged_dot(lhs, rhs, group_sizes)`` quantized by this op's recipe; the new histories and stats
+        are stored in the variables."""
+        if key is None and self.rngs is not None:
+            key = self.rngs()
+        y, new_state, stats = ops.ragged_dot(
+            lhs, rhs, group_sizes, recipe=self.recipe, state=self.amax.get_value(), expert_scales=self.expert_scales,
+            observe_only=self.observe_only[...], key=key, precision=precision,
+            preferred_element_type=preferred_element_type, where=self.path, op_key=self.op_key)
+        self.amax.set_value(new_state)
+        self.stats.set_value(stats)
+        return y
+
+
 def _refuse_sharding(out_sharding: Any, where: str) -> None:
     if out_sharding is not None:
         raise NotImplementedError(f"{where}: out_sharding is not supported by the quantized matmul; shard the "

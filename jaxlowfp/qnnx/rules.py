@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from jaxlowfp import qat
-from jaxlowfp.qnnx.layer import QuantEinsum, QuantLinear, QuantLinearGeneral, QuantOp
+from jaxlowfp.qnnx.layer import GROUPED_PREFIX, QuantEinsum, QuantLinear, QuantLinearGeneral, QuantOp, QuantRaggedOp
 from jaxlowfp.rules import QuantizeReport, Rule, check_rules, select
 
 _PathParts = tuple[Any, ...]
@@ -79,6 +79,19 @@ def iter_quant_ops(model: nnx.Module) -> Iterator[tuple[str, QuantOp]]:
             yield _join(parts), node
 
 
+def _grouped_weights(model: nnx.Module) -> list[tuple[str, nnx.Module, str]]:
+    """(path, module, weight name) of every expert weight of the modules that declare grouped GEMMs: a module with
+    a tuple ``grouped_weights`` of the names of its [E, K, N] ``nnx.Param`` s, which computes each product through
+    the `QuantRaggedOp` it finds at ``quant_<name>`` when there is one (`jaxlowfp.models.moe.Experts`). The path
+    is the weight's, e.g. ``blocks/1/mlp/experts/gate_proj``."""
+    out = []
+    for parts, node in nnx.iter_graph(model):
+        names = getattr(node, "grouped_weights", None) if isinstance(node, nnx.Module) else None
+        if isinstance(names, tuple):
+            out += [(_join((*parts, name)), node, name) for name in names]
+    return out
+
+
 def _check_replaceable(parent: Any, where: str) -> None:
     if not isinstance(parent, (nnx.Module, list, dict, MutableSequence, MutableMapping)):
         raise TypeError(
@@ -104,11 +117,36 @@ def quantize(model: nnx.Module, rules: Sequence[Rule], *, rngs: nnx.Rngs | None 
                         f"QuantLinear.from_linear, QuantEinsum.from_einsum or QuantLinearGeneral.from_linear_general")
 
     nodes = [(p, n) for p, n in nnx.iter_graph(model) if isinstance(n, (*_CONVERT, *_QUANTIZED))]
-    decided, unused = select(rules, [_join(p) for p, n in nodes if not isinstance(n, _QUANTIZED)])
-    decided = iter(decided)
+    grouped = _grouped_weights(model)
+    fresh_grouped = [g for g in grouped if not isinstance(getattr(g[1], GROUPED_PREFIX + g[2], None), QuantRaggedOp)]
+    decided, unused = select(rules, [_join(p) for p, n in nodes if not isinstance(n, _QUANTIZED)]
+                             + [g[0] for g in fresh_grouped])
+    decided_grouped = decided[len(decided) - len(fresh_grouped):]
+    decided = iter(decided[:len(decided) - len(fresh_grouped)])
     quantized, kept, unmatched, already, keys = [], [], [], [], []
     replacements: dict[int, QuantOp] = {}
+    attach: list[tuple[nnx.Module, str, QuantRaggedOp]] = []
     total = done = 0
+    for path, module, name in grouped:  # expert weights [E, K, N] of modules that declare grouped GEMMs
+        size = int(np.prod(getattr(module, name).shape))
+        total += size
+        if (path, module, name) not in fresh_grouped:
+            already.append(path)
+            done += size
+            continue
+        idx = decided_grouped[fresh_grouped.index((path, module, name))]
+        if idx is None:
+            unmatched.append(path)
+        elif rules[idx].recipe is None:
+            kept.append((path, rules[idx].path))
+        else:
+            w = getattr(module, name)
+            op = QuantRaggedOp(rules[idx].recipe, n_experts=w.shape[0], k=w.shape[1], m=w.shape[2],
+                               dtype=getattr(module, "dtype", None) or w[...].dtype, path=path, rngs=rngs)
+            attach.append((module, GROUPED_PREFIX + name, op))
+            quantized.append((path, rules[idx].recipe.name))
+            keys.append((path, op.op_key))
+            done += size
     for parts, node in nodes:
         if isinstance(node, _QUANTIZED):
             already.append(_join(parts))
@@ -133,7 +171,7 @@ def quantize(model: nnx.Module, rules: Sequence[Rule], *, rngs: nnx.Rngs | None 
                 f"replacing it by a quantized layer would drop its own behaviour. Exclude it or quantize it yourself."
             )
         replacements[id(node)] = convert(node, rule.recipe, path=path, rngs=rngs)
-        keys.append((path, id(node)))
+        keys.append((path, replacements[id(node)].op_key))
         quantized.append((path, rule.recipe.name))
         done += _kernel_size(node)
 
@@ -146,6 +184,8 @@ def quantize(model: nnx.Module, rules: Sequence[Rule], *, rngs: nnx.Rngs | None 
             setattr(parent, key, new)
         else:
             parent[key] = new
+    for module, attr, op in attach:
+        setattr(module, attr, op)
 
     return QuantizeReport(
         quantized=tuple(quantized),
@@ -154,7 +194,7 @@ def quantize(model: nnx.Module, rules: Sequence[Rule], *, rngs: nnx.Rngs | None 
         already_quantized=tuple(already),
         unused_rules=unused,
         quantized_fraction=float(done / total) if total else 0.0,
-        op_keys=tuple((p, replacements[i].op_key) for p, i in keys),
+        op_keys=tuple(keys),
     )
 
 
