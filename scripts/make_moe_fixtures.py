@@ -36,16 +36,16 @@ the router outputs), ``prompt`` [6] and ``greedy`` [8] (``generate(do_sample=Fal
 ``min_router_gap``, ``min_greedy_gap``, and versions.
 
 GGUF (``qwen3_moe.gguf``, ``mixtral.gguf``, F32): ``convert_hf_to_gguf.py --outtype f32`` on the two original-layout
-directories (``--fuse-gate-up-exps`` is not offered for these two architectures). The converter needs ``sentencepiece`` in the venv (it tries a SentencePiece vocabulary first). One patch: llama.cpp identifies a BPE pre-tokenizer by the hash of a test string's tokens and refuses
-unknown ones (our tiny tokenizer is not registered); ``get_vocab_base_pre`` is made to return ``"default"`` (the
-GPT-2 split, which this tokenizer uses). Everything else (metadata, expert stacking, Mixtral's q/k RoPE permutation)
-is the converter's. ``<name>.llamacpp.npz``: llama.cpp's own logits of each GGUF file for its checkpoint's
-``tokens`` (one sequence per context, F32 KV cache).
+directories (its ``--fuse-gate-up-exps`` is not offered for these two architectures). The converter needs
+``sentencepiece`` in the venv (it tries a SentencePiece vocabulary first). One patch: llama.cpp identifies a BPE
+pre-tokenizer by the hash of a test string's tokens and refuses unknown ones (our tiny tokenizer is not registered);
+``get_vocab_base_pre`` is made to return ``"default"`` (the GPT-2 split, which this tokenizer uses). Everything else
+(metadata, expert stacking, Mixtral's q/k RoPE permutation) is the converter's. ``<name>.llamacpp.npz``: llama.cpp's
+own logits of each GGUF file for its checkpoint's ``tokens`` (one sequence per context, F32 KV cache).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 

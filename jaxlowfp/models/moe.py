@@ -182,6 +182,8 @@ class MoEDecoder(Llama):
     `jaxlowfp.models.load` from Qwen3-MoE / Mixtral Hugging Face directories and GGUF files.
     """
 
+    config: MoEConfig
+
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs) -> None:
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a MoEConfig; got {type(config).__name__}")

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from safetensors import SafetensorError
@@ -205,8 +205,8 @@ def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str =
         return (array[:, :i] if w == "gate_proj" else array[:, i:]), f"{where} ({w} half)"
 
     with contextlib.ExitStack() as stack:  # closes the shard files
-        model = build_model(config, fetch, directory / "config.json", model_class=MoEDecoder,
-                            specs=moe_tensor_specs(config))
+        model = cast(MoEDecoder, build_model(config, fetch, directory / "config.json", model_class=MoEDecoder,
+                                             specs=moe_tensor_specs(config)))
     extra = sorted(files[n][1] for n in set(files) - used if not n.endswith(hf_loader._IGNORED_SUFFIXES)
                    and not (config.tie_embeddings and n == "lm_head.weight"))
     if extra:
@@ -282,4 +282,4 @@ def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "f
     if extra:
         raise CheckpointError(f"{path}: tensors this model class does not have: {', '.join(extra[:5])}"
                               f"{' ...' if len(extra) > 5 else ''} (an unsupported architecture variant?)")
-    return build_model(config, fetch, path, model_class=MoEDecoder, specs=specs), tokenizer
+    return cast(MoEDecoder, build_model(config, fetch, path, model_class=MoEDecoder, specs=specs)), tokenizer
