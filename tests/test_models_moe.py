@@ -202,6 +202,24 @@ def test_random_init_and_config_validation():
         with_experts_impl(model, "sparse")
 
 
+def test_hf_config_variants(tmp_path):
+    """Hub checkpoints name the expert count ``num_experts`` (transformers 5 writes ``num_local_experts``);
+    ``decoder_sparse_step`` makes layers ``i`` with ``(i + 1) % step != 0`` dense, as transformers builds them."""
+    from jaxlowfp.models.moe_loader import read_hf_config
+
+    d = tmp_path / "q"
+    d.mkdir()
+    cfg = json.loads((FIX / "qwen3_moe" / "config.json").read_text())
+    cfg["num_experts"] = cfg.pop("num_local_experts")
+    (d / "config.json").write_text(json.dumps(cfg | {"num_hidden_layers": 4, "decoder_sparse_step": 2,
+                                                     "mlp_only_layers": [3]}))
+    c = read_hf_config(d)
+    assert (c.n_experts, c.dense_layers) == (8, (0, 2, 3))
+    (d / "config.json").write_text(json.dumps(cfg | {"shared_expert_intermediate_size": 64}))
+    with pytest.raises(CheckpointError, match="shared experts"):
+        read_hf_config(d)
+
+
 def _copy(tmp_path, name):
     d = tmp_path / name
     shutil.copytree(FIX / name, d)
