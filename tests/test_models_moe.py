@@ -141,9 +141,17 @@ def test_experts_ragged_dense_and_a_per_token_loop_agree_with_unused_experts():
         for j in range(k):
             g, u = x[t] @ gate[choice[t, j]], x[t] @ up[choice[t, j]]
             want[t] += w[t, j] * ((g / (1 + np.exp(-g)) * u) @ down[choice[t, j]])
+    grads = {}
     for impl in ("ragged", "dense"):
         got = jax.jit(lambda m, a, b, c, impl=impl: m(a, b, c, impl))(ex, x, w, choice)
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+        # gradients (for training later): the weights of unused experts get exactly zero in both
+        loss = lambda m, impl=impl: jnp.sum(m(jnp.asarray(x), jnp.asarray(w), jnp.asarray(choice), impl) ** 2)
+        grads[impl] = jax.jit(nnx.grad(loss))(ex)
+    for p in ("gate_proj", "up_proj", "down_proj"):
+        r, d_ = (np.asarray(grads[i][p][...]) for i in ("ragged", "dense"))
+        np.testing.assert_allclose(r, d_, atol=1e-4, rtol=1e-4)
+        assert not r[[2, 5]].any() and r[[0, 1, 3, 4]].any()
 
 
 @pytest.mark.parametrize("name", HF)
