@@ -193,6 +193,22 @@ def test_ptq_blocks_and_smoothing_folds(models):
     assert {"blocks/1/mlp/router", "blocks/1/mlp/experts"} <= {p for p, _ in skipped}
 
 
+def test_exports_refuse_a_mixture_of_experts(tmp_path):
+    """The writers of dense checkpoints ask `tensor_specs` for the names, which refuses a MoE config: nothing is
+    written (without it, a MoEDecoder went out as a dense Qwen3 config.json with stray expert tensors)."""
+    from jaxlowfp import ptq
+
+    model, _ = load(FIX / "qwen3_moe")
+    result = ptq.quantize(model, [ptq.Rule(path="blocks/0/attn/q_proj",
+                                           scheme=ptq.scheme("nvfp4-mse", weights_only=True))], method="rtn")
+    for write in (lambda: ptq.export(model, result, tmp_path / "hf"),
+                  lambda: ptq.export_gguf(model, result, tmp_path / "m.gguf",
+                                          tokenizer_json=FIX / "qwen3_moe" / "tokenizer.json")):
+        with pytest.raises(ValueError, match="MoEConfig is a mixture of experts"):
+            write()
+    assert not list(tmp_path.iterdir())
+
+
 def test_random_init_and_config_validation():
     cfg = MoEConfig(vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=32,
                     n_experts=4, n_experts_per_tok=2, d_expert=16, dense_layers=[1, 1], dtype="float32")

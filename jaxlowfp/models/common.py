@@ -88,7 +88,18 @@ class TensorSpec:
 
 
 def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
-    """Every parameter of ``Llama(config)`` with its Hugging Face and GGUF tensor names."""
+    """Every parameter of ``Llama(config)`` with its Hugging Face and GGUF tensor names.
+
+    A mixture-of-experts config is refused: its experts have other names and layouts
+    (`jaxlowfp.models.moe_loader.moe_tensor_specs`), so a writer that asks here for a MoE model's names stops
+    instead of writing a dense checkpoint.
+    """
+    from jaxlowfp.models.moe import MoEConfig
+
+    if isinstance(config, MoEConfig):
+        raise ValueError(f"tensor_specs names the tensors of the dense Llama family; {type(config).__name__} is a "
+                         "mixture of experts (its tensors: jaxlowfp.models.moe_loader.moe_tensor_specs). Writing "
+                         "mixture-of-experts checkpoints (compressed-tensors, GGUF) is not implemented yet")
     specs = [TensorSpec("embed/embedding", "model.embed_tokens.weight", "token_embd.weight")]
     for i in range(config.n_layers):
         b, hb, gb = f"blocks/{i}/", f"model.layers.{i}.", f"blk.{i}."

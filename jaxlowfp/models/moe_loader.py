@@ -33,6 +33,7 @@ non-softmax ``expert_gating_func``) or having shared experts are refused.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any, cast
@@ -42,6 +43,7 @@ from safetensors import SafetensorError
 
 from jaxlowfp.models import gguf_loader, hf_loader
 from jaxlowfp.models.common import CheckpointError, TensorSpec, Tokenizer, build_model, tensor_specs
+from jaxlowfp.models.llama import ModelConfig
 from jaxlowfp.models.moe import MoEConfig, MoEDecoder
 
 __all__ = ["GGUF_ARCHITECTURES", "HF_MODEL_TYPES", "is_moe_gguf", "is_moe_hf", "load_gguf", "load_hf",
@@ -63,7 +65,8 @@ def moe_tensor_specs(config: MoEConfig) -> list[TensorSpec]:
     slices the fused tensors)."""
     sparse = [i for i in range(config.n_layers) if config.is_moe_layer(i)]
     prefixes = tuple(f"blocks/{i}/mlp/" for i in sparse)
-    specs = [s for s in tensor_specs(config) if not s.path.startswith(prefixes)]
+    dense = ModelConfig(**{f.name: getattr(config, f.name) for f in dataclasses.fields(ModelConfig)})
+    specs = [s for s in tensor_specs(dense) if not s.path.startswith(prefixes)]
     for i in sparse:
         b, hb, gb = f"blocks/{i}/mlp/", f"model.layers.{i}.mlp.", f"blk.{i}."
         specs.append(TensorSpec(b + "router/kernel", hb + "gate.weight", gb + "ffn_gate_inp.weight", transpose=True))
