@@ -7,8 +7,10 @@ layers are sparse mixtures of SwiGLU experts.
 as transformers computes both families (``Qwen3MoeTopKRouter``, ``MixtralTopKRouter`` in transformers 5:
 softmax over all experts in float32, ``torch.topk``, then Qwen3-MoE renormalises the k weights only with
 ``norm_topk_prob`` and Mixtral always, which equals Mixtral's original softmax over the top-k logits). No capacity
-limit, no token dropping. Qwen3-MoE may keep dense SwiGLU layers (``mlp_only_layers``, ``decoder_sparse_step``):
-`MoEConfig.dense_layers`.
+limit, no token dropping. Router logits are computed in the compute dtype, as transformers does in the model dtype;
+the routing weights stay float32 and weight the experts' outputs in float32 (transformers' Mixtral keeps them
+float32 too, its Qwen3-MoE casts them to the model dtype first: the same in float32, not in bfloat16).
+Qwen3-MoE may keep dense SwiGLU layers (``mlp_only_layers``, ``decoder_sparse_step``): `MoEConfig.dense_layers`.
 
 Module paths (for quantization rules): the router is an ``nnx.Linear`` at ``blocks/<i>/mlp/router`` (kernel
 ``[d_model, E]``); the experts are three ``nnx.Param`` with a leading expert axis at
