@@ -6,7 +6,8 @@ directory (``config.json``, ``*.safetensors``, ``tokenizer.json``), NVFP4 checkp
 (llm-compressor, `jaxlowfp.ptq.export`) and ModelOpt included (`jaxlowfp.models.quantized`: weights decoded exactly,
 W4A4 layers with the engine's activation quantizer). The model is a `Llama` whose projections are
 ``nnx.Linear`` modules at paths such as ``blocks/3/mlp/gate_proj``, so ``jaxlowfp.qnnx.paper_rules`` and
-``jaxlowfp.qnnx.quantize`` apply unchanged::
+``jaxlowfp.qnnx.quantize`` apply unchanged. Qwen3-MoE and Mixtral checkpoints (Hugging Face or GGUF) load as a
+`MoEDecoder` (`jaxlowfp.models.moe`: the same decoder with routed experts, ``blocks/3/mlp/experts/gate_proj``)::
 
     from jaxlowfp.models import load
     model, tok = load("smollm2-135m")
@@ -27,24 +28,33 @@ from typing import Callable
 from jaxlowfp.models.common import CheckpointError, Tokenizer
 from jaxlowfp.models.llama import (PRESETS, KVCache, Llama, ModelConfig, generate, loss_fn, mlp_paths, preset,
                                    smoothing_folds, token_log_likelihood)
+from jaxlowfp.models.moe import MoEConfig, MoEDecoder, expert_paths, with_experts_impl
 
 __all__ = ["PRESETS", "REGISTRY", "CheckpointError", "KVCache", "Llama", "ModelConfig", "Tokenizer", "generate",
            "load", "load_gguf", "load_hf", "loss_fn", "mlp_paths", "preset", "resolve", "smollm2_135m_path",
            "smoothing_folds", "token_log_likelihood"]
+__all__ += ["MoEConfig", "MoEDecoder", "expert_paths", "with_experts_impl"]  # mixtures of experts (moe.py)
 
 
 def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "float32") -> tuple[Llama, Tokenizer]:
-    """``(model, tokenizer)`` of a llama.cpp GGUF file (`jaxlowfp.models.gguf_loader`)."""
-    from jaxlowfp.models import gguf_loader  # needs the jaxlowfp[models] extra
+    """``(model, tokenizer)`` of a llama.cpp GGUF file (`jaxlowfp.models.gguf_loader`; mixtures of experts:
+    `jaxlowfp.models.moe_loader`)."""
+    from jaxlowfp.models import gguf_loader, moe_loader  # needs the jaxlowfp[models] extra
 
+    path = Path(path)
+    if path.is_file() and moe_loader.is_moe_gguf(gguf_loader._open(path), path):  # Qwen3-MoE, Mixtral
+        return moe_loader.load_gguf(path, dtype=dtype, param_dtype=param_dtype)
     return gguf_loader.load_gguf(path, dtype=dtype, param_dtype=param_dtype)
 
 
 def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str = "float32"
             ) -> tuple[Llama, Tokenizer]:
-    """``(model, tokenizer)`` of a Hugging Face checkpoint directory (`jaxlowfp.models.hf_loader`)."""
-    from jaxlowfp.models import hf_loader, quantized  # needs the jaxlowfp[models] extra
+    """``(model, tokenizer)`` of a Hugging Face checkpoint directory (`jaxlowfp.models.hf_loader`; mixtures of
+    experts: `jaxlowfp.models.moe_loader`)."""
+    from jaxlowfp.models import hf_loader, moe_loader, quantized  # needs the jaxlowfp[models] extra
 
+    if moe_loader.is_moe_hf(directory):  # Qwen3-MoE, Mixtral
+        return moe_loader.load_hf(directory, dtype=dtype, param_dtype=param_dtype)
     if quantized.detect(directory) is not None:  # NVFP4 of compressed-tensors (llm-compressor) or ModelOpt
         return quantized.load_quantized(directory, dtype=dtype, param_dtype=param_dtype)
     return hf_loader.load_hf(directory, dtype=dtype, param_dtype=param_dtype)

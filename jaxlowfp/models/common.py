@@ -74,7 +74,8 @@ class Tokenizer:
 class TensorSpec:
     """One parameter: its NNX path in `Llama`, its checkpoint names and how to lay it out.
 
-    ``transpose``: the checkpoint stores ``[out, in]`` (PyTorch and GGUF order), NNX kernels are ``[in, out]``.
+    ``transpose``: the checkpoint stores ``[out, in]`` (PyTorch and GGUF order), NNX kernels are ``[in, out]``
+    (the last two axes are swapped: expert weights ``[E, out, in]`` become ``[E, in, out]``).
     ``rope``: a q or k projection weight/bias whose rows GGUF conversion permutes for llama.cpp's RoPE
     (``"q"`` or ``"k"``; None otherwise).
     """
@@ -87,7 +88,18 @@ class TensorSpec:
 
 
 def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
-    """Every parameter of ``Llama(config)`` with its Hugging Face and GGUF tensor names."""
+    """Every parameter of ``Llama(config)`` with its Hugging Face and GGUF tensor names.
+
+    A mixture-of-experts config is refused: its experts have other names and layouts
+    (`jaxlowfp.models.moe_loader.moe_tensor_specs`), so a writer that asks here for a MoE model's names stops
+    instead of writing a dense checkpoint.
+    """
+    from jaxlowfp.models.moe import MoEConfig
+
+    if isinstance(config, MoEConfig):
+        raise ValueError(f"tensor_specs names the tensors of the dense Llama family; {type(config).__name__} is a "
+                         "mixture of experts (its tensors: jaxlowfp.models.moe_loader.moe_tensor_specs). Writing "
+                         "mixture-of-experts checkpoints (compressed-tensors, GGUF) is not implemented yet")
     specs = [TensorSpec("embed/embedding", "model.embed_tokens.weight", "token_embd.weight")]
     for i in range(config.n_layers):
         b, hb, gb = f"blocks/{i}/", f"model.layers.{i}.", f"blk.{i}."
@@ -113,18 +125,19 @@ def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
     return specs
 
 
-def build_model(config: ModelConfig, fetch: Callable[[TensorSpec], tuple[np.ndarray, str]], source: str | Path
-                ) -> Llama:
-    """``Llama(config)`` with every parameter taken from the checkpoint.
+def build_model(config: ModelConfig, fetch: Callable[[TensorSpec], tuple[np.ndarray, str]], source: str | Path,
+                *, model_class: type[Llama] = Llama, specs: Sequence[TensorSpec] | None = None) -> Llama:
+    """``model_class(config)`` with every parameter taken from the checkpoint (``specs``: the tensor table,
+    default `tensor_specs`).
 
     ``fetch(spec)`` returns the array in checkpoint layout and where it came from (``"<file>: tensor <name>"``;
     it raises `CheckpointError` when the tensor is missing). Shapes are checked against the config and values must
     be finite; the model is built abstractly first, so a parameter the checkpoint does not provide is an error,
     never a random initialisation.
     """
-    model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: model_class(config, rngs=nnx.Rngs(0)))
     variables = {"/".join(map(str, p)): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)}
-    specs = {s.path: s for s in tensor_specs(config)}
+    specs = {s.path: s for s in (tensor_specs(config) if specs is None else specs)}
     if set(variables) != set(specs):  # the name table and the model disagree: a bug here, not in the file
         raise AssertionError(f"tensor table out of date: {sorted(set(variables) ^ set(specs))}")
     pdt = jnp.dtype(config.param_dtype)
@@ -132,10 +145,10 @@ def build_model(config: ModelConfig, fetch: Callable[[TensorSpec], tuple[np.ndar
         spec = specs[path]
         array, where = fetch(spec)
         array = np.asarray(array)
-        want = tuple(reversed(var.shape)) if spec.transpose else tuple(var.shape)
+        want = (*var.shape[:-2], var.shape[-1], var.shape[-2]) if spec.transpose else tuple(var.shape)
         if array.shape != want:
             raise CheckpointError(f"{where} has shape {array.shape}; the model config ({source}) needs {want}")
         if not np.isfinite(array).all():
             raise CheckpointError(f"{where} has non-finite values")
-        var.set_value(jnp.asarray(array.T if spec.transpose else array, pdt))
+        var.set_value(jnp.asarray(np.swapaxes(array, -1, -2) if spec.transpose else array, pdt))
     return model

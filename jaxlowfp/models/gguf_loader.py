@@ -33,7 +33,8 @@ gguf = optional_module("gguf", extra="models", feature="loading a GGUF checkpoin
 Regex, decoders, models = tokenizers.Regex, tokenizers.decoders, tokenizers.models
 pre_tokenizers, processors = tokenizers.pre_tokenizers, tokenizers.processors
 
-__all__ = ["ARCHITECTURES", "PRE_TOKENIZERS", "load_gguf", "read_config", "read_tokenizer", "unpermute_rope_rows"]
+__all__ = ["ARCHITECTURES", "PRE_TOKENIZERS", "config_fields", "load_gguf", "read_config", "read_tokenizer",
+           "unpermute_rope_rows"]
 
 # architecture -> whether the converter permuted the q/k rows (llama.cpp RoPE type NORM vs NEOX)
 ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
@@ -83,6 +84,14 @@ def read_config(reader: Any, path: Path, *, dtype: str = "float32", param_dtype:
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{path}: architecture {arch!r} is not supported; allowed: "
                               f"{', '.join(map(repr, ARCHITECTURES))}")
+    try:
+        return ModelConfig(**config_fields(reader, path, arch), dtype=dtype, param_dtype=param_dtype)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: metadata gives an invalid model config: {e}") from e
+
+
+def config_fields(reader: Any, path: Path, arch: str) -> dict[str, Any]:
+    """The `ModelConfig` fields (all but the dtypes) from the ``{arch}.*`` metadata and the tensor shapes."""
     names = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in names:
         raise CheckpointError(f"{path}: tensor token_embd.weight is missing")
@@ -102,27 +111,22 @@ def read_config(reader: Any, path: Path, *, dtype: str = "float32", param_dtype:
                               "and Llama-3 frequency factors (tensor rope_freqs.weight)")
     if "rope_freqs.weight" in names:
         factors = tuple(float(v) for v in _dequantize(names["rope_freqs.weight"], path).reshape(-1))
-    try:
-        return ModelConfig(
-            vocab=int(names["token_embd.weight"].shape[1]),
-            d_model=d_model,
-            n_layers=int(_field(reader, f"{arch}.block_count", path)),
-            n_heads=n_heads,
-            n_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", path, n_heads)),
-            d_ff=int(_field(reader, f"{arch}.feed_forward_length", path)),
-            max_seq_len=int(_field(reader, f"{arch}.context_length", path)),
-            rope_theta=float(_field(reader, f"{arch}.rope.freq_base", path, 10_000.0)),
-            norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", path)),
-            dtype=dtype,
-            param_dtype=param_dtype,
-            explicit_head_dim=None if head_dim * n_heads == d_model else head_dim,
-            tie_embeddings="output.weight" not in names,
-            qkv_bias="blk.0.attn_q.bias" in names,
-            qk_norm="blk.0.attn_q_norm.weight" in names,
-            rope_freq_factors=factors,
-        )
-    except ValueError as e:
-        raise CheckpointError(f"{path}: metadata gives an invalid model config: {e}") from e
+    return dict(
+        vocab=int(names["token_embd.weight"].shape[1]),
+        d_model=d_model,
+        n_layers=int(_field(reader, f"{arch}.block_count", path)),
+        n_heads=n_heads,
+        n_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", path, n_heads)),
+        d_ff=int(_field(reader, f"{arch}.feed_forward_length", path)),
+        max_seq_len=int(_field(reader, f"{arch}.context_length", path)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", path, 10_000.0)),
+        norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", path)),
+        explicit_head_dim=None if head_dim * n_heads == d_model else head_dim,
+        tie_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        rope_freq_factors=factors,
+    )
 
 
 def _dequantize(tensor: Any, path: Path) -> np.ndarray:
@@ -181,6 +185,22 @@ def read_tokenizer(reader: Any, path: Path) -> Tokenizer:
                      source=str(path))
 
 
+def read_tensor(names: dict[str, Any], spec: TensorSpec, path: Path, config: ModelConfig, permuted: bool
+                ) -> tuple[np.ndarray, str]:
+    """The float32 array of ``spec`` in checkpoint layout and where it came from; q/k rows un-permuted when the
+    converter ``permuted`` them (`ARCHITECTURES`)."""
+    where = f"{path}: tensor {spec.gguf}"
+    if spec.gguf not in names:
+        raise CheckpointError(f"{where} is missing")
+    w = _dequantize(names[spec.gguf], path)
+    if permuted and spec.rope is not None:
+        n = config.n_heads if spec.rope == "q" else config.n_kv_heads
+        if w.shape[0] != n * config.head_dim:
+            raise CheckpointError(f"{where} has {w.shape[0]} rows; {n} heads x {config.head_dim} expected")
+        w = unpermute_rope_rows(w, n)
+    return w, where
+
+
 def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "float32"
               ) -> tuple[Llama, Tokenizer]:
     """`Llama` (weights dequantized to ``param_dtype``) and `Tokenizer` of a GGUF file."""
@@ -195,16 +215,7 @@ def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "f
     permuted = ARCHITECTURES[_field(reader, "general.architecture", path)]
 
     def fetch(spec: TensorSpec) -> tuple[np.ndarray, str]:
-        where = f"{path}: tensor {spec.gguf}"
-        if spec.gguf not in names:
-            raise CheckpointError(f"{where} is missing")
-        w = _dequantize(names[spec.gguf], path)
-        if permuted and spec.rope is not None:
-            n = config.n_heads if spec.rope == "q" else config.n_kv_heads
-            if w.shape[0] != n * config.head_dim:
-                raise CheckpointError(f"{where} has {w.shape[0]} rows; {n} heads x {config.head_dim} expected")
-            w = unpermute_rope_rows(w, n)
-        return w, where
+        return read_tensor(names, spec, path, config, permuted)
 
     used = {s.gguf for s in tensor_specs(config)} | {"rope_freqs.weight"}
     extra = sorted(set(names) - used)

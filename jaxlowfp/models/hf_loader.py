@@ -20,7 +20,7 @@ from jaxlowfp.models.llama import Llama, ModelConfig, llama3_rope_factors
 
 tokenizers = optional_module("tokenizers", extra="models", feature="loading a Hugging Face checkpoint")
 
-__all__ = ["MODEL_TYPES", "load_hf", "read_config", "read_tokenizer"]
+__all__ = ["MODEL_TYPES", "config_fields", "load_hf", "read_config", "read_tokenizer"]
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some exports carry; recomputed here
@@ -62,6 +62,15 @@ def read_config(directory: str | Path, *, dtype: str = "float32", param_dtype: s
     if mt not in MODEL_TYPES:
         raise CheckpointError(f"{where}: model_type {mt!r} (architectures {cfg.get('architectures')}) is not "
                               f"supported; allowed: {', '.join(map(repr, MODEL_TYPES))}")
+    try:
+        return ModelConfig(**config_fields(cfg, where, mt), dtype=dtype, param_dtype=param_dtype)
+    except ValueError as e:
+        raise CheckpointError(f"{where}: invalid model config: {e}") from e
+
+
+def config_fields(cfg: dict[str, Any], where: Path, mt: str) -> dict[str, Any]:
+    """The `ModelConfig` fields (all but the dtypes) of a parsed ``config.json`` of the dense family ``mt``
+    (one of `MODEL_TYPES`; `jaxlowfp.models.moe_loader` passes the family its attention matches)."""
 
     def need(key: str) -> Any:
         if key not in cfg:
@@ -84,27 +93,22 @@ def read_config(directory: str | Path, *, dtype: str = "float32", param_dtype: s
     window = cfg.get("sliding_window") if mt == "mistral" else None
     if window:  # sliding-window attention equals full attention up to the window length
         max_len = min(max_len, int(window))
-    try:
-        return ModelConfig(
-            vocab=int(need("vocab_size")),
-            d_model=d_model,
-            n_layers=int(need("num_hidden_layers")),
-            n_heads=n_heads,
-            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-            d_ff=int(need("intermediate_size")),
-            max_seq_len=max_len,
-            rope_theta=theta,
-            norm_eps=float(need("rms_norm_eps")),
-            dtype=dtype,
-            param_dtype=param_dtype,
-            explicit_head_dim=None if head_dim * n_heads == d_model else head_dim,
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=mt == "qwen2",
-            qk_norm=mt == "qwen3",
-            rope_freq_factors=_rope_factors(cfg, head_dim, theta, where),
-        )
-    except ValueError as e:
-        raise CheckpointError(f"{where}: invalid model config: {e}") from e
+    return dict(
+        vocab=int(need("vocab_size")),
+        d_model=d_model,
+        n_layers=int(need("num_hidden_layers")),
+        n_heads=n_heads,
+        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+        d_ff=int(need("intermediate_size")),
+        max_seq_len=max_len,
+        rope_theta=theta,
+        norm_eps=float(need("rms_norm_eps")),
+        explicit_head_dim=None if head_dim * n_heads == d_model else head_dim,
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=mt == "qwen2",
+        qk_norm=mt == "qwen3",
+        rope_freq_factors=_rope_factors(cfg, head_dim, theta, where),
+    )
 
 
 def _token_id(cfg: dict[str, Any], tok_cfg: dict[str, Any], tk: tokenizers.Tokenizer, name: str) -> int | None:

@@ -353,11 +353,13 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm residual block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; the residual stream is float32."""
 
-    def __init__(self, cfg: ModelConfig, dtype: Any, *, rngs: nnx.Rngs) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: Any, *, rngs: nnx.Rngs,
+                 mlp: Callable[[nnx.Rngs], nnx.Module] | None = None) -> None:
         self.attn_norm = _rmsnorm(cfg, rngs)
         self.attn = Attention(cfg, dtype, rngs=rngs)
         self.mlp_norm = _rmsnorm(cfg, rngs)
-        self.mlp = MLP(cfg, dtype, rngs=rngs)
+        # ``mlp(rngs)`` builds another feed-forward module (the experts of `jaxlowfp.models.moe`); default SwiGLU
+        self.mlp = MLP(cfg, dtype, rngs=rngs) if mlp is None else mlp(rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array | None = None, mask: jax.Array | None = None,
                  kv_cache: Any = None) -> tuple[jax.Array, Any]:
@@ -384,10 +386,14 @@ class Llama(nnx.Module):
         self.dtype = dtype
         pdt = _DTYPES[config.param_dtype]
         self.embed = nnx.Embed(config.vocab, config.d_model, dtype=jnp.float32, param_dtype=pdt, rngs=rngs)
-        self.blocks = nnx.List([Block(config, dtype, rngs=rngs) for _ in range(config.n_layers)])
+        self.blocks = nnx.List([Block(config, dtype, rngs=rngs, mlp=self._mlp(i)) for i in range(config.n_layers)])
         self.final_norm = _rmsnorm(config, rngs)
         if not config.tie_embeddings:
             self.lm_head = _linear(config.d_model, config.vocab, config, dtype, rngs)
+
+    def _mlp(self, index: int) -> Callable[[nnx.Rngs], nnx.Module] | None:
+        """How block ``index`` builds its feed-forward module (None: the SwiGLU `MLP`); subclasses override it."""
+        return None
 
     def smoothing_folds(self) -> tuple[list[tuple[str, tuple[str, ...]]], list[tuple[str, str]]]:
         """The model family's scale folds for `jaxlowfp.ptq` (SmoothQuant, AWQ): `smoothing_folds` of the config."""
