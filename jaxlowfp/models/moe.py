@@ -107,6 +107,10 @@ class Experts(nnx.Module):
     """E SwiGLU experts: ``gate_proj``, ``up_proj`` [E, d_model, d_expert], ``down_proj`` [E, d_expert, d_model]
     (``nnx.Param``; expert e maps ``x -> (silu(x G_e) * (x U_e)) D_e``). Matmuls in the compute ``dtype``."""
 
+    # the grouped-GEMM protocol of jaxlowfp.qnnx.quantize: a rule matching e.g. blocks/1/mlp/experts/gate_proj
+    # attaches a QuantRaggedOp as quant_gate_proj, and grouped_matmul runs through it (jaxlowfp.ops.ragged_dot)
+    grouped_weights = ("gate_proj", "up_proj", "down_proj")
+
     def __init__(self, n_experts: int, d_model: int, d_expert: int, dtype: Any, param_dtype: Any, *,
                  rngs: nnx.Rngs) -> None:
         init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
@@ -123,8 +127,13 @@ class Experts(nnx.Module):
         """``x [M, K]`` (rows sorted by expert, ``group_sizes[e]`` rows for expert e) times weight ``name``
         ``[E, K, N]`` of each row's expert: ``jax.lax.ragged_dot``, the one grouped GEMM of the ragged path."""
         w = getattr(self, name)[...]
-        out = jax.lax.ragged_dot(x.astype(self.dtype), w.astype(self.dtype), group_sizes,
-                                 preferred_element_type=jnp.float32)
+        op = getattr(self, "quant_" + name, None)  # a jaxlowfp.qnnx.QuantRaggedOp (QAT), if quantized
+        if op is not None:
+            out = op.ragged_dot(x.astype(self.dtype), w.astype(self.dtype), group_sizes,
+                                preferred_element_type=jnp.float32)
+        else:
+            out = jax.lax.ragged_dot(x.astype(self.dtype), w.astype(self.dtype), group_sizes,
+                                     preferred_element_type=jnp.float32)
         return out.astype(self.dtype)
 
     def _ragged(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
@@ -140,6 +149,10 @@ class Experts(nnx.Module):
         return jnp.einsum("nk,nkd->nd", weights, y.astype(jnp.float32))
 
     def _dense(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+        quantized = [n for n in self.grouped_weights if getattr(self, "quant_" + n, None) is not None]
+        if quantized:
+            raise ValueError(f"the dense per-expert reference computes no quantized product, and {quantized} are "
+                             f"quantized (jaxlowfp.qnnx.quantize): use impl='ragged'")
         dt = self.dtype
         x = x.astype(dt)
         g = jnp.einsum("nd,edf->enf", x, self.gate_proj[...].astype(dt))
