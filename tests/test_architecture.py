@@ -27,6 +27,8 @@ FLOORS = {
     "jaxlowfp.mx": 2,
     "jaxlowfp.scaling": 2,
     "jaxlowfp.qat": 3,
+    "jaxlowfp.packed": 3,  # packed low-precision weights (codes + scales) and their nnx.Variable type
+    "jaxlowfp.backends": 3,  # execution backends of packed products (scaled_matmul, fp8, dequant)
     "jaxlowfp.qnnx": 4,
     "jaxlowfp.qlinen": 4,
     "jaxlowfp.qwix_provider": 4,  # the Qwix provider (optional dependency qwix), beside the Flax integration
