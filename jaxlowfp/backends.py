@@ -29,7 +29,6 @@ summation order.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
@@ -40,6 +39,7 @@ from jax import lax
 from jaxlowfp import formats, mx, nvfp4
 from jaxlowfp._core.capability import compute_capability
 from jaxlowfp._core.checks import one_of
+from jaxlowfp._core.pytree import pytree_dataclass
 from jaxlowfp.packed import PER_TENSOR, PackedFormat, PackedWeight, _per_tensor_scale, as_format, fake_quantize
 
 __all__ = ["BACKENDS", "BackendUnavailableError", "Plan", "plan", "packed_dot_general", "packed_matmul",
@@ -57,10 +57,11 @@ class BackendUnavailableError(RuntimeError):
     """An explicit backend was asked for on a device that cannot run it."""
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@pytree_dataclass(data=(), meta=("backend", "native", "reason"))
 class Plan:
     """What a packed product runs: `backend` ("scaled_matmul", "fp8" or "dequant"), whether the low-precision GEMM is
-    the device's own (`native`: cuDNN / cuBLASLt) or emulated by jax / XLA in float32, and `reason`."""
+    the device's own (`native`: cuDNN / cuBLASLt) or emulated by jax / XLA in float32, and `reason`. A pytree with
+    no leaves, so a jitted function can return it."""
 
     backend: str
     native: bool
