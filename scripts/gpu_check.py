@@ -15,6 +15,9 @@
   (d) The configurations that passed (a) go to ``jaxlowfp/verified_kernels.json`` (merged with the entries of
       other devices and JAX versions; a configuration that fails here loses its entry for this device and JAX).
   (e) Everything goes to the ``## GPU check`` section of bench/RESULTS.md.
+  (f) Packed NVFP4 GEMMs (``jaxlowfp.backends``) for Llama-8B-sized projections: the real block-scaled GEMM
+      (cuDNN, sm_100+) on Four Over Six codes and the dequant backend against fake-quant (within float32 summation
+      order) and the bf16 GEMM, with times (``packed_gemm_check``). Exit 1 when a packed product leaves the bound.
 
 Refuses to run without a GPU that runs the kernels (exit 2). Exit 1 when a kernel differs from its twin.
 Runs with the GPU machine's own python3 against the source tree (jax >= 0.11, no installs)::
@@ -377,6 +380,94 @@ def train_step_times(preset: str, *, batch: int, seq: int, reps: int, backends: 
 _KEY_FIELDS = ("kernel", "backend", "device_kind", "compute_capability", "rule", "block_shape", "dtype", "jax")
 
 
+# ---- (f) packed GEMMs: the real NVFP4 GEMM with Four Over Six codes against bf16 and fake-quant -------------------
+
+# Llama-3-8B's projections (d_model 4096, 8 KV heads of 128, d_ff 14336) as (name, K, N), and the tokens M
+LLAMA8B_PROJECTIONS = (("q_proj / o_proj", 4096, 4096), ("k_proj / v_proj", 4096, 1024),
+                       ("gate_proj / up_proj", 4096, 14336), ("down_proj", 14336, 4096))
+PACKED_TOKENS = 2048
+SMALL_PROJECTIONS = (("small", 64, 32),)
+
+
+def _median_ms(fn: Callable, *args, reps: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def packed_gemm_check(projections: tuple = LLAMA8B_PROJECTIONS, *, tokens: int = PACKED_TOKENS, reps: int = 10,
+                      device: Any = None) -> list[dict]:
+    """Per projection: W4A4 NVFP4 4/6 (mse) packed weights and activations quantized by jaxlowfp, through the
+    `scaled_matmul` backend (cuDNN's block-scaled GEMM where the device has it, a row saying why not elsewhere) and
+    the `dequant` backend, against the fake-quant product (``fake_quantize(x) @ fake_quantize(W)``, float32) and
+    the plain bfloat16 GEMM: median ms each, and whether each packed product is within float32 summation order of
+    the fake-quant one (``|y - ref| <= (K + 4) eps (|x̂| @ |ŵ|)``, tests/test_packed.py's bound), with the largest
+    ratio to that bound. The error of the bf16 GEMM against fake-quant is reported for scale."""
+    from jaxlowfp import backends, packed
+
+    eps = float(np.finfo(np.float32).eps)
+    dn = (((1,), (0,)), ((), ()))
+    out = []
+    for name, k, n in projections:
+        kx, kw = jax.random.split(jax.random.key(k + n))
+        x = jax.random.normal(kx, (tokens, k), jnp.float32).astype(jnp.bfloat16)
+        w = jax.random.normal(kw, (k, n), jnp.float32) * np.float32(1 / np.sqrt(k))
+        pw = packed.pack(w, "nvfp4-mse")
+        xq = packed.fake_quantize(x.astype(jnp.float32), "nvfp4-mse")
+        wq = pw.dequantize(jnp.float32)
+        dot = jax.jit(lambda a, b: jnp.dot(a, b, precision="highest"))
+        ref = dot(xq, wq)
+        bound = (k + 4) * eps * dot(jnp.abs(xq), jnp.abs(wq))
+        fake = jax.jit(lambda a, b: jnp.dot(packed.fake_quantize(a.astype(jnp.float32), "nvfp4-mse"), b,
+                                            precision="highest"))  # what the fake-quant model runs
+        row = {"projection": f"{name} {k}x{n}", "M": tokens,
+               "fake-quant ms": _median_ms(fake, x, wq, reps=reps)}
+        w_bf16 = w.astype(jnp.bfloat16)
+        bf16 = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+        row["bf16 ms"] = _median_ms(bf16, x, w_bf16, reps=reps)
+        row["bf16 max |err| / bound"] = float(jnp.max(jnp.abs(bf16(x, w_bf16) - ref) / bound))
+        for b in ("scaled_matmul", "dequant"):
+            try:
+                plan = backends.plan(pw, "nvfp4-mse", b, device=device)
+            except backends.BackendUnavailableError as e:
+                row[f"{b} ms"], row[f"{b} exact"] = None, f"not run: {e}"
+                continue
+            f = jax.jit(lambda a, p, b=b: backends.packed_dot_general(a.astype(jnp.float32), p, dn, backend=b,
+                                                                      activation="nvfp4-mse", device=device))
+            with jax.default_matmul_precision("highest"):  # dequant's float32 dot in float32, not TF32
+                y = f(x, pw)
+            ratio = float(jnp.max(jnp.abs(y - ref) / jnp.maximum(bound, np.float32(np.finfo(np.float32).tiny))))
+            with jax.default_matmul_precision("highest"):
+                row[f"{b} ms"] = _median_ms(f, x, pw, reps=reps)
+            row[f"{b} exact"] = ratio <= 1.0
+            row[f"{b} max |err| / bound"] = ratio
+            row[f"{b} native"] = plan.native
+        out.append(row)
+    return out
+
+
+def packed_gemm_table(rows: list[dict]) -> str:
+    from _results import markdown_table
+
+    def ms(v):
+        return "-" if v is None else f"{v:.3f}"
+
+    body = [[r["projection"], r["M"], ms(r["bf16 ms"]), ms(r["fake-quant ms"]),
+             ms(r["scaled_matmul ms"]) + (" (cuDNN)" if r.get("scaled_matmul native") else ""),
+             ms(r["dequant ms"]),
+             r["scaled_matmul exact"] if isinstance(r["scaled_matmul exact"], str) else
+             f"{r['scaled_matmul exact']} ({r['scaled_matmul max |err| / bound']:.2f})",
+             f"{r['dequant exact']} ({r['dequant max |err| / bound']:.2f})", f"{r['bf16 max |err| / bound']:.0f}"]
+            for r in rows]
+    return markdown_table(["projection", "M", "bf16 GEMM ms", "fake-quant ms", "NVFP4 4/6 scaled_matmul ms",
+                           "dequant ms", "scaled_matmul within bound (max ratio)", "dequant within bound",
+                           "bf16 err / bound"], body)
+
+
 def _key(entry: dict) -> tuple:
     return tuple(tuple(v) if isinstance(v, list) else v for v in (entry.get(f) for f in _KEY_FIELDS))
 
@@ -434,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="(a): configurations checked at once, so compilations overlap (1: one after another)")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-train", action="store_true")
+    ap.add_argument("--skip-packed", action="store_true")
     ap.add_argument("--no-write", action="store_true", help="leave verified_kernels.json and RESULTS.md alone")
     ap.add_argument("--verified-path", type=Path, default=VERIFIED, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -500,6 +592,23 @@ def main(argv: list[str] | None = None) -> int:
             f"against high precision; median of {reps} interleaved steps:\n\n"
             + markdown_table(["variant", "ms / step", "vs HP"],
                              [[k, f"{v:.2f}", f"{v / hp:.2f}x"] for k, v in ms.items()]))
+    packed_failed = []
+    if not args.skip_packed:
+        print("(f) packed NVFP4 GEMMs", flush=True)
+        t = time.perf_counter()
+        proj, tokens, reps = ((SMALL_PROJECTIONS, 16, 1) if args.interpret else (LLAMA8B_PROJECTIONS, PACKED_TOKENS,
+                                                                                  10))
+        rows = packed_gemm_check(proj, tokens=tokens, reps=reps, device=dev)
+        timing["(f) packed GEMMs"] = time.perf_counter() - t
+        packed_failed = [r["projection"] for r in rows
+                         if r["dequant exact"] is False or r["scaled_matmul exact"] is False]
+        parts.append(
+            f"**(f) Packed NVFP4 GEMMs** (jaxlowfp.backends), Llama-8B projections, M = {tokens} bfloat16 tokens: "
+            "W4A4 NVFP4 with Four Over Six (mse) codes, activations quantized by jaxlowfp in the program, through "
+            "`scaled_matmul` (cuDNN's block-scaled GEMM on sm_100+) and `dequant`, against the fake-quant product "
+            "(float32, precision highest) and the bf16 GEMM. \"within bound\": every output within float32 "
+            "summation order of fake-quant, (K + 4) eps (|x̂| @ |ŵ|); the ratio is the largest |err| / bound. "
+            f"Median of {reps} calls.\n\n" + packed_gemm_table(rows))
     total = time.perf_counter() - t_start
     print("\n\n".join(parts))
     print("phases: " + ", ".join(f"{k} {v:.0f} s" for k, v in timing.items()) + f"; total {total:.0f} s")
@@ -516,6 +625,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"**(d)** {len(results) - len(failed)} configurations recorded as verified in "
                 f"`jaxlowfp/verified_kernels.json` ({len(merged['entries'])} entries in all).")
         write_section(SECTION, head + "\n\n" + "\n\n".join(parts))
+    if packed_failed:
+        print(f"\npacked GEMMs outside the float32 bound of fake-quant: {packed_failed}", file=sys.stderr)
+        return 1
     if failed:
         print(f"\n{len(failed)} configuration(s) differ from their twins or failed:\n"
               + "\n".join(f"- {r.case.label}: {r.error or r.mismatches}" for r in failed), file=sys.stderr)

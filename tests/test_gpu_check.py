@@ -168,3 +168,13 @@ def test_train_steps_build(monkeypatch):
                                          overrides=dict(d_model=32, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=64))
     assert set(steps) == {"hp", "qat (jnp)", "qat (pallas, triton)"}
     assert tokens.shape == (1, 9) and tokens.dtype == jnp.int32
+
+
+def test_packed_gemm_check_runs_on_cpu():
+    """(f)'s logic at a small shape: both packed backends within float32 summation order of fake-quant (on this CPU
+    scaled_matmul is jax's emulation, so it runs and is not native), and the table renders."""
+    assert all(k % 16 == 0 and n % 16 == 0 for _, k, n in gc.LLAMA8B_PROJECTIONS)
+    (row,) = gc.packed_gemm_check(gc.SMALL_PROJECTIONS, tokens=16, reps=1)
+    assert row["scaled_matmul exact"] is True and row["dequant exact"] is True
+    assert row["scaled_matmul native"] is False and row["bf16 max |err| / bound"] > 1
+    assert "small 64x32" in gc.packed_gemm_table([row])

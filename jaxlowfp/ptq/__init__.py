@@ -44,6 +44,7 @@ from jaxlowfp.ptq.calibrate import LayerStats, collect
 from jaxlowfp.ptq.checkpoint import ExportReport, export, load
 from jaxlowfp.ptq.formats import SCHEMES, QuantizedWeight, Scheme, TensorFormat, rtn_weight, scheme
 from jaxlowfp.ptq.gguf_export import GGUFReport, export_gguf
+from jaxlowfp.ptq.pack import PackedLinear, PackReport, pack
 from jaxlowfp.ptq.gptq import GPTQ, gptq_weight
 from jaxlowfp.ptq.smooth import AWQ, Fold, SmoothQuant
 
@@ -53,4 +54,5 @@ __all__ = [
     "method_from_name",
     "rtn_weight", "gptq_weight", "smooth_model", "collect", "export", "load", "ExportReport", "export_gguf",
     "GGUFReport",
+    "pack", "PackedLinear", "PackReport",
 ]

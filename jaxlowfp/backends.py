@@ -1,0 +1,266 @@
+"""Execution backends for a packed (or W4A4 / W8A8) product ``x @ W'``: where the low-precision GEMM really runs.
+
+``packed_dot_general(x, w, dimension_numbers, backend=..., activation=...)`` takes a
+:class:`~jaxlowfp.packed.PackedWeight` (the GEMM matrix ``W' [K, N]``) and the activation format (None: weights
+only). Backends, chosen like ``impl=``::
+
+    "scaled_matmul"  jax.nn.scaled_matmul on our codes and scales: NVFP4 (E2M1 x E4M3 block scales, the two float32
+                     global scales multiplied into the output), MXFP8 (E4M3 x E8M0), MXFP4 (E2M1 x E8M0). The
+                     activations are quantized by OUR quantizer (`jaxlowfp.nvfp4.quantize`, Four Over Six included;
+                     `jaxlowfp.mx.quantize`), then the GEMM. On sm_100+ this lowers to cuDNN's block-scaled GEMM
+                     (``__cudnn$blockScaledDot``); on CPU and TPU jax emulates it (convert, multiply, float32 dot).
+    "fp8"            lax.dot_general on float8_e4m3fn operands, the per-tensor scales applied to the float32 output:
+                     the pattern XLA's GEMM rewriter turns into cuBLASLt's FP8 GEMM on sm_89+
+                     (``__cublas$lt$matmul$f8``).
+    "dequant"        dequantize the weight and dot in the compute dtype (XLA fuses the dequantization into the
+                     GEMM's operand): every format, every device. HiF8 and IF4 have no hardware GEMM and always take it.
+    "auto"           scaled_matmul on a CUDA GPU of compute capability >= 10.0 for NVFP4 / MX W4A4 / W8A8; fp8 on >= 8.9
+                     for FP8 W8A8; else dequant. What it picked is logged once per (format, activation, device kind).
+
+An explicit backend that cannot run raises :class:`BackendUnavailableError` (the device) or ``ValueError`` (the
+format), never falls back. :func:`plan` says what would run and why; ``return_backend=True`` returns it with the
+output.
+
+Exactness (``tests/test_packed.py``): every backend computes ``sum_k x̂_k ŵ_k`` for the same quantized values as the
+fake-quant path (``fake_quantize(x) @ dequantize(W)``); the block-scaled and FP8 backends factor the global scales out
+of the sum (``(sum (q s)(q s)) * (g_x g_w)`` instead of ``sum ((q s) g_x)((q s) g_w)``), and each product of
+codes and block scales is exact in float32, so results differ only by float32 rounding of those scalings and of the
+summation order.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxlowfp import formats, mx, nvfp4
+from jaxlowfp._core.capability import compute_capability
+from jaxlowfp._core.checks import one_of
+from jaxlowfp._core.pytree import pytree_dataclass
+from jaxlowfp.packed import PER_TENSOR, PackedFormat, PackedWeight, _per_tensor_scale, as_format, fake_quantize
+
+__all__ = ["BACKENDS", "BackendUnavailableError", "Plan", "plan", "packed_dot_general", "packed_matmul",
+           "SCALED_MATMUL_MIN_CC", "FP8_MIN_CC"]
+
+BACKENDS = ("auto", "scaled_matmul", "fp8", "dequant")
+SCALED_MATMUL_MIN_CC = 100  # cuDNN's block-scaled GEMM: Blackwell (sm_100)
+FP8_MIN_CC = 89  # cuBLASLt FP8: Ada (sm_89) and Hopper (sm_90)
+SCALED_KINDS = ("nvfp4", "mxfp4", "mxfp8")
+_log = logging.getLogger(__name__)
+_LOGGED: set = set()
+
+
+class BackendUnavailableError(RuntimeError):
+    """An explicit backend was asked for on a device that cannot run it."""
+
+
+@pytree_dataclass(data=(), meta=("backend", "native", "reason"))
+class Plan:
+    """What a packed product runs: `backend` ("scaled_matmul", "fp8" or "dequant"), whether the low-precision GEMM is
+    the device's own (`native`: cuDNN / cuBLASLt) or emulated by jax / XLA in float32, and `reason`. A pytree with
+    no leaves, so a jitted function can return it."""
+
+    backend: str
+    native: bool
+    reason: str
+
+
+def _device(device: Any) -> Any:
+    return jax.devices()[0] if device is None else device
+
+
+def _describe(device: Any) -> str:
+    cc = compute_capability(device)
+    return f"{getattr(device, 'device_kind', '?')} ({device.platform}" + (
+        f", compute capability {cc / 10:.1f})" if cc is not None else ")")
+
+
+def _format_problem(backend: str, w: PackedFormat, act: PackedFormat | None) -> str | None:
+    """Why `backend` cannot compute this weight x activation pair (None: it can)."""
+    if backend == "dequant":
+        return None
+    if act is None:
+        return (f"weights-only {w.name} (activation=None) has no low-precision GEMM: the activations stay in high "
+                f"precision, so the product is a dequantize + dot; use backend='dequant' or 'auto'")
+    if backend == "scaled_matmul":
+        if w.kind not in SCALED_KINDS:
+            return (f"{w.name} has no block-scaled GEMM (jax.nn.scaled_matmul takes NVFP4, MXFP8 and MXFP4"
+                    + ("; HiF8 has no hardware GEMM anywhere" if w.kind == "hif8" else "")
+                    + ("; IF4's INT blocks have no hardware GEMM" if w.kind == "if4" else "")
+                    + "); use backend='dequant' or 'auto'")
+        if act.kind != w.kind:
+            return (f"scaled_matmul multiplies two operands of one format; weights {w.name} with activations "
+                    f"{act.name} do not match (use activation={w.kind!r} formats, or backend='dequant')")
+        if act.rows != 1:
+            return f"activations are quantized in 1x16 blocks; got {act.name}"
+        return None
+    if w.kind != "fp8" or act.kind != "fp8":
+        return (f"backend='fp8' multiplies FP8 E4M3 operands with per-tensor scales; got weights {w.name} and "
+                f"activations {act.name} (use backend='scaled_matmul' for NVFP4 / MX, 'dequant' otherwise)")
+    return None
+
+
+def _device_problem(backend: str, device: Any) -> tuple[str | None, bool, str]:
+    """(problem or None, native, description) of `backend` on `device`."""
+    where = _describe(device)
+    if backend == "dequant":
+        return None, False, f"dequantize + dot in high precision on {where}"
+    cc = compute_capability(device)
+    need = SCALED_MATMUL_MIN_CC if backend == "scaled_matmul" else FP8_MIN_CC
+    what = ("cuDNN's block-scaled GEMM (jax.nn.scaled_matmul)" if backend == "scaled_matmul"
+            else "the cuBLASLt FP8 GEMM (float8 dot_general)")
+    if device.platform in ("cpu", "tpu"):
+        return None, False, f"{what} emulated by jax/XLA on {where} (convert, multiply, float32 dot)"
+    if device.platform == "gpu" and cc is not None:
+        if cc < need:
+            return (f"{what} needs compute capability >= {need / 10:.1f}; the device is {where}. Use "
+                    f"backend='dequant' or 'auto'"), False, where
+        return None, True, f"{what} on {where}"
+    return (f"{what} is built and checked for NVIDIA GPUs (compute capability >= {need / 10:.1f}), CPU and TPU "
+            f"(emulated); the device is {where}. Use backend='dequant' or 'auto'"), False, where
+
+
+def plan(w: PackedWeight | PackedFormat, activation: Any = None, backend: str = "auto", *, device: Any = None,
+         where: str = "") -> Plan:
+    """The backend a product of `w` (a packed weight or its format) with `activation` runs on `device` (default JAX's
+    first device). An explicit `backend` that cannot run raises (``ValueError`` for the formats,
+    :class:`BackendUnavailableError` for the device); "auto" logs its choice once."""
+    one_of(backend, BACKENDS, "backend")
+    fmt = w.format if isinstance(w, PackedWeight) else as_format(w, "w")
+    act = None if activation is None else as_format(activation, "activation")
+    dev = _device(device)
+    at = f"{where}: " if where else ""
+    if backend != "auto":
+        problem = _format_problem(backend, fmt, act)
+        if problem:
+            raise ValueError(f"{at}backend={backend!r}: {problem}")
+        problem, native, reason = _device_problem(backend, dev)
+        if problem:
+            raise BackendUnavailableError(f"{at}backend={backend!r}: {problem}")
+        return Plan(backend=backend, native=native, reason=reason)
+    chosen = None
+    for cand in ("scaled_matmul", "fp8"):
+        if _format_problem(cand, fmt, act) is None:
+            problem, native, reason = _device_problem(cand, dev)
+            if problem is None and native:
+                chosen = Plan(backend=cand, native=True, reason=reason)
+            break
+    if chosen is None:
+        chosen = Plan(backend="dequant", native=False, reason=_device_problem("dequant", dev)[2])
+    key = (fmt.name, None if act is None else act.name, getattr(dev, "device_kind", dev.platform))
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        _log.info("jaxlowfp.backends: weights %s, activations %s on %s -> backend=%r (%s)", fmt.name,
+                  "none" if act is None else act.name, _describe(dev), chosen.backend, chosen.reason)
+    return chosen
+
+
+# ---- the products on the matrix view: x2 [M, K] times W' [K, N] -> float32 [M, N]
+
+
+def _e2m1_operand(codes: jax.Array, k: int) -> jax.Array:
+    """uint8 [R, K/2] (two E2M1 codes a byte, element 2j low) -> float4_e2m1fn [R, K]: a bitcast, no arithmetic
+    (XLA splits a byte into [low, high] nibbles, which is our order)."""
+    return lax.bitcast_convert_type(codes, jnp.float4_e2m1fn).reshape(codes.shape[0], k)
+
+
+def _nvfp4_operand(arr: nvfp4.NVFP4Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """(float4_e2m1fn [R, K], float8_e4m3fn scales [R, K/16]); 16x16 tiles repeat their scale over the 16 rows."""
+    s = arr.scales if arr.block_shape[0] == 1 else jnp.repeat(arr.scales, arr.block_shape[0], axis=0)
+    return _e2m1_operand(arr.codes, k), s
+
+
+def _mx_operand(arr: mx.MXArray, k: int) -> tuple[jax.Array, jax.Array]:
+    if arr.elem == "e2m1":
+        return _e2m1_operand(arr.codes, k), arr.scales
+    dt = jnp.float8_e4m3fn if arr.elem == "e4m3" else jnp.float8_e5m2
+    return lax.bitcast_convert_type(arr.codes, dt), arr.scales
+
+
+def _scaled_matmul(x2: jax.Array, w: PackedWeight, act: PackedFormat) -> jax.Array:
+    k = w.k
+    if w.format.kind == "nvfp4":
+        xa = nvfp4.quantize(x2, rule=act.rule)  # our quantizer, Four Over Six included
+        (xq, xs), (wq, ws) = _nvfp4_operand(xa, k), _nvfp4_operand(w.array, k)
+        gx, gw = xa.global_scale, w.array.global_scale
+    else:
+        xa = mx.quantize(x2, elem=w.array.elem)
+        (xq, xs), (wq, ws) = _mx_operand(xa, k), _mx_operand(w.array, k)
+        gx = gw = None
+    out = jax.nn.scaled_matmul(xq[None], wq[None], xs[None], ws[None], preferred_element_type=jnp.float32)[0]
+    return out if gx is None else out * (gx * gw)
+
+
+def _fp8(x2: jax.Array, w: PackedWeight) -> jax.Array:
+    elem, target = PER_TENSOR["fp8"]
+    sx = _per_tensor_scale(x2, target)
+    xq = formats.get(elem).round(jnp.clip(x2.astype(jnp.float32) * (1.0 / sx), -target, target))
+    xq = xq.astype(jnp.float8_e4m3fn)  # exact: xq is an E4M3 value
+    out = lax.dot_general(xq, w.array.codes, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return out * (sx * w.array.scale)
+
+
+def _dequant(x2: jax.Array, w: PackedWeight, act: PackedFormat | None, weight_dtype: Any) -> jax.Array:
+    xq = x2 if act is None else fake_quantize(x2, act)
+    wd = w.dequantize(jnp.float32)
+    if weight_dtype is not None:
+        wd = wd.astype(weight_dtype)
+    return lax.dot_general(xq, wd.astype(x2.dtype), (((1,), (0,)), ((), ())))
+
+
+def packed_matmul(x2: jax.Array, w: PackedWeight, *, backend: str = "auto", activation: Any = None,
+                  weight_dtype: Any = None, device: Any = None, where: str = "") -> tuple[jax.Array, Plan]:
+    """``x2 [M, K] @ W' [K, N]`` on `backend`: (output, the :class:`Plan` that ran). The output is float32 from the
+    low-precision GEMMs and x2's dtype from "dequant" (where the weight is dequantized to float32, then, if given,
+    rounded to `weight_dtype` (the dtype a float kernel was stored in), then cast to x2's dtype, as a float layer
+    promotes it)."""
+    if not isinstance(w, PackedWeight):
+        raise TypeError(f"{where or 'w'}: expected a jaxlowfp.packed.PackedWeight; got {type(w).__name__}")
+    act = None if activation is None else as_format(activation, "activation")
+    if x2.ndim != 2 or x2.shape[1] != w.k:
+        raise ValueError(f"{where or 'packed_matmul'}: x must be [M, K] with K = {w.k} (the weight's W' "
+                         f"{w.shape}); got shape {tuple(x2.shape)}")
+    if act is not None and act.group is not None and w.k % act.group:
+        raise ValueError(f"{where or 'packed_matmul'}: activation format {act.name} has blocks of {act.group} along "
+                         f"K; K = {w.k} is not a multiple")
+    p = plan(w, act, backend, device=device, where=where)
+    if p.backend == "scaled_matmul":
+        return _scaled_matmul(x2, w, act), p
+    if p.backend == "fp8":
+        return _fp8(x2, w), p
+    return _dequant(x2, w, act, weight_dtype), p
+
+
+def packed_dot_general(
+    x: jax.Array,
+    w: PackedWeight,
+    dimension_numbers: Any,
+    *,
+    backend: str = "auto",
+    activation: Any = None,
+    preferred_element_type: Any = None,
+    weight_dtype: Any = None,
+    device: Any = None,
+    return_backend: bool = False,
+    where: str = "",
+) -> jax.Array | tuple[jax.Array, Plan]:
+    """``lax.dot_general(x, W', dimension_numbers)`` for a packed ``W' [K, N]``: one contracted axis of `x` with the
+    weight's axis 0, no batch axes (``(((a,), (0,)), ((), ()))``, an ``nnx.Linear``'s). The output has x's other axes
+    then N, in `preferred_element_type` (default x's dtype). `activation`: the format `x` is quantized to at run
+    time (its current amax), None for weights only. ``return_backend=True`` returns ``(out, Plan)``."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    lc, rc = tuple(lc), tuple(rc)
+    if len(lc) != 1 or rc != (0,) or tuple(lb) or tuple(rb):
+        raise ValueError(f"{where or 'packed_dot_general'}: a packed weight is the matrix W' [K, N] contracted on "
+                         f"its axis 0 with one axis of x and no batch axes; got dimension_numbers "
+                         f"{dimension_numbers!r}")
+    a = lc[0] % x.ndim
+    xt = x if a == x.ndim - 1 else jnp.moveaxis(x, a, -1)
+    lead = xt.shape[:-1]
+    out, p = packed_matmul(xt.reshape(-1, xt.shape[-1]), w, backend=backend, activation=activation,
+                           weight_dtype=weight_dtype, device=device, where=where)
+    out = out.reshape(*lead, w.n).astype(x.dtype if preferred_element_type is None else preferred_element_type)
+    return (out, p) if return_backend else out

@@ -1,0 +1,224 @@
+"""`pack(model, result)`: turn a PTQ'd model into one whose quantized layers hold packed low-precision arrays.
+
+Each quantized ``nnx.Linear`` is replaced, in place, by a :class:`PackedLinear` whose ``kernel`` is a
+`jaxlowfp.packed.PackedParam` (codes and scales of ``kernel.T``, `jaxlowfp.packed`) instead of the float kernel:
+the float kernel is dropped, not kept alongside, so the model's memory is the format's. Its forward is
+`jaxlowfp.backends.packed_dot_general` (backend "auto" by default: the device's low-precision GEMM where there is
+one, else dequantize + dot), with the activations quantized at run time exactly as the PTQ'd layer's `ActQuant`
+does. Module paths and state paths stay as they were (``blocks/0/mlp/up_proj/kernel``).
+
+Where the codes come from:
+  - NVFP4: ``result.packed`` (the arrays PTQ made, in its convention); nothing is requantized.
+  - the other formats (MXFP4, HiF8, IF4): the PTQ'd kernel holds dequantized values, which are packed again and
+    accepted only if they decode to the kernel bit for bit (the float32 scale PTQ used is not kept, so it is searched
+    among the few float32 neighbours of the one the kernel implies: HiF8's ``max|w| / 15``, IF4's tensor amax);
+    otherwise a clear error.
+Either way every packed layer is checked: its weights dequantize to the fake-quant model's kernel bit for bit.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import MutableMapping, MutableSequence, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxlowfp import backends, formats, packed
+from jaxlowfp.ptq.api import PTQResult
+from jaxlowfp.ptq.layers import quantizable_modules
+
+__all__ = ["PackedLinear", "PackReport", "pack", "packed_layers"]
+
+
+class PackedLinear(nnx.Module):
+    """An ``nnx.Linear`` whose kernel is a `jaxlowfp.packed.PackedParam` (``kernel.get_value()`` is the
+    `PackedWeight` of ``W' = kernel [in, out]``): ``y = packed_dot_general(x, W') + bias`` on `backend`, with the
+    input quantized to `activation` at run time (None: weights only). The compute dtype is the Linear's (`dtype`;
+    None: the input's); "dequant" rounds the float32 dequantized weight to `param_dtype` first, as the float kernel
+    was stored."""
+
+    def __init__(self, kernel: packed.PackedWeight, bias: nnx.Param | None, *, activation: packed.PackedFormat | None,
+                 backend: str = "auto", dtype: Any = None, param_dtype: Any = jnp.float32, path: str = "") -> None:
+        self.kernel = packed.PackedParam(kernel)
+        self.bias = bias
+        self.in_features, self.out_features = kernel.k, kernel.n
+        self.activation = activation
+        self.backend = backend
+        self.dtype = dtype
+        self.param_dtype = jnp.dtype(param_dtype)
+        self.path = path
+
+    def plan(self, device: Any = None) -> backends.Plan:
+        """The backend this layer runs on `device` (default JAX's first device)."""
+        return backends.plan(self.kernel.get_value(), self.activation, self.backend, device=device, where=self.path)
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        dtype = inputs.dtype if self.dtype is None else jnp.dtype(self.dtype)
+        x = inputs.astype(dtype)
+        y = backends.packed_dot_general(x, self.kernel.get_value(), (((x.ndim - 1,), (0,)), ((), ())),
+                                        backend=self.backend, activation=self.activation,
+                                        weight_dtype=self.param_dtype, where=self.path)
+        if self.bias is not None:
+            y = y + jnp.reshape(self.bias[...].astype(dtype), (1,) * (y.ndim - 1) + (-1,))
+        return y
+
+
+@dataclasses.dataclass(frozen=True)
+class PackReport:
+    """What `pack` did.
+
+    layers: (path, format name, backend, native) per packed layer (the backend each runs on the device it was
+      packed for; native: the device's own low-precision GEMM, not an emulation or a dequantize + dot)
+    params: quantized parameters packed
+    float_bytes: bytes of the float kernels removed
+    packed_bytes: bytes of the packed arrays that replace them (codes, block scales, global scales)
+    """
+
+    layers: tuple[tuple[str, str, str, bool], ...]
+    params: int
+    float_bytes: int
+    packed_bytes: int
+
+    @property
+    def bits_per_param(self) -> float:
+        """Bits per quantized parameter in memory, every scale included."""
+        return 8.0 * self.packed_bytes / self.params if self.params else 0.0
+
+
+def packed_layers(model: nnx.Module) -> dict[str, PackedLinear]:
+    """Every :class:`PackedLinear` of `model` by "/"-joined graph path."""
+    return {"/".join(map(str, p)): m for p, m in nnx.iter_graph(model) if isinstance(m, PackedLinear)}
+
+
+def _near(v: np.float32, ulps: int = 4) -> list[np.float32]:
+    """`v` and the float32 values up to `ulps` steps either side, nearest first."""
+    up, down, out = v, v, [v]
+    for _ in range(ulps):
+        up, down = np.nextafter(up, np.float32(np.inf)), np.nextafter(down, np.float32(0))
+        out += [up, down]
+    return out
+
+
+@jax.jit
+def _hif8_try(wt: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(HiF8 codes of wt / scale, whether ``HiF8(q) * scale == wt`` everywhere)."""
+    codes = formats.HIF8.encode(jnp.clip(wt * (1.0 / scale), -15.0, 15.0))
+    return codes, jnp.all(formats.HIF8.decode(codes, jnp.float32) * scale == wt)
+
+
+def _requantized(kernel: jax.Array, fmt: Any, where: str) -> packed.PackedWeight:
+    """The packed arrays that decode to a PTQ'd `kernel` [K, N] bit for bit (its values are already on the format's
+    grid; what is not kept is the float32 scale they were made with, so it is searched among its float32
+    neighbours: HiF8's s near ``max|w| / 15``, IF4's tensor amax near ``max|w|``; MXFP4's E8M0 scales come back
+    exactly)."""
+    w = jnp.asarray(kernel, jnp.float32)
+    top = np.float32(jnp.max(jnp.abs(w)))
+    if not np.isfinite(top) or top == 0:
+        raise ValueError(f"{where}: a {fmt.name} kernel with max |w| = {top} cannot be packed")
+    if fmt.kind == "hif8":
+        for s in _near(np.float32(top / np.float32(15.0))):
+            codes, ok = _hif8_try(w.T, jnp.float32(s))
+            if bool(ok):
+                arr = packed.ScaledArray(codes=codes, scale=jnp.float32(s), elem="hif8", dtype=jnp.dtype(jnp.float32),
+                                         shape=(w.shape[1], w.shape[0]))
+                return packed.PackedWeight(array=arr, s_enc=None, format=packed.PackedFormat(kind="hif8"),
+                                           k=int(w.shape[0]), n=int(w.shape[1]))
+    else:
+        for amax in _near(top) if fmt.kind == "if4" else [None]:
+            p = packed.pack(w, fmt, global_amax=amax, where=where)
+            if bool(jnp.all(p.dequantize(jnp.float32) == w)):
+                return p
+    raise ValueError(f"{where}: no {fmt.name} arrays near this kernel's scale reproduce it bit for bit (was the "
+                     f"model changed after ptq.quantize, or is this another model's result?)")
+
+
+def _weight(path: str, mod: nnx.Linear, result: PTQResult) -> packed.PackedWeight:
+    fmt = result.schemes[path].weight
+    kernel = mod.kernel[...]
+    if fmt.kind == "nvfp4":
+        if path not in result.packed:
+            raise ValueError(f"{path}: the PTQ result has no packed NVFP4 arrays for this layer")
+        arr, s_enc = result.packed[path]
+        w = packed.from_nvfp4(arr, s_enc, convention=result.convention)
+    else:
+        w = _requantized(kernel, fmt, path)
+    if w.shape != tuple(kernel.shape):
+        raise ValueError(f"{path}: packed arrays of W' {w.shape} do not fit the kernel {tuple(kernel.shape)}")
+    if not bool(jnp.all(w.dequantize(jnp.float32).astype(kernel.dtype) == kernel)):
+        raise ValueError(f"{path}: the {w.format.name} arrays do not decode to the model's kernel bit for bit (was "
+                         f"the model changed after ptq.quantize, or is this another model's result?); pack would "
+                         f"change what the model computes")
+    return w
+
+
+def _parents(model: nnx.Module) -> dict[int, tuple[Any, Any]]:
+    """id(child module) -> (parent, key) for every module reachable by attribute or list index."""
+    out: dict[int, tuple[Any, Any]] = {}
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module) or isinstance(node, (MutableSequence, MutableMapping)):
+            items = (enumerate(node) if isinstance(node, MutableSequence) else node.items()
+                     if isinstance(node, MutableMapping) else vars(node).items())
+            for key, child in items:
+                if isinstance(child, nnx.Module):
+                    out.setdefault(id(child), (node, key))
+    return out
+
+
+def pack(model: nnx.Module, result: PTQResult, *, backend: str = "auto", paths: Sequence[str] | None = None,
+         device: Any = None) -> PackReport:
+    """Replace the quantized ``nnx.Linear`` layers of a PTQ'd `model` by :class:`PackedLinear` layers holding packed
+    arrays, in place (module docstring).
+
+    Args:
+      model: the model `result` came from (``result = jaxlowfp.ptq.quantize(model, ...)``).
+      result: its `PTQResult`.
+      backend: "auto", "scaled_matmul", "fp8" or "dequant" (`jaxlowfp.backends`); an explicit one is checked for
+        every layer on `device` before anything changes.
+      paths: the layers to pack (default: every layer `result` quantized).
+      device: what `backend` is checked against and the report describes (default JAX's first device).
+
+    Returns a :class:`PackReport`. Every check runs before the model changes, so an error leaves it as it was.
+    """
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"model must be an nnx.Module; got {type(model).__name__}")
+    if not isinstance(result, PTQResult):
+        raise TypeError(f"result must be the PTQResult of jaxlowfp.ptq.quantize; got {type(result).__name__}")
+    todo = list(result.schemes) if paths is None else list(paths)
+    unknown = [p for p in todo if p not in result.schemes]
+    if unknown:
+        raise ValueError(f"paths {unknown[:4]} were not quantized by this PTQ result; it quantized "
+                         f"{list(result.schemes)[:6]}{' ...' if len(result.schemes) > 6 else ''}")
+    mods = quantizable_modules(model)
+    new: dict[str, PackedLinear] = {}
+    rows = []
+    float_bytes = packed_bytes = params = 0
+    for path in todo:
+        mod = mods.get(path)
+        if mod is None:
+            have = packed_layers(model)
+            raise ValueError(f"{path}: " + ("already packed" if path in have else "no such layer in this model"))
+        if type(mod) is not nnx.Linear:
+            raise ValueError(f"{path}: pack replaces nnx.Linear layers; this is a {type(mod).__name__} (keep it "
+                             f"fake-quantized: leave it out of `paths`)")
+        w = _weight(path, mod, result)
+        sch = result.schemes[path]
+        act = None if sch.activation is None else packed.as_format(sch.activation, f"{path} activation")
+        layer = PackedLinear(w, mod.bias, activation=act, backend=backend, dtype=mod.dtype,
+                             param_dtype=mod.kernel[...].dtype, path=path)
+        p = layer.plan(device)
+        rows.append((path, w.format.name, p.backend, p.native))
+        new[path] = layer
+        params += w.k * w.n
+        float_bytes += int(mod.kernel[...].nbytes)
+        packed_bytes += w.nbytes
+    parents = _parents(model)
+    for path, layer in new.items():
+        parent, key = parents[id(mods[path])]
+        if isinstance(parent, (MutableSequence, MutableMapping)):
+            parent[key] = layer
+        else:
+            setattr(parent, key, layer)
+    return PackReport(layers=tuple(rows), params=params, float_bytes=float_bytes, packed_bytes=packed_bytes)

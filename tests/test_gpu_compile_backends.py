@@ -1,0 +1,61 @@
+"""The packed-GEMM backends compile, deviceless, to the GPUs' low-precision GEMMs (scripts/compile_backends.py):
+NVFP4 (standard and Four Over Six activations, 1x16 and 16x16 weights) and MXFP8 W4A4 / W8A8 on sm_100a become
+cuDNN's block-scaled GEMM, FP8 W8A8 on sm_90a cuBLASLt's FP8 GEMM (or XLA's Triton GEMM on the float8 operands,
+its default without autotuning), with no float dot of dequantized values left; ``backend="auto"`` picks them on
+those devices.
+
+XLA's GPU compiler runs for real against its own description of a B200 and an H100 (one subprocess); no GPU and
+no cuDNN library are needed to emit the cuDNN call, so what this cannot show is cuDNN accepting the plan at load
+time and the numbers on the device: ``make gpu-check`` (scripts/gpu_check.py) does that on a GPU. Needs the
+gpu-compile extra, as tests/test_gpu_compile.py.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "compile_backends.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("compile_backends", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+cb = _script()
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return cb.run()
+
+
+BLOCK_SCALED = [n for n, c in cb.CASES.items() if c[0] == "sm_100 (B200)"]
+
+
+@pytest.mark.parametrize("name", BLOCK_SCALED)
+def test_block_scaled_products_become_cudnn_block_scaled_gemm_on_sm100(compiled, name):
+    r = compiled[name]
+    assert r["backend"] == "scaled_matmul" and r["native"]  # what auto picked on a B200
+    assert r["lowered_custom_calls"] == ["__op$block_scaled_dot"]
+    elem = "f8E4M3FN" if name.startswith("mxfp8") else "f4E2M1FN"
+    scale = "f8E8M0FNU" if name.startswith("mxfp8") else "f8E4M3FN"
+    types = r["lowered_operand_types"][0]
+    assert types.count(elem) >= 2 and scale in types, types  # the codes and the block scales, not floats
+    assert "__cudnn$blockScaledDot" in r["optimized_custom_calls"]
+    assert r["entry_dots"] == 0 and r["gemm_fusions"] == []  # no float GEMM of dequantized values
+
+
+def test_fp8_products_become_fp8_gemms_on_sm90(compiled):
+    lt = compiled["fp8 W8A8 (cuBLASLt: no Triton GEMM)"]
+    assert lt["backend"] == "fp8" and lt["native"]
+    assert "__cublas$lt$matmul$f8" in lt["optimized_custom_calls"] and lt["entry_dots"] == 0
+    default = compiled["fp8 W8A8 (XLA's default GEMM)"]
+    assert default["gemm_fusions"] and default["fused_dot_float8"] and default["entry_dots"] == 0
+    assert not any("cublas" in t and "f8" not in t for t in default["optimized_custom_calls"])

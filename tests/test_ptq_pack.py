@@ -1,0 +1,146 @@
+"""`jaxlowfp.ptq.pack`: a PTQ'd model whose quantized layers hold packed arrays (no float kernel) computes the
+fake-quant model's log-probs; orbax saves and restores it bit for bit.
+
+The judge is the fake-quant model itself (``ptq.quantize``: float kernels holding the dequantized weights, the
+activations fake-quantized by its `ActQuant`), whose quantizers `tests/test_ptq.py` and friends check against
+ml_dtypes, en_dtypes, compressed-tensors and llm-compressor fixtures. The packed model computes the same quantized
+values with another arithmetic (the global scales factored out of the GEMM, another fusion of the dot), so
+log-probs agree within float32 rounding (measured: <= 2e-6 on the tiny Llama; bench/packed_memory.py).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+
+from jaxlowfp import packed, ptq
+from jaxlowfp.models.llama import Llama, preset
+from jaxlowfp.ptq.pack import _requantized, packed_layers
+
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 24)), jnp.int32)
+RULES = [ptq.Rule(path=r".*_proj", scheme=None)]
+
+
+def _model():
+    return Llama(preset("tiny", n_layers=1), rngs=nnx.Rngs(0))  # one block: the same layers, a quarter the compile
+
+
+def _ptq(name, **kw):
+    model = _model()
+    res = ptq.quantize(model, [ptq.Rule(path=r".*_proj", scheme=ptq.scheme(name))], progress=False, **kw)
+    return model, res
+
+
+@jax.jit
+def _logprobs(graph, state, tokens):
+    return jax.nn.log_softmax(nnx.merge(graph, state)(tokens), axis=-1)
+
+
+def _lp(model):
+    graph, state = nnx.split(model)
+    return _logprobs(graph, state, TOKENS)
+
+
+@pytest.fixture(scope="module")
+def w4a4():
+    """(fake-quant log-probs, packed model, pack report) for NVFP4 4/6 (mse) W4A4 on the scaled_matmul backend."""
+    model, res = _ptq("nvfp4-mse")
+    fake = _lp(model)
+    report = ptq.pack(model, res, backend="scaled_matmul")
+    return fake, model, report
+
+
+def test_packed_model_holds_packed_arrays_not_float_kernels(w4a4):
+    _, model, report = w4a4
+    layers = packed_layers(model)
+    assert len(layers) == 7 and set(layers) == {p for p, *_ in report.layers}
+    params = nnx.state(model, nnx.Param)
+    kernels = ["/".join(map(str, k[:-1])) for k, _ in nnx.to_flat_state(params) if k[-1] == "kernel"]
+    assert kernels == ["lm_head"]  # the float kernels of the quantized layers are gone
+    arrays = jax.tree.leaves(nnx.state(model, packed.PackedParam))
+    assert {str(a.dtype) for a in arrays} == {"uint8", "float8_e4m3fn", "float32"}
+    assert report.float_bytes == 4 * report.params
+    assert 4.5 <= report.bits_per_param < 4.52  # 4 + 8/16 bits, plus two float32 scalars per layer
+    assert report.packed_bytes == sum(a.nbytes for a in arrays)
+    assert all(b == "scaled_matmul" and not native for _, _, b, native in report.layers)  # CPU: emulated
+
+
+def test_packed_model_gives_the_fake_quant_log_probs(w4a4):
+    fake, model, _ = w4a4
+    lp = _lp(model)
+    assert float(jnp.max(jnp.abs(lp - fake))) < 1e-4
+
+
+def test_orbax_restores_the_packed_model_bit_for_bit(w4a4, tmp_path):
+    _, model, _ = w4a4
+    graph, state = nnx.split(model)
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / "packed", state)
+    ckpt.wait_until_finished()
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    restored = ckpt.restore(tmp_path / "packed", abstract)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.atleast_1d(a).view(np.uint8), np.atleast_1d(b).view(np.uint8))
+    np.testing.assert_array_equal(_logprobs(graph, restored, TOKENS), _logprobs(graph, state, TOKENS))
+    disk = sum(f.stat().st_size for f in (tmp_path / "packed").rglob("*") if f.is_file())
+    assert disk < 2 * sum(a.nbytes for a in jax.tree.leaves(state))
+
+
+class _MLP(nnx.Module):
+    def __init__(self, rngs):
+        self.up_proj = nnx.Linear(64, 128, rngs=rngs)
+        self.down_proj = nnx.Linear(128, 64, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down_proj(nnx.relu(self.up_proj(x)))
+
+
+@pytest.mark.parametrize("name,kw", [("hif8", {}), ("nvfp4-static_6", {"convention": "compressed-tensors"}),
+                                     ("mxfp4", {})])
+def test_other_formats_and_conventions(name, kw):
+    model = _MLP(nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (4, 64), jnp.float32)
+    res = ptq.quantize(model, [ptq.Rule(path=r".*_proj", scheme=ptq.scheme(name))], progress=False, **kw)
+    fake = model(x)
+    report = ptq.pack(model, res)  # auto: dequant on CPU
+    assert {b for _, _, b, _ in report.layers} == {"dequant"} and len(packed_layers(model)) == 2
+    np.testing.assert_allclose(model(x), fake, rtol=1e-5, atol=1e-5)
+    assert report.bits_per_param == pytest.approx({"hif8": 8.0, "mxfp4": 4.25}.get(name, 4.5), abs=0.01)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "if4-mse", "hif8"])
+def test_requantizing_a_ptq_kernel_is_lossless(fmt):
+    """The formats whose PTQ result keeps no codes: their packed arrays are found again from the dequantized
+    kernel (the float32 scale searched among its neighbours) and decode to it bit for bit."""
+    w = jax.random.normal(jax.random.key(0), (64, 32), jnp.float32) * 0.02
+    tf = ptq.TensorFormat(kind=fmt.split("-")[0], rule=fmt.split("-")[1] if "-" in fmt else None)
+    kernel = ptq.rtn_weight(w, tf).kernel
+    p = _requantized(kernel, packed.as_format(tf), "layer")
+    np.testing.assert_array_equal(p.dequantize(), kernel)
+    with pytest.raises(ValueError, match="bit for bit"):
+        _requantized(kernel.at[3, 5].multiply(1.01), packed.as_format(tf), "blocks/0/mlp/up_proj")
+
+
+def test_pack_refuses_bad_input_and_leaves_the_model_unchanged():
+    model, res = _ptq("hif8")
+    with pytest.raises(ValueError, match="HiF8 has no hardware GEMM"):
+        ptq.pack(model, res, backend="scaled_matmul")
+    assert packed_layers(model) == {}
+    with pytest.raises(ValueError, match="were not quantized"):
+        ptq.pack(model, res, paths=["lm_head"])
+    k = model.blocks[0].mlp.up_proj.kernel
+    before = k[...]
+    k.set_value(before.at[3, 5].multiply(1.01))  # off the HiF8 grid: no scale reproduces it
+    with pytest.raises(ValueError, match="blocks/0/mlp/up_proj"):
+        ptq.pack(model, res)
+    assert packed_layers(model) == {}
+    k.set_value(before)
+    ptq.pack(model, res, paths=["blocks/0/mlp/up_proj"])
+    with pytest.raises(ValueError, match="already packed"):
+        ptq.pack(model, res, paths=["blocks/0/mlp/up_proj"])
+    with pytest.raises(TypeError, match="PTQResult"):
+        ptq.pack(model, {})
