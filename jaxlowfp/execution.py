@@ -51,8 +51,9 @@ def quantized_ops(model: Any) -> list[QuantizedOp]:
         if not isinstance(node, nnx.Module):
             continue
         path = "/".join(map(str, parts))
-        candidates = [(path, node)] + [(path, v) for k, v in vars(node).items()
-                                       if k in ("dot_general", "einsum_op")]
+        candidates = [(path, node)] + [(f"{path}/{k[len('quant_'):]}" if k.startswith("quant_") else path, v)
+                                       for k, v in vars(node).items() if not isinstance(v, nnx.Module)
+                                       and (k in ("dot_general", "einsum_op") or k.startswith("quant_"))]
         for p, op in candidates:
             key = getattr(op, "op_key", None)
             if isinstance(key, str) and getattr(op, "recipe", None) is not None:

@@ -363,6 +363,11 @@ def ragged_dot(
 
     def estimate(spec, hist, amax, keep):
         """Per expert (vmapped) or shared estimate and new history; experts with keep False keep their history."""
+        if isinstance(getattr(spec.scaling, "amax", None), tuple):  # StaticScaling with one amax per expert
+            if len(spec.scaling.amax) != g:
+                raise ValueError(f"{where}: StaticScaling has {len(spec.scaling.amax)} calibrated amaxes for {g} "
+                                 f"experts")
+            return jnp.asarray(spec.scaling.amax, jnp.float32), hist
         if per_expert:
             est = jax.vmap(spec.scaling.amax_estimate)(hist, amax)
             new = jax.vmap(spec.scaling.update)(hist, amax)

@@ -353,11 +353,16 @@ class StaticScaling:
     (4.0, 0.2666666805744171)
     """
 
-    amax: float
+    amax: float | tuple[float, ...]
     target_max: float
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "amax", positive_finite(self.amax, "amax (the calibrated max |x|)"))
+        if isinstance(self.amax, (tuple, list)):  # one calibrated amax per expert (jaxlowfp.ops.ragged_dot)
+            object.__setattr__(self, "amax", tuple(positive_finite(a, f"amax[{i}] (the calibrated max |x| of "
+                                                                          f"expert {i})")
+                                                    for i, a in enumerate(self.amax)))
+        else:
+            object.__setattr__(self, "amax", positive_finite(self.amax, "amax (the calibrated max |x|)"))
         object.__setattr__(self, "target_max", positive_finite(self.target_max, "target_max"))
 
     @property

@@ -16,7 +16,8 @@ from flax import nnx
 
 from jaxlowfp import nvfp4
 from jaxlowfp._core.progress import progress_bar
-from jaxlowfp.ptq import calibrate, sequential, serving, smooth
+from jaxlowfp.ptq import calibrate, experts, sequential, serving, smooth
+from jaxlowfp.qnnx.rules import grouped_weights
 from jaxlowfp.ptq.layers import act_quant, default_hook, hook_name, is_act_quant, layout
 from jaxlowfp.ptq.formats import ACTIVATION_SCALES, Scheme, rtn_weight
 from jaxlowfp.ptq.gptq import GPTQ, gptq_weight
@@ -65,6 +66,7 @@ class PTQResult:
     peak_stats_bytes: the most bytes of calibration statistics (and, sequential, activations) held at once
     activation_scale: how the run-time activations get their amax ("static", "token", "tensor"; see `quantize`),
       None when no layer quantizes activations
+    experts:  {expert weight path: `jaxlowfp.ptq.experts.ExpertResult`} (tokens per expert, fallbacks, input amax)
     """
 
     report: QuantizeReport
@@ -80,6 +82,7 @@ class PTQResult:
     pipeline: str = "one-pass"
     peak_stats_bytes: int = 0
     activation_scale: str | None = None
+    experts: dict = dataclasses.field(default_factory=dict)
 
 
 def _batches(calibration: Any, batch_size: int, forward_is_default: bool) -> list[Any]:
@@ -154,6 +157,7 @@ def quantize(
     pipeline: str = "auto",
     propagate: str = "quantized",
     activation_scale: str = "auto",
+    min_expert_tokens: int = 1,
 ) -> PTQResult:
     """Post-training quantization of the layers that `rules` select, in place.
 
@@ -184,6 +188,8 @@ def quantize(
         (dynamic); "tensor": the whole input's, i.e. the batch's (the Four Over Six paper's setting: a score then
         depends on the other requests in its batch and on padding). "auto" (default): "static" with calibration
         data or `stats`, else "token". Recorded in `PTQResult.activation_scale`.
+      min_expert_tokens: mixtures of experts (`jaxlowfp.ptq.experts`): experts whose weight saw fewer calibration
+        tokens fall back to RTN weights and the layer's other experts' input amax, with a warning naming them.
 
     Afterwards each quantized layer is still the same module: its kernel holds the dequantized quantized weights,
     and, for W4A4 / W8A8 schemes, its ``dot_general`` is an `ActQuant` (an Einsum's ``einsum_op`` an
@@ -197,7 +203,17 @@ def quantize(
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
     targets, kept, unmatched, already, unused, total, done = _select(model, rules)
-    if not targets:
+    grouped, g_kept, g_unmatched, g_used = experts.targets(model, rules)
+    if grouped or g_kept:  # rules that decided an expert weight are used
+        unused = tuple(r for i, r in enumerate(rules) if r.path in unused and i not in g_used)
+        unused = tuple(r.path for r in unused)
+    kept, unmatched = [*kept, *g_kept], [*unmatched, *g_unmatched]
+    for mod, name, _ in grouped.values():
+        size = int(np.prod(getattr(mod, name).shape))
+        total, done = total + size, done + size
+    total += sum(int(np.prod(getattr(mod, n).shape)) for p, mod, n in grouped_weights(model)
+                 if p in g_unmatched or p in dict(g_kept))
+    if not targets and not grouped:
         names = list(calibrate.quantizable_modules(model))
         raise ValueError(f"no nnx.Linear layer matches a rule with a scheme (nor an nnx.LinearGeneral or "
                          f"nnx.Einsum; rules: {[r.path for r in rules]}); the model's layers: "
@@ -208,6 +224,30 @@ def quantize(
         raise ValueError(f"method {m.name!r} needs calibration data (a token array [n, seq] or batches)")
     serving.check_convention(convention, m.name, targets)
     act_scale = _activation_scale(activation_scale, calibration is not None or stats is not None)
+    expert_results: dict[str, experts.ExpertResult] = {}
+    op_keys: dict[str, str] = {}
+    if grouped:  # one calibration pass over the model as it is, before its linear layers change (ptq.experts)
+        if stats is not None and calibration is None:
+            raise ValueError(f"the expert weights {list(grouped)[:3]} are calibrated from `calibration` (stats from "
+                             f"ptq.collect cover linear layers only)")
+        eb = None if calibration is None else _batches(calibration, batch_size, forward is None)
+        expert_results = experts.quantize_experts(model, grouped, m, batches=eb,
+                                                  forward=forward or calibrate.default_forward,
+                                                  activation_scale=act_scale, min_tokens=min_expert_tokens)
+        for p, (mod, name, _) in grouped.items():
+            hook = getattr(mod, "quant_" + name)
+            if isinstance(hook, experts.RaggedActQuant):
+                op_keys[p] = hook.op_key
+        if not targets:
+            report = QuantizeReport(
+                quantized=tuple((p, g[2].name) for p, g in grouped.items()), kept=tuple(kept),
+                unmatched=tuple(unmatched), already_quantized=tuple(already), unused_rules=unused,
+                quantized_fraction=float(done / total) if total else 0.0,
+                op_keys=tuple((p, op_keys[p]) for p in grouped if p in op_keys))
+            return PTQResult(report=report, method=m.name, schemes={p: g[2] for p, g in grouped.items()},
+                             packed={}, act_amax={}, seconds=time.perf_counter() - t0, convention=convention,
+                             pipeline="one-pass" if calibration is not None else "none",
+                             activation_scale=act_scale, experts=expert_results)
     groups = serving.fused_groups(model, targets, fused)
 
     mods = {"/".join(map(str, p)): x for p, x in nnx.iter_graph(model) if isinstance(x, nnx.Module)}
@@ -234,7 +274,6 @@ def quantize(
     else:
         stats = {}
     packed: dict[str, tuple[nvfp4.NVFP4Array, jax.Array]] = {}
-    op_keys: dict[str, str] = {}
 
     def process(paths: list[str], st: dict[str, calibrate.LayerStats]) -> None:
         """Folds that reach `paths`, then their weights (fused groups: one amax after the folds)."""
@@ -278,15 +317,16 @@ def quantize(
         process(list(targets), stats)
 
     report = QuantizeReport(
-        quantized=tuple((p, s.name) for p, s in targets.items()),
+        quantized=tuple((p, s.name) for p, s in targets.items()) + tuple((p, g[2].name) for p, g in grouped.items()),
         kept=tuple(kept), unmatched=tuple(unmatched), already_quantized=tuple(already),
         unused_rules=unused,
         quantized_fraction=float(done / total) if total else 0.0,
-        op_keys=tuple((p, op_keys[p]) for p in targets if p in op_keys),
+        op_keys=tuple((p, op_keys[p]) for p in [*targets, *grouped] if p in op_keys),
     )
     return PTQResult(report=report, method=m.name, schemes=dict(targets), packed=packed, act_amax=act_amax,
                      folds=tuple(folds), skipped=tuple(skipped), seconds=time.perf_counter() - t0,
                      fused=tuple(groups), convention=convention, pipeline=pipe, peak_stats_bytes=peak,
+                     experts=expert_results,
                      activation_scale=act_scale if any(s.activation is not None for s in targets.values()) else None)
 
 

@@ -101,7 +101,8 @@ class TensorFormat:
         return hif8_fake_quantize(x)
 
 
-    def quant_spec(self, activation_scale: str = "tensor", amax: float | None = None) -> qat.QuantSpec:
+    def quant_spec(self, activation_scale: str = "tensor", amax: float | tuple[float, ...] | None = None
+                   ) -> qat.QuantSpec:
         """The `jaxlowfp.qat.QuantSpec` that quantizes a run-time activation in this format (the one op layer's
         description, `jaxlowfp.ops`): its amax per tensor ("tensor", the batch's), per token ("token") or the
         calibrated `amax` ("static"). MX formats have block scales only: every mode is the same quantizer."""
@@ -112,7 +113,8 @@ class TensorFormat:
             return qat.QuantSpec(format="mxfp4")
         target = HIF8_TARGET if self.kind == "hif8" else 6.0
         if activation_scale == "static":
-            scaling: Any = StaticScaling(amax=float(amax), target_max=target)
+            scaling: Any = StaticScaling(amax=tuple(map(float, amax)) if isinstance(amax, (tuple, list)) else
+                                         float(amax), target_max=target)
         else:
             scaling = CurrentScaling(target_max=target, granularity=activation_scale)
         if self.kind == "hif8":

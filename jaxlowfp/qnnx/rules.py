@@ -79,7 +79,7 @@ def iter_quant_ops(model: nnx.Module) -> Iterator[tuple[str, QuantOp]]:
             yield _join(parts), node
 
 
-def _grouped_weights(model: nnx.Module) -> list[tuple[str, nnx.Module, str]]:
+def grouped_weights(model: nnx.Module) -> list[tuple[str, nnx.Module, str]]:
     """(path, module, weight name) of every expert weight of the modules that declare grouped GEMMs: a module with
     a tuple ``grouped_weights`` of the names of its [E, K, N] ``nnx.Param`` s, which computes each product through
     the `QuantRaggedOp` it finds at ``quant_<name>`` when there is one (`jaxlowfp.models.moe.Experts`). The path
@@ -117,7 +117,7 @@ def quantize(model: nnx.Module, rules: Sequence[Rule], *, rngs: nnx.Rngs | None 
                         f"QuantLinear.from_linear, QuantEinsum.from_einsum or QuantLinearGeneral.from_linear_general")
 
     nodes = [(p, n) for p, n in nnx.iter_graph(model) if isinstance(n, (*_CONVERT, *_QUANTIZED))]
-    grouped = _grouped_weights(model)
+    grouped = grouped_weights(model)
     fresh_grouped = [g for g in grouped if not isinstance(getattr(g[1], GROUPED_PREFIX + g[2], None), QuantRaggedOp)]
     decided, unused = select(rules, [_join(p) for p, n in nodes if not isinstance(n, _QUANTIZED)]
                              + [g[0] for g in fresh_grouped])
