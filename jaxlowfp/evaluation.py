@@ -84,15 +84,85 @@ def _bucket(n: int) -> int:
     return max(64, 1 << (n - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _ll_sums(graphdef: nnx.GraphDef, state: nnx.State, inputs: jax.Array, targets: jax.Array,
-             weights: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per row: sum over ``weights`` of ``log softmax(model(inputs))[targets]`` (float32 [B]), and whether every
+def _sums(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per row: sum over ``weights`` of ``log softmax(logits)[targets]`` (float32 [B]), and whether every
     weighted target is the argmax of its logits (bool [B]; ties count as greedy only for the first maximum)."""
-    logits = nnx.merge(graphdef, state)(inputs)
     ll = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(logits, axis=-1)
     greedy = jnp.all((jnp.argmax(logits, axis=-1) == targets) | ~weights, axis=-1)
     return jnp.sum(jnp.where(weights, ll, 0.0), axis=-1), greedy
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _ll_sums(graphdef: nnx.GraphDef, state: nnx.State, inputs: jax.Array, targets: jax.Array,
+             weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`_sums` of ``model(inputs)``: the whole forward pass as one program (models without ``ptq_blocks()``)."""
+    return _sums(nnx.merge(graphdef, state)(inputs), targets, weights)
+
+
+# Block by block (models with ``ptq_blocks()``): one program for the embedding, one per distinct block structure
+# (shared by every block that has it), one for the head and the sums. A fake-quantized layer is thousands of HLO
+# ops (an NVFP4 Four Over Six quantizer: ~2,300, two per layer), and XLA's compilation memory grows with the size of
+# the program: the whole forward of SmolLM2 with every projection quantized as one program took more than 7.5 GB
+# to compile (bench/eval_memory.py); one block takes a thirtieth of that, and its program is compiled once.
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _embed(fn: Any, graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array) -> jax.Array:
+    return fn(nnx.merge(graphdef, state), tokens)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _block(fn: Any, graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array) -> jax.Array:
+    return fn(nnx.merge(graphdef, state), x)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _head_sums(fn: Any, graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, targets: jax.Array,
+               weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return _sums(fn(nnx.merge(graphdef, state), x), targets, weights)
+
+
+def _shared_graphdef(block: nnx.Module) -> Any:
+    """A key equal for blocks of the same structure: the block's graphdef with its quantized ops' ``path`` (a
+    static name, used in error messages only) blanked, so identical blocks share one compiled program."""
+    from jaxlowfp.qnnx.layer import QuantOp
+
+    ops = [m for _, m in nnx.iter_modules(block) if isinstance(m, QuantOp) and isinstance(getattr(m, "path", None),
+                                                                                            str)]
+    saved = [op.path for op in ops]
+    try:
+        for op in ops:
+            op.path = ""
+        return nnx.graphdef(block)
+    finally:
+        for op, p in zip(ops, saved):
+            op.path = p
+
+
+class _Forward:
+    """``(sums, greedy)`` of a batch: block by block for a model with ``ptq_blocks()``, else `_ll_sums`."""
+
+    def __init__(self, model: nnx.Module):
+        self.graphdef, self.state = nnx.split(model)
+        self.blocks = None
+        if callable(getattr(model, "ptq_blocks", None)):
+            from jaxlowfp.ptq.sequential import model_blocks
+
+            mods = {"/".join(map(str, p)): m for p, m in nnx.iter_modules(model)}
+            spec = model_blocks(model, mods)
+            if spec.head is not None:
+                first: dict[Any, nnx.GraphDef] = {}  # structure key -> the graphdef of its first block
+                self.blocks = []
+                for path, call in spec.blocks:
+                    g, s = nnx.split(mods[path])
+                    self.blocks.append((call, first.setdefault(_shared_graphdef(mods[path]), g), s))
+                self.embed, self.head = spec.embed, spec.head
+
+    def __call__(self, inputs: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+        if self.blocks is None:
+            return _ll_sums(self.graphdef, self.state, inputs, targets, weights)
+        x = _embed(self.embed, self.graphdef, self.state, inputs)
+        for call, g, s in self.blocks:
+            x = _block(call, g, s, x)
+        return _head_sums(self.head, self.graphdef, self.state, x, targets, weights)
 
 
 def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size: int = 8, progress: bool = False,
@@ -122,7 +192,7 @@ def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size
         if len(r.tokens) - 1 > max_len:
             raise ValueError(f"a request of {len(r.tokens) - 1} model inputs exceeds max_seq_len={max_len}")
     order = sorted(range(len(requests)), key=lambda i: -len(requests[i].tokens))
-    graphdef, state = nnx.split(model)
+    forward = _Forward(model)
     out = np.zeros(len(requests), np.float64)
     is_greedy = np.zeros(len(requests), bool)
     n_in = sum(len(r.tokens) - 1 for r in requests)
@@ -146,7 +216,7 @@ def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size
             n = len(t) - 1
             inputs[row, :n], targets[row, :n] = t[:-1], t[1:]
             weights[row, n - requests[i].n_pred: n] = True
-        sums, top = _ll_sums(graphdef, state, jnp.asarray(inputs), jnp.asarray(targets), jnp.asarray(weights))
+        sums, top = forward(jnp.asarray(inputs), jnp.asarray(targets), jnp.asarray(weights))
         out[idx] = np.asarray(sums)[: len(idx)]
         is_greedy[idx] = np.asarray(top)[: len(idx)]
         if bar is not None:
