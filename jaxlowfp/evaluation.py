@@ -143,18 +143,20 @@ class _Forward:
     def __init__(self, model: nnx.Module):
         self.graphdef, self.state = nnx.split(model)
         self.blocks = None
-        if callable(getattr(model, "ptq_blocks", None)):
-            from jaxlowfp.ptq.sequential import model_blocks
-
+        own = getattr(model, "ptq_blocks", None)
+        if callable(own):  # (embed, [(path, call)], head), the protocol `jaxlowfp.ptq.sequential` reads
+            embed, blocks, head = own()
             mods = {"/".join(map(str, p)): m for p, m in nnx.iter_modules(model)}
-            spec = model_blocks(model, mods)
-            if spec.head is not None:
-                first: dict[Any, nnx.GraphDef] = {}  # structure key -> the graphdef of its first block
-                self.blocks = []
-                for path, call in spec.blocks:
-                    g, s = nnx.split(mods[path])
-                    self.blocks.append((call, first.setdefault(_shared_graphdef(mods[path]), g), s))
-                self.embed, self.head = spec.embed, spec.head
+            bad = [p for p, _ in blocks if not isinstance(mods.get(p), nnx.Module)]
+            if bad or not callable(embed) or not callable(head):
+                raise TypeError(f"{type(model).__name__}.ptq_blocks() must give callables embed and head and the paths "
+                                f"of blocks; got embed={embed!r}, head={head!r}, no module at {bad[:3]}")
+            first: dict[Any, nnx.GraphDef] = {}  # structure key -> the graphdef of its first block
+            self.blocks = []
+            for path, call in blocks:
+                g, s = nnx.split(mods[path])
+                self.blocks.append((call, first.setdefault(_shared_graphdef(mods[path]), g), s))
+            self.embed, self.head = embed, head
 
     def __call__(self, inputs: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
         if self.blocks is None:
@@ -173,7 +175,10 @@ def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size
     Requests are sorted by length and batched with right padding (a causal model never looks right, so padding
     needs no attention mask) to a power of two >= 64, capped at ``max_seq_len``; every batch has ``batch_size``
     rows (fewer for long sequences when ``max_batch_tokens`` caps rows x padded length, the logits' memory), so the
-    forward pass compiles once per padded length. Stats: ``tokens`` (model inputs, padding
+    forward pass compiles once per padded length. A model with ``ptq_blocks()`` (`jaxlowfp.models.Llama`) runs
+    block by block, one compiled program per distinct block structure shared by the identical blocks (the
+    log-likelihoods are bitwise those of the whole forward pass as one program, whose size, and XLA's compilation
+    memory, grew with every fake-quantized layer). Stats: ``tokens`` (model inputs, padding
     excluded), ``scored`` tokens, ``seconds`` and ``tokens_per_s`` (inputs per wall second, compilation included).
     ``greedy=True`` returns ``(ll, is_greedy, stats)``: ``is_greedy`` (bool [n]) says whether greedy decoding
     would produce every scored token (lm-eval's ``is_greedy``: ``argmax logits[t-1] == tokens[t]`` for each).
