@@ -34,6 +34,12 @@ def test_the_private_qwix_api_the_provider_relies_on():
     assert callable(flax_util.get_current_module) and callable(flax_util.get_current_module_path)
     for name in ("jax.lax.dot_general", "jax.numpy.einsum"):
         assert interception.has_attribute(name)
+    # the jitted jnp contractions the provider intercepts by name, `@`'s among them (array_methods calls
+    # tensor_contractions.matmul by module attribute)
+    for name in RecipeProvider([]).get_intercept_map():
+        assert interception.has_attribute(name), name
+    import jax._src.numpy.array_methods as am
+    assert "tensor_contractions.matmul" in inspect.getsource(am._operator_matmul)
     fields = {f.name for f in qwix.QuantizationRule.__dataclass_fields__.values()}
     assert {"module_path", "op_names", "weight_qtype", "act_qtype", "tile_size"} <= fields
 
@@ -402,3 +408,25 @@ def _call_under(blk, x, recipe=HIF8):
     model = qwix.quantize_model(Wrap(blk), provider, x)
     assert provider.executed() == ()
     return model
+
+
+class _LinenOwnWeight(nn.Module):
+    form: str
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.normal(0.1), (32, 16))
+        return x @ w if self.form == "@" else jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())))
+
+
+def test_linen_x_at_own_weight_equals_dot_general():
+    x = jax.random.normal(jax.random.key(4), (4, 32))
+    outs = {}
+    for form in ("@", "dot_general"):
+        provider = RecipeProvider([RecipeRule(module_path=".*", recipe=HIF8)])
+        model = qwix.quantize_model(_LinenOwnWeight(form), provider)
+        v = model.init(jax.random.key(1), x)
+        v[qlinen.PHASE_COLLECTION] = jax.tree.map(lambda _: jnp.asarray(False), v[qlinen.PHASE_COLLECTION])
+        outs[form] = model.apply(v, x, mutable=[qlinen.AMAX_COLLECTION, qlinen.STATS_COLLECTION])[0]
+        assert provider.executed() == (("", "dot_general0", "hif8_w8a8"),)
+    np.testing.assert_array_equal(outs["@"], outs["dot_general"])
