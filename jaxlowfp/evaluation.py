@@ -35,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxlowfp.execution import check_executed
+from jaxlowfp._core.executed import executed, mark as mark_executed
+from jaxlowfp.execution import check_executed, quantized_ops
 from jaxlowfp._core.progress import progress_bar
 
 __all__ = [
@@ -85,15 +86,105 @@ def _bucket(n: int) -> int:
     return max(64, 1 << (n - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _ll_sums(graphdef: nnx.GraphDef, state: nnx.State, inputs: jax.Array, targets: jax.Array,
-             weights: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per row: sum over ``weights`` of ``log softmax(model(inputs))[targets]`` (float32 [B]), and whether every
+def _sums(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per row: sum over ``weights`` of ``log softmax(logits)[targets]`` (float32 [B]), and whether every
     weighted target is the argmax of its logits (bool [B]; ties count as greedy only for the first maximum)."""
-    logits = nnx.merge(graphdef, state)(inputs)
     ll = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(logits, axis=-1)
     greedy = jnp.all((jnp.argmax(logits, axis=-1) == targets) | ~weights, axis=-1)
     return jnp.sum(jnp.where(weights, ll, 0.0), axis=-1), greedy
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _ll_sums(graphdef: nnx.GraphDef, state: nnx.State, inputs: jax.Array, targets: jax.Array,
+             weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`_sums` of ``model(inputs)``: the whole forward pass as one program (models without ``ptq_blocks()``)."""
+    return _sums(nnx.merge(graphdef, state)(inputs), targets, weights)
+
+
+# Block by block (models with ``ptq_blocks()``): one program for the embedding, one per distinct block structure
+# (shared by every block that has it), one for the head and the sums. A fake-quantized layer is thousands of HLO
+# ops (an NVFP4 Four Over Six quantizer: ~2,300, two per layer), and XLA's compilation memory grows with the size of
+# the program: the whole forward of SmolLM2 with every projection quantized as one program took more than 7.5 GB
+# to compile (bench/eval_memory.py); one block takes a thirtieth of that, and its program is compiled once.
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _embed(fn: Any, graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array) -> jax.Array:
+    return fn(nnx.merge(graphdef, state), tokens)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _block(fn: Any, graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array) -> jax.Array:
+    return fn(nnx.merge(graphdef, state), x)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _head_sums(fn: Any, graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, targets: jax.Array,
+               weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return _sums(fn(nnx.merge(graphdef, state), x), targets, weights)
+
+
+def _shared_graphdef(block: nnx.Module) -> Any:
+    """A key equal for blocks of the same structure: the block's graphdef with its quantized ops' static names
+    blanked (a QuantOp's ``path`` and ``op_key``, a PTQ hook's ``path`` and ``op_key``: used in error messages and
+    the execution record only), so identical blocks share one compiled program."""
+    import dataclasses
+
+    from jaxlowfp.qnnx.layer import QuantOp
+
+    saved_ops, saved_hooks = [], []
+    for _, m in nnx.iter_modules(block):
+        if isinstance(m, QuantOp):
+            saved_ops.append((m, m.path, m.op_key))
+        for k, v in list(vars(m).items()):
+            if dataclasses.is_dataclass(v) and not isinstance(v, type) and isinstance(getattr(v, "op_key", None), str):
+                saved_hooks.append((m, k, v))
+    try:
+        for m, _, _ in saved_ops:
+            m.path, m.op_key = "", ""
+        for m, k, v in saved_hooks:
+            setattr(m, k, dataclasses.replace(v, path="", op_key=""))
+        return nnx.graphdef(block)
+    finally:
+        for m, p, k in saved_ops:
+            m.path, m.op_key = p, k
+        for m, k, v in saved_hooks:
+            setattr(m, k, v)
+
+
+class _Forward:
+    """``(sums, greedy)`` of a batch: block by block for a model with ``ptq_blocks()``, else `_ll_sums`."""
+
+    def __init__(self, model: nnx.Module):
+        self.graphdef, self.state = nnx.split(model)
+        self.blocks = None
+        own = getattr(model, "ptq_blocks", None)
+        if callable(own):  # (embed, [(path, call)], head), the protocol `jaxlowfp.ptq.sequential` reads
+            embed, blocks, head = own()
+            mods = {"/".join(map(str, p)): m for p, m in nnx.iter_modules(model)}
+            bad = [p for p, _ in blocks if not isinstance(mods.get(p), nnx.Module)]
+            if bad or not callable(embed) or not callable(head):
+                raise TypeError(f"{type(model).__name__}.ptq_blocks() must give callables embed and head and the paths "
+                                f"of blocks; got embed={embed!r}, head={head!r}, no module at {bad[:3]}")
+            first: dict[Any, tuple[nnx.GraphDef, list[str]]] = {}  # structure -> its first block's graphdef, op keys
+            self.blocks, self.shared_keys = [], []
+            for path, call in blocks:
+                g, s = nnx.split(mods[path])
+                keys = [op.op_key for op in quantized_ops(mods[path])]
+                g0, keys0 = first.setdefault(_shared_graphdef(mods[path]), (g, keys))
+                self.blocks.append((call, g0, s))
+                self.shared_keys.append((keys0, keys))  # ops traced under the first block's keys run these too
+            self.embed, self.head = embed, head
+
+    def __call__(self, inputs: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+        if self.blocks is None:
+            return _ll_sums(self.graphdef, self.state, inputs, targets, weights)
+        x = _embed(self.embed, self.graphdef, self.state, inputs)
+        for call, g, s in self.blocks:
+            x = _block(call, g, s, x)
+        for keys0, keys in self.shared_keys:  # a block run by a program traced for an identical block
+            if all(executed(k) for k in keys0):
+                for k in keys:
+                    mark_executed(k)
+        return _head_sums(self.head, self.graphdef, self.state, x, targets, weights)
 
 
 def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size: int = 8, progress: bool = False,
@@ -104,7 +195,10 @@ def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size
     Requests are sorted by length and batched with right padding (a causal model never looks right, so padding
     needs no attention mask) to a power of two >= 64, capped at ``max_seq_len``; every batch has ``batch_size``
     rows (fewer for long sequences when ``max_batch_tokens`` caps rows x padded length, the logits' memory), so the
-    forward pass compiles once per padded length. Stats: ``tokens`` (model inputs, padding
+    forward pass compiles once per padded length. A model with ``ptq_blocks()`` (`jaxlowfp.models.Llama`) runs
+    block by block, one compiled program per distinct block structure shared by the identical blocks (the
+    log-likelihoods are bitwise those of the whole forward pass as one program, whose size, and XLA's compilation
+    memory, grew with every fake-quantized layer). Stats: ``tokens`` (model inputs, padding
     excluded), ``scored`` tokens, ``seconds`` and ``tokens_per_s`` (inputs per wall second, compilation included).
     ``greedy=True`` returns ``(ll, is_greedy, stats)``: ``is_greedy`` (bool [n]) says whether greedy decoding
     would produce every scored token (lm-eval's ``is_greedy``: ``argmax logits[t-1] == tokens[t]`` for each).
@@ -123,7 +217,7 @@ def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size
         if len(r.tokens) - 1 > max_len:
             raise ValueError(f"a request of {len(r.tokens) - 1} model inputs exceeds max_seq_len={max_len}")
     order = sorted(range(len(requests)), key=lambda i: -len(requests[i].tokens))
-    graphdef, state = nnx.split(model)
+    forward = _Forward(model)
     out = np.zeros(len(requests), np.float64)
     is_greedy = np.zeros(len(requests), bool)
     n_in = sum(len(r.tokens) - 1 for r in requests)
@@ -147,7 +241,7 @@ def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size
             n = len(t) - 1
             inputs[row, :n], targets[row, :n] = t[:-1], t[1:]
             weights[row, n - requests[i].n_pred: n] = True
-        sums, top = _ll_sums(graphdef, state, jnp.asarray(inputs), jnp.asarray(targets), jnp.asarray(weights))
+        sums, top = forward(jnp.asarray(inputs), jnp.asarray(targets), jnp.asarray(weights))
         if idx is batches[0][0]:  # traced once: a layer reported quantized whose op never ran is named now
             check_executed(model)
         out[idx] = np.asarray(sums)[: len(idx)]

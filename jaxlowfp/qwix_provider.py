@@ -3,11 +3,20 @@
 Qwix (github.com/google/qwix) quantizes a Flax model by *interception*: while the model's method runs, calls to
 ``jax.lax.dot_general`` and ``jax.numpy.einsum`` are routed to a provider, which looks up the first rule whose
 ``module_path`` regex ``re.fullmatch``-es the calling module's path (and whose ``op_names`` contain the op, if
-given). This provider quantizes the matched op with a :class:`jaxlowfp.qat.Recipe` (HiF8, NVFP4 with every Four
+given). This provider also intercepts ``jax.numpy.matmul`` (and so ``x @ w``) and ``jax.numpy.dot``, looked up as
+``dot_general`` ops: JAX jit-compiles those functions and caches their traces, so the ``dot_general`` inside them
+reaches an interceptor only on a cache miss, and what it decided (quantize or not, with which module's state) would
+be replayed for every later call of the same shapes, whatever the rules say there. Intercepted before their jit,
+every call is looked up on its own: a rule's effect is a function of (module path, op name) and the rule order only.
+A contraction met inside another jitted function that a module calls (``jnp.inner``, ``jnp.vdot``, a user's
+``jax.jit`` helper) cannot be quantized reliably for the same reason: under a quantizing rule it is an error that
+names the module, the op and the jitted function. This provider quantizes the matched op with a :class:`jaxlowfp.qat.Recipe` (HiF8, NVFP4 with every Four
 Over Six rule, MX-style blocks via NVFP4, E4M3/E5M2 delayed scaling): the contraction runs through
 :func:`jaxlowfp.ops.dot_general`, so it is bit for bit the op :class:`jaxlowfp.qnnx.QuantLinear` runs on the
 same operands. Which operand is the weight is found as Qwix finds it (the one that is a parameter of the calling
-module); an op between two activations under a quantizing rule is an error (narrow the rule).
+module), or else the one that is a parameter of one of its submodules (``x @ self.qkv.kernel[...]``, a kernel read
+directly); an op between two activations under a quantizing rule is an error (narrow the rule).
+`RecipeProvider.executed` lists the ops that were traced quantized (module path, op id, recipe).
 
 State, as in jaxlowfp's own layers:
 
@@ -40,6 +49,9 @@ private API, so an upgrade fails loudly).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
+import os
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -60,7 +72,15 @@ from jaxlowfp.qnnx.layer import QuantOp
 __all__ = ["SUPPORTED_QWIX", "OP_NAMES", "RecipeRule", "RecipeProvider"]
 
 SUPPORTED_QWIX = ("0.1.8",)  # the Qwix releases this provider is tested with (pyproject: qwix>=0.1.8,<0.1.9)
-OP_NAMES = ("dot_general", "einsum")  # the ops this provider intercepts
+OP_NAMES = ("dot_general", "einsum")  # the op names of rules (jnp.matmul, jnp.dot and `@` are dot_general ops)
+# jnp functions that JAX jit-compiles and that call lax.dot_general inside: quantized as dot_general ops
+_MATMULS = ("matmul", "dot")
+# other jitted jnp contractions: a quantizing rule that meets one is an error (nothing is quantized inside them)
+_REFUSED = ("vdot", "inner", "matvec", "vecmat")
+_PJIT_FILE = os.path.join("jax", "_src", "pjit.py")  # frames of jax.jit's tracing (a cached trace)
+_TRACING_FILES = (_PJIT_FILE, os.path.join("jax", "_src", "interpreters"), os.path.join("jax", "_src", "linear_util"),
+                  os.path.join("jax", "_src", "api_util"), os.path.join("jax", "_src", "traceback_util"),
+                  os.path.join("jax", "_src", "profiler"))
 NNX_PREFIX = "jaxlowfp_"  # attribute name of an NNX op's QuantOp: jaxlowfp_dot_general0, jaxlowfp_einsum1, ...
 
 if qwix.__version__ not in SUPPORTED_QWIX:
@@ -144,6 +164,7 @@ class RecipeProvider(qwix.QuantizationProvider):
         self.carry = carry
         self.observe_only = observe_only
         self.rngs = rngs
+        self._executed: set[tuple[str, str, str]] = set()
         super().__init__(rules, disable_jit=disable_jit)
 
     def _init_rule(self, rule: qwix.QuantizationRule) -> RecipeRule:
@@ -154,8 +175,24 @@ class RecipeProvider(qwix.QuantizationProvider):
         return rule
 
     def get_intercept_map(self) -> dict[str, Callable[..., Any]]:
-        return super().get_intercept_map() | {"jax.lax.dot_general": self.dot_general,
-                                              "jax.numpy.einsum": self.einsum}
+        out = super().get_intercept_map() | {"jax.lax.dot_general": self.dot_general,
+                                             "jax.numpy.einsum": self.einsum}
+        # `x @ w` calls jax._src.numpy.tensor_contractions.matmul by module attribute: patch that name too (with
+        # disable_jit, Qwix patches the jitted function's code instead, which covers every alias at once)
+        where = ("jax.numpy",) if self.disable_jit else ("jax.numpy", "jax._src.numpy.tensor_contractions")
+        for name in _MATMULS:
+            for mod in where:
+                out[f"{mod}.{name}"] = functools.partial(self._matmul, name)
+        for name in _REFUSED:
+            for mod in where:
+                out[f"{mod}.{name}"] = functools.partial(self._refused, name)
+        return out
+
+    def executed(self) -> tuple[tuple[str, str, str], ...]:
+        """``(module path, op id, recipe name)`` of every op traced quantized so far (recorded when the op is traced,
+        so after the model's first call, e.g. ``qwix.quantize_model``'s), sorted. An op under a ``recipe=None``
+        rule or under no rule is not listed."""
+        return tuple(sorted(self._executed))
 
     def dot_general(self, lhs: Any, rhs: Any, dimension_numbers: Any, precision: Any = None,
                     preferred_element_type: Any = None, *, out_sharding: Any = None) -> jax.Array:
@@ -164,6 +201,7 @@ class RecipeProvider(qwix.QuantizationProvider):
         if rule is None or rule.recipe is None:
             return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                        preferred_element_type=preferred_element_type, out_sharding=out_sharding)
+        self._refuse_nested_jit(op_id)
         self._refuse_sharding(out_sharding, op_id)
         return self._quantized(rule, op_id, lhs, rhs, dimension_numbers, precision, preferred_element_type)
 
@@ -181,13 +219,63 @@ class RecipeProvider(qwix.QuantizationProvider):
         if len(operands) != 2:
             raise ValueError(f"{self._where(op_id)}: a quantized einsum takes two operands; {subscripts!r} has "
                              f"{len(operands)} (exclude this module or op with a RecipeRule(recipe=None))")
+        self._refuse_nested_jit(op_id)
         self._refuse_sharding(out_sharding, op_id)
         lhs, rhs = operands
         e = parse_einsum(subscripts, lhs, rhs)
         y = self._quantized(rule, op_id, lhs, rhs, e.dimension_numbers, precision, preferred_element_type)
         return y if e.out_perm == tuple(range(y.ndim)) else jnp.transpose(y, e.out_perm)
 
+    def _matmul(self, fn: str, a: Any, b: Any, *, precision: Any = None, preferred_element_type: Any = None,
+                out_sharding: Any = None) -> jax.Array:
+        """The intercepted ``jnp.matmul`` / ``jnp.dot`` (and ``a @ b``): a ``dot_general`` op contracting ``a``'s last
+        axis with ``b``'s first (``b`` 1-D or 2-D; jnp.dot: ``b``'s second-to-last), as JAX's own functions do."""
+        original = getattr(jnp, fn)  # the interceptor is off inside its own handler: this is JAX's function
+        kw = dict(precision=precision, preferred_element_type=preferred_element_type, out_sharding=out_sharding)
+        if min(jnp.ndim(a), jnp.ndim(b)) < 1:  # a product with a scalar: no contraction, nothing to quantize
+            return original(a, b, **kw)
+        rule, op_id = self._get_current_rule_and_op_id("dot_general")
+        if rule is None or rule.recipe is None:
+            return original(a, b, **kw)
+        self._refuse_nested_jit(op_id)
+        self._refuse_sharding(out_sharding, op_id)
+        nb = jnp.ndim(b)
+        if fn == "matmul" and nb > 2 and jnp.ndim(a) > 1:
+            raise ValueError(f"{self._where(op_id)}: jnp.matmul of shapes {tuple(jnp.shape(a))} and "
+                             f"{tuple(jnp.shape(b))} broadcasts batch axes, which the quantized matmul does not; "
+                             f"write it as jnp.einsum, or exclude this op with a RecipeRule(recipe=None)")
+        dn = (((jnp.ndim(a) - 1,), (max(nb - 2, 0),)), ((), ()))
+        return self._quantized(rule, op_id, a, b, dn, precision, preferred_element_type)
+
+    def _refused(self, fn: str, *args: Any, **kwargs: Any) -> jax.Array:
+        """The intercepted jitted jnp contractions the provider does not quantize: JAX's own function, or an error
+        under a quantizing rule (never a silently high-precision op)."""
+        rule, op_id = self._get_current_rule_and_op_id("dot_general")
+        if rule is not None and rule.recipe is not None:
+            raise ValueError(f"{self._where(op_id)}: jnp.{fn} under a quantizing rule ({rule.recipe.name}): the "
+                             f"provider quantizes jnp.einsum, jax.lax.dot_general, jnp.matmul / @ and jnp.dot; "
+                             f"write this contraction with one of them, or exclude it with a "
+                             f"RecipeRule(recipe=None) before this rule")
+        return getattr(jnp, fn)(*args, **kwargs)
+
     # -- internals --------------------------------------------------------------------------------------------
+
+    def _refuse_nested_jit(self, op_id: str) -> None:
+        """An error if the op runs inside a function that jax.jit traces between the calling module and here (a
+        cached trace: its quantization would be replayed for other modules and calls, and its state could not be
+        created at the module's trace level)."""
+        frame, inner = inspect.currentframe(), None
+        while frame is not None and not isinstance(frame.f_locals.get("self"), (nn.Module, nnx.Module)):
+            if frame.f_code.co_filename.endswith(_PJIT_FILE):
+                name = f"{inner.f_globals.get('__name__', '?')}.{inner.f_code.co_name}" if inner else "?"
+                raise ValueError(
+                    f"{self._where(op_id)}: this contraction runs inside {name}, a function jax.jit traces once "
+                    f"and caches: its quantization would be replayed for every other call of that function, so the "
+                    f"provider cannot quantize it. Write the contraction in the module (jnp.einsum, "
+                    f"jax.lax.dot_general, jnp.matmul / @), or exclude it with a RecipeRule(recipe=None)")
+            if not any(part in frame.f_code.co_filename for part in _TRACING_FILES):
+                inner = frame
+            frame = frame.f_back
 
     def _where(self, op_id: str | None) -> str:
         path = "/".join(map(str, flax_util.get_current_module_path()))
@@ -198,12 +286,17 @@ class RecipeProvider(qwix.QuantizationProvider):
             raise NotImplementedError(f"{self._where(op_id)}: out_sharding is not supported by the quantized matmul")
 
     def _weight_operand(self, lhs: Any, rhs: Any, op_id: str) -> int:
-        """0 or 1: which operand is a parameter of the calling module (Qwix's own test, ``find_param``)."""
+        """0 or 1: which operand is a parameter of the calling module (Qwix's own test, ``find_param``), else (NNX)
+        the one that is a parameter of one of its submodules, read directly (``x @ self.qkv.kernel[...]``)."""
         found = [flax_util.find_param(x) for x in (lhs, rhs)]
+        module = flax_util.get_current_module()
+        if found[0] is None and found[1] is None and isinstance(module, nnx.Module):
+            found = [_submodule_param(module, x) for x in (lhs, rhs)]
         if found[0] is None and found[1] is None:
             raise ValueError(
                 f"{self._where(op_id)}: a quantizing rule matched a contraction of two activations (shapes "
-                f"{tuple(lhs.shape)} and {tuple(rhs.shape)}; neither is a parameter of this module). A recipe "
+                f"{tuple(lhs.shape)} and {tuple(rhs.shape)}; neither is a parameter of this module or of its "
+                f"submodules). A recipe "
                 f"quantizes a weight and an activation: narrow module_path / op_names, or put a "
                 f"RecipeRule(recipe=None) for this module first")
         if found[0] is not None and found[1] is not None:
@@ -215,6 +308,7 @@ class RecipeProvider(qwix.QuantizationProvider):
                    preferred_element_type: Any) -> jax.Array:
         weight = self._weight_operand(lhs, rhs, op_id)
         module = flax_util.get_current_module()
+        self._executed.add(("/".join(map(str, flax_util.get_current_module_path())), op_id, rule.recipe.name))
         if isinstance(module, nn.Module):
             return contract_in(module, (op_id, op_id, op_id), rule.recipe, lhs, rhs, dn, weight=weight,
                                observe_only=self.observe_only, carry=self.carry, precision=precision,
@@ -238,6 +332,20 @@ class RecipeProvider(qwix.QuantizationProvider):
                              f"before by another provider or rule?)")
         return op.contract(lhs, rhs, dn, weight=weight, precision=precision,
                            preferred_element_type=preferred_element_type)
+
+
+def _submodule_param(module: nnx.Module, x: Any) -> str | None:
+    """The path of the `nnx.Param` of ``module``'s submodules whose value ``x`` is (the same array or tracer, or
+    one unary op of it such as ``astype``, as Qwix's ``find_param`` follows it); None if there is none. No shape
+    heuristics here: an activation of a parameter's shape is not a parameter."""
+    by_id = {id(node.get_raw_value()): "/".join(map(str, path)) for path, node in nnx.iter_graph(module)
+             if isinstance(node, nnx.Param) and len(path) > 1}
+    while x is not None:
+        if id(x) in by_id:
+            return by_id[id(x)]
+        parent = getattr(x, "parent", None) if isinstance(x, jax.core.Tracer) else None
+        x = parent.in_tracers[0] if parent is not None and len(parent.in_tracers) == 1 else None
+    return None
 
 
 def _normalize(dn: Any) -> Any:

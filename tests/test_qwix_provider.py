@@ -34,6 +34,12 @@ def test_the_private_qwix_api_the_provider_relies_on():
     assert callable(flax_util.get_current_module) and callable(flax_util.get_current_module_path)
     for name in ("jax.lax.dot_general", "jax.numpy.einsum"):
         assert interception.has_attribute(name)
+    # the jitted jnp contractions the provider intercepts by name, `@`'s among them (array_methods calls
+    # tensor_contractions.matmul by module attribute)
+    for name in RecipeProvider([]).get_intercept_map():
+        assert interception.has_attribute(name), name
+    import jax._src.numpy.array_methods as am
+    assert "tensor_contractions.matmul" in inspect.getsource(am._operator_matmul)
     fields = {f.name for f in qwix.QuantizationRule.__dataclass_fields__.values()}
     assert {"module_path", "op_names", "weight_qtype", "act_qtype", "tile_size"} <= fields
 
@@ -233,3 +239,194 @@ def test_the_readme_qwix_snippet_runs(capsys):
     exec(compile(found[0], "README.md (Qwix snippet)", "exec"), {})
     ops, loss = capsys.readouterr().out.strip().rsplit("] ", 1)
     assert ops == "['jaxlowfp_einsum0', 'out/jaxlowfp_dot_general0'" and np.isfinite(float(loss))
+
+
+# -- rule independence: a ViT-style model that reads its qkv kernel directly (`x @ self.qkv.kernel[...]`) --------
+
+class _ViTAttn(nnx.Module):
+    def __init__(self, d, rngs):
+        self.qkv = nnx.Linear(d, 3 * d, rngs=rngs)
+        self.proj = nnx.Linear(d, d, rngs=rngs)
+
+    def __call__(self, x):
+        q, k, v = jnp.split(x @ self.qkv.kernel[...] + self.qkv.bias[...][None, None], 3, axis=-1)
+        a = jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k) / 4.0, axis=-1)  # two activations
+        return self.proj(jnp.einsum("bqk,bkd->bqd", a, v))
+
+
+class _ViTMLP(nnx.Module):
+    def __init__(self, d, rngs):
+        self.fc1 = nnx.Linear(d, 2 * d, rngs=rngs)
+        self.w2 = nnx.Param(jax.random.normal(rngs.params(), (2 * d, d)) * 0.1)  # the module's own weight
+
+    def __call__(self, x):
+        return jax.nn.gelu(self.fc1(x)) @ self.w2[...]
+
+
+class _ViT(nnx.Module):
+    def __init__(self, rngs, d=16, depth=2):
+        self.blocks = nnx.List([nnx.Dict(attn=_ViTAttn(d, rngs), mlp=_ViTMLP(d, rngs)) for _ in range(depth)])
+
+    def __call__(self, x):
+        for b in self.blocks:
+            x = x + b["attn"](x)
+            x = x + b["mlp"](x)
+        return x
+
+
+# every contraction of _ViT: (module path, op id, op name); blocks 0 and 1 have the same shapes
+_VIT_OPS = [(f"blocks/{i}/{p}", op, name) for i in range(2) for p, op, name in (
+    ("attn", "dot_general0", "dot_general"), ("attn", "einsum0", "einsum"), ("attn", "einsum1", "einsum"),
+    ("attn/proj", "dot_general0", "dot_general"), ("mlp/fc1", "dot_general0", "dot_general"),
+    ("mlp", "dot_general0", "dot_general"))]
+
+
+def _expected(rules):
+    """The reference: each op's first matching rule (re.fullmatch of the path, op_names), nothing else."""
+    import re
+    out = set()
+    for path, op, name in _VIT_OPS:
+        rule = next((r for r in rules if re.fullmatch(r.module_path, path) and (not r.op_names or name in r.op_names)),
+                    None)
+        if rule is not None and rule.recipe is not None:
+            if name == "einsum":
+                return "two activations"
+            out.add((path, op, rule.recipe.name))
+    return tuple(sorted(out))
+
+
+def test_a_rules_effect_does_not_depend_on_the_other_rules():
+    """Issue 32: with Qwix's interception of lax.dot_general alone, `x @ w` reached the provider only when JAX's
+    trace cache of jnp.matmul missed, so a rule list's result depended on what ran before (an earlier list, or
+    block 0 for block 1). All lists here run in one process, over the same model: each one's executed ops equal
+    the first-match reference, for permutations, extensions, and overlapping rules."""
+    import itertools
+    x = jax.random.normal(jax.random.key(2), (2, 4, 16))
+    attn = RecipeRule(module_path=r"blocks/\d+/attn", op_names=("dot_general",), recipe=HIF8)
+    fc1 = RecipeRule(module_path=r"blocks/0/mlp/fc1", recipe=NVFP4)
+    keep1 = RecipeRule(module_path=r"blocks/1/.*", recipe=None)
+    nothing = RecipeRule(module_path=r"head", recipe=HIF8)
+    mlp1 = RecipeRule(module_path=r"blocks/1/mlp", recipe=HIF8)  # same shapes as blocks/0/mlp's `@`
+    broad = RecipeRule(module_path=r".*", op_names=("dot_general",), recipe=FP8)
+    attn_all = RecipeRule(module_path=r"blocks/\d+/attn", recipe=HIF8)  # meets the attention einsums
+    lists = [list(p) for p in itertools.permutations([attn, fc1, keep1])]
+    lists += [[attn], [mlp1], [fc1, mlp1], [keep1, mlp1], [mlp1, keep1], [fc1, attn], [nothing, attn], [attn, nothing, fc1, broad], [keep1, broad], [broad, keep1],
+              [attn_all], [attn_all, fc1], [fc1, attn_all], [RecipeRule(module_path="blocks/0/attn", recipe=None),
+                                                              keep1, attn_all]]
+    seen = set()
+    for rules in lists:
+        want = _expected(rules)
+        provider = RecipeProvider(rules)
+        if want == "two activations":
+            with pytest.raises(ValueError, match="two activations"):
+                qwix.quantize_model(_ViT(nnx.Rngs(0)), provider, x)
+            continue
+        model = qwix.quantize_model(_ViT(nnx.Rngs(0)), provider, x)
+        assert provider.executed() == want, [r.module_path for r in rules]
+        # the executed ops are the model's QuantOps, and each one observed its activation
+        assert sorted(p.rsplit("/jaxlowfp_", 1)[0] for p, _ in qnnx.iter_quant_ops(model)) == [p for p, _, _ in want]
+        stats = qnnx.collect_stats(model)
+        for path, op, _ in want:
+            assert stats[f"{path}/jaxlowfp_{op}/activation/amax"] > 0
+        seen.add(want)
+    assert len(seen) >= 5  # the lists really differ in what they quantize
+
+
+class _OwnWeight(nnx.Module):
+    """One contraction with the module's own parameter, written in one of the forms the provider intercepts."""
+
+    def __init__(self, form, rngs):
+        self.form = form
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (32, 16)) * 0.1)
+
+    def __call__(self, x):
+        w = self.w[...]
+        if self.form == "@":
+            return x @ w
+        if self.form == "matmul":
+            return jnp.matmul(x, w)
+        if self.form == "dot":
+            return jnp.dot(x, w)
+        if self.form == "einsum":
+            return jnp.einsum("btd,df->btf", x, w)
+        return jax.lax.dot_general(x, w, (((2,), (0,)), ((), ())))
+
+
+@pytest.mark.parametrize("jit_first_call", [False, True], ids=["eager", "jit"])
+def test_x_at_own_weight_is_quantized_like_einsum_and_dot_general(jit_first_call):
+    """`x @ self.w[...]` (and jnp.matmul, jnp.dot) crashed with Flax's TraceContextError: the provider created the
+    op's state inside jnp.matmul's own jit trace. Now each form is one dot_general op, bit for bit the einsum and
+    lax.dot_general forms of the same module."""
+    x = jax.random.normal(jax.random.key(3), (2, 3, 32))
+    outs = {}
+    for form in ("@", "matmul", "dot", "einsum", "dot_general"):
+        provider = RecipeProvider([RecipeRule(module_path="", recipe=HIF8)])
+        quantize = _quantize_model if jit_first_call else qwix.quantize_model
+        model = quantize(_OwnWeight(form, nnx.Rngs(0)), provider, x)
+        op = "einsum0" if form == "einsum" else "dot_general0"
+        assert provider.executed() == (("", op, "hif8_w8a8"),), form
+        outs[form] = nnx.jit(lambda m, x: m(x))(model, x)
+        assert outs[form].shape == (2, 3, 16)
+    for form, y in outs.items():
+        np.testing.assert_array_equal(y, outs["dot_general"], err_msg=form)
+    assert not np.array_equal(outs["@"], x @ _OwnWeight("@", nnx.Rngs(0)).w[...])  # quantized, not plain
+
+
+def test_contractions_inside_other_jitted_functions_are_errors_under_a_quantizing_rule():
+    """jnp.inner (jit-compiled by JAX) and a user's jax.jit helper: their traces are cached, so quantizing the
+    dot_general inside would depend on what ran first. Under a quantizing rule: an error naming the module, the
+    op and the function; under recipe=None: JAX's own op."""
+    helper = jax.jit(lambda x, w: jax.lax.dot_general(x, w, (((1,), (0,)), ((), ()))))
+
+    class Inner(nnx.Module):
+        def __init__(self, how, rngs):
+            self.how = how
+            self.w = nnx.Param(jax.random.normal(rngs.params(), (16, 16)))
+
+        def __call__(self, x):
+            return jnp.inner(x, self.w[...]) if self.how == "inner" else helper(x, self.w[...])
+
+    x = jnp.ones((2, 16))
+    with pytest.raises(ValueError, match=r"blk:dot_general0: jnp.inner under a quantizing rule"):
+        _call_under(Inner("inner", nnx.Rngs(0)), x)
+    with pytest.raises(ValueError, match=r"blk:dot_general0: this contraction runs inside .*<lambda>.*jax.jit"):
+        _call_under(Inner("helper", nnx.Rngs(0)), x)
+    for how in ("inner", "helper"):  # high precision where the rule says so
+        model = _call_under(Inner(how, nnx.Rngs(0)), x, recipe=None)
+        np.testing.assert_array_equal(model(x), model.blk(x))
+
+
+def _call_under(blk, x, recipe=HIF8):
+    class Wrap(nnx.Module):
+        def __init__(self, blk):
+            self.blk = blk
+
+        def __call__(self, x):
+            return self.blk(x)
+
+    provider = RecipeProvider([RecipeRule(module_path="blk", recipe=recipe)])
+    model = qwix.quantize_model(Wrap(blk), provider, x)
+    assert provider.executed() == ()
+    return model
+
+
+class _LinenOwnWeight(nn.Module):
+    form: str
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.normal(0.1), (32, 16))
+        return x @ w if self.form == "@" else jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())))
+
+
+def test_linen_x_at_own_weight_equals_dot_general():
+    x = jax.random.normal(jax.random.key(4), (4, 32))
+    outs = {}
+    for form in ("@", "dot_general"):
+        provider = RecipeProvider([RecipeRule(module_path=".*", recipe=HIF8)])
+        model = qwix.quantize_model(_LinenOwnWeight(form), provider)
+        v = model.init(jax.random.key(1), x)
+        v[qlinen.PHASE_COLLECTION] = jax.tree.map(lambda _: jnp.asarray(False), v[qlinen.PHASE_COLLECTION])
+        outs[form] = model.apply(v, x, mutable=[qlinen.AMAX_COLLECTION, qlinen.STATS_COLLECTION])[0]
+        assert provider.executed() == (("", "dot_general0", "hif8_w8a8"),)
+    np.testing.assert_array_equal(outs["@"], outs["dot_general"])
