@@ -33,8 +33,7 @@ Model arguments (``--model_args k=v,...``; `ARGUMENTS` lists them):
   act_scale        where quantized activations get their amax: ``token`` (each token's own, dynamic), ``static``
                    (``ptq`` with calibration: each layer's calibrated input amax, what the export writes and vLLM
                    applies), ``tensor`` (the whole batch's: scores then depend on the other requests of a batch and
-                   on padding), ``auto`` (default: static for calibrated PTQ, else token); recorded in
-                   ``quantization``
+                   on padding), ``auto`` (default: token); recorded in ``quantization``
   ptq              post-training quantization (`jaxlowfp.ptq.quantize`): ``none``, ``rtn``, ``gptq``,
                    ``smoothquant``, ``awq``, to ``ptq_scheme`` (default ``nvfp4-mse``; ``weights_only=true`` for
                    W4A16) of the layers matching ``ptq_layers``; all but RTN calibrate on ``calibration`` (a UTF-8

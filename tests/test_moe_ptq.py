@@ -24,7 +24,7 @@ def rtn():
     model, _ = load(FIX / "qwen3_moe")
     ref = {p: np.asarray(getattr(m, n)[...]) for p, m, n in ptq.experts.grouped_weights(model)}
     res = ptq.quantize(model, [ptq.Rule(path=EXPERTS, scheme=ptq.scheme("nvfp4-mse"))], method="rtn",
-                       calibration=_calib())
+                       calibration=_calib(), activation_scale="static")
     return model, res, ref
 
 
@@ -61,7 +61,7 @@ def test_an_expert_no_token_reaches_falls_back_with_a_warning():
     calib = np.full((2, 8), 7, np.int32)
     with pytest.warns(RuntimeWarning, match=r"experts \[.*\] saw fewer than 1 calibration token"):
         res = ptq.quantize(model, [ptq.Rule(path=EXPERTS, scheme=ptq.scheme("nvfp4-mse"))], method="gptq",
-                           calibration=calib)
+                           calibration=calib, activation_scale="static")
     fallbacks = {p: r.fallback for p, r in res.experts.items()}
     assert any(fallbacks.values())
     for path, r in res.experts.items():

@@ -186,8 +186,9 @@ def quantize(
       activation_scale: W4A4 / W8A8: where a layer's run-time input amax comes from. "static": the calibrated max
         |input| (what `export` writes as ``input_global_scale`` and vLLM applies); "token": each token's own amax
         (dynamic); "tensor": the whole input's, i.e. the batch's (the Four Over Six paper's setting: a score then
-        depends on the other requests in its batch and on padding). "auto" (default): "static" with calibration
-        data or `stats`, else "token". Recorded in `PTQResult.activation_scale`.
+        depends on the other requests in its batch and on padding). "auto" (default): "token". Recorded in
+        `PTQResult.activation_scale`. A static amax is compiled into its layer's program, so identical blocks no
+        longer share one compiled program (each block compiles its own: slower to compile, same to run).
       min_expert_tokens: mixtures of experts (`jaxlowfp.ptq.experts`): experts whose weight saw fewer calibration
         tokens fall back to RTN weights and the layer's other experts' input amax, with a warning naming them.
 
@@ -340,7 +341,7 @@ def _activation_scale(activation_scale: str, calibrated: bool) -> str:
         raise ValueError("activation_scale='static' takes each layer's calibrated input amax: pass calibration "
                          "data (or stats), or use activation_scale='token' (dynamic, per token)")
     if activation_scale == "auto":
-        return "static" if calibrated else "token"
+        return "token"
     return activation_scale
 
 
