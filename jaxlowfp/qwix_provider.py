@@ -67,12 +67,13 @@ from jaxlowfp import qat
 from jaxlowfp._core.checks import one_of
 from jaxlowfp.ops import contraction_sizes, parse_einsum
 from jaxlowfp.qlinen import CARRIES, contract_in
-from jaxlowfp.qnnx.layer import QuantOp
+from jaxlowfp.qnnx.layer import QuantOp, QuantRaggedOp
 
 __all__ = ["SUPPORTED_QWIX", "OP_NAMES", "RecipeRule", "RecipeProvider"]
 
 SUPPORTED_QWIX = ("0.1.8",)  # the Qwix releases this provider is tested with (pyproject: qwix>=0.1.8,<0.1.9)
-OP_NAMES = ("dot_general", "einsum")  # the op names of rules (jnp.matmul, jnp.dot and `@` are dot_general ops)
+# the op names of rules (jnp.matmul, jnp.dot and `@` are dot_general ops; ragged_dot: the grouped GEMM of MoE layers)
+OP_NAMES = ("dot_general", "einsum", "ragged_dot")
 # jnp functions that JAX jit-compiles and that call lax.dot_general inside: quantized as dot_general ops
 _MATMULS = ("matmul", "dot")
 # other jitted jnp contractions: a quantizing rule that meets one is an error (nothing is quantized inside them)
@@ -176,7 +177,8 @@ class RecipeProvider(qwix.QuantizationProvider):
 
     def get_intercept_map(self) -> dict[str, Callable[..., Any]]:
         out = super().get_intercept_map() | {"jax.lax.dot_general": self.dot_general,
-                                             "jax.numpy.einsum": self.einsum}
+                                             "jax.numpy.einsum": self.einsum,
+                                             "jax.lax.ragged_dot": self.ragged_dot}
         # `x @ w` calls jax._src.numpy.tensor_contractions.matmul by module attribute: patch that name too (with
         # disable_jit, Qwix patches the jitted function's code instead, which covers every alias at once)
         where = ("jax.numpy",) if self.disable_jit else ("jax.numpy", "jax._src.numpy.tensor_contractions")
@@ -225,6 +227,44 @@ class RecipeProvider(qwix.QuantizationProvider):
         e = parse_einsum(subscripts, lhs, rhs)
         y = self._quantized(rule, op_id, lhs, rhs, e.dimension_numbers, precision, preferred_element_type)
         return y if e.out_perm == tuple(range(y.ndim)) else jnp.transpose(y, e.out_perm)
+
+    def ragged_dot(self, lhs: Any, rhs: Any, group_sizes: Any, precision: Any = None,
+                   preferred_element_type: Any = None, **kwargs: Any) -> jax.Array:
+        """The intercepted ``jax.lax.ragged_dot`` (the grouped GEMM of mixture-of-experts layers, MaxText's): under a
+        quantizing rule, `jaxlowfp.ops.ragged_dot` with the expert weight ``rhs`` [G, K, N] (a parameter of the
+        calling module) and its per-expert state in a `jaxlowfp.qnnx.QuantRaggedOp` child (NNX only)."""
+        rule, op_id = self._get_current_rule_and_op_id("ragged_dot")
+        if rule is None or rule.recipe is None:
+            return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision,
+                                      preferred_element_type=preferred_element_type, **kwargs)
+        if kwargs:
+            raise TypeError(f"{self._where(op_id)}: ragged_dot arguments {sorted(kwargs)} are not supported by the "
+                            f"quantized grouped GEMM")
+        self._refuse_nested_jit(op_id)
+        module = flax_util.get_current_module()
+        if isinstance(module, nn.Module) or self.carry != "mutable":
+            raise NotImplementedError(f"{self._where(op_id)}: the quantized ragged_dot keeps per-expert state in an "
+                                      f"NNX QuantRaggedOp; Linen modules (and carry={self.carry!r}) are not "
+                                      f"supported: exclude this op (RecipeRule(op_names=('dot_general', 'einsum')))")
+        if flax_util.find_param(rhs) is None:
+            raise ValueError(f"{self._where(op_id)}: a quantizing rule matched a ragged_dot whose rhs (shape "
+                             f"{tuple(jnp.shape(rhs))}) is not a parameter of this module; the provider quantizes "
+                             f"the grouped GEMM of routed activations with an expert weight [G, K, N]")
+        self._executed.add(("/".join(map(str, flax_util.get_current_module_path())), op_id, rule.recipe.name))
+        name = NNX_PREFIX + op_id
+        op = getattr(module, name, None)
+        if op is None:
+            g, k, n = (int(d) for d in jnp.shape(rhs))
+            path = "/".join(map(str, flax_util.get_current_module_path()))
+            op = QuantRaggedOp(rule.recipe, n_experts=g, k=k, m=n, dtype=jnp.result_type(lhs),
+                               observe_only=self.observe_only, path=f"{path}/{name}" if path else name,
+                               rngs=self.rngs)
+            setattr(module, name, op)
+        elif not isinstance(op, QuantRaggedOp) or op.recipe != rule.recipe:
+            raise ValueError(f"{self._where(op_id)}: the module's {name!r} holds {getattr(op, 'recipe', op)!r}, "
+                             f"not this rule's recipe {rule.recipe.name!r}")
+        return op.ragged_dot(lhs, rhs, group_sizes, precision=precision,
+                             preferred_element_type=preferred_element_type)
 
     def _matmul(self, fn: str, a: Any, b: Any, *, precision: Any = None, preferred_element_type: Any = None,
                 out_sharding: Any = None) -> jax.Array:

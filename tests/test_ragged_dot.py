@@ -202,3 +202,29 @@ def test_qnnx_quantizes_expert_weights_and_training_keeps_empty_experts():
     np.testing.assert_allclose(float(hist.history[0, 1]), row_amax[:5].max(), rtol=1e-6)  # the larger microbatch
     np.testing.assert_array_equal(np.asarray(hist.history[1]), 0.0)
     assert np.isfinite(float(metrics["loss"]))
+
+
+def test_qwix_provider_intercepts_ragged_dot():
+    """A module that calls jax.lax.ragged_dot itself (as MaxText's MoE layers do), quantized by interception: the
+    same output as the op layer's ragged_dot on the same operands, per-expert state in a QuantRaggedOp child."""
+    import qwix
+
+    from jaxlowfp import qnnx, qwix_provider
+
+    class Grouped(nnx.Module):
+        def __init__(self, rngs):
+            self.w = nnx.Param(nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))(
+                rngs.params(), (G, K, N)))
+
+        def __call__(self, x, sizes):
+            return jax.lax.ragged_dot(x, self.w[...], sizes)
+
+    x, _ = _operands(6)
+    sizes = jnp.asarray(SIZES, jnp.int32)
+    recipe = RECIPES["nvfp4"]
+    provider = qwix_provider.RecipeProvider([qwix_provider.RecipeRule(module_path=".*", recipe=recipe)])
+    model = qwix.quantize_model(Grouped(nnx.Rngs(0)), provider, x, sizes)
+    op = model.jaxlowfp_ragged_dot0
+    assert isinstance(op, qnnx.QuantRaggedOp) and provider.executed() == (("", "ragged_dot0", recipe.name),)
+    want = ops.ragged_dot(x, model.w[...], sizes, recipe=recipe)[0]
+    np.testing.assert_array_equal(np.asarray(model(x, sizes)), np.asarray(want))
