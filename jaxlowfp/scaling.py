@@ -299,8 +299,38 @@ class DelayedScaling:
         return _te_multiplier(amax_est, self.target_max)
 
 
+class _OneSlot:
+    """What current and static scaling share: a one-slot state (the last finite amax, the step and non-finite
+    counts, so the telemetry and :func:`merge` of :class:`DelayedScaling` apply) and ``scale = est / target_max``."""
+
+    target_max: float
+
+    @property
+    def history_len(self) -> int:
+        return 1
+
+    def init(self) -> AmaxHistory:
+        return _init_state(1)
+
+    def _estimate(self, x_amax: jax.Array) -> jax.Array:
+        raise NotImplementedError
+
+    def amax_estimate(self, state: AmaxHistory, x_amax: Any) -> jax.Array:
+        _check_state(state, 1, type(self).__name__)
+        return self._estimate(_as_amax(x_amax))
+
+    def update(self, state: AmaxHistory, x_amax: Any) -> AmaxHistory:
+        a = _as_amax(x_amax)
+        _check_state(state, 1, type(self).__name__)
+        return _record(state, a, self._estimate(a), 0.0)
+
+    def scale(self, amax_est: Any) -> jax.Array:
+        """Dequant multiplier ``amax_est / target_max`` (IEEE division); 1 when the estimate is 0, NaN or Inf."""
+        return _guarded_scale(amax_est, self.target_max)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CurrentScaling:
+class CurrentScaling(_OneSlot):
     """Current (just-in-time) scaling: the estimate is the amax of the tensor being quantized.
 
     The state keeps the last finite amax (``history_len`` 1), the step count and the non-finite count, so the
@@ -319,34 +349,18 @@ class CurrentScaling:
         object.__setattr__(self, "target_max", positive_finite(self.target_max, "target_max"))
         one_of(self.granularity, GRANULARITIES, "granularity")
 
-    @property
-    def history_len(self) -> int:
-        return 1
-
-    def init(self) -> AmaxHistory:
-        return _init_state(1)
-
-    def amax_estimate(self, state: AmaxHistory, x_amax: Any) -> jax.Array:
+    def _estimate(self, x_amax: jax.Array) -> jax.Array:
         """`x_amax` itself (as float32)."""
-        _check_state(state, 1, "CurrentScaling")
-        return _as_amax(x_amax)
-
-    def update(self, state: AmaxHistory, x_amax: Any) -> AmaxHistory:
-        a = _as_amax(x_amax)
-        _check_state(state, 1, "CurrentScaling")
-        return _record(state, a, a, 0.0)
-
-    def scale(self, amax_est: Any) -> jax.Array:
-        """Dequant multiplier ``amax_est / target_max`` (IEEE division); 1 when the estimate is 0, NaN or Inf."""
-        return _guarded_scale(amax_est, self.target_max)
+        return x_amax
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class StaticScaling:
+class StaticScaling(_OneSlot):
     """A fixed, calibrated amax: ``est = amax`` at every step, whatever the tensor holds (values beyond it are
     clipped). What a serving engine applies to activations with a calibrated input scale (vLLM's static
     ``input_global_scale`` for NVFP4, ``input_scale`` for FP8), so a quantized result never depends on the other
-    requests of a batch. The state is :class:`CurrentScaling`'s (the last finite amax seen, telemetry only).
+    requests of a batch. The state is :class:`CurrentScaling`'s (the last finite amax seen, telemetry only). A
+    tuple `amax` holds one per expert, for the grouped GEMM `jaxlowfp.ops.ragged_dot` only.
 
     >>> s = StaticScaling(amax=4.0, target_max=15.0)
     >>> float(s.amax_estimate(s.init(), 9.0)), float(s.scale(s.amax_estimate(s.init(), 9.0)))
@@ -365,27 +379,12 @@ class StaticScaling:
             object.__setattr__(self, "amax", positive_finite(self.amax, "amax (the calibrated max |x|)"))
         object.__setattr__(self, "target_max", positive_finite(self.target_max, "target_max"))
 
-    @property
-    def history_len(self) -> int:
-        return 1
-
-    def init(self) -> AmaxHistory:
-        return _init_state(1)
-
-    def amax_estimate(self, state: AmaxHistory, x_amax: Any) -> jax.Array:
+    def _estimate(self, x_amax: jax.Array) -> jax.Array:
         """The calibrated `amax` (float32), for any `x_amax`."""
-        _check_state(state, 1, "StaticScaling")
-        _as_amax(x_amax)
+        if isinstance(self.amax, tuple):
+            raise ValueError(f"StaticScaling with one amax per expert ({len(self.amax)}) applies to the grouped GEMM "
+                             f"jaxlowfp.ops.ragged_dot only; give one float for a tensor")
         return jnp.float32(self.amax)
-
-    def update(self, state: AmaxHistory, x_amax: Any) -> AmaxHistory:
-        a = _as_amax(x_amax)
-        _check_state(state, 1, "StaticScaling")
-        return _record(state, a, jnp.float32(self.amax), 0.0)
-
-    def scale(self, amax_est: Any) -> jax.Array:
-        """Dequant multiplier ``amax / target_max`` (IEEE division)."""
-        return _guarded_scale(amax_est, self.target_max)
 
 
 Scaling = DelayedScaling | CurrentScaling | StaticScaling
