@@ -324,11 +324,12 @@ class Attention(nnx.Module):
         over all slots (``mask`` [B, T, S] says which are visible).
         """
         b, t, _ = x.shape
-        q, k = self.q_proj(x), self.k_proj(x)
-        if self.q_norm is not None and self.qk_norm_all_heads:  # OLMoE: over all heads, before the split
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q.reshape(b, t, self.n_heads, self.head_dim)
-        k = k.reshape(b, t, self.n_kv_heads, self.head_dim)
+        if self.qk_norm_all_heads:  # OLMoE: one norm over all heads, before the split into heads
+            q = self.q_norm(self.q_proj(x)).reshape(b, t, self.n_heads, self.head_dim)
+            k = self.k_norm(self.k_proj(x)).reshape(b, t, self.n_kv_heads, self.head_dim)
+        else:
+            q = self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim)
+            k = self.k_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None and not self.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
