@@ -22,8 +22,9 @@ transformers' ``PreTrainedTokenizerFast``):
 - ``mixtral``: ``MixtralForCausalLM``, 2 layers, hidden 32, 4 / 2 heads of 8, 4 experts of 24, top-2; the original
   layout ``model.layers.N.block_sparse_moe.{gate,experts.E.w1,w2,w3}.weight``.
 - ``olmoe``: ``OlmoeForCausalLM``, 2 layers, hidden 32, 4 heads of 8 with q/k norms over all heads (no grouped
-  keys: llama.cpp's OLMoE wants a k norm of ``n_embd``, as OLMoE-1B-7B has), 4 experts of 24, top-2, ``norm_topk_prob=False`` (as OLMoE-1B-7B), ``rms_norm_eps=1e-5`` (the value llama.cpp's OLMoE
-  converter writes whatever the config says); per-expert layout ``model.layers.N.mlp.experts.E.*_proj.weight``.
+  keys: llama.cpp's OLMoE wants a k norm of ``n_embd``, as OLMoE-1B-7B has), 4 experts of 24, top-2,
+  ``norm_topk_prob=False`` (as OLMoE-1B-7B), ``rms_norm_eps=1e-5`` (the value llama.cpp's OLMoE converter writes
+  whatever the config says); per-expert layout ``model.layers.N.mlp.experts.E.*_proj.weight``.
 - ``qwen3_moe_fused``: ``Qwen3MoeForCausalLM`` with ``norm_topk_prob=False``, ``mlp_only_layers=[0]`` (a dense
   SwiGLU layer 0), tied embeddings, saved with ``save_original_format=False``: transformers' in-memory layout,
   ``mlp.experts.gate_up_proj [E, 2I, H]`` and ``mlp.experts.down_proj [E, H, I]``.

@@ -152,7 +152,9 @@ def test_experts_ragged_dense_and_a_per_token_loop_agree_with_unused_experts():
         got = jax.jit(lambda m, a, b, c, impl=impl: m(a, b, c, impl))(ex, x, w, choice)
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
         # gradients (for training later): the weights of unused experts get exactly zero in both
-        loss = lambda m, impl=impl: jnp.sum(m(jnp.asarray(x), jnp.asarray(w), jnp.asarray(choice), impl) ** 2)
+        def loss(m, impl=impl):
+            return jnp.sum(m(jnp.asarray(x), jnp.asarray(w), jnp.asarray(choice), impl) ** 2)
+
         grads[impl] = jax.jit(nnx.grad(loss))(ex)
     for p in ("gate_proj", "up_proj", "down_proj"):
         r, d_ = (np.asarray(grads[i][p][...]) for i in ("ragged", "dense"))

@@ -25,10 +25,10 @@ them (``mlp_only_layers``, or ``(i + 1) % decoder_sparse_step != 0``). Mixtral `
 
 GGUF (llama.cpp's ``convert_hf_to_gguf.py``): architecture ``qwen3moe``, ``olmoe`` (q/k norms of ``n_heads *
 head_dim`` features: over all heads) or ``llama`` with experts (Mixtral; its q/k rows are RoPE-permuted like dense
-Llama's), metadata ``{arch}.expert_count``, ``{arch}.expert_used_count``,
-``{arch}.expert_feed_forward_length`` (else ``{arch}.feed_forward_length``), tensors ``blk.N.ffn_gate_inp.weight`` (router)
-and ``blk.N.ffn_{gate,up,down}_exps.weight`` (``[E, out, in]`` in numpy order; the converter does not fuse
-gate and up for these architectures). The top-k weights are renormalised as llama.cpp's graph of the
+Llama's), metadata ``{arch}.expert_count``, ``{arch}.expert_used_count``, ``{arch}.expert_feed_forward_length``
+(else ``{arch}.feed_forward_length``), tensors ``blk.N.ffn_gate_inp.weight`` (router) and
+``blk.N.ffn_{gate,up,down}_exps.weight`` (``[E, out, in]`` in numpy order; the converter does not fuse gate and up
+for these architectures). The top-k weights are renormalised as llama.cpp's graph of the
 architecture does (``build_moe_ffn(..., norm_w, ...)``: true for ``qwen3moe`` and ``llama``, false for ``olmoe``);
 files asking for what that graph does differently (``expert_weights_scale``, non-softmax ``expert_gating_func``) or
 having shared experts are refused.
