@@ -122,7 +122,7 @@ def test_gguf_tokenizer_matches_the_hf_tokenizer(models):
         assert models[f"{name}.gguf"][1].encode(text) == models[name][1].encode(text)
 
 
-@pytest.mark.parametrize("name", GENERATE)
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_moe_fused"])  # the experts are the same module in every family
 def test_ragged_dot_equals_the_dense_reference(models, name):
     model, _ = models[name]
     tokens = jnp.asarray(_fixture(name)["tokens"])
