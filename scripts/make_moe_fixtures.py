@@ -21,6 +21,10 @@ transformers' ``PreTrainedTokenizerFast``):
   (original) layout, one tensor per expert: ``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight``.
 - ``mixtral``: ``MixtralForCausalLM``, 2 layers, hidden 32, 4 / 2 heads of 8, 4 experts of 24, top-2; the original
   layout ``model.layers.N.block_sparse_moe.{gate,experts.E.w1,w2,w3}.weight``.
+- ``olmoe``: ``OlmoeForCausalLM``, 2 layers, hidden 32, 4 heads of 8 with q/k norms over all heads (no grouped
+  keys: llama.cpp's OLMoE wants a k norm of ``n_embd``, as OLMoE-1B-7B has), 4 experts of 24, top-2,
+  ``norm_topk_prob=False`` (as OLMoE-1B-7B), ``rms_norm_eps=1e-5`` (the value llama.cpp's OLMoE converter writes
+  whatever the config says); per-expert layout ``model.layers.N.mlp.experts.E.*_proj.weight``.
 - ``qwen3_moe_fused``: ``Qwen3MoeForCausalLM`` with ``norm_topk_prob=False``, ``mlp_only_layers=[0]`` (a dense
   SwiGLU layer 0), tied embeddings, saved with ``save_original_format=False``: transformers' in-memory layout,
   ``mlp.experts.gate_up_proj [E, 2I, H]`` and ``mlp.experts.down_proj [E, H, I]``.
@@ -35,8 +39,8 @@ generation's top-2 logits by more than 1e-3, so float32 rounding cannot flip an 
 the router outputs), ``prompt`` [6] and ``greedy`` [8] (``generate(do_sample=False, max_new_tokens=8)``),
 ``min_router_gap``, ``min_greedy_gap``, and versions.
 
-GGUF (``qwen3_moe.gguf``, ``mixtral.gguf``, F32): ``convert_hf_to_gguf.py --outtype f32`` on the two original-layout
-directories (its ``--fuse-gate-up-exps`` is not offered for these two architectures). The converter needs
+GGUF (``qwen3_moe.gguf``, ``mixtral.gguf``, ``olmoe.gguf``, F32): ``convert_hf_to_gguf.py --outtype f32`` on the
+original-layout directories (its ``--fuse-gate-up-exps`` is not offered for these architectures). The converter needs
 ``sentencepiece`` in the venv (it tries a SentencePiece vocabulary first). One patch: llama.cpp identifies a BPE
 pre-tokenizer by the hash of a test string's tokens and refuses unknown ones (our tiny tokenizer is not registered);
 ``get_vocab_base_pre`` is made to return ``"default"`` (the GPT-2 split, which this tokenizer uses). Everything else
@@ -69,9 +73,13 @@ MODELS = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
         norm_topk_prob=False, mlp_only_layers=[0], max_position_embeddings=64, rms_norm_eps=1e-6,
         tie_word_embeddings=True)),
+    "olmoe": dict(arch="OlmoeForCausalLM", original=True, config=dict(
+        hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, max_position_embeddings=64, rms_norm_eps=1e-5,
+        tie_word_embeddings=False)),
 }
 # GGUF file -> (Hugging Face directory, extra converter flags)
-GGUF_FILES = {"qwen3_moe": ("qwen3_moe", []), "mixtral": ("mixtral", [])}
+GGUF_FILES = {"qwen3_moe": ("qwen3_moe", []), "mixtral": ("mixtral", []), "olmoe": ("olmoe", [])}
 
 
 def _tokenizer():

@@ -1,7 +1,7 @@
-"""Mixture-of-experts models (Qwen3-MoE, Mixtral) against transformers and llama.cpp.
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral, OLMoE) against transformers and llama.cpp.
 
 Judges (fixtures under tests/fixtures/moe/, written by scripts/make_moe_fixtures.py): tiny random checkpoints
-saved by transformers 5.24 itself (original per-expert layout for Qwen3-MoE and Mixtral, transformers' fused
+saved by transformers 5.24 itself (original per-expert layout for Qwen3-MoE, Mixtral and OLMoE, transformers' fused
 ``gate_up_proj`` layout for a Qwen3-MoE with a dense layer, no top-k renormalisation and tied embeddings), with
 transformers' float32 logits, router logits, routed experts and greedy continuations; the same checkpoints
 converted to GGUF by llama.cpp's ``convert_hf_to_gguf.py``, with llama.cpp's own logits.
@@ -14,6 +14,7 @@ far above float32 rounding of a softmax.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -28,8 +29,9 @@ from jaxlowfp.models import CheckpointError, MoEConfig, MoEDecoder, expert_paths
 from jaxlowfp.models.moe import Experts, MoEMLP
 
 FIX = Path(__file__).parent / "fixtures" / "moe"
-HF = ("qwen3_moe", "mixtral", "qwen3_moe_fused")
-GGUF = ("qwen3_moe", "mixtral")
+HF = ("qwen3_moe", "mixtral", "qwen3_moe_fused", "olmoe")
+GGUF = ("qwen3_moe", "mixtral", "olmoe")
+GENERATE = ("qwen3_moe", "mixtral", "qwen3_moe_fused")  # the decoding loop is the same for every family
 ATOL = 1e-4
 
 forward = jax.jit(lambda m, x: m(x))
@@ -97,10 +99,14 @@ def test_bfloat16_compute():
 
 
 def test_loaded_configs_and_paths(models):
-    q, m, f = (models[n][0].config for n in HF)
+    q, m, f, o = (models[n][0].config for n in HF)
     assert (q.n_experts, q.n_experts_per_tok, q.d_expert, q.norm_topk_prob, q.qk_norm) == (8, 2, 16, True, True)
     assert (m.n_experts, m.n_experts_per_tok, m.d_expert, m.norm_topk_prob, m.qk_norm) == (4, 2, 24, True, False)
     assert (f.dense_layers, f.norm_topk_prob, f.tie_embeddings) == ((0,), False, True)
+    assert (o.n_experts, o.d_expert, o.norm_topk_prob, o.qk_norm, o.qk_norm_all_heads) == (4, 24, False, True, True)
+    # llama.cpp's converter kept everything the model needs (norm_eps as float32 there)
+    assert dataclasses.replace(models["olmoe.gguf"][0].config, norm_eps=o.norm_eps) == o
+    assert models["olmoe"][0].blocks[0].attn.q_norm.scale.shape == (32,)  # all 4 heads of 8
     gq = models["qwen3_moe.gguf"][0].config
     assert (gq.n_experts, gq.n_experts_per_tok, gq.d_expert, gq.dense_layers) == (8, 2, 16, ())
     paths = {"/".join(map(str, p)) for p, v in nnx.iter_graph(models["qwen3_moe_fused"][0])
@@ -116,7 +122,7 @@ def test_gguf_tokenizer_matches_the_hf_tokenizer(models):
         assert models[f"{name}.gguf"][1].encode(text) == models[name][1].encode(text)
 
 
-@pytest.mark.parametrize("name", HF)
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_moe_fused"])  # the experts are the same module in every family
 def test_ragged_dot_equals_the_dense_reference(models, name):
     model, _ = models[name]
     tokens = jnp.asarray(_fixture(name)["tokens"])
@@ -146,7 +152,9 @@ def test_experts_ragged_dense_and_a_per_token_loop_agree_with_unused_experts():
         got = jax.jit(lambda m, a, b, c, impl=impl: m(a, b, c, impl))(ex, x, w, choice)
         np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
         # gradients (for training later): the weights of unused experts get exactly zero in both
-        loss = lambda m, impl=impl: jnp.sum(m(jnp.asarray(x), jnp.asarray(w), jnp.asarray(choice), impl) ** 2)
+        def loss(m, impl=impl):
+            return jnp.sum(m(jnp.asarray(x), jnp.asarray(w), jnp.asarray(choice), impl) ** 2)
+
         grads[impl] = jax.jit(nnx.grad(loss))(ex)
     for p in ("gate_proj", "up_proj", "down_proj"):
         r, d_ = (np.asarray(grads[i][p][...]) for i in ("ragged", "dense"))
@@ -154,7 +162,7 @@ def test_experts_ragged_dense_and_a_per_token_loop_agree_with_unused_experts():
         assert not r[[2, 5]].any() and r[[0, 1, 3, 4]].any()
 
 
-@pytest.mark.parametrize("name", HF)
+@pytest.mark.parametrize("name", GENERATE)
 def test_greedy_generation_matches_transformers_and_the_no_cache_argmax(models, name):
     """Greedy generation with the KV cache gives transformers' greedy tokens; with a second, shorter prompt in the
     same left-padded batch, every row's tokens are the argmax of the plain no-cache forward of its prompt and

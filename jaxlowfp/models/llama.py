@@ -85,8 +85,10 @@ class ModelConfig:
 
     Real-checkpoint options (the defaults are the demo model): ``explicit_head_dim`` (None: ``d_model /
     n_heads``; Qwen3 sets it), ``tie_embeddings`` (the head is the embedding matrix), ``qkv_bias`` (Qwen2),
-    ``qk_norm`` (Qwen3: RMSNorm over ``head_dim`` of every query and key head, before RoPE) and
-    ``rope_freq_factors`` (``head_dim / 2`` divisors of the RoPE frequencies, `llama3_rope_factors`).
+    ``qk_norm`` (Qwen3: RMSNorm over ``head_dim`` of every query and key head, before RoPE),
+    ``rope_freq_factors`` (``head_dim / 2`` divisors of the RoPE frequencies, `llama3_rope_factors`) and
+    ``qk_norm_all_heads`` (with ``qk_norm``, OLMoE's: one RMSNorm over all query heads together, ``n_heads *
+    head_dim`` features, and one over all key heads).
     """
 
     vocab: int = 256
@@ -105,6 +107,7 @@ class ModelConfig:
     qkv_bias: bool = False
     qk_norm: bool = False
     rope_freq_factors: tuple[float, ...] | None = None
+    qk_norm_all_heads: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
@@ -130,9 +133,11 @@ class ModelConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"{name} must be a positive number; got {v!r}")
             object.__setattr__(self, name, float(v))
-        for name in ("tie_embeddings", "qkv_bias", "qk_norm"):
+        for name in ("tie_embeddings", "qkv_bias", "qk_norm", "qk_norm_all_heads"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool; got {getattr(self, name)!r}")
+        if self.qk_norm_all_heads and not self.qk_norm:
+            raise ValueError("qk_norm_all_heads=True needs qk_norm=True")
         if self.rope_freq_factors is not None:
             f = tuple(float(v) for v in np.asarray(self.rope_freq_factors, np.float64).reshape(-1))
             if len(f) != self.head_dim // 2 or not all(math.isfinite(v) and v > 0 for v in f):
@@ -156,7 +161,8 @@ class ModelConfig:
     def num_params(self) -> int:
         d, q, kv = self.d_model, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         per_block = d * (2 * q + 2 * kv) + 3 * d * self.d_ff + 2 * d
-        per_block += (q + 2 * kv) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
+        per_block += (q + 2 * kv) * self.qkv_bias + self.qk_norm * ((q + kv) if self.qk_norm_all_heads
+                                                                   else 2 * self.head_dim)
         return (1 if self.tie_embeddings else 2) * self.vocab * d + self.n_layers * per_block + d
 
 
@@ -298,9 +304,10 @@ class Attention(nnx.Module):
         self.k_proj = _linear(cfg.d_model, kv, cfg, dtype, rngs, cfg.qkv_bias)
         self.v_proj = _linear(cfg.d_model, kv, cfg, dtype, rngs, cfg.qkv_bias)
         self.o_proj = _linear(q, cfg.d_model, cfg, dtype, rngs)
+        self.qk_norm_all_heads = cfg.qk_norm_all_heads
         if cfg.qk_norm:
-            self.q_norm = _rmsnorm(cfg, rngs, cfg.head_dim)
-            self.k_norm = _rmsnorm(cfg, rngs, cfg.head_dim)
+            self.q_norm = _rmsnorm(cfg, rngs, q if cfg.qk_norm_all_heads else cfg.head_dim)
+            self.k_norm = _rmsnorm(cfg, rngs, kv if cfg.qk_norm_all_heads else cfg.head_dim)
         else:
             self.q_norm = self.k_norm = None
 
@@ -317,10 +324,14 @@ class Attention(nnx.Module):
         over all slots (``mask`` [B, T, S] says which are visible).
         """
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim)
+        if self.qk_norm_all_heads:  # OLMoE: one norm over all heads, before the split into heads
+            q = self.q_norm(self.q_proj(x)).reshape(b, t, self.n_heads, self.head_dim)
+            k = self.k_norm(self.k_proj(x)).reshape(b, t, self.n_kv_heads, self.head_dim)
+        else:
+            q = self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim)
+            k = self.k_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         q = _rope(q, self.rope_theta, positions, self.rope_freq_factors)
         k = _rope(k, self.rope_theta, positions, self.rope_freq_factors)

@@ -1,15 +1,16 @@
-"""Mixture-of-experts decoders (Qwen3-MoE, Mixtral): the `jaxlowfp.models.llama.Llama` decoder whose feed-forward
-layers are sparse mixtures of SwiGLU experts.
+"""Mixture-of-experts decoders (Qwen3-MoE, Mixtral, OLMoE): the `jaxlowfp.models.llama.Llama` decoder whose
+feed-forward layers are sparse mixtures of SwiGLU experts.
 
 ``x -> router logits r = x W_r [N, E] -> p = softmax(r) (float32) -> top-k (w, e) -> w / sum(w) if norm_topk_prob
 -> y = sum_j w_j * expert_{e_j}(x)``, ``expert_e(x) = (silu(x G_e) * (x U_e)) D_e``,
 
-as transformers computes both families (``Qwen3MoeTopKRouter``, ``MixtralTopKRouter`` in transformers 5:
-softmax over all experts in float32, ``torch.topk``, then Qwen3-MoE renormalises the k weights only with
-``norm_topk_prob`` and Mixtral always, which equals Mixtral's original softmax over the top-k logits). No capacity
-limit, no token dropping. Router logits are computed in the compute dtype, as transformers does in the model dtype;
-the routing weights stay float32 and weight the experts' outputs in float32 (transformers' Mixtral keeps them
-float32 too, its Qwen3-MoE casts them to the model dtype first: the same in float32, not in bfloat16).
+as transformers computes the families (``Qwen3MoeTopKRouter``, ``OlmoeTopKRouter``, ``MixtralTopKRouter`` in
+transformers 5: softmax over all experts in float32, ``torch.topk``, then Qwen3-MoE and OLMoE renormalise the k
+weights only with ``norm_topk_prob`` and Mixtral always, which equals Mixtral's original softmax over the top-k
+logits). No capacity limit, no token dropping. Router logits are computed in the compute dtype, as transformers
+does in the model dtype; the routing weights stay float32 and weight the experts' outputs in float32
+(transformers' Mixtral keeps them float32 too, its Qwen3-MoE and OLMoE cast them to the model dtype first: the same
+in float32, not in bfloat16).
 Qwen3-MoE may keep dense SwiGLU layers (``mlp_only_layers``, ``decoder_sparse_step``): `MoEConfig.dense_layers`.
 
 Module paths (for quantization rules): the router is an ``nnx.Linear`` at ``blocks/<i>/mlp/router`` (kernel

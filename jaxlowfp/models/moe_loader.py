@@ -1,12 +1,13 @@
-"""Load Qwen3-MoE and Mixtral checkpoints (Hugging Face directories, GGUF files) into
+"""Load Qwen3-MoE, Mixtral and OLMoE checkpoints (Hugging Face directories, GGUF files) into
 `jaxlowfp.models.moe.MoEDecoder`; `jaxlowfp.models.load` dispatches here.
 
-Hugging Face (``config.json`` ``model_type`` ``"qwen3_moe"`` or ``"mixtral"``). Attention, norms and the head are
-the dense loader's (`jaxlowfp.models.hf_loader`: Qwen3's q/k norms, Mistral's attention). Expert tensors in
-either layout transformers writes:
+Hugging Face (``config.json`` ``model_type`` ``"qwen3_moe"``, ``"mixtral"`` or ``"olmoe"``). Attention, norms and
+the head are the dense loader's (`jaxlowfp.models.hf_loader`: Qwen3's per-head q/k norms, Mistral's attention,
+OLMoE's Llama attention with q/k norms over all heads, ``qk_norm_all_heads``). Expert tensors in either layout
+transformers writes:
 
 - the original (``save_pretrained``'s default, and the Hub's checkpoints), one ``[out, in]`` tensor per expert:
-  Qwen3-MoE ``model.layers.N.mlp.gate.weight`` (router) and ``model.layers.N.mlp.experts.E.{gate,up,down}_proj
+  Qwen3-MoE and OLMoE ``model.layers.N.mlp.gate.weight`` (router) and ``model.layers.N.mlp.experts.E.{gate,up,down}_proj
   .weight``; Mixtral ``model.layers.N.block_sparse_moe.gate.weight`` and ``...block_sparse_moe.experts.E.w1
   .weight`` (gate), ``w3`` (up), ``w2`` (down);
 - transformers 5's fused in-memory layout (``save_pretrained(save_original_format=False)``), both families:
@@ -19,16 +20,18 @@ Names are first mapped to one canonical set (Mixtral's ``block_sparse_moe`` -> `
 Routing: Qwen3-MoE ``num_experts`` (transformers 5 writes ``num_local_experts``), ``num_experts_per_tok``,
 ``norm_topk_prob`` (transformers' default False), ``moe_intermediate_size``; dense layers where transformers puts
 them (``mlp_only_layers``, or ``(i + 1) % decoder_sparse_step != 0``). Mixtral ``num_local_experts``,
-``num_experts_per_tok``, experts of ``intermediate_size``, always renormalised.
+``num_experts_per_tok``, experts of ``intermediate_size``, always renormalised. OLMoE ``num_experts``,
+``num_experts_per_tok``, ``norm_topk_prob`` (default False), experts of ``intermediate_size``; ``clip_qkv`` refused.
 
-GGUF (llama.cpp's ``convert_hf_to_gguf.py``): architecture ``qwen3moe`` or ``llama`` with experts (Mixtral; its q/k
-rows are RoPE-permuted like dense Llama's), metadata ``{arch}.expert_count``, ``{arch}.expert_used_count``,
-``{arch}.expert_feed_forward_length`` (else the tensor shape), tensors ``blk.N.ffn_gate_inp.weight`` (router)
-and ``blk.N.ffn_{gate,up,down}_exps.weight`` (``[E, out, in]`` in numpy order; the converter does not fuse
-gate and up for these architectures). llama.cpp's graphs of both
-architectures renormalise the top-k weights (``build_moe_ffn(..., norm_w=true, ...)``), so the GGUF config has
-``norm_topk_prob=True``; files asking for what llama.cpp's build does differently (``expert_weights_scale``,
-non-softmax ``expert_gating_func``) or having shared experts are refused.
+GGUF (llama.cpp's ``convert_hf_to_gguf.py``): architecture ``qwen3moe``, ``olmoe`` (q/k norms of ``n_heads *
+head_dim`` features: over all heads) or ``llama`` with experts (Mixtral; its q/k rows are RoPE-permuted like dense
+Llama's), metadata ``{arch}.expert_count``, ``{arch}.expert_used_count``, ``{arch}.expert_feed_forward_length``
+(else ``{arch}.feed_forward_length``), tensors ``blk.N.ffn_gate_inp.weight`` (router) and
+``blk.N.ffn_{gate,up,down}_exps.weight`` (``[E, out, in]`` in numpy order; the converter does not fuse gate and up
+for these architectures). The top-k weights are renormalised as llama.cpp's graph of the
+architecture does (``build_moe_ffn(..., norm_w, ...)``: true for ``qwen3moe`` and ``llama``, false for ``olmoe``);
+files asking for what that graph does differently (``expert_weights_scale``, non-softmax ``expert_gating_func``) or
+having shared experts are refused.
 """
 from __future__ import annotations
 
@@ -50,12 +53,14 @@ __all__ = ["GGUF_ARCHITECTURES", "HF_MODEL_TYPES", "is_moe_gguf", "is_moe_hf", "
            "moe_tensor_specs", "read_gguf_config", "read_hf_config"]
 
 # model_type -> the dense family whose attention it has (hf_loader.config_fields)
-HF_MODEL_TYPES = {"qwen3_moe": "qwen3", "mixtral": "mistral"}
+HF_MODEL_TYPES = {"qwen3_moe": "qwen3", "mixtral": "mistral", "olmoe": "llama"}
 # GGUF architecture -> whether the converter permuted the q/k rows (gguf_loader.ARCHITECTURES)
-GGUF_ARCHITECTURES = {"qwen3moe": False, "llama": True}
+GGUF_ARCHITECTURES = {"qwen3moe": False, "llama": True, "olmoe": False}
 _EXPERTS = (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps"))
 _MIXTRAL_W = {"1": "gate_proj", "3": "up_proj", "2": "down_proj"}
 _LLAMACPP_SOFTMAX = 1  # LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+# whether llama.cpp's graph of the architecture renormalises the top-k weights (build_moe_ffn's norm_w)
+_NORM_TOPK = {"qwen3moe": True, "llama": True, "olmoe": False}
 
 
 def moe_tensor_specs(config: MoEConfig) -> list[TensorSpec]:
@@ -103,7 +108,11 @@ def read_hf_config(directory: str | Path, *, dtype: str = "float32", param_dtype
     if cfg.get("attention_bias"):
         raise CheckpointError(f"{where}: attention_bias=true (biases on all four attention projections) is not "
                               "supported")
+    if cfg.get("clip_qkv") is not None:
+        raise CheckpointError(f"{where}: clip_qkv={cfg['clip_qkv']} (OLMoE's clamp of q, k, v) is not supported")
     fields = hf_loader.config_fields(cfg, where, HF_MODEL_TYPES[mt])
+    if mt == "olmoe":  # RMSNorm over all query heads and over all key heads (transformers' OlmoeAttention)
+        fields |= dict(qk_norm=True, qk_norm_all_heads=True)
 
     def need(key: str, *alternatives: str) -> int:
         for k in (key, *alternatives):
@@ -120,6 +129,9 @@ def read_hf_config(directory: str | Path, *, dtype: str = "float32", param_dtype
         only = set(cfg.get("mlp_only_layers") or ())
         # transformers' Qwen3MoeDecoderLayer: sparse iff not in mlp_only_layers and (i + 1) % step == 0
         dense = tuple(i for i in range(n_layers) if i in only or (i + 1) % step)
+    elif mt == "olmoe":  # experts of intermediate_size; transformers' OlmoeConfig: norm_topk_prob False
+        n_experts, d_expert, dense = need("num_experts"), fields["d_ff"], ()
+        norm = bool(cfg.get("norm_topk_prob", False))
     else:
         n_experts, d_expert, norm, dense = need("num_local_experts"), fields["d_ff"], True, ()
     if cfg.get("shared_expert_intermediate_size") or cfg.get("n_shared_experts"):
@@ -254,12 +266,16 @@ def read_gguf_config(reader: Any, path: Path, *, dtype: str = "float32", param_d
     dense = tuple(i for i in range(fields["n_layers"]) if f"blk.{i}.ffn_gate_inp.weight" not in names)
     sparse = [i for i in range(fields["n_layers"]) if i not in dense]
     d_expert = field("expert_feed_forward_length", None)
-    if d_expert is None and sparse:  # Mixtral's converter writes the expert width as feed_forward_length
+    if d_expert is None and sparse:  # Mixtral's and OLMoE's converters write the expert width as feed_forward_length
         d_expert = fields["d_ff"]
+    head_dim = fields["explicit_head_dim"] or fields["d_model"] // fields["n_heads"]
+    q_norm = names.get("blk.0.attn_q_norm.weight")
+    if q_norm is not None and int(np.prod(q_norm.shape)) == fields["n_heads"] * head_dim != head_dim:
+        fields["qk_norm_all_heads"] = True  # OLMoE: one norm over all query heads (and one over all key heads)
     try:
         return MoEConfig(**fields, dtype=dtype, param_dtype=param_dtype, n_experts=int(field("expert_count")),
                          n_experts_per_tok=int(field("expert_used_count")), d_expert=int(d_expert or 1),
-                         norm_topk_prob=True, dense_layers=dense)
+                         norm_topk_prob=_NORM_TOPK[arch], dense_layers=dense)
     except ValueError as e:
         raise CheckpointError(f"{path}: metadata gives an invalid model config: {e}") from e
 
