@@ -323,10 +323,10 @@ def ragged_dot(
     Returns ``(out [M, N], new_state, stats)``; the stats are over all experts (max amax and scale, fractions of
     all elements).
     """
-    from jaxlowfp.qat.fake_quant import keep_mask, round_with, select, straight_through
     from jaxlowfp._core.checks import bool_flag
     from jaxlowfp._core.reduce import abs_max
-    from jaxlowfp.qat.spec import QuantStats
+    from jaxlowfp.qat.fake_quant import (keep_mask, round_with, sat_count, select, straight_through, tensor_stats,
+                                         underflow_count)
 
     where = where or "jaxlowfp.ops.ragged_dot"
     if recipe.grad is not None:
@@ -353,13 +353,8 @@ def ragged_dot(
     has_rows = group_sizes > 0
     keys = [None, None] if key is None else list(jax.random.split(key, 2))
 
-    def stats_of(x, y, sat, amax, est, scale):
-        n_el = float(x.size)
-        return QuantStats(amax=abs_max(amax), amax_estimate=jnp.max(est), scale=jnp.max(scale),
-                          saturated_fraction=(jnp.zeros((), jnp.float32) if sat is None else
-                                              jnp.sum(sat, dtype=jnp.int32).astype(jnp.float32) / n_el),
-                          underflow_fraction=jnp.sum((x != 0) & (y == 0), dtype=jnp.int32).astype(jnp.float32) / n_el,
-                          nonfinite_count=jnp.sum(~jnp.isfinite(x), dtype=jnp.int32))
+    def stats_of(x, y, sat, amax, est, scale):  # over all experts
+        return tensor_stats(x, abs_max(amax), jnp.max(est), jnp.max(scale), sat_count(sat), underflow_count(x, y))
 
     def estimate(spec, hist, amax, keep):
         """Per expert (vmapped) or shared estimate and new history; experts with keep False keep their history."""

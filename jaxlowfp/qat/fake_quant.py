@@ -173,22 +173,32 @@ def quantize(x: jax.Array, state: AmaxHistory, spec: QuantSpec, observe: bool | 
     if r.counts is not None:
         amax, n_sat, n_under = r.counts.amax, r.counts.saturated_count, r.counts.underflow_count
     else:
-        n_sat = jnp.zeros((), jnp.int32) if r.sat is None else jnp.sum(r.sat, dtype=jnp.int32)
-        n_under = jnp.sum((xs != 0) & (r.y == 0), dtype=jnp.int32)
+        n_sat, n_under = sat_count(r.sat), underflow_count(xs, r.y)
     new_state = spec.scaling.update(state, amax)
-    n = float(x.size)
-    stats = QuantStats(
-        amax=amax,
-        amax_estimate=est,
-        scale=r.scale,
-        saturated_fraction=n_sat.astype(jnp.float32) / n,
-        underflow_fraction=n_under.astype(jnp.float32) / n,
-        nonfinite_count=jnp.sum(~jnp.isfinite(xs), dtype=jnp.int32),
-    )
+    stats = tensor_stats(xs, amax, est, r.scale, n_sat, n_under)
     keep = None  # identity STE, or masked but observing (nothing was clipped)
     if spec.ste == "masked" and observe is not True:
         keep = keep_mask(r.sat, observe, xs.shape)
     return _Quantized(select(observe, xs, r.y), keep, new_state, stats, est)
+
+
+def sat_count(sat: jax.Array | None) -> jax.Array:
+    """int32 number of clipped elements (0 when nothing can clip)."""
+    return jnp.zeros((), jnp.int32) if sat is None else jnp.sum(sat, dtype=jnp.int32)
+
+
+def underflow_count(xs: jax.Array, y: jax.Array) -> jax.Array:
+    """int32 number of nonzero elements that quantized to 0."""
+    return jnp.sum((xs != 0) & (y == 0), dtype=jnp.int32)
+
+
+def tensor_stats(xs: jax.Array, amax: jax.Array, est: jax.Array, scale: jax.Array, n_sat: jax.Array,
+                 n_under: jax.Array) -> QuantStats:
+    """The `QuantStats` of one quantized tensor `xs` (fractions of its elements)."""
+    n = float(xs.size)
+    return QuantStats(amax=amax, amax_estimate=est, scale=scale, saturated_fraction=n_sat.astype(jnp.float32) / n,
+                      underflow_fraction=n_under.astype(jnp.float32) / n,
+                      nonfinite_count=jnp.sum(~jnp.isfinite(xs), dtype=jnp.int32))
 
 
 def _quantize_per_token(x: jax.Array, state: AmaxHistory, spec: QuantSpec, observe: bool | jax.Array,
@@ -210,16 +220,7 @@ def _quantize_per_token(x: jax.Array, state: AmaxHistory, spec: QuantSpec, obser
     y = jnp.moveaxis(r.y.reshape(xt.shape), -1, axis)
     sat = None if r.sat is None else jnp.moveaxis(r.sat.reshape(xt.shape), -1, axis)
     amax = abs_max(amax_rows)
-    n_sat = jnp.zeros((), jnp.int32) if sat is None else jnp.sum(sat, dtype=jnp.int32)
-    n = float(x.size)
-    stats = QuantStats(
-        amax=amax,
-        amax_estimate=amax,
-        scale=jnp.max(r.scale),
-        saturated_fraction=n_sat.astype(jnp.float32) / n,
-        underflow_fraction=jnp.sum((xs != 0) & (y == 0), dtype=jnp.int32).astype(jnp.float32) / n,
-        nonfinite_count=jnp.sum(~jnp.isfinite(xs), dtype=jnp.int32),
-    )
+    stats = tensor_stats(xs, amax, amax, jnp.max(r.scale), sat_count(sat), underflow_count(xs, y))
     keep = keep_mask(sat, observe, xs.shape) if spec.ste == "masked" and observe is not True else None
     return _Quantized(select(observe, xs, y), keep, spec.scaling.update(state, amax), stats, amax)
 
