@@ -21,7 +21,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _MODULES = ("dispatch", "formats", "hadamard", "hif8", "mx", "nvfp4", "qat", "scaling", "rules", "qnnx", "qlinen",
-            "training", "models", "evaluation", "ptq")
+            "training", "models", "evaluation", "ptq", "sharding")
 
 # old names, importable for one release with a DeprecationWarning (they shadowed flax.nnx / flax.linen)
 _DEPRECATED_MODULES = ("nnx", "linen")

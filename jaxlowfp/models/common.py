@@ -1,11 +1,17 @@
 """What both checkpoint loaders share: the error type, the tokenizer wrapper, the tensor-name table and the step
-that turns named arrays into a `jaxlowfp.models.llama.Llama` without ever initialising a parameter at random."""
+that turns named arrays into a `jaxlowfp.models.llama.Llama` without ever initialising a parameter at random.
+
+Streaming: a loader hands `build_model` each tensor as a `LazyTensor` (its shape and a function that reads any
+slice of it), so with a ``mesh`` every parameter is built by `jax.make_array_from_callback` straight into its shards:
+each device's slice is read from the file on its own (safetensors ``get_slice``, GGUF rows and blocks of a numpy
+memmap), and the host holds one slice at a time beyond what the devices hold."""
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -15,7 +21,7 @@ from jaxlowfp.models.llama import Llama, ModelConfig
 if TYPE_CHECKING:
     import tokenizers
 
-__all__ = ["CheckpointError", "TensorSpec", "Tokenizer", "build_model", "tensor_specs"]
+__all__ = ["CheckpointError", "LazyTensor", "TensorSpec", "Tokenizer", "build_model", "tensor_specs"]
 
 
 class CheckpointError(ValueError):
@@ -113,29 +119,85 @@ def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
     return specs
 
 
-def build_model(config: ModelConfig, fetch: Callable[[TensorSpec], tuple[np.ndarray, str]], source: str | Path
-                ) -> Llama:
+Index = tuple[slice, ...]  # one slice(start, stop) per dimension, explicit bounds, step 1
+
+
+@dataclasses.dataclass(frozen=True)
+class LazyTensor:
+    """A checkpoint tensor read on demand: ``shape`` in checkpoint layout, ``where`` (``"<file>: tensor <name>"``)
+    for messages, and ``read(index)``, the float32 values of ``index`` (`Index`, checkpoint layout)."""
+
+    shape: tuple[int, ...]
+    where: str
+    read: Callable[[Index], np.ndarray]
+
+    @classmethod
+    def of(cls, array: Any, where: str) -> "LazyTensor":
+        """A tensor already in memory (e.g. decoded from packed NVFP4 codes)."""
+        array = np.asarray(array)
+        return cls(tuple(array.shape), where, lambda index: array[index])
+
+
+def _bounds(index: Any, shape: Sequence[int]) -> Index:
+    """`jax.make_array_from_callback`'s index (slices, possibly open) as explicit ``slice(start, stop)``."""
+    out = []
+    for s, n in zip(tuple(index) + (slice(None),) * (len(shape) - len(tuple(index))), shape):
+        start, stop, step = s.indices(n)
+        if step != 1:
+            raise AssertionError(f"a shard index with step {step}")
+        out.append(slice(start, stop))
+    return tuple(out)
+
+
+def build_model(config: ModelConfig, fetch: Callable[[TensorSpec], LazyTensor | tuple[np.ndarray, str]],
+                source: str | Path, *, mesh: jax.sharding.Mesh | None = None, rules: Any = None) -> Llama:
     """``Llama(config)`` with every parameter taken from the checkpoint.
 
-    ``fetch(spec)`` returns the array in checkpoint layout and where it came from (``"<file>: tensor <name>"``;
-    it raises `CheckpointError` when the tensor is missing). Shapes are checked against the config and values must
+    ``fetch(spec)`` returns the tensor in checkpoint layout as a `LazyTensor` (or an ``(array, where)`` pair; it
+    raises `CheckpointError` when the tensor is missing). Shapes are checked against the config and values must
     be finite; the model is built abstractly first, so a parameter the checkpoint does not provide is an error,
     never a random initialisation.
+
+    ``mesh``: every parameter is placed by ``rules`` (`jaxlowfp.sharding.ShardRule`s; default
+    `jaxlowfp.sharding.llama_rules`), each device's shard read by itself (`jax.make_array_from_callback`), so no
+    device and no host ever holds a whole sharded tensor. The values are those of the unsharded load, bit for bit.
     """
     model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
     variables = {"/".join(map(str, p)): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)}
     specs = {s.path: s for s in tensor_specs(config)}
     if set(variables) != set(specs):  # the name table and the model disagree: a bug here, not in the file
         raise AssertionError(f"tensor table out of date: {sorted(set(variables) ^ set(specs))}")
+    shardings = None
+    if mesh is not None:
+        from jaxlowfp import sharding
+
+        shardings = sharding.model_shardings(model, mesh, sharding.llama_rules() if rules is None else rules)
+    elif rules is not None:
+        raise ValueError("rules= places parameters on a mesh; pass mesh= too (jaxlowfp.sharding.make_mesh)")
     pdt = jnp.dtype(config.param_dtype)
     for path, var in variables.items():
         spec = specs[path]
-        array, where = fetch(spec)
-        array = np.asarray(array)
+        tensor = fetch(spec)
+        if not isinstance(tensor, LazyTensor):
+            tensor = LazyTensor.of(*tensor)
         want = tuple(reversed(var.shape)) if spec.transpose else tuple(var.shape)
-        if array.shape != want:
-            raise CheckpointError(f"{where} has shape {array.shape}; the model config ({source}) needs {want}")
-        if not np.isfinite(array).all():
-            raise CheckpointError(f"{where} has non-finite values")
-        var.set_value(jnp.asarray(array.T if spec.transpose else array, pdt))
+        if tuple(tensor.shape) != want:
+            raise CheckpointError(f"{tensor.where} has shape {tuple(tensor.shape)}; the model config ({source}) "
+                                  f"needs {want}")
+        if shardings is None:
+            array = np.asarray(tensor.read(_bounds((), want)))
+            if not np.isfinite(array).all():
+                raise CheckpointError(f"{tensor.where} has non-finite values")
+            var.set_value(jnp.asarray(array.T if spec.transpose else array, pdt))
+            continue
+
+        def shard(index: Any, tensor: LazyTensor = tensor, transpose: bool = spec.transpose,
+                  shape: tuple[int, ...] = tuple(var.shape)) -> np.ndarray:
+            index = _bounds(index, shape)
+            part = np.asarray(tensor.read(tuple(reversed(index)) if transpose else index))
+            if not np.isfinite(part).all():
+                raise CheckpointError(f"{tensor.where} has non-finite values")
+            return (part.T if transpose else part).astype(pdt)  # round to nearest even, as jnp.asarray(x, pdt)
+
+        var.set_value(jax.make_array_from_callback(tuple(var.shape), shardings[path], shard))
     return model
