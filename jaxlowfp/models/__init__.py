@@ -92,9 +92,9 @@ def load(name_or_path: str | Path, *, dtype: str = "float32", param_dtype: str =
     """``(model, tokenizer)`` of a registry name, a ``.gguf`` file or a Hugging Face directory.
 
     ``mesh`` (a `jax.sharding.Mesh`, `jaxlowfp.sharding.make_mesh`): every parameter is read tensor by tensor,
-    slice by slice, straight into its shards (`jax.make_array_from_callback`) as ``rules`` place it (a sequence of
-    `jaxlowfp.sharding.ShardRule`; default `jaxlowfp.sharding.llama_rules`). The values equal the unsharded
-    load's bit for bit. (Packed NVFP4 checkpoints are decoded per tensor on the host, then sharded.)
+    slice by slice, straight into its shards (one device's slice on the host at a time) as ``rules`` place it (a
+    sequence of `jaxlowfp.sharding.ShardRule`; default `jaxlowfp.sharding.llama_rules`). The values equal the
+    unsharded load's bit for bit. (Packed NVFP4 checkpoints are decoded per tensor on the host, then sharded.)
     """
     path = resolve(name_or_path)
     if path.is_dir():

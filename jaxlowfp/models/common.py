@@ -2,9 +2,10 @@
 that turns named arrays into a `jaxlowfp.models.llama.Llama` without ever initialising a parameter at random.
 
 Streaming: a loader hands `build_model` each tensor as a `LazyTensor` (its shape and a function that reads any
-slice of it), so with a ``mesh`` every parameter is built by `jax.make_array_from_callback` straight into its shards:
-each device's slice is read from the file on its own (safetensors ``get_slice``, GGUF rows and blocks of a numpy
-memmap), and the host holds one slice at a time beyond what the devices hold."""
+slice of it), so with a ``mesh`` every parameter is built straight into its shards (`jax.device_put` of each
+device's slice, `jax.make_array_from_single_device_arrays`): each device's slice is read from the file on its own
+(safetensors ``get_slice``, GGUF rows and blocks of a numpy memmap), and the host holds one slice at a time beyond
+what the devices hold."""
 from __future__ import annotations
 
 import dataclasses
@@ -159,8 +160,8 @@ def build_model(config: ModelConfig, fetch: Callable[[TensorSpec], LazyTensor | 
     never a random initialisation.
 
     ``mesh``: every parameter is placed by ``rules`` (`jaxlowfp.sharding.ShardRule`s; default
-    `jaxlowfp.sharding.llama_rules`), each device's shard read by itself (`jax.make_array_from_callback`), so no
-    device and no host ever holds a whole sharded tensor. The values are those of the unsharded load, bit for bit.
+    `jaxlowfp.sharding.llama_rules`), each device's shard read by itself (`_put_shards`), so no device and no
+    host ever holds a whole sharded tensor. The values are those of the unsharded load, bit for bit.
     """
     model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
     variables = {"/".join(map(str, p)): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)}
@@ -199,5 +200,19 @@ def build_model(config: ModelConfig, fetch: Callable[[TensorSpec], LazyTensor | 
                 raise CheckpointError(f"{tensor.where} has non-finite values")
             return (part.T if transpose else part).astype(pdt)  # round to nearest even, as jnp.asarray(x, pdt)
 
-        var.set_value(jax.make_array_from_callback(tuple(var.shape), shardings[path], shard))
+        var.set_value(_put_shards(tuple(var.shape), shardings[path], shard))
     return model
+
+
+def _put_shards(shape: tuple[int, ...], sharding: jax.sharding.Sharding, read: Callable[[Any], np.ndarray]
+                ) -> jax.Array:
+    """`jax.make_array_from_callback`, one device at a time: each shard is read, put on its device and dropped
+    before the next is read (``make_array_from_callback`` reads every addressable shard first, so the host would
+    hold the whole tensor at once on a one-host mesh). Shards with the same index (replicas) are read once."""
+    arrays, last = [], (None, None)
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        key = tuple((s.start, s.stop) for s in _bounds(index, shape))
+        if key != last[0]:
+            last = (key, read(index))
+        arrays.append(jax.device_put(last[1], device))
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
