@@ -56,6 +56,7 @@ __all__ = [
     "ShardingError",
     "assert_same_on_every_process",
     "batch_sharding",
+    "check_on_mesh",
     "device_bytes",
     "expert_rules",
     "fsdp_rules",
@@ -67,8 +68,10 @@ __all__ = [
     "param_shardings",
     "param_spec",
     "parse_mesh",
+    "put_batch",
     "replicated",
     "resolve",
+    "rows_sharding",
     "shard",
     "shard_model",
     "tensor_parallel_rules",
@@ -142,6 +145,35 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
+
+
+def rows_sharding(mesh: Mesh, rows: int) -> NamedSharding:
+    """`batch_sharding` when the mesh's data axes divide ``rows``, else replicated (every device all rows)."""
+    batch = batch_sharding(mesh)
+    split = math.prod(mesh.shape[a] for a in batch.spec[0]) if batch.spec and batch.spec[0] else 1
+    return batch if rows % split == 0 else replicated(mesh)
+
+
+def put_batch(x: Any, mesh: Mesh | None) -> jax.Array:
+    """A host batch (rows first) as a device array: on the default device without a mesh, else placed by
+    `rows_sharding` (one process; every process passes the whole batch)."""
+    if mesh is None:
+        return jnp.asarray(x)
+    return jax.device_put(x, rows_sharding(mesh, np.shape(x)[0]))
+
+
+def check_on_mesh(tree: Any, mesh: Mesh | None) -> None:
+    """With a ``mesh``, raise ValueError unless every array of `tree` (an NNX state) lives on the mesh's devices
+    (else `jax.jit` refuses the mixed placement later, with a message that names no parameter)."""
+    if mesh is None:
+        return
+    devices = set(mesh.devices.flat)
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(x, jax.Array) and set(x.sharding.device_set) != devices:
+            name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+            raise ValueError(f"mesh= given, but parameter {name} is on {len(x.sharding.device_set)} device(s), not "
+                             f"on the mesh's {len(devices)}; load the model with jaxlowfp.models.load(..., mesh=mesh)"
+                             " or place it with jaxlowfp.sharding.shard_model(model, mesh, rules)")
 
 
 def param_spec(shape: Sequence[int], fsdp: int, *, min_size: int = 1024) -> P:
