@@ -153,8 +153,8 @@ def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size
             inputs[row, :n], targets[row, :n] = t[:-1], t[1:]
             weights[row, n - requests[i].n_pred: n] = True
         sums, top = _ll_sums(graphdef, state, *(sharding.put_batch(a, mesh) for a in (inputs, targets, weights)))
-        out[idx] = np.asarray(sums)[: len(idx)]
-        is_greedy[idx] = np.asarray(top)[: len(idx)]
+        out[idx] = sharding.to_host(sums)[: len(idx)]
+        is_greedy[idx] = sharding.to_host(top)[: len(idx)]
         if bar is not None:
             bar.update(sum(len(requests[i].tokens) - 1 for i in idx))
             bar.set_postfix_str(f"{bar.n / (time.perf_counter() - t0):.0f} tok/s")

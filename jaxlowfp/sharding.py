@@ -75,6 +75,7 @@ __all__ = [
     "shard",
     "shard_model",
     "tensor_parallel_rules",
+    "to_host",
     "variable_paths",
 ]
 
@@ -160,6 +161,16 @@ def put_batch(x: Any, mesh: Mesh | None) -> jax.Array:
     if mesh is None:
         return jnp.asarray(x)
     return jax.device_put(x, rows_sharding(mesh, np.shape(x)[0]))
+
+
+def to_host(x: Any) -> np.ndarray:
+    """The whole value of `x` as a numpy array on this process: as it is when every shard is here, else gathered
+    from every process (`multihost_utils.process_allgather`, a collective: every process must call it)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def check_on_mesh(tree: Any, mesh: Mesh | None) -> None:

@@ -625,8 +625,11 @@ def generate(
     out: list[list[int]] = [[] for _ in rows]
     done = np.zeros(len(rows), bool)
     ones = jnp.ones((len(rows), 1), jnp.bool_)
+    to_host = np.asarray
+    if mesh is not None:
+        to_host = sharding.to_host  # gathers the rows of a multi-process mesh
     for step in range(max_new_tokens):
-        host = np.asarray(nxt)
+        host = to_host(nxt)
         for i in np.flatnonzero(~done):
             out[i].append(int(host[i]))
             done[i] |= (eos_id is not None and int(host[i]) == eos_id) or (stop is not None and bool(stop(i, out[i])))
