@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxlowfp import sharding
 from jaxlowfp._core.executed import executed, mark as mark_executed
 from jaxlowfp.execution import check_executed, quantized_ops
 from jaxlowfp._core.progress import progress_bar
@@ -188,7 +189,8 @@ class _Forward:
 
 
 def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size: int = 8, progress: bool = False,
-                   desc: str = "score", greedy: bool = False, max_batch_tokens: int | None = None
+                   desc: str = "score", greedy: bool = False, max_batch_tokens: int | None = None,
+                   mesh: jax.sharding.Mesh | None = None
                    ) -> tuple[np.ndarray, dict[str, float]] | tuple[np.ndarray, np.ndarray, dict[str, float]]:
     """Log-likelihood (float64 [n]) of every request, and throughput stats.
 
@@ -203,6 +205,9 @@ def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size
     ``greedy=True`` returns ``(ll, is_greedy, stats)``: ``is_greedy`` (bool [n]) says whether greedy decoding
     would produce every scored token (lm-eval's ``is_greedy``: ``argmax logits[t-1] == tokens[t]`` for each).
     The model is not changed (state written by the forward pass, e.g. amax histories, is dropped).
+    ``mesh``: the model's parameters are on it (`jaxlowfp.models.load(..., mesh=...)`,
+    `jaxlowfp.sharding.shard_model`) and every batch's rows are split over its data axes when they divide
+    ``batch_size`` (`jaxlowfp.sharding.put_batch`; else replicated).
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
@@ -217,6 +222,7 @@ def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size
         if len(r.tokens) - 1 > max_len:
             raise ValueError(f"a request of {len(r.tokens) - 1} model inputs exceeds max_seq_len={max_len}")
     order = sorted(range(len(requests)), key=lambda i: -len(requests[i].tokens))
+    sharding.check_on_mesh(nnx.state(model), mesh)
     forward = _Forward(model)
     out = np.zeros(len(requests), np.float64)
     is_greedy = np.zeros(len(requests), bool)
@@ -241,11 +247,11 @@ def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size
             n = len(t) - 1
             inputs[row, :n], targets[row, :n] = t[:-1], t[1:]
             weights[row, n - requests[i].n_pred: n] = True
-        sums, top = forward(jnp.asarray(inputs), jnp.asarray(targets), jnp.asarray(weights))
+        sums, top = forward(*(sharding.put_batch(a, mesh) for a in (inputs, targets, weights)))
         if idx is batches[0][0]:  # traced once: a layer reported quantized whose op never ran is named now
             check_executed(model)
-        out[idx] = np.asarray(sums)[: len(idx)]
-        is_greedy[idx] = np.asarray(top)[: len(idx)]
+        out[idx] = sharding.to_host(sums)[: len(idx)]
+        is_greedy[idx] = sharding.to_host(top)[: len(idx)]
         if bar is not None:
             bar.update(sum(len(requests[i].tokens) - 1 for i in idx))
             bar.set_postfix_str(f"{bar.n / (time.perf_counter() - t0):.0f} tok/s")
@@ -318,12 +324,14 @@ def budget_docs(tokenizer: Any, docs: Iterable[str], max_tokens: int | None = No
 
 def perplexity(model: nnx.Module, tokenizer: Any, docs: Iterable[str], *, name: str = "text",
                max_tokens: int | None = None, max_length: int = 512, stride: int | None = None,
-               batch_size: int = 8, prefix_token: int | None = None, progress: bool = False) -> TextScore:
+               batch_size: int = 8, prefix_token: int | None = None, progress: bool = False,
+               mesh: jax.sharding.Mesh | None = None) -> TextScore:
     """Rolling-window token, word and byte perplexity of documents (module docstring).
 
     ``max_tokens`` caps the tokens scored (`budget_docs`: documents in order, the last one cut to fit, its text then
     the decoded kept tokens, so words and bytes count exactly what was scored). ``stride`` defaults to
     ``max_length`` (lm-eval's disjoint windows). ``prefix_token`` defaults to the tokenizer's BOS id, else its EOS id.
+    ``mesh``: a sharded model's mesh (`score_requests`).
     """
     stride = max_length if stride is None else stride
     if max_length > model.config.max_seq_len:
@@ -341,7 +349,7 @@ def perplexity(model: nnx.Module, tokenizer: Any, docs: Iterable[str], *, name: 
         n_bytes += len(doc.encode("utf-8"))
     if not requests:
         raise ValueError(f"text {name!r} has no tokens to score")
-    ll, stats = score_requests(model, requests, batch_size=batch_size, progress=progress, desc=name)
+    ll, stats = score_requests(model, requests, batch_size=batch_size, progress=progress, desc=name, mesh=mesh)
     return TextScore(name, n_docs, n_tok, n_words, n_bytes, float(ll.sum()), stats["seconds"], stats["tokens_per_s"])
 
 
@@ -409,10 +417,12 @@ def choice_requests(tokenizer: Any, items: Sequence[ChoiceItem], *, max_length: 
 
 
 def score_choices(model: nnx.Module, tokenizer: Any, items: Sequence[ChoiceItem], *, max_length: int = 512,
-                  batch_size: int = 16, progress: bool = False) -> dict[str, float]:
+                  batch_size: int = 16, progress: bool = False, mesh: jax.sharding.Mesh | None = None
+                  ) -> dict[str, float]:
     """Multiple-choice accuracy: ``acc`` by total log-likelihood of the choice's tokens, ``acc_norm`` by
     log-likelihood per UTF-8 byte of the choice (lm-eval's length normalisation); ``items``, ``seconds`` and
-    ``tokens_per_s`` too. Every item must have the same number of choices."""
+    ``tokens_per_s`` too. Every item must have the same number of choices. ``mesh``: a sharded model's mesh
+    (`score_requests`)."""
     items = list(items)
     if not items:
         raise ValueError("score_choices needs at least one ChoiceItem")
@@ -420,7 +430,7 @@ def score_choices(model: nnx.Module, tokenizer: Any, items: Sequence[ChoiceItem]
     if len(n_choices) != 1:
         raise ValueError(f"every item must have the same number of choices; got {sorted(n_choices)}")
     requests = choice_requests(tokenizer, items, max_length=max_length)
-    ll, stats = score_requests(model, requests, batch_size=batch_size, progress=progress, desc="choices")
+    ll, stats = score_requests(model, requests, batch_size=batch_size, progress=progress, desc="choices", mesh=mesh)
     ll = ll.reshape(len(items), n_choices.pop())
     nbytes = np.asarray([[len(c.encode("utf-8")) for c in it.choices] for it in items], np.float64)
     label = np.asarray([it.label for it in items])

@@ -42,6 +42,9 @@ Model arguments (``--model_args k=v,...``; `ARGUMENTS` lists them):
   max_length (the model's max_seq_len), max_gen_toks (256), prefix_token_id (BOS, else EOS),
   seed (0, for sampling), progress (false); stride (default max_length: lm-eval's disjoint rolling windows; less
   gives every later window ``max_length - stride`` tokens of extra context, which lm-eval's own backends do not)
+  mesh             a device mesh, e.g. ``fsdp=4,tensor=2`` (`jaxlowfp.sharding.make_mesh`; in process also a
+                   `jax.sharding.Mesh` the model= is on): ``pretrained`` loads straight into its shards
+                   (`jaxlowfp.sharding.llama_rules`), batches and the KV cache are sharded; not with ``ptq``
   device, max_batch_size, trust_remote_code: accepted from lm-eval's command line and unused (JAX places the
   computation on its default backend).
 
@@ -190,7 +193,7 @@ ARGUMENTS: dict[str, Any] = {
     "ptq": "none", "ptq_scheme": "nvfp4-mse", "ptq_layers": PTQ_LAYERS, "weights_only": False, "calibration": None,
     "calib_seqs": 8, "calib_len": 256,
     "batch_size": 8, "max_batch_tokens": 32768, "max_length": None, "stride": None, "max_gen_toks": 256,
-    "prefix_token_id": None, "seed": 0, "progress": False,
+    "prefix_token_id": None, "seed": 0, "progress": False, "mesh": None,
     "device": None, "max_batch_size": None, "trust_remote_code": None,
 }
 
@@ -230,6 +233,12 @@ class JaxLowFPLM(TemplateLM):
         self._max_gen_toks = _positive_int(a["max_gen_toks"], "max_gen_toks")
         self.seed = int(a["seed"])
         self.progress = bool(a["progress"])
+        from jaxlowfp import sharding
+
+        self.mesh = sharding.make_mesh(a["mesh"]) if isinstance(a["mesh"], str) else a["mesh"]
+        if self.mesh is not None and a["ptq"] != "none":
+            raise ValueError("mesh= with ptq= is not supported yet (PTQ runs on one device); quantize, export, then "
+                             "evaluate the export with ptq_export= on the mesh")
 
         if a["model"] is not None:
             if isinstance(a["model"], str):
@@ -247,7 +256,7 @@ class JaxLowFPLM(TemplateLM):
         else:
             from jaxlowfp.models import load
 
-            self.model, self.tokenizer = load(pretrained, dtype=a["dtype"])
+            self.model, self.tokenizer = load(pretrained, dtype=a["dtype"], mesh=self.mesh)
             self.source = str(pretrained)
         cfg = self.model.config
         self._max_length = cfg.max_seq_len if a["max_length"] is None else _positive_int(a["max_length"],
@@ -287,6 +296,8 @@ class JaxLowFPLM(TemplateLM):
                        calib_len=_positive_int(a["calib_len"], "calib_len"), act_scale=a["act_scale"])
             notes.append(f"PTQ {res.method} to {a['ptq_scheme']} of {len(res.schemes)} layers, activation scale: "
                          f"{res.activation_scale or 'none (weights only)'}")
+        if self.mesh is not None and notes:  # the quantized layers' new variables: onto the mesh (replicated)
+            sharding.shard_model(self.model, self.mesh, sharding.llama_rules())
         self.quantization = "; ".join(notes) or "none"
         self._warned_truncation = False
         self.calls: list[dict[str, Any]] = []
@@ -340,7 +351,7 @@ class JaxLowFPLM(TemplateLM):
 
     def _score(self, requests: list, kind: str, greedy: bool) -> tuple:
         out = score_requests(self.model, requests, batch_size=self._batch_size, progress=self.progress, desc=kind,
-                             greedy=greedy, max_batch_tokens=self.max_batch_tokens)
+                             greedy=greedy, max_batch_tokens=self.max_batch_tokens, mesh=self.mesh)
         stats = out[-1]
         self.calls.append({"kind": kind, "requests": len(requests), "tokens": stats["tokens"],
                            "scored": stats["scored"], "log_likelihood": float(np.sum(out[0])),
@@ -443,7 +454,7 @@ class JaxLowFPLM(TemplateLM):
                 outs = generate(self.model, batch, max_new_tokens=max_new, temperature=temperature,
                                 top_k=None if top_k is None else _positive_int(top_k, "top_k"),
                                 eos_id=self.eot_token_id, seed=self.seed + b, stop=stop,
-                                pad_to=pad_to)
+                                pad_to=pad_to, mesh=self.mesh)
                 for i, new in zip(rows, outs):
                     new_tokens += len(new)
                     if new and new[-1] == self.eot_token_id:

@@ -22,6 +22,7 @@ FLOORS = {
     "jaxlowfp.formats": 1,
     "jaxlowfp.hadamard": 1,
     "jaxlowfp.rules": 1,
+    "jaxlowfp.sharding": 1,  # meshes and PartitionSpec rules (jax.sharding only), used by models and the app
     "jaxlowfp.nvfp4": 2,
     "jaxlowfp.if4": 2,  # IF3 / IF4 / IF6 adaptive block formats, beside nvfp4
     "jaxlowfp.mx": 2,

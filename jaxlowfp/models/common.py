@@ -1,11 +1,18 @@
 """What both checkpoint loaders share: the error type, the tokenizer wrapper, the tensor-name table and the step
-that turns named arrays into a `jaxlowfp.models.llama.Llama` without ever initialising a parameter at random."""
+that turns named arrays into a `jaxlowfp.models.llama.Llama` without ever initialising a parameter at random.
+
+Streaming: a loader hands `build_model` each tensor as a `LazyTensor` (its shape and a function that reads any
+slice of it), so with a ``mesh`` every parameter is built straight into its shards (`jax.device_put` of each
+device's slice, `jax.make_array_from_single_device_arrays`): each device's slice is read from the file on its own
+(safetensors ``get_slice``, GGUF rows and blocks of a numpy memmap), and the host holds one slice at a time beyond
+what the devices hold."""
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -15,7 +22,7 @@ from jaxlowfp.models.llama import Llama, ModelConfig
 if TYPE_CHECKING:
     import tokenizers
 
-__all__ = ["CheckpointError", "TensorSpec", "Tokenizer", "build_model", "tensor_specs"]
+__all__ = ["CheckpointError", "LazyTensor", "TensorSpec", "Tokenizer", "build_model", "tensor_specs"]
 
 
 class CheckpointError(ValueError):
@@ -125,30 +132,103 @@ def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
     return specs
 
 
-def build_model(config: ModelConfig, fetch: Callable[[TensorSpec], tuple[np.ndarray, str]], source: str | Path,
-                *, model_class: type[Llama] = Llama, specs: Sequence[TensorSpec] | None = None) -> Llama:
+Index = tuple[slice, ...]  # one slice(start, stop) per dimension, explicit bounds, step 1
+
+
+@dataclasses.dataclass(frozen=True)
+class LazyTensor:
+    """A checkpoint tensor read on demand: ``shape`` in checkpoint layout, ``where`` (``"<file>: tensor <name>"``)
+    for messages, and ``read(index)``, the float32 values of ``index`` (`Index`, checkpoint layout)."""
+
+    shape: tuple[int, ...]
+    where: str
+    read: Callable[[Index], np.ndarray]
+
+    @classmethod
+    def of(cls, array: Any, where: str) -> "LazyTensor":
+        """A tensor already in memory (e.g. decoded from packed NVFP4 codes)."""
+        array = np.asarray(array)
+        return cls(tuple(array.shape), where, lambda index: array[index])
+
+
+def _bounds(index: Any, shape: Sequence[int]) -> Index:
+    """`jax.make_array_from_callback`'s index (slices, possibly open) as explicit ``slice(start, stop)``."""
+    out = []
+    for s, n in zip(tuple(index) + (slice(None),) * (len(shape) - len(tuple(index))), shape):
+        start, stop, step = s.indices(n)
+        if step != 1:
+            raise AssertionError(f"a shard index with step {step}")
+        out.append(slice(start, stop))
+    return tuple(out)
+
+
+def build_model(config: ModelConfig, fetch: Callable[[TensorSpec], LazyTensor | tuple[np.ndarray, str]],
+                source: str | Path, *, mesh: jax.sharding.Mesh | None = None, rules: Any = None,
+                model_class: type[Llama] = Llama, specs: Sequence[TensorSpec] | None = None) -> Llama:
     """``model_class(config)`` with every parameter taken from the checkpoint (``specs``: the tensor table,
     default `tensor_specs`).
 
-    ``fetch(spec)`` returns the array in checkpoint layout and where it came from (``"<file>: tensor <name>"``;
-    it raises `CheckpointError` when the tensor is missing). Shapes are checked against the config and values must
+    ``fetch(spec)`` returns the tensor in checkpoint layout as a `LazyTensor` (or an ``(array, where)`` pair; it
+    raises `CheckpointError` when the tensor is missing). Shapes are checked against the config and values must
     be finite; the model is built abstractly first, so a parameter the checkpoint does not provide is an error,
     never a random initialisation.
+
+    ``mesh``: every parameter is placed by ``rules`` (`jaxlowfp.sharding.ShardRule`s; default
+    `jaxlowfp.sharding.llama_rules`), each device's shard read by itself (`_put_shards`), so no device and no
+    host ever holds a whole sharded tensor. The values are those of the unsharded load, bit for bit.
     """
     model = nnx.eval_shape(lambda: model_class(config, rngs=nnx.Rngs(0)))
     variables = {"/".join(map(str, p)): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)}
     specs = {s.path: s for s in (tensor_specs(config) if specs is None else specs)}
     if set(variables) != set(specs):  # the name table and the model disagree: a bug here, not in the file
         raise AssertionError(f"tensor table out of date: {sorted(set(variables) ^ set(specs))}")
+    shardings = None
+    if mesh is not None:
+        from jaxlowfp import sharding
+
+        shardings = sharding.model_shardings(model, mesh, sharding.llama_rules() if rules is None else rules)
+    elif rules is not None:
+        raise ValueError("rules= places parameters on a mesh; pass mesh= too (jaxlowfp.sharding.make_mesh)")
     pdt = jnp.dtype(config.param_dtype)
     for path, var in variables.items():
         spec = specs[path]
-        array, where = fetch(spec)
-        array = np.asarray(array)
+        tensor = fetch(spec)
+        if not isinstance(tensor, LazyTensor):
+            tensor = LazyTensor.of(*tensor)
+        # transposed tensors swap their last two axes (a [E, K, N] expert weight keeps its expert axis first)
         want = (*var.shape[:-2], var.shape[-1], var.shape[-2]) if spec.transpose else tuple(var.shape)
-        if array.shape != want:
-            raise CheckpointError(f"{where} has shape {array.shape}; the model config ({source}) needs {want}")
-        if not np.isfinite(array).all():
-            raise CheckpointError(f"{where} has non-finite values")
-        var.set_value(jnp.asarray(np.swapaxes(array, -1, -2) if spec.transpose else array, pdt))
+        if tuple(tensor.shape) != want:
+            raise CheckpointError(f"{tensor.where} has shape {tuple(tensor.shape)}; the model config ({source}) "
+                                  f"needs {want}")
+        if shardings is None:
+            array = np.asarray(tensor.read(_bounds((), want)))
+            if not np.isfinite(array).all():
+                raise CheckpointError(f"{tensor.where} has non-finite values")
+            var.set_value(jnp.asarray(np.swapaxes(array, -1, -2) if spec.transpose else array, pdt))
+            continue
+
+        def shard(index: Any, tensor: LazyTensor = tensor, transpose: bool = spec.transpose,
+                  shape: tuple[int, ...] = tuple(var.shape)) -> np.ndarray:
+            index = _bounds(index, shape)
+            part = np.asarray(tensor.read((*index[:-2], index[-1], index[-2]) if transpose else index))
+            if not np.isfinite(part).all():
+                raise CheckpointError(f"{tensor.where} has non-finite values")
+            # round to nearest even, as jnp.asarray(x, pdt)
+            return (np.swapaxes(part, -1, -2) if transpose else part).astype(pdt)
+
+        var.set_value(_put_shards(tuple(var.shape), shardings[path], shard))
     return model
+
+
+def _put_shards(shape: tuple[int, ...], sharding: jax.sharding.Sharding, read: Callable[[Any], np.ndarray]
+                ) -> jax.Array:
+    """`jax.make_array_from_callback`, one device at a time: each shard is read, put on its device and dropped
+    before the next is read (``make_array_from_callback`` reads every addressable shard first, so the host would
+    hold the whole tensor at once on a one-host mesh). Shards with the same index (replicas) are read once."""
+    arrays, last = [], (None, None)
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        key = tuple((s.start, s.stop) for s in _bounds(index, shape))
+        if key != last[0]:
+            last = (key, read(index))
+        arrays.append(jax.device_put(last[1], device))
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)

@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from jaxlowfp._core.checks import optional_module
-from jaxlowfp.models.common import CheckpointError, TensorSpec, Tokenizer, build_model, tensor_specs
+from jaxlowfp.models.common import (CheckpointError, LazyTensor, TensorSpec, Tokenizer, build_model,
+                                    tensor_specs)
 from jaxlowfp.models.llama import Llama, ModelConfig
 
 tokenizers = optional_module("tokenizers", extra="models", feature="loading a GGUF checkpoint")
@@ -129,19 +130,53 @@ def config_fields(reader: Any, path: Path, arch: str) -> dict[str, Any]:
     )
 
 
-def _dequantize(tensor: Any, path: Path) -> np.ndarray:
-    """float32 values of a GGUF tensor in ``[out, in]`` (numpy) order."""
-    shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
+def _shape(tensor: Any) -> tuple[int, ...]:
+    return tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
+
+
+def _read(tensor: Any, path: Path, index: tuple[slice, ...]) -> np.ndarray:
+    """float32 values of ``index`` (slices over the ``[out, in]`` numpy order) of a GGUF tensor.
+
+    The reader's ``tensor.data`` is a numpy memmap of the file, rows of the last dimension stored as blocks of
+    ``block`` values in ``type_size`` bytes (F32: 1 value in 4 bytes; Q4_1: 32 in 20): only the rows of ``index``
+    and the blocks covering its last-dimension range are read and dequantized (``gguf.quants.dequantize``).
+    """
+    shape = _shape(tensor)
+    block, type_size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+    raw = tensor.data.view(np.uint8)  # [..., bytes per row]
+    if shape[-1] % block or raw.shape != (*shape[:-1], shape[-1] // block * type_size):
+        raise CheckpointError(f"{path}: tensor {tensor.name} holds {raw.size} bytes for shape {shape} of type "
+                              f"{tensor.tensor_type.name} (truncated file?)")
+    cols = index[-1]
+    b0, b1 = cols.start // block, -(-cols.stop // block)
+    part = np.ascontiguousarray(raw[(*index[:-1], slice(b0 * type_size, b1 * type_size))])
     try:
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        values = gguf.quants.dequantize(part, tensor.tensor_type)
     except NotImplementedError as e:
         raise CheckpointError(f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which the gguf "
                               f"package cannot dequantize: {e}") from e
-    values = np.asarray(values, np.float32)
-    if values.size != int(np.prod(shape)):
-        raise CheckpointError(f"{path}: tensor {tensor.name} holds {values.size} values for shape {shape} "
-                              "(truncated file?)")
-    return values.reshape(shape)
+    return np.asarray(values, np.float32)[..., cols.start - b0 * block: cols.stop - b0 * block]
+
+
+def _dequantize(tensor: Any, path: Path) -> np.ndarray:
+    """float32 values of a whole GGUF tensor in ``[out, in]`` (numpy) order."""
+    return _read(tensor, path, tuple(slice(0, n) for n in _shape(tensor)))
+
+
+def _lazy(tensor: Any, path: Path, rope_heads: int | None) -> LazyTensor:
+    """The tensor as a `LazyTensor`; ``rope_heads``: undo the converter's q/k row permutation of that many heads
+    (a slice of rows reads the whole heads that cover it, whose rows the permutation only moves among each other)."""
+    where, shape = f"{path}: tensor {tensor.name}", _shape(tensor)
+    if rope_heads is None:
+        return LazyTensor(shape, where, lambda index: _read(tensor, path, index))
+    rows = shape[0] // rope_heads
+
+    def read(index: tuple[slice, ...]) -> np.ndarray:
+        h0, h1 = index[0].start // rows, -(-index[0].stop // rows)
+        w = unpermute_rope_rows(_read(tensor, path, (slice(h0 * rows, h1 * rows), *index[1:])), h1 - h0)
+        return w[index[0].start - h0 * rows: index[0].stop - h0 * rows]
+
+    return LazyTensor(shape, where, read)
 
 
 def read_tokenizer(reader: Any, path: Path) -> Tokenizer:
@@ -201,9 +236,10 @@ def read_tensor(names: dict[str, Any], spec: TensorSpec, path: Path, config: Mod
     return w, where
 
 
-def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "float32"
-              ) -> tuple[Llama, Tokenizer]:
-    """`Llama` (weights dequantized to ``param_dtype``) and `Tokenizer` of a GGUF file."""
+def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "float32", mesh: Any = None,
+              rules: Any = None) -> tuple[Llama, Tokenizer]:
+    """`Llama` (weights dequantized to ``param_dtype``) and `Tokenizer` of a GGUF file; with ``mesh``, every
+    parameter is read slice by slice into its shards (`jaxlowfp.models.common.build_model`, ``rules`` as there)."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such GGUF file")
@@ -214,13 +250,22 @@ def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "f
     names = {t.name: t for t in reader.tensors}
     permuted = ARCHITECTURES[_field(reader, "general.architecture", path)]
 
-    def fetch(spec: TensorSpec) -> tuple[np.ndarray, str]:
-        return read_tensor(names, spec, path, config, permuted)
+    def fetch(spec: TensorSpec) -> LazyTensor:
+        where = f"{path}: tensor {spec.gguf}"
+        if spec.gguf not in names:
+            raise CheckpointError(f"{where} is missing")
+        tensor, heads = names[spec.gguf], None
+        if permuted and spec.rope is not None:
+            heads = config.n_heads if spec.rope == "q" else config.n_kv_heads
+            if _shape(tensor)[0] != heads * config.head_dim:
+                raise CheckpointError(f"{where} has {_shape(tensor)[0]} rows; {heads} heads x {config.head_dim} "
+                                      "expected")
+        return _lazy(tensor, path, heads)
 
     used = {s.gguf for s in tensor_specs(config)} | {"rope_freqs.weight"}
     extra = sorted(set(names) - used)
     if extra:
         raise CheckpointError(f"{path}: tensors this model class does not have: {', '.join(extra[:5])}"
                               f"{' ...' if len(extra) > 5 else ''} (an unsupported architecture variant?)")
-    return build_model(config, fetch, path), tokenizer
+    return build_model(config, fetch, path, mesh=mesh, rules=rules), tokenizer
 

@@ -15,7 +15,8 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from jaxlowfp._core.checks import optional_module
-from jaxlowfp.models.common import CheckpointError, TensorSpec, Tokenizer, build_model, tensor_specs
+from jaxlowfp.models.common import (CheckpointError, LazyTensor, TensorSpec, Tokenizer, build_model,
+                                    tensor_specs)
 from jaxlowfp.models.llama import Llama, ModelConfig, llama3_rope_factors
 
 tokenizers = optional_module("tokenizers", extra="models", feature="loading a Hugging Face checkpoint")
@@ -171,9 +172,10 @@ def _open(f: Path) -> Any:
         raise CheckpointError(f"{f}: not a readable safetensors file (truncated or corrupt?): {e}") from e
 
 
-def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str = "float32"
-            ) -> tuple[Llama, Tokenizer]:
-    """`Llama` and `Tokenizer` of a Hugging Face checkpoint directory."""
+def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str = "float32", mesh: Any = None,
+            rules: Any = None) -> tuple[Llama, Tokenizer]:
+    """`Llama` and `Tokenizer` of a Hugging Face checkpoint directory; with ``mesh``, every parameter is read
+    slice by slice into its shards (`jaxlowfp.models.common.build_model`, ``rules`` as there)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a directory")
@@ -193,7 +195,7 @@ def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str =
                               f"{' ...' if len(extra) > 5 else ''} (an unsupported architecture variant?)")
     handles: dict[Path, Any] = {}
 
-    def fetch(spec: TensorSpec) -> tuple[np.ndarray, str]:
+    def fetch(spec: TensorSpec) -> LazyTensor:
         f = files.get(spec.hf)
         if f is None:
             raise CheckpointError(f"{directory}: tensor {spec.hf} is missing (looked in "
@@ -202,10 +204,18 @@ def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str =
         if f not in handles:
             handles[f] = stack.enter_context(_open(f))
         try:
-            array = handles[f].get_tensor(spec.hf)
+            part = handles[f].get_slice(spec.hf)  # reads the header only; part[index] reads that slice
+            shape = tuple(int(n) for n in part.get_shape())
         except (SafetensorError, OSError, KeyError) as e:
             raise CheckpointError(f"{where} cannot be read (truncated file or wrong index?): {e}") from e
-        return np.asarray(array, np.float32), where
+
+        def read(index: tuple[slice, ...]) -> np.ndarray:
+            try:
+                return np.asarray(part[index] if index else part[...], np.float32)
+            except (SafetensorError, OSError, KeyError) as e:
+                raise CheckpointError(f"{where} cannot be read (truncated file or wrong index?): {e}") from e
+
+        return LazyTensor(shape, where, read)
 
     with contextlib.ExitStack() as stack:  # closes the shard files
-        return build_model(config, fetch, directory / "config.json"), tokenizer
+        return build_model(config, fetch, directory / "config.json", mesh=mesh, rules=rules), tokenizer

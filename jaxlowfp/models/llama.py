@@ -36,6 +36,7 @@ __all__ = [
     "PRESETS",
     "KVCache",
     "Llama",
+    "cache_shardings",
     "ModelConfig",
     "compute_dtype_for_backend",
     "generate",
@@ -289,6 +290,22 @@ class KVCache(NamedTuple):
         shape = (batch, capacity, config.n_kv_heads, config.head_dim)
         k, v = (tuple(jnp.zeros(shape, dt) for _ in range(config.n_layers)) for _ in range(2))  # distinct buffers
         return cls(k, v, jnp.zeros((batch, capacity), jnp.bool_), jnp.zeros((), jnp.int32))
+
+
+def cache_shardings(config: ModelConfig, mesh: jax.sharding.Mesh, batch: int) -> KVCache:
+    """Where a `KVCache` of ``batch`` rows lives on ``mesh``: keys and values ``[B, S, K, D]`` with their rows over
+    the data axes (`jaxlowfp.sharding.rows_sharding`: when they divide ``batch``) and their key/value heads over
+    ``tensor`` (when it divides ``n_kv_heads``: the heads that the tensor-parallel k/v projections compute on each
+    device); ``valid`` by rows, ``index`` replicated."""
+    from jaxlowfp import sharding
+
+    rows = sharding.rows_sharding(mesh, batch).spec
+    row = rows[0] if len(rows) else None
+    tensor = mesh.shape.get("tensor", 1)
+    heads = "tensor" if tensor > 1 and config.n_kv_heads % tensor == 0 else None
+    kv = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(row, None, heads, None))
+    return KVCache((kv,) * config.n_layers, (kv,) * config.n_layers,
+                   jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(row)), sharding.replicated(mesh))
 
 
 class Attention(nnx.Module):
@@ -573,6 +590,7 @@ def generate(
     seed: int = 0,
     stop: Callable[[int, list[int]], bool] | None = None,
     pad_to: int | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> list[list[int]]:
     """Continue each prompt (a list of token ids) by up to ``max_new_tokens`` tokens with a `KVCache`.
 
@@ -582,7 +600,8 @@ def generate(
     (included), or when ``stop(row, new_tokens)``, asked after each new token of a row, returns True (e.g. a stop
     string appeared in the decoded text). ``pad_to`` left-pads to at least that many prompt tokens, so batches of
     different prompt lengths share one compiled shape. Returns the new tokens of every prompt. Never changes the
-    model.
+    model. ``mesh``: the model's parameters are on it (`jaxlowfp.models.load(..., mesh=...)`); the prompt rows and
+    the KV cache are sharded (`cache_shardings`).
     """
     _check_int(max_new_tokens, "max_new_tokens")
     if pad_to is not None:
@@ -610,6 +629,12 @@ def generate(
         mask[i, p - len(r):] = True
     graphdef, state = nnx.split(model)
     cache = KVCache.init(model.config, len(rows), capacity)
+    if mesh is not None:
+        from jaxlowfp import sharding
+
+        sharding.check_on_mesh(state, mesh)
+        cache = sharding.shard(cache, cache_shardings(model.config, mesh, len(rows)))
+        tokens, mask = sharding.put_batch(tokens, mesh), sharding.put_batch(mask, mesh)
     keys = jax.random.split(jax.random.key(seed), max_new_tokens)
     temp = jnp.float32(temperature)
     nxt, cache = _generate_step(graphdef, state, jnp.asarray(tokens), jnp.asarray(mask), cache, keys[0], temp,
@@ -617,8 +642,11 @@ def generate(
     out: list[list[int]] = [[] for _ in rows]
     done = np.zeros(len(rows), bool)
     ones = jnp.ones((len(rows), 1), jnp.bool_)
+    to_host = np.asarray
+    if mesh is not None:
+        to_host = sharding.to_host  # gathers the rows of a multi-process mesh
     for step in range(max_new_tokens):
-        host = np.asarray(nxt)
+        host = to_host(nxt)
         for i in np.flatnonzero(~done):
             out[i].append(int(host[i]))
             done[i] |= (eos_id is not None and int(host[i]) == eos_id) or (stop is not None and bool(stop(i, out[i])))

@@ -28,6 +28,7 @@ import json
 import re
 import struct
 from pathlib import Path
+from typing import Any
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -141,10 +142,11 @@ def _decode_modelopt(codes: np.ndarray, scales: np.ndarray, scale2: np.ndarray) 
     return (qs * np.float32(scale2.reshape(-1)[0])).reshape(out, half * 2)
 
 
-def load_quantized(directory: str | Path, *, dtype: str = "float32", param_dtype: str = "float32"
-                   ) -> tuple[Llama, Tokenizer]:
+def load_quantized(directory: str | Path, *, dtype: str = "float32", param_dtype: str = "float32",
+                   mesh: Any = None, rules: Any = None) -> tuple[Llama, Tokenizer]:
     """`Llama` (weights decoded exactly, W4A4 activation quantizers set) and `Tokenizer` of a compressed-tensors
-    or ModelOpt NVFP4 directory (module docstring)."""
+    or ModelOpt NVFP4 directory (module docstring); ``mesh``, ``rules``: placed as `build_model` places them
+    (each tensor decoded whole on the host, then sharded)."""
     from jaxlowfp.models import hf_loader  # needs the jaxlowfp[models] extra
 
     directory = Path(directory)
@@ -218,7 +220,7 @@ def load_quantized(directory: str | Path, *, dtype: str = "float32", param_dtype
                 acts[spec.path.rsplit("/", 1)[0]] = float(np.float32(1.0) / np.float32(a))
         return w, where
 
-    model = build_model(config, fetch, directory / "config.json")
+    model = build_model(config, fetch, directory / "config.json", mesh=mesh, rules=rules)
     leftover = sorted(n for n in files if n not in used and not n.endswith(("rotary_emb.inv_freq", "input_scale",
                                                                               "input_global_scale", "k_scale",
                                                                               "v_scale"))

@@ -388,7 +388,10 @@ def _quantize_weights(mods: Mapping[str, Any], m: Method, targets: Mapping[str, 
             qw = serving.ct_weight(kernel, sch.weight, shared.get(path))
         else:
             qw = rtn_weight(kernel, sch.weight, shared.get(path))
-        mod.kernel.set_value(view.from_matrix(qw.kernel).astype(mod.kernel[...].dtype))
+        old = mod.kernel[...]
+        new = view.from_matrix(qw.kernel).astype(old.dtype)
+        # a kernel on a mesh (jaxlowfp.sharding) keeps its placement: the quantized values go back into its shards
+        mod.kernel.set_value(jax.device_put(new, old.sharding) if isinstance(old, jax.Array) else new)
         if qw.packed is not None:
             packed[path] = (qw.packed, qw.s_enc)
         if sch.activation is not None:

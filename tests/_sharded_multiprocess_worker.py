@@ -1,0 +1,64 @@
+"""One process of the two-process sharded load + evaluation that tests/test_sharded_multiprocess.py runs.
+
+    python tests/_sharded_multiprocess_worker.py --devices N --gguf FILE --result FILE
+
+With ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` set it joins the `jax.distributed`
+job (gloo CPU collectives) with its ``--devices`` CPU devices, builds the ``fsdp=2,tensor=2`` mesh over the global
+devices, loads the GGUF file into it (`jaxlowfp.models.load(..., mesh=...)`: each process reads only the shards of
+its own devices), and writes to ``FILE`` (npz): whether every local shard equals the same slice of this process's
+unsharded load (integer-exact), the local devices' bytes, the perplexity log-likelihood and the greedy tokens of
+`jaxlowfp.models.generate` under the mesh.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+
+import jax  # noqa: E402
+
+DOCS = ["The quick brown fox jumps over the lazy dog. " * 3, "hello world, hello jax", "sharded models agree " * 4]
+PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [14]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--devices", type=int, required=True)
+    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--result", required=True)
+    a = ap.parse_args()
+    jax.config.update("jax_num_cpu_devices", a.devices)
+    jax.config.update("jax_numpy_dtype_promotion", "strict")
+    jax.config.update("jax_numpy_rank_promotion", "raise")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+    from jaxlowfp import evaluation, sharding
+
+    sharding.initialize_distributed()
+    import numpy as np
+
+    from jaxlowfp.models import generate, load
+
+    mesh = sharding.make_mesh("fsdp=2,tensor=2")
+    ref, tok = load(a.gguf)  # this process's unsharded copy, on its first device
+    model, _ = load(a.gguf, mesh=mesh)
+    want = {p: np.asarray(v.get_value()) for p, v in sharding.variable_paths(ref).items()}
+    equal, local = True, 0
+    for p, v in sharding.variable_paths(model).items():
+        x = v.get_value()
+        for s in x.addressable_shards:
+            equal &= np.array_equal(np.asarray(s.data).view(np.uint32), want[p][s.index].view(np.uint32))
+            local += s.data.nbytes
+    score = evaluation.perplexity(model, tok, DOCS, max_length=32, batch_size=4, mesh=mesh)
+    tokens = generate(model, PROMPTS, max_new_tokens=6, mesh=mesh)
+    np.savez(a.result, equal=equal, local_bytes=local, local_devices=len(jax.local_devices()),
+             processes=jax.process_count(), ll=score.log_likelihood, tokens=np.asarray(tokens),
+             total_bytes=sum(w.nbytes for w in want.values()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Two real processes (`jax.distributed`, gloo CPU collectives, two CPU devices each) load the tiny Q8_0 GGUF Llama of
+tests/test_sharding.py into one ``fsdp=2,tensor=2`` mesh over their four devices, each reading only its own devices'
+shards, then compute a rolling-window perplexity and greedy continuations under the mesh
+(tests/_sharded_multiprocess_worker.py). Every local shard equals the same slice of the unsharded load bit for bit,
+each process holds about half of the parameters, and both processes' log-likelihood and tokens agree with each
+other and with one device in this process (within float32 rounding: tests/test_sharded_eval.py says why)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from test_multiprocess import _free_port, _kill, _wait
+from test_sharded_eval import _ATOL_PER_TOKEN, _near_greedy
+from test_sharding import _write
+from jaxlowfp import evaluation
+from jaxlowfp.models import generate, load
+
+WORKER = Path(__file__).with_name("_sharded_multiprocess_worker.py")
+ROOT = WORKER.parents[1]
+sys.path.insert(0, str(WORKER.parent))
+from _sharded_multiprocess_worker import DOCS, PROMPTS  # noqa: E402
+
+
+@pytest.mark.slow
+def test_two_processes_load_their_shards_and_evaluate_as_one_device(tmp_path):
+    path = _write(tmp_path, "gguf-q8_0")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS"))}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), JAX_COORDINATOR_ADDRESS=f"localhost:{_free_port()}",
+               JAX_NUM_PROCESSES="2")
+    procs = []
+    try:
+        for i in range(2):
+            result, log = tmp_path / f"r{i}.npz", tmp_path / f"log{i}"
+            with log.open("w") as f:
+                procs.append((subprocess.Popen([sys.executable, str(WORKER), "--devices", "2", "--gguf", str(path),
+                                                "--result", str(result)], cwd=ROOT,
+                                               env={**env, "JAX_PROCESS_ID": str(i)}, stdout=f,
+                                               stderr=subprocess.STDOUT), result, log))
+        res = _wait(procs, "sharded load + evaluation pair")
+    finally:
+        _kill(procs)
+    for r in res:
+        assert int(r["processes"]) == 2 and int(r["local_devices"]) == 2
+        assert bool(r["equal"])  # every local shard: the unsharded load's slice, integer-exact
+        assert 0.45 * int(r["total_bytes"]) < int(r["local_bytes"]) < 0.55 * int(r["total_bytes"])
+    assert float(res[0]["ll"]) == float(res[1]["ll"])  # one global computation, gathered by both
+    np.testing.assert_array_equal(res[0]["tokens"], res[1]["tokens"])
+    ref, tok = load(path)
+    one = evaluation.perplexity(ref, tok, DOCS, max_length=32, batch_size=4)
+    assert abs(float(res[0]["ll"]) - one.log_likelihood) <= _ATOL_PER_TOKEN * one.tokens
+    want = generate(ref, PROMPTS, max_new_tokens=6)
+    for p, g, w in zip(PROMPTS, res[0]["tokens"].tolist(), want):
+        assert g == w or _near_greedy(ref, p, g, tol=1e-4), (p, g, w)
