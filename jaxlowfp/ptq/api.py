@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxlowfp import nvfp4
 from jaxlowfp._core.progress import progress_bar
-from jaxlowfp.ptq import calibrate, sequential, serving, smooth
+from jaxlowfp.ptq import calibrate, checks, sequential, serving, smooth
 from jaxlowfp.ptq.layers import act_quant, default_hook, hook_name, is_act_quant, layout
 from jaxlowfp.ptq.formats import Scheme, rtn_weight
 from jaxlowfp.ptq.gptq import GPTQ, gptq_weight
@@ -193,6 +193,7 @@ def quantize(
         raise ValueError(f"no nnx.Linear layer matches a rule with a scheme (nor an nnx.LinearGeneral or "
                          f"nnx.Einsum; rules: {[r.path for r in rules]}); the model's layers: "
                          f"{names[:12]}{' ...' if len(names) > 12 else ''}")
+    checks.check_model_weights(model, targets)
     if calibration is not None and stats is not None:
         raise ValueError("pass calibration or stats, not both")
     if calibration is None and stats is None and not isinstance(m, RTN):
@@ -228,6 +229,7 @@ def quantize(
     def process(paths: list[str], st: dict[str, calibrate.LayerStats]) -> None:
         """Folds that reach `paths`, then their weights (fused groups: one amax after the folds)."""
         sub = {p: targets[p] for p in paths}
+        checks.check_calibration_inputs(st, sub)
         if isinstance(m, (SmoothQuant, AWQ)):
             st = smooth_model(model, m, [f for f in folds if any(p in sub for p in f.layers)], sub, st,
                               progress=progress)

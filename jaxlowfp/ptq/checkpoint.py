@@ -60,7 +60,7 @@ from jax import lax
 from jaxlowfp import nvfp4
 from jaxlowfp._core import ct_nvfp4
 from jaxlowfp.models.quantized import read_safetensors
-from jaxlowfp.ptq import serving
+from jaxlowfp.ptq import checks, serving
 from jaxlowfp.ptq.api import PTQResult
 from jaxlowfp.ptq.layers import ActQuant, require_linear
 from jaxlowfp.ptq.calibrate import linear_modules
@@ -181,6 +181,26 @@ def _input_global_scale(m: str, amax: float, convention: str) -> np.ndarray:
     return np.asarray(g, np.float32).reshape(1)
 
 
+def check_export_inputs(params: Mapping[str, Any], result: PTQResult, name_of: Callable[[str], str]) -> None:
+    """Before anything is written: every parameter finite (the high-precision ones too: norms, embeddings), and
+    every packed NVFP4 layer with finite block scales, a finite positive global scale and a weight not all zero
+    (an all-zero tensor has no meaningful global scale)."""
+    for path, var in params.items():
+        checks.check_finite_tensor(var[...], f"{name_of(path)} (parameter {path})")
+    for mod_path in result.schemes:
+        if mod_path not in result.packed:
+            continue
+        arr, s_enc = result.packed[mod_path]
+        checks.check_finite_tensor(np.asarray(arr.scales).astype(np.float32), f"{mod_path}: the NVFP4 block scales")
+        s = float(s_enc)
+        if not (np.isfinite(s) and s > 0):
+            raise ValueError(f"{mod_path}: weight_global_scale is {s}; it must be finite and > 0; refusing to export")
+        if not np.any(np.asarray(arr.codes) & 0x77):  # every E2M1 magnitude code 0: the weight is all (+-)zero
+            raise ValueError(f"{mod_path}: the quantized weight is all zero, so its global scale ({s}) means "
+                             f"nothing; refusing to export (keep the layer in high precision: a Rule with "
+                             f"scheme=None)")
+
+
 def _hf_names(model: nnx.Module) -> dict[str, str] | None:
     from jaxlowfp.models import Llama
     from jaxlowfp.models.common import tensor_specs
@@ -215,6 +235,7 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
     params = _params(model)
     linears = linear_modules(model)
     conv = result.convention
+    check_export_inputs(params, result, name_of)
     unfused = serving.vllm_fused_error(serving.name_groups(list(result.schemes)),
                                        {p: float(result.packed[p][1]) for p in result.schemes if p in result.packed})
     if unfused:
