@@ -47,6 +47,7 @@ _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?
 PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     "default": (_GPT2,),
     "gpt2": (_GPT2,),
+    "gpt-2": (_GPT2,),
     "smollm": (r"\p{N}", _GPT2),
     "starcoder": (r"\p{N}", _GPT2),
     "refact": (r"\p{N}", _GPT2),
