@@ -198,3 +198,51 @@ def test_smollm2_tokenizer_is_named_smollm(tmp_path):
     tok = gguf_loader.read_tokenizer(reader, smollm2_135m_path())
     assert reader.fields["tokenizer.ggml.pre"].contents() == "smollm"
     assert gguf_export.pre_tokenizer_name(json.loads(tok.tokenizer.to_str()), "smollm2") == "smollm"
+
+
+def test_source_encoding_is_copied_when_lossless(tmp_path):
+    """A high-precision tensor whose values are exactly what the source file's quantized tensor decodes to (a model
+    loaded from that file) keeps the source's encoding (here Q8_0): lossless and as small; a changed one is F16."""
+    model = Llama(CFG, rngs=nnx.Rngs(0))
+    e = np.asarray(model.embed.embedding[...])
+    q8 = gguf.quants.quantize(e, gguf.GGMLQuantizationType.Q8_0)
+    model.embed.embedding.set_value(jnp.asarray(gguf.quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0)))
+    tj = _tokenizer(tmp_path / "tok")
+    ptq.export_gguf(model, None, tmp_path / "f.gguf", tokenizer_json=tj)
+    r = gguf.GGUFReader(tmp_path / "f.gguf")  # rewrite it with a Q8_0 embedding: the "source" file
+    w = gguf.GGUFWriter(tmp_path / "src.gguf", "llama")
+    for key, field in r.fields.items():
+        if not key.startswith(("GGUF.", "general.architecture", "general.alignment")):
+            vt = field.types[0]
+            w.add_key_value(key, field.contents(), vt, field.types[-1] if vt == gguf.GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        if t.name == "token_embd.weight":
+            w.add_tensor(t.name, q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(t.name, np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(
+                tuple(int(n) for n in reversed(t.shape))))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    rep = ptq.export_gguf(model, None, tmp_path / "a.gguf", source_gguf=tmp_path / "src.gguf")
+    two_d = sum(v.size for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param) and v.ndim == 2)
+    assert rep.types["token_embd.weight"] == "Q8_0" and rep.rounded[1] == two_d - e.size  # not rounded: copied
+    t = {x.name: x for x in gguf.GGUFReader(tmp_path / "a.gguf").tensors}["token_embd.weight"]
+    np.testing.assert_array_equal(gguf.quants.dequantize(t.data, t.tensor_type).reshape(e.shape),
+                                  np.asarray(model.embed.embedding[...]))
+    model.embed.embedding.set_value(model.embed.embedding[...].at[0, 0].add(1e-3))
+    rep = ptq.export_gguf(model, None, tmp_path / "b.gguf", source_gguf=tmp_path / "src.gguf")
+    assert rep.types["token_embd.weight"] == "F16"
+
+
+def test_gguf_nvfp4_is_exact_up_to_the_sign_of_zero(tmp_path):
+    """gguf's NVFP4 dequantizer (its E2M1 table has no negative zero) reads our -0.0 weights as +0.0; every other
+    value is bit for bit ours."""
+    model = Llama(CFG, rngs=nnx.Rngs(0))
+    res = ptq.quantize(model, [ptq.Rule(path=r".*/mlp/\w+_proj", scheme=ptq.scheme("nvfp4-mse", weights_only=True))])
+    ptq.export_gguf(model, res, tmp_path / "a.gguf", tokenizer_json=_tokenizer(tmp_path / "tok"))
+    _, t = _fields(tmp_path / "a.gguf")
+    x = t["blk.0.ffn_up.weight"]
+    w = gguf.quants.dequantize(x.data, x.tensor_type).reshape(64, 64) * np.asarray(t["blk.0.ffn_up.scale"].data)[0]
+    ours = np.asarray(model.blocks[0].mlp.up_proj.kernel[...]).T
+    differ = w.view(np.uint32) != ours.view(np.uint32)
+    assert differ.any() and np.all(ours[differ] == 0) and np.signbit(ours[differ]).all()
+    assert not np.signbit(w[differ]).any()

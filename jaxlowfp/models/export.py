@@ -1,5 +1,6 @@
-"""How a `jaxlowfp.models.Llama` is exported: the export protocol of `jaxlowfp.ptq.protocol` for the Llama
-family (Llama, Mistral, Qwen2, Qwen3), which `Llama.export_tensors` / `Llama.export_config` return.
+"""How a `jaxlowfp.models.Llama` is exported: the export protocol of `jaxlowfp.ptq.protocol` for the Llama family
+(Llama, Mistral, Qwen2, Qwen3), as functions of its `jaxlowfp.models.ModelConfig`, which `Llama.export_tensors` /
+`Llama.export_config` return.
 
 Targets:
 
@@ -15,26 +16,25 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxlowfp.models.common import tensor_specs
-from jaxlowfp.models.llama import ModelConfig
-from jaxlowfp.ptq.protocol import ExportTensor
+from jaxlowfp.models.tensor_names import tensor_specs
+from jaxlowfp._core.export_spec import ExportTensor
 
 __all__ = ["architecture", "export_config", "export_tensors", "hf_config"]
 
 _PERMUTED = {"llama": True, "qwen2": False, "qwen3": False}  # llama.cpp RoPE NORM (adjacent pairs) vs NEOX
 
 
-def architecture(cfg: ModelConfig) -> str:
+def architecture(cfg: Any) -> str:
     """The llama.cpp / Hugging Face family of a config: qwen3 (q/k norm), qwen2 (q/k/v bias) or llama."""
     return "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
 
 
-def _uniform_factor(cfg: ModelConfig) -> float | None:
+def _uniform_factor(cfg: Any) -> float | None:
     f = cfg.rope_freq_factors
     return f[0] if f is not None and len(set(f)) == 1 else None
 
 
-def hf_config(cfg: ModelConfig) -> dict:
+def hf_config(cfg: Any) -> dict:
     """A Hugging Face ``config.json`` for `cfg`. Linear RoPE scaling is written as ``rope_scaling``; per-frequency
     (Llama-3) divisors cannot be: their ``rope_scaling`` parameters are not kept in the config (refused, pass the
     source ``config.json`` as ``model_config``)."""
@@ -56,7 +56,7 @@ def hf_config(cfg: ModelConfig) -> dict:
     return out
 
 
-def export_tensors(cfg: ModelConfig, target: str) -> list[ExportTensor]:
+def export_tensors(cfg: Any, target: str) -> list[ExportTensor]:
     """Every tensor of the ``target`` file for ``Llama(cfg)`` (module docstring)."""
     if target not in ("hf", "gguf"):
         raise ValueError(f"target={target!r} is not supported; allowed: 'hf', 'gguf'")
@@ -79,7 +79,7 @@ def export_tensors(cfg: ModelConfig, target: str) -> list[ExportTensor]:
     return out
 
 
-def export_config(cfg: ModelConfig, target: str) -> dict[str, Any]:
+def export_config(cfg: Any, target: str) -> dict[str, Any]:
     """``config.json`` ("hf") or ``{"architecture", "metadata"}`` ("gguf") for ``Llama(cfg)``."""
     if target == "hf":
         return hf_config(cfg)

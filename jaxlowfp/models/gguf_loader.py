@@ -200,6 +200,9 @@ def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "f
         if spec.gguf not in names:
             raise CheckpointError(f"{where} is missing")
         w = _dequantize(names[spec.gguf], path)
+        scale = names.get(spec.gguf.replace(".weight", ".scale")) if spec.gguf.endswith(".weight") else None
+        if scale is not None:  # NVFP4's per-tensor decode scale (llama.cpp multiplies it into the matmul output)
+            w = w * _dequantize(scale, path).reshape(-1)[0]
         if permuted and spec.rope is not None:
             n = config.n_heads if spec.rope == "q" else config.n_kv_heads
             if w.shape[0] != n * config.head_dim:
@@ -208,6 +211,7 @@ def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "f
         return w, where
 
     used = {s.gguf for s in tensor_specs(config)} | {"rope_freqs.weight"}
+    used |= {n.replace(".weight", ".scale") for n in used if n.endswith(".weight")}
     extra = sorted(set(names) - used)
     if extra:
         raise CheckpointError(f"{path}: tensors this model class does not have: {', '.join(extra[:5])}"

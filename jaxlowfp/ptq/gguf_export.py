@@ -17,7 +17,10 @@ so the weights llama.cpp computes with are ``(q * s) * S_dec``, ours bit for bit
 the sign of zero: a -0.0 weight reads back as +0.0 where its code is the negative zero). Four Over Six only chooses
 each block's E4M3 scale: the file needs nothing llama.cpp lacks. Tensors that stay in high precision are written
 as ``dtype`` (F16 by default, as llama.cpp's converter does; BF16 or F32 on request), 1-D tensors (norms, biases,
-``rope_freqs``) always F32; the report counts the values that rounding to ``dtype`` changed.
+``rope_freqs``) always F32; the report counts the values that rounding to ``dtype`` changed. With a
+``source_gguf``, a high-precision tensor whose values are exactly what the source's quantized tensor decodes to
+(a model loaded from that file and not changed there, e.g. SmolLM2's Q4_1 embedding) is copied in the source's
+encoding: lossless and as small as the source.
 
 Refused (nothing is written): a NaN / Inf in any tensor (or one that overflows ``dtype``); a W4A4 result without
 ``weights_only=True`` (GGUF has no activation quantization: llama.cpp would run the layers with high-precision
@@ -181,6 +184,15 @@ def _check_source(reader: Any, source: Path, arch: str, meta: Mapping[str, Any],
     if tokens is not None and vocab_rows is not None and len(tokens.data) != vocab_rows:
         raise ValueError(f"source_gguf {source}: its vocabulary has {len(tokens.data)} tokens, the model's "
                          f"embedding {vocab_rows} rows; llama.cpp refuses such a file")
+
+
+def _same_values(src: Any, w: np.ndarray) -> bool:
+    """Whether a source GGUF tensor decodes (``gguf``'s dequantizer) to exactly `w`, bit for bit."""
+    shape = tuple(int(n) for n in reversed(src.shape))
+    if shape != tuple(w.shape):
+        return False
+    back = np.asarray(_gguf().quants.dequantize(src.data, src.tensor_type), np.float32).reshape(shape)
+    return bool(np.array_equal(back.view(np.uint32), np.ascontiguousarray(w, np.float32).view(np.uint32)))
 
 
 def _copy_metadata(writer: Any, reader: Any, meta: Mapping[str, Any]) -> None:
@@ -367,9 +379,16 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
                          f"{list(bad)[:3]}); allowed: NVFP4, MXFP4 (or float32=True)")
     hp_type, hp_np = DTYPES["float32" if float32 else dtype]
     params = {"/".join(map(str, p)): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
+    covered = {t.path for t in specs if t.path is not None}
+    left = sorted(set(params) - covered)
+    if left:
+        raise ValueError(f"export_gguf: {type(model).__name__}.export_tensors('gguf') does not write the parameters "
+                         f"{left[:4]}{' ...' if len(left) > 4 else ''}; the file would not hold the whole model")
     for t in specs:  # every value finite before anything is written (the high-precision tensors too)
         if t.path is not None and t.path not in params:
             raise ValueError(f"export_gguf: tensor {t.name} names parameter {t.path!r}, which the model does not have")
+        if t.transform is not None and t.module in schemes:
+            raise ValueError(f"export_gguf: tensor {t.name} transforms the quantized kernel of {t.module}")
         checks.check_finite_tensor(params[t.path][...] if t.path is not None else t.value,
                                    f"{t.name} ({'parameter ' + t.path if t.path else 'constant'})")
 
@@ -379,6 +398,8 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
     bits = 0
     n_params = sum(int(np.prod(v.shape)) for v in params.values())
     rounded = written_hp = 0
+    reader = gguf.GGUFReader(Path(source_gguf)) if source_gguf is not None else None
+    src_tensors = {x.name: x for x in reader.tensors} if reader is not None else {}
     notes_pre: list[str] = []
     for t in specs:
         w = t.array(params)
@@ -414,6 +435,12 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
             planned.append((t.name, raw, gguf.GGMLQuantizationType.MXFP4, "MXFP4"))
             bits += raw.nbytes * 8
             continue
+        src = src_tensors.get(t.name) if sch is None and not float32 else None
+        if src is not None and src.tensor_type.name not in ("F32", "F16", "BF16") and _same_values(src, w):
+            # the source file's own encoding of exactly these values (e.g. a Q4_1 embedding): copied, lossless
+            planned.append((t.name, np.asarray(src.data), src.tensor_type, src.tensor_type.name))
+            bits += int(np.asarray(src.data).nbytes) * 8
+            continue
         if sch is not None:  # a quantized layer GGUF has no block for (its rows are not whole blocks): exact
             notes_pre.append(f"{t.name}: {sch.weight.name} rows of {w.shape[-1]} values are not whole GGUF blocks; "
                              f"written as F32 (its quantized values, exactly)")
@@ -434,12 +461,11 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
         planned.append((t.name, out, raw_dtype, tname))
         bits += out.nbytes * 8
     types = {n: tn for n, _, _, tn in planned}
-    notes = notes_pre + known_gaps.check("gguf", arch, types, {p: False for p in schemes}, allow_known_gaps=allow_known_gaps,
+    notes = notes_pre + known_gaps.check("gguf", arch, types, {p: False for p in schemes},
+                                         allow_known_gaps=allow_known_gaps,
                              caller="export_gguf")
     vocab_rows = shapes.get("token_embd.weight", (None,))[0]
-    reader = None
-    if source_gguf is not None:
-        reader = gguf.GGUFReader(Path(source_gguf))
+    if reader is not None:
         _check_source(reader, Path(source_gguf), arch, meta, shapes, vocab_rows)
 
     path = Path(path)

@@ -1,22 +1,22 @@
 """Known gaps of the consumers of our exports: files that are valid by the format's specification but that a
 consumer is known to misrun (refused unless the caller overrides) or to reject (a warning).
 
-Each entry was observed with the versions named, by ``scripts/interop_live.py`` (record:
-``tests/fixtures/interop/record.json``) or by the run filed as issue 31:
+Each entry was observed with the versions named by ``scripts/interop_live.py`` (records:
+``tests/fixtures/interop/record.json`` and ``record_issue31.json``: a tiny qwen2 with NVFP4 MLP weights gives 8,320
+NaN logits of 8,320 in llama.cpp, with NVFP4 attention 0):
 
-=================  =============================================  ==========  ===========================================
-consumer           file                                           action      what happens
-=================  =============================================  ==========  ===========================================
-llama.cpp 0.3.36   GGUF ``qwen2`` with NVFP4 MLP weights          refuse      NaN logits: its qwen2 graph applies no
-(llama-cpp-python)  (``ffn_gate`` / ``ffn_up`` / ``ffn_down``)                 ``.scale`` tensor to the MLP (NVFP4 on
-                                                                              q/k/v alone runs)
-compressed-tensors compressed-tensors NVFP4 with W4A4 layers      warn        its model-free ``CompressedTensors
-0.20                                                                          Dequantizer.validate`` rejects the
-                                                                              ``input_global_scale`` tensors (it
-                                                                              rejects llm-compressor's own W4A4
-                                                                              export the same way); vLLM and
-                                                                              transformers load the file
-=================  =============================================  ==========  ===========================================
+=================  ============================================  ========  ==========================================
+consumer           file                                          action    what happens
+=================  ============================================  ========  ==========================================
+llama.cpp 0.3.36   GGUF ``qwen2`` with NVFP4 MLP weights         refuse    NaN logits: its qwen2 graph applies no
+                   (``ffn_gate`` / ``ffn_up`` / ``ffn_down``)              ``.scale`` tensor to the MLP (NVFP4 on
+                                                                           q/k/v alone runs)
+compressed-tensors compressed-tensors NVFP4 with W4A4 layers     warn      its model-free ``CompressedTensors
+0.20                                                                       Dequantizer.validate`` rejects the
+                                                                           ``input_global_scale`` tensors (as it
+                                                                           rejects llm-compressor's own W4A4
+                                                                           export); vLLM and transformers load it
+=================  ============================================  ========  ==========================================
 """
 from __future__ import annotations
 
