@@ -97,7 +97,8 @@ def stage_ours_prepare() -> None:
     for name, (sch, conv) in runs.items():
         m, _ = load("smollm2-135m")
         res = ptq.quantize(m, rules(sch), method="rtn", calibration=calib, convention=conv)
-        rep = ptq.export(m, res, WORK / name, tokenizer=tok)
+        rep = ptq.export(m, res, WORK / name, tokenizer=tok, dtype="float32")  # float32: the logits compared are
+        # those of the in-memory model (record.json was made so; the default F16 export is checked by v31-ct)
         print(rep)
         ours[name] = np.asarray(m(x)[0], np.float32)
     # GGUF: 4/6 (mse) weights only, and the float32 control with the same weights
