@@ -129,6 +129,8 @@ def test_export_refuses_zero_and_nonfinite_scales(tmp_path):
     r = type(res)(**{**res.__dict__, "packed": {**res.packed, "blocks/0/mlp/gate_proj": (zero, s)}})
     with pytest.raises(ValueError, match=r"blocks/0/mlp/gate_proj: the quantized weight is all zero"):
         ptq.export(model, r, tmp_path / "a")
+    with pytest.raises(ValueError, match=r"blocks/0/mlp/gate_proj: the quantized weight is all zero"):
+        ptq.export_gguf(model, r, tmp_path / "a.gguf", tokenizer_json=_tokenizer(tmp_path))
     r = type(res)(**{**res.__dict__, "packed": {**res.packed, "blocks/0/mlp/gate_proj": (arr, jnp.float32(np.nan))}})
     with pytest.raises(ValueError, match=r"blocks/0/mlp/gate_proj: weight_global_scale is nan"):
         ptq.export(model, r, tmp_path / "b")

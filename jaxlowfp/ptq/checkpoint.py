@@ -206,15 +206,7 @@ def check_export_inputs(params: Mapping[str, Any], result: PTQResult, name_of: C
     for mod_path in result.schemes:
         if mod_path not in result.packed:
             continue
-        arr, s_enc = result.packed[mod_path]
-        checks.check_finite_tensor(np.asarray(arr.scales).astype(np.float32), f"{mod_path}: the NVFP4 block scales")
-        s = float(s_enc)
-        if not (np.isfinite(s) and s > 0):
-            raise ValueError(f"{mod_path}: weight_global_scale is {s}; it must be finite and > 0; refusing to export")
-        if not np.any(np.asarray(arr.codes) & 0x77):  # every E2M1 magnitude code 0: the weight is all (+-)zero
-            raise ValueError(f"{mod_path}: the quantized weight is all zero, so its global scale ({s}) means "
-                             f"nothing; refusing to export (keep the layer in high precision: a Rule with "
-                             f"scheme=None)")
+        checks.check_packed_nvfp4(mod_path, *result.packed[mod_path])
 
 
 def _hf_names(model: nnx.Module) -> dict[str, str] | None:

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-__all__ = ["describe_nonfinite", "check_finite_tensor", "check_model_weights", "check_calibration_inputs"]
+__all__ = ["describe_nonfinite", "check_finite_tensor", "check_model_weights", "check_calibration_inputs",
+           "check_packed_nvfp4"]
 
 
 def describe_nonfinite(values: np.ndarray) -> str | None:
@@ -83,3 +84,15 @@ def check_calibration_inputs(stats: Mapping[str, Any], paths: Iterable[str],
                          f"float32 in the Hessian sum x x^T); the first of them in the model, {bad[0]}, is where they "
                          f"enter (the weights are finite: check the calibration data, or activations growing past "
                          f"float32 before that layer)")
+
+
+def check_packed_nvfp4(where: str, arr: Any, s_enc: Any) -> None:
+    """A packed NVFP4 weight an export may write: finite block scales, a finite positive global (encode) scale,
+    and not all zero (an all-zero tensor's global scale means nothing)."""
+    check_finite_tensor(np.asarray(arr.scales).astype(np.float32), f"{where}: the NVFP4 block scales")
+    s = float(s_enc)
+    if not (np.isfinite(s) and s > 0):
+        raise ValueError(f"{where}: weight_global_scale is {s}; it must be finite and > 0; refusing to export")
+    if not np.any(np.asarray(arr.codes) & 0x77):  # every E2M1 magnitude code 0: the weight is all (+-)zero
+        raise ValueError(f"{where}: the quantized weight is all zero, so its global scale ({s}) means nothing; "
+                         f"refusing to export (keep the layer in high precision: a Rule with scheme=None)")

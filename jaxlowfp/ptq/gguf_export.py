@@ -408,6 +408,7 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
         sch = schemes.get(mod) if mod is not None else None
         if sch is not None and sch.weight.kind == "nvfp4" and w.ndim == 2 and w.shape[1] % NVFP4_BLOCK == 0:
             arr, s_enc = result.packed[mod]
+            checks.check_packed_nvfp4(mod, arr, s_enc)
             if not np.array_equal(np.asarray(serving.decode(arr, s_enc, result.convention)), w):
                 raise ValueError(f"{mod}: the model's kernel is not the packed NVFP4 weight (was the model changed "
                                  f"after quantize?)")
