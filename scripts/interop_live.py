@@ -590,6 +590,7 @@ def stage_v31_llamacpp() -> None:
         v = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
         toks[name] = [v.tokenize(t.encode("utf-8"), add_bos=False, special=False) for t in TEXTS]
         toks[name + "_add_bos"] = v.tokenize(b"Hi", add_bos=True, special=False)
+        toks[name + "_chat_template"] = v.metadata.get("tokenizer.chat_template")
     out["tokens"] = toks
     (V31 / "llamacpp.json").write_text(json.dumps(out, indent=1))
 
@@ -650,6 +651,9 @@ def stage_v31_compare() -> None:
     tk = rec["llamacpp"]["tokens"]
     same = sum(x == y for x, y in zip(tk["q4_1_source"], tk["tokenizer_route"]))
     rec["tokenizer_route_equals_source_in_llamacpp"] = f"{same}/{len(TEXTS)} texts"
+    rec["tokenizer_route_same_add_bos_and_chat_template"] = (
+        tk["q4_1_source_add_bos"] == tk["tokenizer_route_add_bos"]
+        and tk["q4_1_source_chat_template"] == tk["tokenizer_route_chat_template"] is not None)
     rec["our_tokenizer_equals_llamacpp"] = f"{sum(x == y for x, y in zip(hf, tk['q4_1_source']))}/{len(TEXTS)} texts"
     rec["texts"] = TEXTS
     FIX.mkdir(parents=True, exist_ok=True)

@@ -176,6 +176,8 @@ def test_tokenizer_route_writes_pre_chat_template_and_add_bos(tmp_path):
                         tokenizer_json=_tokenizer(tmp_path / "nomerge", merges=False))
     with pytest.raises(ValueError, match=r"pre='qwen2' splits text with other regexes"):
         ptq.export_gguf(Llama(CFG, rngs=nnx.Rngs(0)), None, tmp_path / "b.gguf", tokenizer_json=tj, pre="qwen2")
+    with pytest.raises(ValueError, match=r"pre='default' is not a llama.cpp pre-tokenizer name"):
+        ptq.export_gguf(Llama(CFG, rngs=nnx.Rngs(0)), None, tmp_path / "b.gguf", tokenizer_json=tj, pre="default")
     with pytest.raises(ValueError, match=r"pre='mystery' is not a llama.cpp pre-tokenizer name"):
         ptq.export_gguf(Llama(CFG, rngs=nnx.Rngs(0)), None, tmp_path / "b.gguf", tokenizer_json=tj, pre="mystery")
     import tokenizers
@@ -245,3 +247,26 @@ def test_gguf_nvfp4_is_exact_up_to_the_sign_of_zero(tmp_path):
     differ = w.view(np.uint32) != ours.view(np.uint32)
     assert differ.any() and np.all(ours[differ] == 0) and np.signbit(ours[differ]).all()
     assert not np.signbit(w[differ]).any()
+
+
+def test_hf_config_of_llama3_rope_needs_the_source_config(tmp_path):
+    """Per-frequency (Llama-3) RoPE divisors cannot be written as rope_scaling (the ModelConfig keeps the divisors,
+    not the parameters they came from): the compressed-tensors export asks for the source config.json; linear
+    scaling is written."""
+    f = llama3_rope_factors(16, 10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                            original_max_position_embeddings=64)
+    cfg = ModelConfig(vocab=96, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=32,
+                      rope_freq_factors=f)
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    res = ptq.quantize(model, [ptq.Rule(path=LINEARS, scheme=ptq.scheme("nvfp4-mse", weights_only=True))])
+    with pytest.raises(ValueError, match=r"per-frequency \(Llama-3\) RoPE divisors.*model_config="):
+        ptq.export(model, res, tmp_path / "a")
+    src = {"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+    ptq.export(model, res, tmp_path / "a", model_config=src)
+    assert json.loads((tmp_path / "a" / "config.json").read_text())["rope_scaling"]["rope_type"] == "llama3"
+    lin = Llama(ModelConfig(vocab=96, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=32,
+                            rope_freq_factors=(2.0,) * 8), rngs=nnx.Rngs(0))
+    res = ptq.quantize(lin, [ptq.Rule(path=LINEARS, scheme=ptq.scheme("nvfp4-mse", weights_only=True))])
+    ptq.export(lin, res, tmp_path / "b")
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["rope_scaling"] == {"rope_type": "linear",
+                                                                                       "factor": 2.0}

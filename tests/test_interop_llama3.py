@@ -49,6 +49,7 @@ def test_record_of_the_issue31_run():
     rec = json.loads((FIX / "record_issue31.json").read_text())
     assert rec["llama3_tiny_max_abs_token_logprob_diff"] < 2e-4
     assert rec["tokenizer_route_equals_source_in_llamacpp"] == "5/5 texts"
+    assert rec["tokenizer_route_same_add_bos_and_chat_template"] is True  # as llama.cpp reads them
     assert rec["our_tokenizer_equals_llamacpp"] == "5/5 texts"
     assert "Paris" in rec["llamacpp"]["smollm2_default_greedy_chat"]
     size = rec["smollm2_nvfp4_default"]

@@ -82,9 +82,10 @@ class Exportable(Protocol):
     def export_config(self, target: str) -> dict[str, Any]: ...
 
 
-def require_exportable(model: Any, target: str, caller: str) -> tuple[list[ExportTensor], dict[str, Any]]:
-    """The model's tensors and config for `target`, checked: TypeError naming what to implement if it cannot say
-    them; ValueError for duplicate names or parameters that do not exist."""
+def require_exportable(model: Any, target: str, caller: str, *, with_config: bool = True
+                       ) -> tuple[list[ExportTensor], dict[str, Any]]:
+    """The model's tensors and (`with_config`) config for `target`, checked: TypeError naming what to implement
+    if it cannot say them; ValueError for duplicate names."""
     if target not in TARGETS:
         raise ValueError(f"target={target!r} is not supported; allowed: {', '.join(map(repr, TARGETS))}")
     if not isinstance(model, Exportable):
@@ -92,7 +93,7 @@ def require_exportable(model: Any, target: str, caller: str) -> tuple[list[Expor
                         f"export_tensors(target) -> list[jaxlowfp.ptq.protocol.ExportTensor] and "
                         f"export_config(target) -> dict (jaxlowfp.ptq.protocol; jaxlowfp.models.Llama does)")
     tensors = list(model.export_tensors(target))
-    config = dict(model.export_config(target))
+    config = dict(model.export_config(target)) if with_config else {}
     names = [t.name for t in tensors]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:

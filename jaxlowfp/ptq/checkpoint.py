@@ -213,7 +213,7 @@ def _hf_names(model: nnx.Module) -> dict[str, str] | None:
     """The model's Hugging Face tensor names if it says them (`jaxlowfp.ptq.protocol`), else None."""
     if not isinstance(model, Exportable):
         return None
-    tensors, _ = require_exportable(model, "hf", "export")
+    tensors, _ = require_exportable(model, "hf", "export", with_config=False)
     return {t.path: t.name for t in tensors if t.path is not None}
 
 

@@ -64,8 +64,10 @@ MXFP4_BLOCK = 32
 DTYPES = {"float16": ("F16", np.float16), "bfloat16": ("BF16", None), "float32": ("F32", np.float32)}
 _SKIP_KEYS = ("GGUF.", "general.architecture", "general.file_type", "general.alignment")
 # llama.cpp pre-tokenizer names (src/llama-vocab.cpp) whose regexes jaxlowfp.models.gguf_loader knows, in the
-# order they are tried when the pre-tokenizer's regexes are matched
-PRE_NAMES = ("smollm", "qwen2", "llama-bpe", "gpt-2", "starcoder", "refact", "default")
+# order they are tried when the pre-tokenizer's regexes are matched ("default" is not one: llama.cpp splits it
+# with regexes of its own, which the reader does not reproduce; SmolLM2 written as "default" tokenized otherwise
+# than the original file in 3 of 5 texts, issue 31)
+PRE_NAMES = ("smollm", "qwen2", "llama-bpe", "gpt-2", "starcoder", "refact")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,7 +287,7 @@ def _tokenizer_metadata(writer: Any, tokenizer: Any, vocab_rows: int, *, pre: st
     elif pre not in PRE_NAMES:
         raise ValueError(f"pre={pre!r} is not a llama.cpp pre-tokenizer name this exporter knows; allowed: "
                          f"{', '.join(map(repr, PRE_NAMES))} (or None: found from the tokenizer)")
-    elif pre != "default" and _pre_pieces(tj.get("pre_tokenizer")) not in (None, tuple(PRE_TOKENIZERS[pre])):
+    elif _pre_pieces(tj.get("pre_tokenizer")) != tuple(PRE_TOKENIZERS[pre]):
         raise ValueError(f"{where}: pre={pre!r} splits text with other regexes than this tokenizer's; llama.cpp "
                          f"would tokenize differently (pre=None finds the name)")
     vocab = dict(model["vocab"])
