@@ -174,6 +174,7 @@ def test_tokenizer_route_writes_pre_chat_template_and_add_bos(tmp_path):
     with pytest.raises(ValueError, match=r"no merges; llama.cpp refuses"):
         ptq.export_gguf(Llama(CFG, rngs=nnx.Rngs(0)), None, tmp_path / "b.gguf",
                         tokenizer_json=_tokenizer(tmp_path / "nomerge", merges=False))
+    assert not (tmp_path / "b.gguf").exists()  # refused before the file is opened
     with pytest.raises(ValueError, match=r"pre='qwen2' splits text with other regexes"):
         ptq.export_gguf(Llama(CFG, rngs=nnx.Rngs(0)), None, tmp_path / "b.gguf", tokenizer_json=tj, pre="qwen2")
     with pytest.raises(ValueError, match=r"pre='default' is not a llama.cpp pre-tokenizer name"):

@@ -61,7 +61,7 @@ def _gguf():
 
 NVFP4_BLOCK = 64  # values per GGUF NVFP4 super-block
 MXFP4_BLOCK = 32
-DTYPES = {"float16": ("F16", np.float16), "bfloat16": ("BF16", None), "float32": ("F32", np.float32)}
+DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}  # dtype= -> GGUF type of high-precision tensors
 _SKIP_KEYS = ("GGUF.", "general.architecture", "general.file_type", "general.alignment")
 # llama.cpp pre-tokenizer names (src/llama-vocab.cpp) whose regexes jaxlowfp.models.gguf_loader knows, in the
 # order they are tried when the pre-tokenizer's regexes are matched ("default" is not one: llama.cpp splits it
@@ -133,6 +133,20 @@ def mxfp4_bytes(w: np.ndarray) -> np.ndarray:
     qs = (nib[..., :16] | (nib[..., 16:] << 4)).astype(np.uint8)
     e = np.asarray(q.scales).view(np.uint8).reshape(out, k // 32, 1)  # the E8M0 byte: 2^(e - 127)
     return np.concatenate([e, qs], axis=-1).reshape(out, k // 32 * 17)
+
+
+class _Calls:
+    """Records ``writer.add_*(...)`` calls, to replay on the real writer once every check has passed."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple, dict]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *a, **k: self.calls.append((name, a, k))
+
+    def replay(self, writer: Any) -> None:
+        for name, a, k in self.calls:
+            getattr(writer, name)(*a, **k)
 
 
 def _value_type(v: Any) -> Any:
@@ -379,7 +393,7 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
     if bad:
         raise ValueError(f"GGUF has no type for the weight formats {sorted(set(bad.values()))} (layers "
                          f"{list(bad)[:3]}); allowed: NVFP4, MXFP4 (or float32=True)")
-    hp_type, hp_np = DTYPES["float32" if float32 else dtype]
+    hp_type = DTYPES["float32" if float32 else dtype]
     params = {"/".join(map(str, p)): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
     covered = {t.path for t in specs if t.path is not None}
     left = sorted(set(params) - covered)
@@ -465,11 +479,15 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
         bits += out.nbytes * 8
     types = {n: tn for n, _, _, tn in planned}
     notes = notes_pre + known_gaps.check("gguf", arch, types, {p: False for p in schemes},
-                                         allow_known_gaps=allow_known_gaps,
-                             caller="export_gguf")
+                                         allow_known_gaps=allow_known_gaps, caller="export_gguf")
     vocab_rows = shapes.get("token_embd.weight", (None,))[0]
+    tok_calls = _Calls()  # the tokenizer's metadata, checked before the file is opened
     if reader is not None:
         _check_source(reader, Path(source_gguf), arch, meta, shapes, vocab_rows)
+    else:
+        notes += _tokenizer_metadata(tok_calls, tokenizer_json, vocab_rows if vocab_rows is not None else
+                                     int(meta.get(f"{arch}.vocab_size", 0)), pre=pre, bos_id=bos_id, eos_id=eos_id,
+                                     add_bos=add_bos, chat_template=chat_template)
 
     path = Path(path)
     writer = gguf.GGUFWriter(path, arch)
@@ -477,9 +495,7 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
         _copy_metadata(writer, reader, meta)
     else:
         _add_metadata(writer, meta)
-        notes += _tokenizer_metadata(writer, tokenizer_json, vocab_rows if vocab_rows is not None else
-                                     int(meta.get(f"{arch}.vocab_size", 0)), pre=pre, bos_id=bos_id, eos_id=eos_id,
-                                     add_bos=add_bos, chat_template=chat_template)
+        tok_calls.replay(writer)
     if name is not None:
         writer.add_name(name)
     kinds = {s.weight.kind for s in schemes.values()}
