@@ -649,12 +649,13 @@ def stage_v31_compare() -> None:
         np.savez_compressed(FIX / "mamba2_ct_decoded.npz", **fx)
     hf = json.loads((V31 / "hf_tokenizer_ids.json").read_text())
     tk = rec["llamacpp"]["tokens"]
-    same = sum(x == y for x, y in zip(tk["q4_1_source"], tk["tokenizer_route"]))
+    same = sum(x == y for x, y in zip(tk["q4_1_source"], tk["tokenizer_route"], strict=True))
     rec["tokenizer_route_equals_source_in_llamacpp"] = f"{same}/{len(TEXTS)} texts"
     rec["tokenizer_route_same_add_bos_and_chat_template"] = (
         tk["q4_1_source_add_bos"] == tk["tokenizer_route_add_bos"]
         and tk["q4_1_source_chat_template"] == tk["tokenizer_route_chat_template"] is not None)
-    rec["our_tokenizer_equals_llamacpp"] = f"{sum(x == y for x, y in zip(hf, tk['q4_1_source']))}/{len(TEXTS)} texts"
+    ours_same = sum(x == y for x, y in zip(hf, tk["q4_1_source"], strict=True))
+    rec["our_tokenizer_equals_llamacpp"] = f"{ours_same}/{len(TEXTS)} texts"
     rec["texts"] = TEXTS
     FIX.mkdir(parents=True, exist_ok=True)
     (FIX / "llama3_tiny.gguf").write_bytes((V31 / "llama3_tiny.gguf").read_bytes())

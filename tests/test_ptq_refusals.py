@@ -43,7 +43,7 @@ def test_quantize_refuses_nonfinite_weights_before_changing_anything(method, val
         ptq.quantize(model, _rules(), method=method, calibration=TOKENS)
     after = _kernels(model)
     assert all(np.array_equal(before[p], after[p], equal_nan=True) for p in before)
-    for p, mod in nnx.iter_graph(model):  # no hook was installed
+    for _, mod in nnx.iter_graph(model):  # no hook was installed
         if isinstance(mod, nnx.Linear):
             assert not isinstance(mod.dot_general, ptq.ActQuant)
 

@@ -316,7 +316,7 @@ def _tokenizer_metadata(writer: Any, tokenizer: Any, vocab_rows: int, *, pre: st
     for tok, i in vocab.items():
         tokens[i] = tok
         types[i] = gguf.TokenType.NORMAL
-    for tok, (i, special) in added.items():
+    for i, special in added.values():
         types[i] = gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED
 
     def token_id(name: str, given: int | None) -> int | None:
