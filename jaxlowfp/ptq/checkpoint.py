@@ -244,7 +244,7 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
     if tensor_names is None:
         tensor_names = said
     if model_config is None and said is not None:
-        model_config = model.export_config("hf")
+        model_config = require_exportable(model, "hf", "export")[1]
     name_of = _namer(tensor_names)
     params = _params(model)
     linears = linear_modules(model)

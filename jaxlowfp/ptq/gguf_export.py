@@ -383,8 +383,10 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
                          f"not the model you evaluated. Pass weights_only=True to write the weights alone (the file "
                          f"is then the W4A16 model), or quantize with weights_only schemes")
     schemes = {} if result is None or float32 else result.schemes
-    if schemes and result.convention != "jaxlowfp" and not allow_reordered_decode:
-        raise ValueError(f"export_gguf: the result was quantized with convention={result.convention!r} (weights "
+    packed = {} if result is None else result.packed
+    conv = "jaxlowfp" if result is None else result.convention
+    if schemes and conv != "jaxlowfp" and not allow_reordered_decode:
+        raise ValueError(f"export_gguf: the result was quantized with convention={conv!r} (weights "
                          f"decode as q * (s / g)); llama.cpp computes (q * s) * S_dec, 1 ulp off for about a quarter "
                          f"of the weights, so the file would not be the model you evaluated. Quantize with "
                          f"convention='jaxlowfp' for GGUF, or pass allow_reordered_decode=True")
@@ -422,10 +424,11 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
         shapes[t.name] = tuple(w.shape)
         mod = t.module
         sch = schemes.get(mod) if mod is not None else None
-        if sch is not None and sch.weight.kind == "nvfp4" and w.ndim == 2 and w.shape[1] % NVFP4_BLOCK == 0:
-            arr, s_enc = result.packed[mod]
+        if (mod is not None and sch is not None and sch.weight.kind == "nvfp4" and w.ndim == 2
+                and w.shape[1] % NVFP4_BLOCK == 0):
+            arr, s_enc = packed[mod]
             checks.check_packed_nvfp4(mod, arr, s_enc)
-            if not np.array_equal(np.asarray(serving.decode(arr, s_enc, result.convention)), w):
+            if not np.array_equal(np.asarray(serving.decode(arr, s_enc, conv)), w):
                 raise ValueError(f"{mod}: the model's kernel is not the packed NVFP4 weight (was the model changed "
                                  f"after quantize?)")
             codes, scales = np.asarray(arr.codes), np.asarray(arr.scales)
@@ -483,7 +486,7 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
     vocab_rows = shapes.get("token_embd.weight", (None,))[0]
     tok_calls = _Calls()  # the tokenizer's metadata, checked before the file is opened
     if reader is not None:
-        _check_source(reader, Path(source_gguf), arch, meta, shapes, vocab_rows)
+        _check_source(reader, Path(str(source_gguf)), arch, meta, shapes, vocab_rows)
     else:
         notes += _tokenizer_metadata(tok_calls, tokenizer_json, vocab_rows if vocab_rows is not None else
                                      int(meta.get(f"{arch}.vocab_size", 0)), pre=pre, bos_id=bos_id, eos_id=eos_id,
