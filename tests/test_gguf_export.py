@@ -159,6 +159,9 @@ def test_high_precision_dtype(tmp_path, dtype):
     assert w["model.embed_tokens.weight"].dtype == np.dtype(want.dtype)
     assert w["model.norm.weight"].dtype == np.float32 and rep2.dtype == dtype
     assert rep2.rounded == rep.rounded
+    fresh = Llama(CFG, rngs=nnx.Rngs(5))  # ptq.load: the weights as written
+    ptq.load(fresh, tmp_path / "ct")
+    np.testing.assert_array_equal(np.asarray(fresh.embed.embedding[...]), want.astype(np.float32))
 
 
 def test_tokenizer_route_writes_pre_chat_template_and_add_bos(tmp_path):
