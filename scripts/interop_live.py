@@ -30,6 +30,16 @@ Python 3.11 venvs outside the repository:
    W4A4 checkpoint and its logits: about 300 KB) with the record, ``tests/fixtures/interop/record.json``.
 
 The run here took about 40 minutes on 2 cores (the llama-cpp-python build, once, another 60).
+
+Issue 31 (``interop_live.py v31-ours v31-ct v31-llamacpp v31-compare``, about 6 minutes; ours, ct and llamacpp
+venvs, no llm-compressor): a tiny Llama-3-style model (rope_scaling llama3, ``rope_freqs.weight``) as an F32 GGUF
+run by llama.cpp against our forward; tiny qwen2 files with NVFP4 on the MLP / on attention (the known gap:
+llama.cpp's NaN logits); SmolLM2's tokenizer through the ``tokenizer_json`` route, tokenized by llama.cpp against
+the original file; SmolLM2's NVFP4 GGUF with the default options (its size against the Q4_1 source, llama.cpp's
+log-probs and a greedy chat reply); a tiny Llama's compressed-tensors export with the default F16 high-precision
+tensors through transformers, and compressed-tensors' decoding of the NNX Mamba2 (mamba2-jax) export. Fixtures:
+``tests/fixtures/interop/llama3_tiny.gguf`` (the file llama.cpp ran, 270 KB), ``llama3_tiny_llamacpp.npz``,
+``mamba2_ct_decoded.npz`` and ``record_issue31.json``.
 """
 from __future__ import annotations
 
@@ -87,7 +97,8 @@ def stage_ours_prepare() -> None:
     for name, (sch, conv) in runs.items():
         m, _ = load("smollm2-135m")
         res = ptq.quantize(m, rules(sch), method="rtn", calibration=calib, convention=conv)
-        rep = ptq.export(m, res, WORK / name, tokenizer=tok)
+        rep = ptq.export(m, res, WORK / name, tokenizer=tok, dtype="float32")  # float32: the logits compared are
+        # those of the in-memory model (record.json was made so; the default F16 export is checked by v31-ct)
         print(rep)
         ours[name] = np.asarray(m(x)[0], np.float32)
     # GGUF: 4/6 (mse) weights only, and the float32 control with the same weights
@@ -115,13 +126,15 @@ def stage_ours_prepare() -> None:
     _byte_tokenizer().save(str(tiny / "tokenizer.json"))
 
 
-def _byte_tokenizer():
+def _byte_tokenizer(merge: bool = False):
     import tokenizers
     from tokenizers import decoders, models, pre_tokenizers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {c: i for i, c in enumerate(sorted(alphabet))}
-    tk = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    if merge:
+        vocab["ab"] = len(vocab)
+    tk = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")] if merge else []))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
     return tk
@@ -428,9 +441,233 @@ def stage_compare() -> None:
     (FIX / "record.json").write_text(json.dumps(record, indent=1))
     print(json.dumps(record, indent=1))
 
+# ---- issue 31: Llama-3 RoPE in GGUF, the tokenizer_json route, the NVFP4 file with default options ------------
+TEXTS = ["The capital of France is Paris.", "In 2024, 1234567 people paid $3.50 each!",
+         "  multiple   spaces\tand\nnewlines\n\n",
+         "Caf\u00e9 d\u00e9j\u00e0 vu \u2014 na\u00efve co\u00f6peration \U0001F600",
+         "x=[1,2,3]; print(x[-1])  # 'quoted' don't"]
+V31 = WORK / "issue31"
+
+
+def stage_v31_ours() -> None:
+    """Ours: a tiny Llama-3-style model (rope_scaling llama3: kept, interpolated and divided frequencies) as an
+    F32 GGUF and its logits; SmolLM2's tokenizer through the tokenizer route (a 1-layer model with its 49,152-row
+    vocabulary: llama.cpp loads it vocab-only); SmolLM2 RTN 4/6 weights-only NVFP4 with the default options
+    (source_gguf: the Q4_1 file, whose Q8_0 embedding is copied losslessly), its size and our logits of the weights
+    as written."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from jaxlowfp import ptq
+    from jaxlowfp.models import Llama, ModelConfig, load, smollm2_135m_path
+    from jaxlowfp.models.llama import llama3_rope_factors
+
+    V31.mkdir(parents=True, exist_ok=True)
+    f = llama3_rope_factors(16, 10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                            original_max_position_embeddings=64)
+    cfg = ModelConfig(vocab=260, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=256,
+                      tie_embeddings=True, rope_freq_factors=f)
+    model = Llama(cfg, rngs=nnx.Rngs(7))
+    for v in (model.blocks[0].attn.q_proj.kernel, model.blocks[0].attn.k_proj.kernel):
+        v.set_value(v[...] * 4.0)  # sharper attention: RoPE's factors matter more
+    _byte_tokenizer(merge=True).save(str(V31 / "tiny_tokenizer.json"))  # GGUF's gpt2 model needs a merge
+    rep = ptq.export_gguf(model, None, V31 / "llama3_tiny.gguf", tokenizer_json=V31 / "tiny_tokenizer.json",
+                          dtype="float32")
+    print(rep)
+    ids = [int(v) for v in np.random.default_rng(5).integers(0, 257, 160)]
+    np.savez(V31 / "llama3_tiny_ours.npz", ids=np.asarray(ids),
+             logits=np.asarray(model(jnp.asarray([ids], jnp.int32))[0], np.float32))
+    # the known gap of llama.cpp's qwen2 graph: NVFP4 on the MLP (written with allow_known_gaps) and on attention
+    qcfg = ModelConfig(vocab=260, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=256,
+                       tie_embeddings=True, qkv_bias=True)
+    for part, rx in (("mlp", r"blocks/\d+/mlp/\w+_proj"), ("attn", r"blocks/\d+/attn/\w+_proj")):
+        qm = Llama(qcfg, rngs=nnx.Rngs(11))
+        qres = ptq.quantize(qm, [ptq.Rule(path=rx, scheme=ptq.scheme("nvfp4-mse", weights_only=True))])
+        ptq.export_gguf(qm, qres, V31 / f"qwen2_tiny_nvfp4_{part}.gguf", tokenizer_json=V31 / "tiny_tokenizer.json",
+                        dtype="float32", allow_known_gaps=True)
+        np.save(V31 / f"qwen2_tiny_nvfp4_{part}_ours.npy", np.asarray(qm(jnp.asarray([ids[:32]], jnp.int32))[0]))
+    # compressed-tensors exports with the default F16 high-precision tensors: a tiny Llama (transformers runs it) and
+    # the NNX Mamba2 of mamba2-jax through the export protocol (tests/test_export_protocol.py; compressed-tensors'
+    # own decoder reads its NVFP4 layers)
+    lcfg = ModelConfig(vocab=260, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=256)
+    lm = Llama(lcfg, rngs=nnx.Rngs(13))
+    lres = ptq.quantize(lm, [ptq.Rule(path=r"blocks/\d+/(attn|mlp)/\w+_proj",
+                                      scheme=ptq.scheme("nvfp4-mse", weights_only=True))])
+    print(ptq.export(lm, lres, V31 / "ct_tiny_w", tokenizer=None))
+    _byte_tokenizer(merge=True).save(str(V31 / "ct_tiny_w" / "tokenizer.json"))
+    back, _ = load(V31 / "ct_tiny_w")  # the checkpoint as written (F16 embedding and kept Linears)
+    np.savez(V31 / "ct_tiny_w_ours.npz", ids=np.asarray(ids[:48]),
+             logits=np.asarray(back(jnp.asarray([ids[:48]], jnp.int32))[0], np.float32))
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tep", ROOT / "tests" / "test_export_protocol.py")
+    tep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tep)
+    mcfg = tep.mamba.Mamba2Config(vocab_size=128, hidden_size=64, state_size=16, head_dim=16, chunk_size=16,
+                                  num_hidden_layers=2)
+    mm = tep.Mamba2(mcfg, rngs=nnx.Rngs(0))
+    mres = ptq.quantize(mm, [ptq.Rule(path=r"backbone/layers/\d+/mixer/(in|out)_proj",
+                                      scheme=ptq.scheme("nvfp4-static_6", weights_only=True))])
+    print(ptq.export(mm, mres, V31 / "ct_mamba2"))
+    # SmolLM2's tokenizer through the tokenizer route
+    sm, tok = load("smollm2-135m")
+    import gguf
+
+    src = gguf.GGUFReader(smollm2_135m_path())
+    tmpl = src.fields["tokenizer.chat_template"].contents() if "tokenizer.chat_template" in src.fields else None
+    vcfg = ModelConfig(vocab=sm.config.vocab, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64,
+                       max_seq_len=256, tie_embeddings=True)
+    rep = ptq.export_gguf(Llama(vcfg, rngs=nnx.Rngs(0)), None, V31 / "smollm2_tokenizer_route.gguf",
+                          tokenizer_json=tok, chat_template=tmpl)
+    print(rep)
+    (V31 / "hf_tokenizer_ids.json").write_text(json.dumps([tok.tokenizer.encode(t, add_special_tokens=False).ids
+                                                          for t in TEXTS]))
+    # SmolLM2 NVFP4 (4/6 mse, weights only) with the default options
+    rules = [ptq.Rule(path=r"blocks/\d+/(attn|mlp)/\w+_proj", scheme=ptq.scheme("nvfp4-mse", weights_only=True))]
+    res = ptq.quantize(sm, rules, method="rtn")
+    rep = ptq.export_gguf(sm, res, V31 / "smollm2-nvfp4-mse-default.gguf", source_gguf=smollm2_135m_path())
+    print(rep)
+    sizes = {"nvfp4_gguf_bytes": (V31 / "smollm2-nvfp4-mse-default.gguf").stat().st_size,
+             "q4_1_source_bytes": smollm2_135m_path().stat().st_size, "q4_1_path": str(smollm2_135m_path()),
+             "nvfp4_bits_per_parameter": rep.bits_per_parameter, "rounded_values": list(rep.rounded)}
+    (V31 / "sizes.json").write_text(json.dumps(sizes, indent=1))
+    back, _ = load(V31 / "smollm2-nvfp4-mse-default.gguf")  # the weights as written
+    pids = tok.encode(PROMPT)
+    np.savez(V31 / "smollm2_default_ours.npz", ids=np.asarray(pids),
+             logits=np.asarray(back(jnp.asarray([pids], jnp.int32))[0], np.float32))
+
+
+def stage_v31_ct() -> None:
+    """compressed-tensors 0.20 / transformers: the tiny Llama's default export (F16 high precision) through
+    transformers (logits), and compressed-tensors' own decoding of the Mamba2 export's NVFP4 layers."""
+    import numpy as np
+    import torch
+    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import CompressedTensorsDequantizer
+    from safetensors.torch import load_file
+
+    tiny = np.load(V31 / "ct_tiny_w_ours.npz")
+    d = V31 / "ct_tiny_w"
+    ok = {}
+    for name in ("ct_tiny_w", "ct_mamba2"):
+        try:
+            CompressedTensorsDequantizer(V31 / name, dtype=torch.float32).validate(
+                dict(load_file(str(V31 / name / "model.safetensors"))))
+            ok[name] = "accepted"
+        except ValueError as e:
+            ok[name] = f"rejected: {str(e)[:200]}"
+    np.save(V31 / "ct_tiny_w.hf_logits.npy", _hf_logits(d, [int(v) for v in tiny["ids"]], _ct_float32(d)))
+    dec = _ct_float32(V31 / "ct_mamba2")
+    np.savez(V31 / "ct_mamba2.ct_decoded.npz", **{k: v.numpy() for k, v in dec.items()})
+    (V31 / "ct.json").write_text(json.dumps({"dequantizer": ok}, indent=1))
+    print(ok)
+
+
+def stage_v31_llamacpp() -> None:
+    """llama.cpp: the tiny Llama-3 file's logits (F32 KV cache), SmolLM2's NVFP4 file (default options)'s logits and a
+    greedy chat reply, and the tokenization of TEXTS by the original Q4_1 file and by our tokenizer-route file."""
+    import llama_cpp
+    import numpy as np
+
+    out = {"version": llama_cpp.__version__}
+    tiny = np.load(V31 / "llama3_tiny_ours.npz")
+    _, lg = _llamacpp_logits(V31 / "llama3_tiny.gguf", [int(v) for v in tiny["ids"]])
+    np.save(V31 / "llama3_tiny_llamacpp.npy", lg)
+    for part in ("mlp", "attn"):
+        _, lg = _llamacpp_logits(V31 / f"qwen2_tiny_nvfp4_{part}.gguf", [int(v) for v in tiny["ids"][:32]])
+        out[f"qwen2_tiny_nvfp4_{part}_nan_logits"] = int(np.isnan(lg).sum())
+        np.save(V31 / f"qwen2_tiny_nvfp4_{part}_llamacpp.npy", lg)
+    sm = np.load(V31 / "smollm2_default_ours.npz")
+    llm, lg = _llamacpp_logits(V31 / "smollm2-nvfp4-mse-default.gguf", [int(v) for v in sm["ids"]])
+    np.save(V31 / "smollm2_default_llamacpp.npy", lg)
+    llm.reset()
+    chat = llm.create_chat_completion(messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                      max_tokens=24, temperature=0.0)
+    out["smollm2_default_greedy_chat"] = chat["choices"][0]["message"]["content"]
+    toks = {}
+    for name, path in (("q4_1_source", json.loads((V31 / "sizes.json").read_text())["q4_1_path"]),
+                       ("tokenizer_route", V31 / "smollm2_tokenizer_route.gguf")):
+        v = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+        toks[name] = [v.tokenize(t.encode("utf-8"), add_bos=False, special=False) for t in TEXTS]
+        toks[name + "_add_bos"] = v.tokenize(b"Hi", add_bos=True, special=False)
+        toks[name + "_chat_template"] = v.metadata.get("tokenizer.chat_template")
+    out["tokens"] = toks
+    (V31 / "llamacpp.json").write_text(json.dumps(out, indent=1))
+
+
+def _llamacpp_logits(path, ids):
+    import llama_cpp
+    import numpy as np
+
+    llm = llama_cpp.Llama(model_path=str(path), logits_all=True, n_ctx=256, n_threads=2, type_k=0, type_v=0,
+                          verbose=False)
+    llm.eval(ids)
+    return llm, np.asarray(llm.scores[: len(ids)], np.float32)
+
+
+def stage_v31_compare() -> None:
+    """Compare and write the fixtures: the tiny Llama-3 GGUF itself and llama.cpp's log-probs of it
+    (tests/fixtures/interop/llama3_tiny.*), llama.cpp's token ids of TEXTS, and record_issue31.json."""
+    import numpy as np
+
+    rec: dict = {"llamacpp": json.loads((V31 / "llamacpp.json").read_text())}
+    tiny = np.load(V31 / "llama3_tiny_ours.npz")
+    ids = tiny["ids"]
+    tgt, idx = ids[1:], np.arange(len(ids) - 1)
+    ours, theirs = _logprobs(tiny["logits"]), _logprobs(np.load(V31 / "llama3_tiny_llamacpp.npy"))
+    rec["llama3_tiny_max_abs_logprob_diff_all_vocab"] = float(np.abs(ours - theirs).max())
+    rec["llama3_tiny_max_abs_token_logprob_diff"] = float(np.abs(ours[idx, tgt] - theirs[idx, tgt]).max())
+    sm = np.load(V31 / "smollm2_default_ours.npz")
+    a, b = _logprobs(sm["logits"]), _logprobs(np.load(V31 / "smollm2_default_llamacpp.npy"))
+    t = sm["ids"][1:]
+    i = np.arange(len(t))
+    d = np.abs(a[i, t] - b[i, t])
+    rec["smollm2_nvfp4_default"] = {"max_abs_token_logprob_diff_vs_ours": float(d.max()),
+                                "mean_abs_token_logprob_diff_vs_ours": float(d.mean()),
+                                **json.loads((V31 / "sizes.json").read_text())}
+    rec["smollm2_nvfp4_default"].pop("q4_1_path")
+    for part in ("mlp", "attn"):
+        a = _logprobs(np.load(V31 / f"qwen2_tiny_nvfp4_{part}_ours.npy"))
+        b = _logprobs(np.load(V31 / f"qwen2_tiny_nvfp4_{part}_llamacpp.npy"))
+        rec[f"qwen2_tiny_nvfp4_{part}_max_abs_logprob_diff"] = float(np.abs(a - b).max())  # NaN where llama.cpp is
+    if (V31 / "ct.json").is_file():
+        from jaxlowfp.ptq.checkpoint import read_safetensors
+
+        rec["ct"] = json.loads((V31 / "ct.json").read_text())
+        tl = np.load(V31 / "ct_tiny_w_ours.npz")
+        a, b = _logprobs(tl["logits"]), _logprobs(np.load(V31 / "ct_tiny_w.hf_logits.npy"))
+        rec["ct"]["tiny_f16_default_max_abs_logprob_diff_vs_transformers"] = float(np.abs(a - b).max())
+        dec = dict(np.load(V31 / "ct_mamba2.ct_decoded.npz"))
+        st = read_safetensors(V31 / "ct_mamba2" / "model.safetensors")
+        fx = {}
+        for k, w in dec.items():
+            m = k[: -len(".weight")]
+            fx[f"{m}/weight_packed"] = st[f"{m}.weight_packed"][:ROWS]
+            fx[f"{m}/weight_scale"] = st[f"{m}.weight_scale"][:ROWS].view(np.uint8)
+            fx[f"{m}/weight_global_scale"] = st[f"{m}.weight_global_scale"]
+            fx[f"{m}/ct_decoded"] = w[:ROWS]
+        np.savez_compressed(FIX / "mamba2_ct_decoded.npz", **fx)
+    hf = json.loads((V31 / "hf_tokenizer_ids.json").read_text())
+    tk = rec["llamacpp"]["tokens"]
+    same = sum(x == y for x, y in zip(tk["q4_1_source"], tk["tokenizer_route"], strict=True))
+    rec["tokenizer_route_equals_source_in_llamacpp"] = f"{same}/{len(TEXTS)} texts"
+    rec["tokenizer_route_same_add_bos_and_chat_template"] = (
+        tk["q4_1_source_add_bos"] == tk["tokenizer_route_add_bos"]
+        and tk["q4_1_source_chat_template"] == tk["tokenizer_route_chat_template"] is not None)
+    ours_same = sum(x == y for x, y in zip(hf, tk["q4_1_source"], strict=True))
+    rec["our_tokenizer_equals_llamacpp"] = f"{ours_same}/{len(TEXTS)} texts"
+    rec["texts"] = TEXTS
+    FIX.mkdir(parents=True, exist_ok=True)
+    (FIX / "llama3_tiny.gguf").write_bytes((V31 / "llama3_tiny.gguf").read_bytes())
+    np.savez_compressed(FIX / "llama3_tiny_llamacpp.npz", ids=ids.astype(np.int32),
+                        token_logprobs=theirs[idx, tgt].astype(np.float32))
+    (FIX / "record_issue31.json").write_text(json.dumps(rec, indent=1))
+    print(json.dumps(rec, indent=1))
+
 
 STAGES = {"ours-prepare": stage_ours_prepare, "ct": stage_ct, "llmc": stage_llmc, "ct-llmc": stage_ct_llmc,
-          "llamacpp": stage_llamacpp, "compare": stage_compare}
+          "llamacpp": stage_llamacpp, "compare": stage_compare, "v31-ours": stage_v31_ours,
+          "v31-ct": stage_v31_ct, "v31-llamacpp": stage_v31_llamacpp, "v31-compare": stage_v31_compare}
 
 
 def main(argv: list[str]) -> int:
@@ -439,10 +676,12 @@ def main(argv: list[str]) -> int:
         return 0
     only = argv or list(STAGES)
     py = {"ours-prepare": sys.executable, "ct": CT_PY, "llmc": LC_PY, "ct-llmc": CT_PY, "llamacpp": LLAMA_PY,
-          "compare": sys.executable}
+          "compare": sys.executable, "v31-ours": sys.executable, "v31-ct": CT_PY, "v31-llamacpp": LLAMA_PY,
+          "v31-compare": sys.executable}
     for st in only:
         print(f"== {st} ({py[st]})", flush=True)
-        env = dict(os.environ, PYTHONPATH=str(ROOT) if st in ("ours-prepare", "compare") else "", TQDM_DISABLE="1",
+        ours = st in ("ours-prepare", "compare", "v31-ours", "v31-compare")
+        env = dict(os.environ, PYTHONPATH=str(ROOT) if ours else "", TQDM_DISABLE="1",
                    HF_HUB_DISABLE_PROGRESS_BARS="1")
         r = subprocess.run([py[st], __file__, "--stage", st], env=env)
         if r.returncode:

@@ -243,7 +243,7 @@ def export_and_check(model: Any, result: Any, graphdef: Any, hp_state: Any, cali
     from jaxlowfp.models.common import tensor_specs
 
     names = {s.path: s.hf for s in tensor_specs(model.config)}
-    ptq.export(model, result, out, tensor_names=names)  # config.json: ptq.checkpoint.llama_hf_config
+    ptq.export(model, result, out, tensor_names=names, dtype="float32")  # float32: the reload check is bitwise
     fresh = _restore(graphdef, hp_state)
     ptq.load(fresh, out)
     x = jnp.asarray(calib[:1, :64])

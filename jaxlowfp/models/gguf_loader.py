@@ -49,6 +49,7 @@ _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?
 PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     "default": (_GPT2,),
     "gpt2": (_GPT2,),
+    "gpt-2": (_GPT2,),
     "smollm": (r"\p{N}", _GPT2),
     "starcoder": (r"\p{N}", _GPT2),
     "refact": (r"\p{N}", _GPT2),
@@ -260,9 +261,17 @@ def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "f
             if _shape(tensor)[0] != heads * config.head_dim:
                 raise CheckpointError(f"{where} has {_shape(tensor)[0]} rows; {heads} heads x {config.head_dim} "
                                       "expected")
-        return _lazy(tensor, path, heads)
+        lazy = _lazy(tensor, path, heads)
+        scale = names.get(spec.gguf.replace(".weight", ".scale")) if spec.gguf.endswith(".weight") else None
+        if scale is None:
+            return lazy
+        # NVFP4's per-tensor decode scale (llama.cpp multiplies it into the matmul output): elementwise, so every
+        # slice is scaled exactly as the whole tensor would be
+        g = np.float32(_dequantize(scale, path).reshape(-1)[0])
+        return LazyTensor(lazy.shape, lazy.where, lambda index, read=lazy.read: read(index) * g)
 
     used = {s.gguf for s in tensor_specs(config)} | {"rope_freqs.weight"}
+    used |= {n.replace(".weight", ".scale") for n in used if n.endswith(".weight")}
     extra = sorted(set(names) - used)
     if extra:
         raise CheckpointError(f"{path}: tensors this model class does not have: {', '.join(extra[:5])}"

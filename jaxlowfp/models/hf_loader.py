@@ -21,7 +21,7 @@ from jaxlowfp.models.llama import Llama, ModelConfig, llama3_rope_factors
 
 tokenizers = optional_module("tokenizers", extra="models", feature="loading a Hugging Face checkpoint")
 
-__all__ = ["MODEL_TYPES", "config_fields", "load_hf", "read_config", "read_tokenizer"]
+__all__ = ["MODEL_TYPES", "checkpoint_tokenizer", "config_fields", "load_hf", "read_config", "read_tokenizer"]
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some exports carry; recomputed here
@@ -123,20 +123,48 @@ def _token_id(cfg: dict[str, Any], tok_cfg: dict[str, Any], tk: tokenizers.Token
     return None if v is None else int(v)
 
 
-def read_tokenizer(directory: str | Path) -> Tokenizer:
-    """``tokenizer.json`` with BOS/EOS ids from ``config.json`` (or ``tokenizer_config.json``)."""
+def read_tokenizer(directory: str | Path, tokenizer: str | Path | None = None) -> Tokenizer:
+    """``tokenizer.json`` with BOS/EOS ids from ``config.json`` (or ``tokenizer_config.json``). `tokenizer`: another
+    ``tokenizer.json`` (or a directory holding one) for a checkpoint saved without it; its own
+    ``tokenizer_config.json`` is read, BOS/EOS ids from the checkpoint's ``config.json`` first."""
     directory = Path(directory)
     path = directory / "tokenizer.json"
+    tok_dir = directory
+    if tokenizer is not None:
+        path = Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else Path(tokenizer)
+        tok_dir = path.parent
     if not path.is_file():
         raise CheckpointError(f"{path}: file not found (only tokenizer.json tokenizers are supported)")
     try:
         tk = tokenizers.Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a plain Exception subclass
         raise CheckpointError(f"{path}: not a readable tokenizer: {e}") from e
-    cfg = _json(directory / "config.json")
-    tok_cfg = _json(directory / "tokenizer_config.json") if (directory / "tokenizer_config.json").is_file() else {}
+    cfg = _json(directory / "config.json") if (directory / "config.json").is_file() else {}
+    tok_cfg = _json(tok_dir / "tokenizer_config.json") if (tok_dir / "tokenizer_config.json").is_file() else {}
     return Tokenizer(tk, bos_id=_token_id(cfg, tok_cfg, tk, "bos"), eos_id=_token_id(cfg, tok_cfg, tk, "eos"),
                      source=str(path))
+
+
+def checkpoint_tokenizer(directory: str | Path, tokenizer: str | Path | None, vocab: int) -> Tokenizer | None:
+    """The tokenizer `load` returns (checked to fit `vocab`): ``tokenizer="auto"`` the checkpoint's own
+    ``tokenizer.json`` (a clear error when it has none, as llm-compressor saves a model given no tokenizer), a path
+    (a ``tokenizer.json`` or a directory holding one), or None (no tokenizer)."""
+    directory = Path(directory)
+    if tokenizer is None:
+        return None
+    if isinstance(tokenizer, str) and tokenizer == "auto":
+        if not (directory / "tokenizer.json").is_file():
+            raise CheckpointError(f"{directory / 'tokenizer.json'}: file not found (llm-compressor saves none when "
+                                  f"oneshot is given no tokenizer). Pass tokenizer=<a tokenizer.json, or a directory "
+                                  f"holding one, e.g. the source model's> or tokenizer=None to load the weights "
+                                  f"without a tokenizer")
+        tk = read_tokenizer(directory)
+    elif isinstance(tokenizer, (str, Path)):
+        tk = read_tokenizer(directory, tokenizer)
+    else:
+        raise TypeError(f"tokenizer must be 'auto', a path or None; got {type(tokenizer).__name__}")
+    tk.check_fits(vocab, tk.source)
+    return tk
 
 
 def _weight_files(directory: Path) -> dict[str, Path]:
@@ -173,9 +201,10 @@ def _open(f: Path) -> Any:
 
 
 def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str = "float32", mesh: Any = None,
-            rules: Any = None) -> tuple[Llama, Tokenizer]:
-    """`Llama` and `Tokenizer` of a Hugging Face checkpoint directory; with ``mesh``, every parameter is read
-    slice by slice into its shards (`jaxlowfp.models.common.build_model`, ``rules`` as there)."""
+            rules: Any = None, tokenizer: str | Path | None = "auto") -> tuple[Llama, Tokenizer | None]:
+    """`Llama` and `Tokenizer` of a Hugging Face checkpoint directory (`tokenizer`: `checkpoint_tokenizer`); with
+    ``mesh``, every parameter is read slice by slice into its shards (`jaxlowfp.models.common.build_model`,
+    ``rules`` as there)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a directory")
@@ -183,8 +212,7 @@ def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str =
         raise CheckpointError(f"{directory}: a quantized checkpoint; load it with jaxlowfp.models.load (NVFP4 of "
                               "compressed-tensors and ModelOpt: jaxlowfp.models.quantized)")
     config = read_config(directory, dtype=dtype, param_dtype=param_dtype)
-    tokenizer = read_tokenizer(directory)
-    tokenizer.check_fits(config.vocab, str(directory / "tokenizer.json"))
+    tokenizer = checkpoint_tokenizer(directory, tokenizer, config.vocab)
     files = _weight_files(directory)
     specs = tensor_specs(config)
     wanted = {s.hf for s in specs}

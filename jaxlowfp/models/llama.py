@@ -427,6 +427,23 @@ class Llama(nnx.Module):
         """The model family's scale folds for `jaxlowfp.ptq` (SmoothQuant, AWQ): `smoothing_folds` of the config."""
         return smoothing_folds(self.config)
 
+    def fused_groups(self) -> list[tuple[str, ...]]:
+        """The projections a serving engine runs as one GEMM (vLLM: q/k/v, gate/up), for `jaxlowfp.ptq`."""
+        return [layers for prev, layers in smoothing_folds(self.config)[0] if prev.endswith("_norm")]
+
+    def export_tensors(self, target: str) -> list[Any]:
+        """Every tensor of an exported file, ``target`` "hf" or "gguf" (`jaxlowfp.ptq.protocol`,
+        `jaxlowfp.models.export`)."""
+        from jaxlowfp.models import export
+
+        return export.export_tensors(self.config, target)
+
+    def export_config(self, target: str) -> dict[str, Any]:
+        """``config.json`` ("hf") or GGUF architecture and metadata ("gguf") (`jaxlowfp.models.export`)."""
+        from jaxlowfp.models import export
+
+        return export.export_config(self.config, target)
+
     def ptq_blocks(self) -> tuple[Any, list[tuple[str, Any]], Any]:
         """The model's block structure for sequential PTQ (`jaxlowfp.ptq.sequential`): ``(embed, blocks, head)``
         with ``embed(model, tokens) -> x`` (the first block's input), ``blocks`` the ``(path, call)`` of every

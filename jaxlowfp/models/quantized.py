@@ -143,7 +143,8 @@ def _decode_modelopt(codes: np.ndarray, scales: np.ndarray, scale2: np.ndarray) 
 
 
 def load_quantized(directory: str | Path, *, dtype: str = "float32", param_dtype: str = "float32",
-                   mesh: Any = None, rules: Any = None) -> tuple[Llama, Tokenizer]:
+                   mesh: Any = None, rules: Any = None, tokenizer: str | Path | None = "auto"
+                   ) -> tuple[Llama, Tokenizer | None]:
     """`Llama` (weights decoded exactly, W4A4 activation quantizers set) and `Tokenizer` of a compressed-tensors
     or ModelOpt NVFP4 directory (module docstring); ``mesh``, ``rules``: placed as `build_model` places them
     (each tensor decoded whole on the host, then sharded)."""
@@ -174,8 +175,7 @@ def load_quantized(directory: str | Path, *, dtype: str = "float32", param_dtype
         ignore = [p.replace("*", ".*") for p in qcfg.get("exclude_modules") or []]
         ignore = [f"re:{p}" for p in ignore]
         packed_name, scale_names = "weight", ("weight_scale", "weight_scale_2")
-    tokenizer = hf_loader.read_tokenizer(directory)
-    tokenizer.check_fits(config.vocab, str(directory / "tokenizer.json"))
+    tokenizer = hf_loader.checkpoint_tokenizer(directory, tokenizer, config.vocab)
     files = hf_loader._weight_files(directory)
     handles: dict[Path, dict[str, np.ndarray]] = {}
     acts: dict[str, float] = {}

@@ -10,7 +10,10 @@ fake-quantized at run time with their current per-tensor amax, NVFP4 blocks of 1
     print(result.report)                                  # what was quantized, kept, unmatched; unused rules
     ptq.export(model, result, "out/")                      # safetensors + config.json (compressed-tensors NVFP4)
     ptq.export_gguf(model, result, "m.gguf", source_gguf=path)   # llama.cpp NVFP4 / MXFP4
-    ptq.load(model2, "out/")                               # the same logits, bit for bit
+    ptq.load(model2, "out/")                               # the same weights (high precision: F16 by default)
+
+Exports ask the model what to write (`protocol`: ``export_tensors(target)``, ``export_config(target)``), check
+every tensor first and refuse what would change the file's meaning (docs/exports.md).
 
 Methods (see `gptq`, `smooth`): ``RTN()``, ``GPTQ(damp_percent=1.0, block_size=128, act_order=False,
 scales="as-reached")``, ``SmoothQuant(alpha=0.5, alphas=None)`` and ``AWQ(grid=20, duo_scaling=True, clip=False)``
@@ -46,6 +49,7 @@ from jaxlowfp.ptq.formats import SCHEMES, QuantizedWeight, Scheme, TensorFormat,
 from jaxlowfp.ptq.gguf_export import GGUFReport, export_gguf
 from jaxlowfp.ptq.pack import PackedLinear, PackReport, pack
 from jaxlowfp.ptq.gptq import GPTQ, gptq_weight
+from jaxlowfp.ptq.protocol import ExportTensor
 from jaxlowfp.ptq.smooth import AWQ, Fold, SmoothQuant
 
 __all__ = [
@@ -53,6 +57,6 @@ __all__ = [
     "ActQuant", "EinsumActQuant", "PTQResult", "QuantizedWeight", "LayerStats", "quantize", "scheme",
     "method_from_name",
     "rtn_weight", "gptq_weight", "smooth_model", "collect", "export", "load", "ExportReport", "export_gguf",
-    "GGUFReport",
+    "GGUFReport", "ExportTensor",
     "pack", "PackedLinear", "PackReport",
 ]

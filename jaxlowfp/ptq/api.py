@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxlowfp import nvfp4
 from jaxlowfp._core.progress import progress_bar
-from jaxlowfp.ptq import calibrate, experts, sequential, serving, smooth
+from jaxlowfp.ptq import calibrate, checks, experts, sequential, serving, smooth
 from jaxlowfp.qnnx.rules import grouped_weights
 from jaxlowfp.ptq.layers import act_quant, default_hook, hook_name, is_act_quant, layout
 from jaxlowfp.ptq.formats import ACTIVATION_SCALES, Scheme, rtn_weight
@@ -219,6 +219,7 @@ def quantize(
         raise ValueError(f"no nnx.Linear layer matches a rule with a scheme (nor an nnx.LinearGeneral or "
                          f"nnx.Einsum; rules: {[r.path for r in rules]}); the model's layers: "
                          f"{names[:12]}{' ...' if len(names) > 12 else ''}")
+    checks.check_model_weights(model, targets)
     if calibration is not None and stats is not None:
         raise ValueError("pass calibration or stats, not both")
     if calibration is None and stats is None and not isinstance(m, RTN):
@@ -279,6 +280,7 @@ def quantize(
     def process(paths: list[str], st: dict[str, calibrate.LayerStats]) -> None:
         """Folds that reach `paths`, then their weights (fused groups: one amax after the folds)."""
         sub = {p: targets[p] for p in paths}
+        checks.check_calibration_inputs(st, sub)
         if isinstance(m, (SmoothQuant, AWQ)):
             st = smooth_model(model, m, [f for f in folds if any(p in sub for p in f.layers)], sub, st,
                               progress=progress)

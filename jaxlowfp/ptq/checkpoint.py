@@ -42,7 +42,11 @@ What a serving engine applies, and what `export` guarantees for it:
   served MoE models).
 
 `export` returns an `ExportReport` (bits per parameter of the whole checkpoint and of the NVFP4 layers).
-Tensors that are not quantized are written in float32.
+Tensors that are not quantized are written as ``dtype`` (float16 by default; bfloat16 or float32 on request),
+1-D ones (norm scales, biases) in float32; the report counts the values the rounding changed. The model says its
+tensor names and ``config.json`` (`jaxlowfp.ptq.protocol`, ``export_tensors("hf")`` / ``export_config("hf")``);
+other models get `default_name` and no config unless given. Before anything is written, every tensor is checked
+finite (the high-precision ones too) and every NVFP4 layer for finite, positive scales and a weight not all zero.
 """
 from __future__ import annotations
 
@@ -53,22 +57,31 @@ from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax import lax
 
 from jaxlowfp import nvfp4
 from jaxlowfp._core import ct_nvfp4
-from jaxlowfp.models.quantized import read_safetensors
-from jaxlowfp.ptq import serving
+from jaxlowfp.ptq import checks, known_gaps, serving
+from jaxlowfp.ptq.protocol import Exportable, require_exportable
 from jaxlowfp.ptq.api import PTQResult
 from jaxlowfp.ptq.layers import act_quant, require_linear
 from jaxlowfp.ptq.calibrate import linear_modules
 from jaxlowfp.ptq.formats import Scheme, TensorFormat
 
 WEIGHTS_FILE = "model.safetensors"
+_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 META_FILE = "jaxlowfp_ptq.json"
 _SUFFIX = {"kernel": "weight", "scale": "weight", "embedding": "weight"}
+
+
+def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
+    """Every tensor of a .safetensors file (`jaxlowfp.models.quantized.read_safetensors`, float8 included)."""
+    from jaxlowfp.models.quantized import read_safetensors as read  # imported on use: ptq does not need models
+
+    return read(path)
 
 
 def default_name(path: str) -> str:
@@ -114,16 +127,11 @@ def _quant_args(activation: bool) -> dict:
 
 
 def llama_hf_config(cfg: Any) -> dict:
-    """A Hugging Face ``config.json`` for a `jaxlowfp.models.ModelConfig` (Llama; Qwen2 with q/k/v bias; Qwen3
-    with q/k norm)."""
-    arch = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
-    return {"architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                               "qwen3": "Qwen3ForCausalLM"}[arch]], "model_type": arch,
-            "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
-            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
-            "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "vocab_size": cfg.vocab,
-            "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": cfg.tie_embeddings,
-            "hidden_act": "silu", "torch_dtype": "float32"}
+    """A Hugging Face ``config.json`` for a `jaxlowfp.models.ModelConfig` (`jaxlowfp.models.export.hf_config`:
+    Llama; Qwen2 with q/k/v bias; Qwen3 with q/k norm)."""
+    from jaxlowfp.models.export import hf_config
+
+    return hf_config(cfg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +145,9 @@ class ExportReport:
     fused:              groups sharing one global scale (what vLLM fuses)
     partial:            vLLM-fused groups of which only some members are quantized (vLLM refuses to load those)
     convention:         the NVFP4 arithmetic of the weights ("jaxlowfp" or "compressed-tensors")
+    dtype:              the dtype of the high-precision tensors of 2 or more dimensions (1-D ones are float32)
+    rounded:            high-precision values that rounding to `dtype` changed, and how many were written
+    notes:              known gaps of consumers that the checkpoint hits (`jaxlowfp.ptq.known_gaps`; warned)
     """
 
     directory: Path
@@ -146,12 +157,17 @@ class ExportReport:
     fused: tuple[tuple[str, ...], ...]
     partial: tuple[tuple[str, ...], ...]
     convention: str
+    dtype: str = "float32"
+    rounded: tuple[int, int] = (0, 0)
+    notes: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         lines = [f"exported to {self.directory}: {self.bits_per_parameter:.3f} bits per parameter "
                  f"({100 * self.quantized_fraction:.1f} % of the parameters in NVFP4 at {self.quantized_bits:.3f} "
                  f"bits per weight), {len(self.fused)} fused groups sharing a global scale, {self.convention} "
-                 f"arithmetic"]
+                 f"arithmetic; high precision in {self.dtype} ({self.rounded[0]} of {self.rounded[1]} values "
+                 f"rounded)"]
+        lines += [f"note: {n}" for n in self.notes]
         if self.partial:
             lines.append(f"note: only some members of the fused groups {list(self.partial)[:3]} are quantized; vLLM "
                          f"loads a fused layer only if all its shards have the same scheme")
@@ -181,23 +197,38 @@ def _input_global_scale(m: str, amax: float, convention: str) -> np.ndarray:
     return np.asarray(g, np.float32).reshape(1)
 
 
-def _hf_names(model: nnx.Module) -> dict[str, str] | None:
-    from jaxlowfp.models import Llama
-    from jaxlowfp.models.common import tensor_specs
+def check_export_inputs(params: Mapping[str, Any], result: PTQResult, name_of: Callable[[str], str]) -> None:
+    """Before anything is written: every parameter finite (the high-precision ones too: norms, embeddings), and
+    every packed NVFP4 layer with finite block scales, a finite positive global scale and a weight not all zero
+    (an all-zero tensor has no meaningful global scale)."""
+    for path, var in params.items():
+        checks.check_finite_tensor(var[...], f"{name_of(path)} (parameter {path})")
+    for mod_path in result.schemes:
+        if mod_path not in result.packed:
+            continue
+        checks.check_packed_nvfp4(mod_path, *result.packed[mod_path])
 
-    return {s.path: s.hf for s in tensor_specs(model.config)} if isinstance(model, Llama) else None
+
+def _hf_names(model: nnx.Module) -> dict[str, str] | None:
+    """The model's Hugging Face tensor names if it says them (`jaxlowfp.ptq.protocol`), else None."""
+    if not isinstance(model, Exportable):
+        return None
+    tensors, _ = require_exportable(model, "hf", "export", with_config=False)
+    return {t.path: t.name for t in tensors if t.path is not None}
 
 
 def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
            tensor_names: Mapping[str, str] | Callable[[str], str] | None = None,
-           model_config: Mapping[str, Any] | None = None, tokenizer: Any = None) -> ExportReport:
+           model_config: Mapping[str, Any] | None = None, tokenizer: Any = None,
+           dtype: str = "float16") -> ExportReport:
     """Write `model` (after `jaxlowfp.ptq.quantize` with NVFP4 weights) to `directory` (module docstring).
 
     `tensor_names` maps an NNX parameter path (``blocks/0/attn/q_proj/kernel``) to its checkpoint name
     (``model.layers.0.self_attn.q_proj.weight``; a Linear kernel's name must end in ``.weight``), default the
     Hugging Face names for a `jaxlowfp.models.Llama`, else `default_name`. `model_config` is written as
     ``config.json`` with ``quantization_config`` added (default for a Llama: `llama_hf_config`); `tokenizer` (a
-    `jaxlowfp.models.Tokenizer`) is saved as ``tokenizer.json``. Refuses non-finite or zero scales, fused
+    `jaxlowfp.models.Tokenizer`) is saved as ``tokenizer.json``. `dtype`: "float16", "bfloat16" or "float32" for
+    the high-precision tensors of 2 or more dimensions. Refuses non-finite or zero scales, fused
     groups (q/k/v, gate/up) whose global scales differ, and returns an `ExportReport` (bits per parameter).
     """
     if not isinstance(result, PTQResult):
@@ -207,14 +238,18 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
         raise ValueError(f"export writes NVFP4 weights; layers {bad[:4]} use "
                          f"{sorted({result.schemes[p].weight.name for p in bad})}")
     require_linear(model, result.schemes, "export (compressed-tensors)")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; allowed: {', '.join(map(repr, _DTYPES))}")
+    said = _hf_names(model)  # the model's own names and config (jaxlowfp.ptq.protocol)
     if tensor_names is None:
-        tensor_names = _hf_names(model)
-    if model_config is None and _hf_names(model) is not None:
-        model_config = llama_hf_config(model.config)
+        tensor_names = said
+    if model_config is None and said is not None:
+        model_config = require_exportable(model, "hf", "export")[1]
     name_of = _namer(tensor_names)
     params = _params(model)
     linears = linear_modules(model)
     conv = result.convention
+    check_export_inputs(params, result, name_of)
     unfused = serving.vllm_fused_error(serving.name_groups(list(result.schemes)),
                                        {p: float(result.packed[p][1]) for p in result.schemes if p in result.packed})
     if unfused:
@@ -224,6 +259,7 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
     layers: dict[str, Any] = {}
     n_quant = 0
     quant_bits = 0
+    rounded = written_hp = 0
     for path, var in params.items():
         mod_path, leaf = path.rsplit("/", 1) if "/" in path else ("", path)
         name = name_of(path)
@@ -262,8 +298,18 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
         value = np.asarray(var[...], np.float32)
         if leaf == "kernel" and mod_path in linears:
             value = value.T  # PyTorch [out, in]
+        if value.ndim >= 2 and dtype != "float32":
+            low = value.astype(_DTYPES[dtype])
+            back = low.astype(np.float32)
+            checks.check_finite_tensor(back, f"{name} ({path}) rounded to {dtype}",
+                                       action="refusing to export (its values overflow it: use dtype='float32')")
+            rounded += int(np.sum(back != value))
+            written_hp += value.size
+            value = low
         tensors[name] = np.ascontiguousarray(value)
 
+    notes = known_gaps.check("hf", "", {}, {p: result.schemes[p].activation is not None for p in layers},
+                             allow_known_gaps=True, caller="export")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     from safetensors.numpy import save_file
@@ -302,7 +348,8 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
     total_bits = sum(t.nbytes * 8 for t in tensors.values())
     return ExportReport(directory=directory, bits_per_parameter=total_bits / n_params,
                         quantized_bits=quant_bits / max(n_quant, 1), quantized_fraction=n_quant / n_params,
-                        fused=tuple(result.fused), partial=partial, convention=conv)
+                        fused=tuple(result.fused), partial=partial, convention=conv, dtype=dtype,
+                        rounded=(rounded, written_hp), notes=tuple(notes))
 
 
 def load(model: nnx.Module, directory: str | Path) -> dict[str, Scheme]:

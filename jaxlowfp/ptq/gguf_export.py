@@ -1,4 +1,7 @@
-"""Export of a PTQ'd `jaxlowfp.models.Llama` as a llama.cpp GGUF file: NVFP4 (GGUF type 40) and MXFP4 (type 39).
+"""Export of a PTQ'd model as a llama.cpp GGUF file: NVFP4 (GGUF type 40) and MXFP4 (type 39).
+
+The model says what the file holds (`jaxlowfp.ptq.protocol`: ``export_tensors("gguf")``, ``export_config("gguf")``;
+`jaxlowfp.models.Llama` implements it, `jaxlowfp.models.export`), so any NNX model that does exports.
 
 Layout (ggml-org/llama.cpp: ``ggml/src/ggml-common.h`` ``block_nvfp4`` / ``block_mxfp4``, ``gguf-py/gguf/quants.py``
 ``NVFP4`` / ``MXFP4`` (the ``gguf`` 0.19 numpy dequantizers), ``conversion/base.py: _nvfp4_pack`` and
@@ -10,18 +13,33 @@ Layout (ggml-org/llama.cpp: ``ggml/src/ggml-common.h`` ``block_nvfp4`` / ``block
            that llama.cpp multiplies into the matmul output: y = (x . (q * s)) * S_dec
     MXFP4  per 32 inputs, 17 bytes: the E8M0 exponent byte e (2^(e - 127)), then byte j = code j | code (j + 16) << 4
 
-so the weights llama.cpp computes with are ``(q * s) * S_dec``, ours bit for bit (convention "jaxlowfp"; a
-"compressed-tensors" checkpoint decodes ``q * (s / g)``, which may differ in the last bit). Four Over Six only
-chooses each block's E4M3 scale: the file needs nothing llama.cpp lacks. Tensor names, the q/k row permutation of
-the ``llama`` architecture (``convert_hf_to_gguf.py: LlamaModel.permute``, undone by
-`jaxlowfp.models.gguf_loader.unpermute_rope_rows`) and the metadata follow llama.cpp's converter. Layers kept in high
-precision, layers whose input size is not a multiple of the block (64 for NVFP4), norms and embeddings are F32.
-The tokenizer and the other metadata are copied from a source GGUF, or built from a ``tokenizer.json``.
+so the weights llama.cpp computes with are ``(q * s) * S_dec``, ours bit for bit (convention "jaxlowfp"; up to
+the sign of zero: a -0.0 weight reads back as +0.0 where its code is the negative zero). Four Over Six only chooses
+each block's E4M3 scale: the file needs nothing llama.cpp lacks. Tensors that stay in high precision are written
+as ``dtype`` (F16 by default, as llama.cpp's converter does; BF16 or F32 on request), 1-D tensors (norms, biases,
+``rope_freqs``) always F32; the report counts the values that rounding to ``dtype`` changed. With a
+``source_gguf``, a high-precision tensor whose values are exactly what the source's quantized tensor decodes to
+(a model loaded from that file and not changed there, e.g. SmolLM2's Q4_1 embedding) is copied in the source's
+encoding: lossless and as small as the source.
+
+Refused (nothing is written): a NaN / Inf in any tensor (or one that overflows ``dtype``); a W4A4 result without
+``weights_only=True`` (GGUF has no activation quantization: llama.cpp would run the layers with high-precision
+inputs); a result quantized in the compressed-tensors convention without ``allow_reordered_decode=True`` (llama.cpp
+decodes ``(q * s) * S_dec``, 1 ulp off ``q * (s / g)`` for about a quarter of the weights); a ``source_gguf`` whose
+architecture, hyperparameters, tensor names / shapes or vocabulary differ from the model's; a tokenizer llama.cpp
+cannot represent (not byte-level BPE, no merges, a pre-tokenizer it does not name); files a consumer is known to
+misrun (`jaxlowfp.ptq.known_gaps`, ``allow_known_gaps=True`` to override).
+
+The tokenizer and the other metadata are copied from a source GGUF, or built from a ``tokenizer.json`` (or a
+`jaxlowfp.models.Tokenizer`): byte-level BPE, llama.cpp's pre-tokenizer name found from the pre-tokenizer's
+regexes (SmolLM2's: ``smollm``; ``convert_hf_to_gguf.py: get_vocab_base_pre`` and ``src/llama-vocab.cpp`` name
+them), the chat template and ``add_bos_token`` from ``tokenizer_config.json`` / the post-processor.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,37 +48,55 @@ from flax import nnx
 
 from jaxlowfp import mx
 from jaxlowfp._core.checks import optional_module
-from jaxlowfp.ptq import serving
+from jaxlowfp.ptq import checks, known_gaps, serving
 from jaxlowfp.ptq.api import PTQResult
 from jaxlowfp.ptq.layers import require_linear
-
+from jaxlowfp.ptq.protocol import require_exportable
 
 
 def _gguf():
     """The ``gguf`` package (the ``jaxlowfp[models]`` extra), imported on use so `jaxlowfp.ptq` does not need it."""
     return optional_module("gguf", extra="models", feature="GGUF export")
 
+
 NVFP4_BLOCK = 64  # values per GGUF NVFP4 super-block
 MXFP4_BLOCK = 32
+DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}  # dtype= -> GGUF type of high-precision tensors
 _SKIP_KEYS = ("GGUF.", "general.architecture", "general.file_type", "general.alignment")
-_ARCH = {"llama": True, "qwen2": False, "qwen3": False}  # architecture -> q/k rows permuted
+# llama.cpp pre-tokenizer names (src/llama-vocab.cpp) whose regexes jaxlowfp.models.gguf_loader knows, in the
+# order they are tried when the pre-tokenizer's regexes are matched ("default" is not one: llama.cpp splits it
+# with regexes of its own, which the reader does not reproduce; SmolLM2 written as "default" tokenized otherwise
+# than the original file in 3 of 5 texts, issue 31)
+PRE_NAMES = ("smollm", "qwen2", "llama-bpe", "gpt-2", "starcoder", "refact")
 
 
 @dataclasses.dataclass(frozen=True)
 class GGUFReport:
-    """What `export_gguf` wrote: the file, {tensor name: GGUF type name}, and bits per parameter of the file's
-    tensors."""
+    """What `export_gguf` wrote.
+
+    path:               the file
+    types:              {tensor name: GGUF type name}
+    bits_per_parameter: stored bits of the file's tensors / parameters of the model
+    dtype:              the type of the high-precision tensors of 2 or more dimensions ("F16", "BF16", "F32")
+    rounded:            high-precision values that rounding to `dtype` changed, and how many were written
+    notes:              known gaps of consumers that the file hits (warnings), tokenizer facts
+    """
 
     path: Path
     types: dict[str, str]
     bits_per_parameter: float
+    dtype: str = "F32"
+    rounded: tuple[int, int] = (0, 0)
+    notes: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         counts: dict[str, int] = {}
         for t in self.types.values():
             counts[t] = counts.get(t, 0) + 1
-        return (f"wrote {self.path}: {self.bits_per_parameter:.3f} bits per parameter; tensors by type "
-                f"{dict(sorted(counts.items()))}")
+        lines = [f"wrote {self.path}: {self.bits_per_parameter:.3f} bits per parameter; tensors by type "
+                 f"{dict(sorted(counts.items()))}; high precision in {self.dtype} ({self.rounded[0]} of "
+                 f"{self.rounded[1]} values rounded)"]
+        return "\n".join(lines + [f"note: {n}" for n in self.notes])
 
 
 def permute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -99,143 +135,382 @@ def mxfp4_bytes(w: np.ndarray) -> np.ndarray:
     return np.concatenate([e, qs], axis=-1).reshape(out, k // 32 * 17)
 
 
-def _copy_metadata(writer: Any, source: Path) -> None:
+class _Calls:
+    """Records ``writer.add_*(...)`` calls, to replay on the real writer once every check has passed."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple, dict]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *a, **k: self.calls.append((name, a, k))
+
+    def replay(self, writer: Any) -> None:
+        for name, a, k in self.calls:
+            getattr(writer, name)(*a, **k)
+
+
+def _value_type(v: Any) -> Any:
     gguf = _gguf()
-    reader = gguf.GGUFReader(source)
+    if isinstance(v, bool):
+        return gguf.GGUFValueType.BOOL
+    if isinstance(v, (int, np.integer)):
+        return gguf.GGUFValueType.UINT32
+    if isinstance(v, (float, np.floating)):
+        return gguf.GGUFValueType.FLOAT32
+    if isinstance(v, str):
+        return gguf.GGUFValueType.STRING
+    raise TypeError(f"GGUF metadata value {v!r} ({type(v).__name__}): allowed str, bool, int, float or lists of them")
+
+
+def _add_metadata(writer: Any, meta: Mapping[str, Any]) -> None:
+    for key, v in meta.items():
+        if isinstance(v, (list, tuple)):
+            writer.add_array(key, list(v))
+        else:
+            writer.add_key_value(key, v, _value_type(v))
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return np.float32(a) == np.float32(b)
+    return a == b
+
+
+def _check_source(reader: Any, source: Path, arch: str, meta: Mapping[str, Any], shapes: Mapping[str, tuple],
+                  vocab_rows: int | None) -> None:
+    """Refuse a source GGUF that describes another model: architecture, hyperparameters, tensor names and shapes,
+    vocabulary size."""
+    src_arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
+    if src_arch != arch:
+        raise ValueError(f"source_gguf {source}: architecture {src_arch!r}, the model's is {arch!r}; its metadata "
+                         f"would describe another model")
+    diff = [f"{k}: {reader.fields[k].contents()!r} there, {v!r} here" for k, v in meta.items()
+            if k in reader.fields and not _same(reader.fields[k].contents(), v)]
+    if diff:
+        raise ValueError(f"source_gguf {source}: its hyperparameters differ from the model's ({'; '.join(diff[:4])})")
+    src = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
+    skip = lambda n: n.endswith(".scale")  # noqa: E731  (per-tensor NVFP4 scales: ours, not the source's)
+    missing = sorted(n for n in shapes if n not in src and not skip(n))
+    extra = sorted(n for n in src if n not in shapes and not skip(n))
+    bad = [f"{n} {src[n]} there, {shapes[n]} here" for n in shapes if n in src and src[n] != shapes[n]]
+    if missing or extra or bad:
+        raise ValueError(f"source_gguf {source} does not hold this model's tensors: missing there {missing[:3]}, "
+                         f"extra there {extra[:3]}, other shapes {bad[:3]}")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None and vocab_rows is not None and len(tokens.data) != vocab_rows:
+        raise ValueError(f"source_gguf {source}: its vocabulary has {len(tokens.data)} tokens, the model's "
+                         f"embedding {vocab_rows} rows; llama.cpp refuses such a file")
+
+
+def _same_values(src: Any, w: np.ndarray) -> bool:
+    """Whether a source GGUF tensor decodes (``gguf``'s dequantizer) to exactly `w`, bit for bit."""
+    shape = tuple(int(n) for n in reversed(src.shape))
+    if shape != tuple(w.shape):
+        return False
+    back = np.asarray(_gguf().quants.dequantize(src.data, src.tensor_type), np.float32).reshape(shape)
+    return bool(np.array_equal(back.view(np.uint32), np.ascontiguousarray(w, np.float32).view(np.uint32)))
+
+
+def _copy_metadata(writer: Any, reader: Any, meta: Mapping[str, Any]) -> None:
+    """The source's metadata (its tokenizer, chat template, names), then the model's keys the source lacks."""
+    gguf = _gguf()
     for key, field in reader.fields.items():
         if key.startswith(_SKIP_KEYS):
             continue
         vt = field.types[0]
         sub = field.types[-1] if vt == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, field.contents(), vt, sub)
+    _add_metadata(writer, {k: v for k, v in meta.items() if k not in reader.fields})
 
 
-def _config_metadata(writer: Any, cfg: Any, tokenizer_json: Path, pre: str) -> None:
-    """Hyperparameters from the `ModelConfig` and a byte-level BPE tokenizer from ``tokenizer.json``."""
+def _pre_pieces(pt: Any) -> tuple[str, ...] | None:
+    """The regexes a ``tokenizers`` pre-tokenizer (its JSON) splits with, in order; None where it does something
+    else (then llama.cpp has no name for it)."""
+    from jaxlowfp.models.gguf_loader import PRE_TOKENIZERS  # the regexes llama.cpp applies
+
+    gpt2 = PRE_TOKENIZERS["gpt-2"][0]
+    if pt is None:
+        return None
+    kind = pt.get("type")
+    if kind == "Sequence":
+        out: list[str] = []
+        for p in pt.get("pretokenizers", []):
+            sub = _pre_pieces(p)
+            if sub is None:
+                return None
+            out += sub
+        return tuple(out)
+    if kind == "ByteLevel":
+        return (gpt2,) if pt.get("use_regex", True) else ()
+    if kind == "Digits":
+        return (r"\p{N}",) if pt.get("individual_digits") else (r"\p{N}+",)
+    if kind == "Split" and isinstance(pt.get("pattern"), dict) and "Regex" in pt["pattern"] \
+            and pt.get("behavior") == "Isolated" and not pt.get("invert"):
+        return (pt["pattern"]["Regex"],)
+    return None
+
+
+def _is_byte_level(pt: Any) -> bool:
+    if not isinstance(pt, dict):
+        return False
+    if pt.get("type") == "ByteLevel":
+        return True
+    return pt.get("type") == "Sequence" and any(_is_byte_level(p) for p in pt.get("pretokenizers", []))
+
+
+def pre_tokenizer_name(tj: Mapping[str, Any], where: str) -> str:
+    """llama.cpp's ``tokenizer.ggml.pre`` for a ``tokenizer.json`` (module docstring); ValueError if none fits."""
+    from jaxlowfp.models.gguf_loader import PRE_TOKENIZERS
+
+    pieces = _pre_pieces(tj.get("pre_tokenizer"))
+    for name in PRE_NAMES:
+        if pieces is not None and tuple(PRE_TOKENIZERS[name]) == pieces:
+            return name
+    raise ValueError(f"{where}: its pre-tokenizer ({json.dumps(tj.get('pre_tokenizer'))[:200]}) is none that "
+                     f"llama.cpp names among {', '.join(PRE_NAMES)}; pass pre= explicitly if you know it")
+
+
+def _tokenizer_metadata(writer: Any, tokenizer: Any, vocab_rows: int, *, pre: str | None, bos_id: int | None,
+                        eos_id: int | None, add_bos: bool | None, chat_template: str | None) -> list[str]:
+    """A byte-level BPE tokenizer from a ``tokenizer.json`` path or a `jaxlowfp.models.Tokenizer` (module
+    docstring); returns notes for the report."""
+    from jaxlowfp.models.gguf_loader import PRE_TOKENIZERS
+
     gguf = _gguf()
-    writer.add_context_length(cfg.max_seq_len)
-    writer.add_embedding_length(cfg.d_model)
-    writer.add_block_count(cfg.n_layers)
-    writer.add_feed_forward_length(cfg.d_ff)
-    writer.add_head_count(cfg.n_heads)
-    writer.add_head_count_kv(cfg.n_kv_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_rope_dimension_count(cfg.head_dim)
-    writer.add_rope_freq_base(cfg.rope_theta)
-    writer.add_layer_norm_rms_eps(cfg.norm_eps)
-    writer.add_vocab_size(cfg.vocab)
-    tj = json.loads(Path(tokenizer_json).read_text())
+    tok_cfg: dict[str, Any] = {}
+    if hasattr(tokenizer, "tokenizer") and hasattr(tokenizer.tokenizer, "to_str"):  # a jaxlowfp Tokenizer
+        tj, where = json.loads(tokenizer.tokenizer.to_str()), f"tokenizer ({tokenizer.source})"
+        bos_id = tokenizer.bos_id if bos_id is None else bos_id
+        eos_id = tokenizer.eos_id if eos_id is None else eos_id
+    else:
+        where = str(tokenizer)
+        tj = json.loads(Path(tokenizer).read_text())
+        cfg_path = Path(tokenizer).with_name("tokenizer_config.json")
+        tok_cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
     model = tj.get("model", {})
-    if model.get("type") != "BPE":
-        raise ValueError(f"{tokenizer_json}: tokenizer model {model.get('type')!r}; only byte-level BPE is written")
+    if model.get("type") != "BPE" or not _is_byte_level(tj.get("pre_tokenizer")):
+        raise ValueError(f"{where}: tokenizer model {model.get('type')!r} with pre-tokenizer "
+                         f"{(tj.get('pre_tokenizer') or {}).get('type')!r}; only byte-level BPE is written (llama.cpp "
+                         f"'gpt2' tokenizer model)")
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    if not merges:
+        raise ValueError(f"{where}: the BPE tokenizer has no merges; llama.cpp refuses a 'gpt2' vocabulary without "
+                         f"tokenizer.ggml.merges")
+    if pre is None:
+        pre = pre_tokenizer_name(tj, where)
+    elif pre not in PRE_NAMES:
+        raise ValueError(f"pre={pre!r} is not a llama.cpp pre-tokenizer name this exporter knows; allowed: "
+                         f"{', '.join(map(repr, PRE_NAMES))} (or None: found from the tokenizer)")
+    elif _pre_pieces(tj.get("pre_tokenizer")) != tuple(PRE_TOKENIZERS[pre]):
+        raise ValueError(f"{where}: pre={pre!r} splits text with other regexes than this tokenizer's; llama.cpp "
+                         f"would tokenize differently (pre=None finds the name)")
     vocab = dict(model["vocab"])
     added = {t["content"]: (t["id"], t.get("special", False)) for t in tj.get("added_tokens", [])}
     for tok, (i, _) in added.items():
         vocab[tok] = i
     n = max(vocab.values()) + 1
-    tokens = [f"[PAD{i}]" for i in range(n)]
-    types = [gguf.TokenType.UNUSED] * n
+    if n > vocab_rows:
+        raise ValueError(f"{where}: token ids go up to {n - 1}, the model's embedding has {vocab_rows} rows")
+    tokens = [f"[PAD{i}]" for i in range(vocab_rows)]  # llama.cpp needs one token per embedding row
+    types = [gguf.TokenType.UNUSED] * vocab_rows
     for tok, i in vocab.items():
         tokens[i] = tok
         types[i] = gguf.TokenType.NORMAL
-    for tok, (i, special) in added.items():
+    for i, special in added.values():
         types[i] = gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+
+    def token_id(name: str, given: int | None) -> int | None:
+        if given is not None:
+            return int(given)
+        t = tok_cfg.get(f"{name}_token")
+        t = t.get("content") if isinstance(t, dict) else t
+        return vocab.get(t) if isinstance(t, str) else None
+
+    bos_id, eos_id = token_id("bos", bos_id), token_id("eos", eos_id)
+    if add_bos is None:
+        post = tj.get("post_processor") or {}
+        first = (post.get("single") or [{}])[0] if post.get("type") == "TemplateProcessing" else {}
+        add_bos = bool(tok_cfg.get("add_bos_token", "SpecialToken" in first))
+    if add_bos and bos_id is None:
+        raise ValueError(f"{where}: add_bos is set but no BOS token id is known; pass bos_id=")
+    template = chat_template if chat_template is not None else tok_cfg.get("chat_template")
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
+    writer.add_add_bos_token(bool(add_bos))
+    if bos_id is not None:
+        writer.add_bos_token_id(bos_id)
+    if eos_id is not None:
+        writer.add_eos_token_id(eos_id)
+    if isinstance(template, str):
+        writer.add_chat_template(template)
+    return [f"tokenizer: pre {pre!r}, add_bos {bool(add_bos)}, chat template "
+            f"{'written' if isinstance(template, str) else 'none given'}"]
 
 
 def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *, source_gguf: str | Path | None = None,
-                tokenizer_json: str | Path | None = None, pre: str = "default", bos_id: int | None = None,
-                eos_id: int | None = None, float32: bool = False, name: str | None = None) -> GGUFReport:
-    """Write a `jaxlowfp.models.Llama` after `jaxlowfp.ptq.quantize` as a GGUF file (module docstring).
+                tokenizer_json: Any = None, pre: str | None = None, bos_id: int | None = None,
+                eos_id: int | None = None, add_bos: bool | None = None, chat_template: str | None = None,
+                float32: bool = False, dtype: str = "float16", weights_only: bool = False,
+                allow_reordered_decode: bool = False, allow_known_gaps: bool = False,
+                name: str | None = None) -> GGUFReport:
+    """Write a model (after `jaxlowfp.ptq.quantize`, or `result=None`) as a GGUF file (module docstring).
 
-    NVFP4 layers become type 40 (plus their ``.scale`` tensor), MXFP4 layers type 39; everything else F32.
-    ``float32=True`` writes every tensor as F32 (the model's values as they are: the control file with the same
-    weights). Metadata and tokenizer: copied from `source_gguf` (e.g. the file the model was loaded from), or built
-    from the config and `tokenizer_json` (byte-level BPE; `pre` is llama.cpp's pre-tokenizer name).
+    NVFP4 layers become type 40 (plus their ``.scale`` tensor), MXFP4 layers type 39; other tensors of two or more
+    dimensions `dtype` ("float16", "bfloat16" or "float32"), 1-D tensors F32. ``float32=True`` writes every
+    tensor as F32 (the model's values as they are: the control file with the same weights). Metadata and tokenizer:
+    copied from `source_gguf` (checked to describe this model), or built from the model's config and
+    `tokenizer_json` (a path or a `jaxlowfp.models.Tokenizer`; `pre` None: found from it, `add_bos` and
+    `chat_template` None: from ``tokenizer_config.json`` next to it / its post-processor).
+    `weights_only=True` writes a W4A4 result's weights alone (GGUF has no activation quantization);
+    `allow_reordered_decode` and `allow_known_gaps` override the refusals of the module docstring.
     """
-    from jaxlowfp.models import Llama
-    from jaxlowfp.models.common import tensor_specs
-
     gguf = _gguf()
-    if not isinstance(model, Llama):
-        raise TypeError(f"export_gguf writes a jaxlowfp.models.Llama; got {type(model).__name__}")
     if result is not None and not isinstance(result, PTQResult):
         raise TypeError(f"result must be a PTQResult or None; got {type(result).__name__}")
     if (source_gguf is None) == (tokenizer_json is None):
         raise ValueError("give exactly one of source_gguf (metadata and tokenizer copied) or tokenizer_json")
-    cfg = model.config
-    arch = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; allowed: {', '.join(map(repr, DTYPES))}")
+    specs, config = require_exportable(model, "gguf", "export_gguf")
+    arch, meta = config["architecture"], dict(config["metadata"])
+    w4a4 = [] if result is None else [p for p, s in result.schemes.items() if s.activation is not None]
+    if w4a4 and not weights_only:
+        raise ValueError(f"export_gguf: layers {w4a4[:3]}{' ...' if len(w4a4) > 3 else ''} quantize their inputs "
+                         f"(W4A4), which GGUF cannot say: llama.cpp would run them with high-precision activations, "
+                         f"not the model you evaluated. Pass weights_only=True to write the weights alone (the file "
+                         f"is then the W4A16 model), or quantize with weights_only schemes")
     schemes = {} if result is None or float32 else result.schemes
+    packed = {} if result is None else result.packed
+    conv = "jaxlowfp" if result is None else result.convention
+    if schemes and conv != "jaxlowfp" and not allow_reordered_decode:
+        raise ValueError(f"export_gguf: the result was quantized with convention={conv!r} (weights "
+                         f"decode as q * (s / g)); llama.cpp computes (q * s) * S_dec, 1 ulp off for about a quarter "
+                         f"of the weights, so the file would not be the model you evaluated. Quantize with "
+                         f"convention='jaxlowfp' for GGUF, or pass allow_reordered_decode=True")
     require_linear(model, schemes, "export_gguf")
     bad = {p: s.weight.name for p, s in schemes.items() if s.weight.kind not in ("nvfp4", "mxfp4")}
     if bad:
         raise ValueError(f"GGUF has no type for the weight formats {sorted(set(bad.values()))} (layers "
                          f"{list(bad)[:3]}); allowed: NVFP4, MXFP4 (or float32=True)")
+    hp_type = DTYPES["float32" if float32 else dtype]
+    params = {"/".join(map(str, p)): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
+    covered = {t.path for t in specs if t.path is not None}
+    left = sorted(set(params) - covered)
+    if left:
+        raise ValueError(f"export_gguf: {type(model).__name__}.export_tensors('gguf') does not write the parameters "
+                         f"{left[:4]}{' ...' if len(left) > 4 else ''}; the file would not hold the whole model")
+    for t in specs:  # every value finite before anything is written (the high-precision tensors too)
+        if t.path is not None and t.path not in params:
+            raise ValueError(f"export_gguf: tensor {t.name} names parameter {t.path!r}, which the model does not have")
+        if t.transform is not None and t.module in schemes:
+            raise ValueError(f"export_gguf: tensor {t.name} transforms the quantized kernel of {t.module}")
+        checks.check_finite_tensor(params[t.path][...] if t.path is not None else t.value,
+                                   f"{t.name} ({'parameter ' + t.path if t.path else 'constant'})")
+
+    # every tensor in file layout, decided before the file is opened
+    planned: list[tuple[str, np.ndarray, Any, str]] = []  # (name, data, raw dtype or None, type name)
+    shapes: dict[str, tuple] = {}
+    bits = 0
+    n_params = sum(int(np.prod(v.shape)) for v in params.values())
+    rounded = written_hp = 0
+    reader = gguf.GGUFReader(Path(source_gguf)) if source_gguf is not None else None
+    src_tensors = {x.name: x for x in reader.tensors} if reader is not None else {}
+    notes_pre: list[str] = []
+    for t in specs:
+        w = t.array(params)
+        shapes[t.name] = tuple(w.shape)
+        mod = t.module
+        sch = schemes.get(mod) if mod is not None else None
+        if (mod is not None and sch is not None and sch.weight.kind == "nvfp4" and w.ndim == 2
+                and w.shape[1] % NVFP4_BLOCK == 0):
+            arr, s_enc = packed[mod]
+            checks.check_packed_nvfp4(mod, arr, s_enc)
+            if not np.array_equal(np.asarray(serving.decode(arr, s_enc, conv)), w):
+                raise ValueError(f"{mod}: the model's kernel is not the packed NVFP4 weight (was the model changed "
+                                 f"after quantize?)")
+            codes, scales = np.asarray(arr.codes), np.asarray(arr.scales)
+            if sch.weight.rows > 1:
+                scales = np.repeat(scales, sch.weight.rows, axis=0)
+            if t.permute_heads is not None:
+                codes, scales = (permute_rope_rows(codes, t.permute_heads),
+                                 permute_rope_rows(scales, t.permute_heads))
+            try:
+                raw = nvfp4_bytes(codes, scales)
+            except ValueError as e:
+                raise ValueError(f"{t.name} ({mod}): {e}") from None
+            scale = np.asarray([np.float32(arr.global_scale)], np.float32)
+            checks.check_finite_tensor(scale, f"{t.name}: the NVFP4 decode scale")
+            planned += [(t.name, raw, gguf.GGMLQuantizationType.NVFP4, "NVFP4"),
+                        (t.name.replace(".weight", ".scale"), scale, None, "F32")]
+            shapes[t.name.replace(".weight", ".scale")] = (1,)
+            bits += raw.nbytes * 8 + 32
+            continue
+        if t.permute_heads is not None:
+            w = permute_rope_rows(w, t.permute_heads)
+        if sch is not None and sch.weight.kind == "mxfp4" and w.ndim == 2 and w.shape[1] % MXFP4_BLOCK == 0:
+            raw = mxfp4_bytes(w)
+            planned.append((t.name, raw, gguf.GGMLQuantizationType.MXFP4, "MXFP4"))
+            bits += raw.nbytes * 8
+            continue
+        src = src_tensors.get(t.name) if sch is None and not float32 else None
+        if src is not None and src.tensor_type.name not in ("F32", "F16", "BF16") and _same_values(src, w):
+            # the source file's own encoding of exactly these values (e.g. a Q4_1 embedding): copied, lossless
+            planned.append((t.name, np.asarray(src.data), src.tensor_type, src.tensor_type.name))
+            bits += int(np.asarray(src.data).nbytes) * 8
+            continue
+        if sch is not None:  # a quantized layer GGUF has no block for (its rows are not whole blocks): exact
+            notes_pre.append(f"{t.name}: {sch.weight.name} rows of {w.shape[-1]} values are not whole GGUF blocks; "
+                             f"written as F32 (its quantized values, exactly)")
+        if w.ndim <= 1 or hp_type == "F32" or sch is not None:
+            out, tname, raw_dtype = np.ascontiguousarray(w, np.float32), "F32", None
+        elif hp_type == "F16":
+            out, tname, raw_dtype = np.ascontiguousarray(w.astype(np.float16)), "F16", None
+        else:  # BF16: gguf's own round-to-nearest-even packing (quants.quantize), written as raw bytes
+            out = gguf.quants.quantize(np.ascontiguousarray(w), gguf.GGMLQuantizationType.BF16)
+            tname, raw_dtype = "BF16", gguf.GGMLQuantizationType.BF16
+        if tname != "F32":
+            back = gguf.quants.dequantize(out, gguf.GGMLQuantizationType[tname]).reshape(w.shape)
+            checks.check_finite_tensor(back, f"{t.name}: rounded to {tname}",
+                                       action=f"refusing to export (its values overflow {tname}: use dtype='float32'"
+                                              f"{'' if tname == 'BF16' else ' or bfloat16'})")
+            rounded += int(np.sum(back != w))
+            written_hp += w.size
+        planned.append((t.name, out, raw_dtype, tname))
+        bits += out.nbytes * 8
+    types = {n: tn for n, _, _, tn in planned}
+    notes = notes_pre + known_gaps.check("gguf", arch, types, {p: False for p in schemes},
+                                         allow_known_gaps=allow_known_gaps, caller="export_gguf")
+    vocab_rows = shapes.get("token_embd.weight", (None,))[0]
+    tok_calls = _Calls()  # the tokenizer's metadata, checked before the file is opened
+    if reader is not None:
+        _check_source(reader, Path(str(source_gguf)), arch, meta, shapes, vocab_rows)
+    else:
+        notes += _tokenizer_metadata(tok_calls, tokenizer_json, vocab_rows if vocab_rows is not None else
+                                     int(meta.get(f"{arch}.vocab_size", 0)), pre=pre, bos_id=bos_id, eos_id=eos_id,
+                                     add_bos=add_bos, chat_template=chat_template)
+
     path = Path(path)
     writer = gguf.GGUFWriter(path, arch)
-    if source_gguf is not None:
-        _copy_metadata(writer, Path(source_gguf))
+    if reader is not None:
+        _copy_metadata(writer, reader, meta)
     else:
-        _config_metadata(writer, cfg, Path(tokenizer_json), pre)
-        if bos_id is not None:
-            writer.add_bos_token_id(bos_id)
-        if eos_id is not None:
-            writer.add_eos_token_id(eos_id)
+        _add_metadata(writer, meta)
+        tok_calls.replay(writer)
     if name is not None:
         writer.add_name(name)
     kinds = {s.weight.kind for s in schemes.values()}
     ftype = (gguf.LlamaFileType.MOSTLY_NVFP4 if kinds == {"nvfp4"} else gguf.LlamaFileType.MOSTLY_MXFP4_MOE
-             if kinds == {"mxfp4"} else gguf.LlamaFileType.ALL_F32)
+             if kinds == {"mxfp4"} else {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
+                                         "BF16": gguf.LlamaFileType.MOSTLY_BF16}[hp_type])
     writer.add_file_type(int(ftype))
-    params = {"/".join(map(str, p)): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
-    types: dict[str, str] = {}
-    bits = 0
-    n_params = 0
-    for spec in tensor_specs(cfg):
-        value = np.asarray(params[spec.path][...], np.float32)
-        n_params += value.size
-        w = value.T if spec.transpose else value
-        n_rope = None
-        if _ARCH[arch] and spec.rope is not None:
-            n_rope = cfg.n_heads if spec.rope == "q" else cfg.n_kv_heads
-        mod = spec.path.rsplit("/", 1)[0]
-        sch = schemes.get(mod) if spec.path.endswith("/kernel") else None
-        if sch is not None and sch.weight.kind == "nvfp4" and w.shape[1] % NVFP4_BLOCK == 0:
-            arr, s_enc = result.packed[mod]
-            if not np.array_equal(np.asarray(serving.decode(arr, s_enc, result.convention)), w):
-                raise ValueError(f"{mod}: the model's kernel is not the packed NVFP4 weight")
-            codes, scales = np.asarray(arr.codes), np.asarray(arr.scales)
-            if sch.weight.rows > 1:
-                scales = np.repeat(scales, sch.weight.rows, axis=0)
-            if n_rope is not None:
-                codes, scales = permute_rope_rows(codes, n_rope), permute_rope_rows(scales, n_rope)
-            raw = nvfp4_bytes(codes, scales)
-            writer.add_tensor(spec.gguf, raw, raw_dtype=gguf.GGMLQuantizationType.NVFP4)
-            scale = np.asarray([np.float32(arr.global_scale)], np.float32)
-            writer.add_tensor(spec.gguf.replace(".weight", ".scale"), scale)
-            types[spec.gguf], types[spec.gguf.replace(".weight", ".scale")] = "NVFP4", "F32"
-            bits += raw.nbytes * 8 + 32
-            continue
-        if n_rope is not None:
-            w = permute_rope_rows(w, n_rope)
-        if sch is not None and sch.weight.kind == "mxfp4" and w.shape[1] % MXFP4_BLOCK == 0:
-            raw = mxfp4_bytes(w)
-            writer.add_tensor(spec.gguf, raw, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
-            types[spec.gguf] = "MXFP4"
-            bits += raw.nbytes * 8
-            continue
-        w = np.ascontiguousarray(w, np.float32)
-        writer.add_tensor(spec.gguf, w)
-        types[spec.gguf] = "F32"
-        bits += w.nbytes * 8
+    for n, data, raw_dtype, _ in planned:
+        writer.add_tensor(n, data, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return GGUFReport(path=path, types=types, bits_per_parameter=bits / n_params)
+    return GGUFReport(path=path, types=types, bits_per_parameter=bits / n_params, dtype=hp_type,
+                      rounded=(rounded, written_hp), notes=tuple(notes))

@@ -71,7 +71,8 @@ def name_groups(paths: Sequence[str]) -> list[tuple[str, ...]]:
 def fused_groups(model: nnx.Module, targets: Mapping[str, Scheme], fused: Any = "auto") -> list[tuple[str, ...]]:
     """The groups of quantized layers that must share one NVFP4 global scale (module docstring).
 
-    `fused`: "auto" (the model's ``smoothing_folds()`` groups fed by a norm, else vLLM's sibling names), None or
+    `fused`: "auto" (the model's ``fused_groups()``, else its ``smoothing_folds()`` groups fed by a norm, else
+    vLLM's sibling names), None or
     () (no sharing), or a sequence of path tuples. Members of one group must have the same NVFP4 weight format.
     """
     nv = [p for p, s in targets.items() if s.weight.kind == "nvfp4"]
@@ -82,7 +83,11 @@ def fused_groups(model: nnx.Module, targets: Mapping[str, Scheme], fused: Any = 
             raise ValueError(f"fused={fused!r} is not supported; allowed: 'auto', None or a list of path tuples")
         groups = None
         own = getattr(model, "smoothing_folds", None)
-        if callable(own):
+        said = getattr(model, "fused_groups", None)  # the export protocol (jaxlowfp.ptq.protocol)
+        if callable(said):
+            groups = [tuple(x for x in g if x in nv) for g in said()]
+            groups = [g for g in groups if len(g) > 1]
+        elif callable(own):
             linears = {"/".join(map(str, p)) for p, m in nnx.iter_graph(model) if isinstance(m, nnx.Linear)}
             groups = [tuple(x for x in layers if x in nv) for prev, layers in own()[0]
                       if prev not in linears and len(layers) > 1]
