@@ -165,7 +165,7 @@ def contract(
     x_free = [i for i in range(x.ndim) if i not in xc and i not in xb]
     w_free = [i for i in range(w.ndim) if i not in wc and i not in wb]
     common = dict(recipe=recipe, state=state, observe_only=observe_only, key=key, precision=precision,
-                  preferred_element_type=preferred_element_type)
+                  preferred_element_type=preferred_element_type, where=where)
     if xb:
         if needs_linear_layout(recipe):
             raise NotImplementedError(

@@ -185,8 +185,7 @@ def keep_mask(sat: jax.Array | None, observe: bool | jax.Array, shape: tuple) ->
 def straight_through(x: jax.Array, y: jax.Array, keep: jax.Array | None) -> jax.Array:
     """Value `y`; gradient w.r.t. `x`: the cotangent itself (identity STE, ``keep`` None) or the cotangent where
     ``keep`` and 0 elsewhere (masked STE); no gradient reaches `y` or `keep`. A ``jax.custom_vjp``: reverse mode
-    (``grad``, ``vjp``) only; ``jax.jvp`` raises JAX's "can't apply forward-mode autodiff (jvp) to a custom_vjp
-    function"."""
+    (``grad``, ``vjp``) only: call it through :func:`reverse_mode_only`, whose error under ``jax.jvp`` says so."""
     return y
 
 
@@ -201,6 +200,25 @@ def _st_bwd(keep, g):
 straight_through.defvjp(_st_fwd, _st_bwd)
 
 
+def reverse_mode_only(fn: Any, *args: Any, where: str, what: str) -> Any:
+    """``fn(*args)`` for a ``jax.custom_vjp`` `fn` (a straight-through estimator), with JAX's forward-mode error
+    ("can't apply forward-mode autodiff (jvp) to a custom_vjp function") replaced by one that names the op
+    (`where`), what it quantizes (`what`, e.g. the recipe) and the way out. Caught where `fn` is called, i.e. under
+    an eager ``jax.jvp(f, ...)``; inside ``jax.jit`` JAX defers the error to lowering, after the call returned, and
+    keeps its own message (its traceback's "preceding stack trace" still points at this call)."""
+    try:
+        return fn(*args)
+    except TypeError as e:
+        if "forward-mode autodiff" not in str(e):
+            raise
+        raise TypeError(
+            f"{where}: {what} has a straight-through gradient (a jax.custom_vjp), which defines reverse mode only: "
+            f"jax.jvp, jax.linearize, jax.jacfwd and jax.hessian cannot differentiate through it. Use reverse mode "
+            f"(jax.grad, jax.value_and_grad, jax.vjp, jax.jacrev), or pass observe_only=True (the high-precision "
+            f"warmup path, which is plain JAX and supports forward mode; for recipes with delayed gradient scaling "
+            f"it keeps the custom backward and reverse mode only)") from e
+
+
 def fake_quant(
     x: Any,
     state: AmaxHistory,
@@ -212,7 +230,8 @@ def fake_quant(
     """Scaled quantize-dequantize of `x` with a straight-through gradient (a ``jax.custom_vjp``).
 
     The gradient w.r.t. `x` is the output's cotangent (``spec.ste="identity"``) or the cotangent masked to 0 where
-    `x` was clipped (``"masked"``); forward mode (``jax.jvp``) is not defined for the estimator and raises.
+    `x` was clipped (``"masked"``); forward mode (``jax.jvp``) is not defined for the estimator and raises a
+    TypeError that says so, except with ``observe_only=True`` (static), which returns `x` itself.
 
     Args:
       x: float32/bfloat16/float16 array.
@@ -229,7 +248,12 @@ def fake_quant(
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"spec must be a QuantSpec; got {type(spec).__name__}")
     x = float_input(x, "x")
-    q = quantize(x, state, spec, bool_flag(observe_only), key)
-    return straight_through(x, q.y, q.keep), q.state, q.stats
+    observe = bool_flag(observe_only)
+    q = quantize(x, state, spec, observe, key)
+    if observe is True:  # y is x bitwise and the STE the identity: plain x (forward mode works too)
+        return x, q.state, q.stats
+    y = reverse_mode_only(straight_through, x, q.y, q.keep, where="qat.fake_quant",
+                          what=f"QuantSpec(format={spec.format!r})")
+    return y, q.state, q.stats
 
 
