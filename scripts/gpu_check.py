@@ -103,7 +103,7 @@ def all_cases(backends: tuple[str, ...] = dispatch.BACKENDS) -> list[Case]:
                     out.append(Case(kernel=kernel, backend=b, dtype=dtype))
                 else:
                     out += [Case(kernel=kernel, backend=b, dtype=dtype, rule=r, block_shape=tuple(bs))
-                            for r in nvfp4.RULES for bs in nvfp4.BLOCK_SHAPES]
+                            for r in nvfp4.KERNEL_RULES for bs in nvfp4.BLOCK_SHAPES]
     return out
 
 

@@ -22,6 +22,7 @@ FLOORS = {
     "jaxlowfp.formats": 1,
     "jaxlowfp.hadamard": 1,
     "jaxlowfp.rules": 1,
+    "jaxlowfp.registry": 1,  # the format and rule names (imports only jaxlowfp._core.names: no jax)
     "jaxlowfp.nvfp4": 2,
     "jaxlowfp.if4": 2,  # IF3 / IF4 / IF6 adaptive block formats, beside nvfp4
     "jaxlowfp.mx": 2,

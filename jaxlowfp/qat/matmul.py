@@ -7,16 +7,18 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.lax import PrecisionLike
+from jax.typing import ArrayLike, DTypeLike
 
 from jaxlowfp._core.checks import bool_flag, float_input
 from jaxlowfp._core.reduce import abs_max
 from jaxlowfp.hadamard import hadamard16
-from jaxlowfp.qat.fake_quant import (keep_mask, need_key, nvfp4_fake_quant, quantize, reverse_mode_only, round_with,
+from jaxlowfp.qat.scaled_quant import (keep_mask, need_key, nvfp4_fake_quant, quantize, reverse_mode_only, round_with,
                                      select, straight_through)
 from jaxlowfp.qat.spec import QuantSpec, Recipe, RecipeState, RecipeStats, check_size, convention
 from jaxlowfp.scaling import AmaxHistory, CurrentScaling, DelayedScaling, PendingAmax, record_pending
@@ -54,7 +56,7 @@ def _dot(cfg: _DotConfig, a: jax.Array, b: jax.Array) -> jax.Array:
     return lax.dot_general(a, b, cfg.dn, precision=cfg.precision, preferred_element_type=cfg.preferred_element_type)
 
 
-def _quantize_grad(g: jax.Array, spec: QuantSpec, key: Any, axis: int) -> jax.Array:
+def _quantize_grad(g: jax.Array, spec: QuantSpec, key: jax.Array | None, axis: int) -> jax.Array:
     """Current-scaling quantization of a backward operand (no state, no stats); NVFP4 blocks along `axis`."""
     return quantize(g, spec.init(), spec, False, key, axis).y
 
@@ -77,7 +79,7 @@ class _Ctx(NamedTuple):
     grad_hist: AmaxHistory | None  # delayed gradient scaling: the output gradient's history
 
 
-def _requantize(x: jax.Array, spec: QuantSpec | None, est: Any, key: Any, axis: int,
+def _requantize(x: jax.Array, spec: QuantSpec | None, est: jax.Array | None, key: jax.Array | None, axis: int,
                 observe: bool | jax.Array) -> tuple[jax.Array, jax.Array | None]:
     """The forward's quantized operand and masked-STE mask, recomputed from high precision (bit for bit)."""
     if spec is None:
@@ -203,16 +205,16 @@ def _global_amax(spec: QuantSpec, est: jax.Array) -> jax.Array | None:
 
 
 def dot_general(
-    lhs: Any,
-    rhs: Any,
+    lhs: ArrayLike,
+    rhs: ArrayLike,
     dimension_numbers: DimensionNumbers,
     *,
     recipe: Recipe,
     state: RecipeState,
     observe_only: bool | jax.Array = False,
     key: jax.Array | None = None,
-    precision: Any = None,
-    preferred_element_type: Any = None,
+    precision: PrecisionLike = None,
+    preferred_element_type: DTypeLike | None = None,
     where: str = "",
 ) -> tuple[jax.Array, RecipeState, RecipeStats]:
     """``lax.dot_general`` with `lhs` (activation) and `rhs` (weight) fake-quantized per `recipe`.
@@ -285,7 +287,7 @@ def dot_general(
     else:
         check_size(jax.eval_shape(lambda a, b: _dot(cfg, a, b), lhs_q, rhs_q).shape, "the output gradient")
         traced_obs = None if static_obs is not None else observe
-        ctx = _Ctx(est_l, est_r, keys[0], keys[1], keys[2], traced_obs, None)
+        ctx = _Ctx(est_l, est_r, keys[0], keys[1], keys[2], cast(jax.Array | None, traced_obs), None)
         if recipe.delayed_grad:  # record the amax the last backward pass reported, then hand the history over
             grad_hist = record_pending(recipe.grad.scaling, state.grad, lax.stop_gradient(pending))
             out, pending = reverse_mode_only(
@@ -298,15 +300,15 @@ def dot_general(
 
 
 def linear(
-    x: Any,
-    w: Any,
+    x: ArrayLike,
+    w: ArrayLike,
     *,
     recipe: Recipe,
     state: RecipeState,
     observe_only: bool | jax.Array = False,
     key: jax.Array | None = None,
-    precision: Any = None,
-    preferred_element_type: Any = None,
+    precision: PrecisionLike = None,
+    preferred_element_type: DTypeLike | None = None,
     where: str = "",
 ) -> tuple[jax.Array, RecipeState, RecipeStats]:
     """``x @ w`` quantized per `recipe`: x [..., in], w [in, out] (``nnx.Linear``'s kernel layout).

@@ -13,11 +13,13 @@ Conventions "te" and "flax" of :class:`~jaxlowfp.scaling.DelayedScaling` round `
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import ArrayLike
 
 from jaxlowfp import dispatch, formats, if4, nvfp4
 from jaxlowfp._core.bits import ieee_div
@@ -28,9 +30,11 @@ from jaxlowfp._core.scaled import saturation_bound, scaled_round_mask
 from jaxlowfp.qat.spec import KERNELS, QuantSpec, QuantStats, check_size, convention
 from jaxlowfp.scaling import AmaxHistory, DelayedScaling
 
+T = TypeVar("T")
+
 
 def scaled_round(
-    x: Any, scale: Any, clip: float, fmt: formats.Format | str, *, bound: Any = None
+    x: ArrayLike, scale: ArrayLike, clip: float, fmt: formats.Format | str, *, bound: ArrayLike | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """Scaled quantize-dequantize, in float32 (the exact form the Pallas kernel twins)::
 
@@ -68,15 +72,15 @@ def nvfp4_fake_quant(x: jax.Array, spec: QuantSpec, global_amax: jax.Array | Non
     xt = jnp.moveaxis(x, axis, -1)
     k = key if spec.rounding != "nearest" else None
     if spec.format == "if4":
-        yt = if4.fake_quantize(xt, rule=spec.rule, block_shape=spec.block_shape, global_amax=global_amax,
-                               rounding=spec.rounding, key=k)
+        yt = if4.fake_quantize(xt, rule=cast(if4.IFRule, spec.rule), block_shape=spec.block_shape,
+                               global_amax=global_amax, rounding=spec.rounding, key=k)
     else:
         yt = nvfp4.fake_quantize(xt, rule=spec.rule, block_shape=spec.block_shape, global_amax=global_amax,
                                  rounding=spec.rounding, key=k, impl=spec.impl, backend=spec.backend)
     return jnp.moveaxis(yt.astype(x.dtype), -1, axis)
 
 
-def need_key(spec: QuantSpec, key: Any, what: str) -> None:
+def need_key(spec: QuantSpec, key: jax.Array | None, what: str) -> None:
     if spec.rounding != "nearest" and key is None:
         raise ValueError(f"{what} uses rounding={spec.rounding!r} and needs a PRNG key; pass key=jax.random.key(...)")
 
@@ -102,7 +106,7 @@ def fused_kernel(spec: QuantSpec, x: jax.Array) -> bool:
         spec.impl, kernel=KERNELS["hif8"], backend=spec.backend, config={"dtype": str(x.dtype)}) == "pallas"
 
 
-def round_with(xs: jax.Array, spec: QuantSpec, est: jax.Array, key: Any, axis: int = -1) -> Rounded:
+def round_with(xs: jax.Array, spec: QuantSpec, est: jax.Array, key: jax.Array | None, axis: int = -1) -> Rounded:
     """Fake-quantize `xs` (no gradient) with the amax estimate `est`: a pure function of its arguments, so the
     backward pass of a matmul recomputes exactly the forward's operands from high precision.
 
@@ -129,14 +133,14 @@ def round_with(xs: jax.Array, spec: QuantSpec, est: jax.Array, key: Any, axis: i
                 counts = None
         else:  # TE multiplies by its quantization scale, Flax divides by the dequant scale (IEEE division: XLA
             xf = xs.astype(jnp.float32)  # may turn a plain `/` by a scalar into a reciprocal multiply)
-            t = xf * sc.multiplier(est) if conv == "te" else ieee_div(xf, scale)
+            t = xf * cast(DelayedScaling, sc).multiplier(est) if conv == "te" else ieee_div(xf, scale)
             yq = (spec.element_format.round(jnp.clip(t, -c, c)) * scale).astype(xs.dtype)
             sat, counts = jnp.abs(t) > c, None
     return Rounded(jnp.where(jnp.isfinite(xs), yq, xs), sat, scale, counts)
 
 
 def quantize(x: jax.Array, state: AmaxHistory, spec: QuantSpec, observe: bool | jax.Array,
-              key: Any, axis: int = -1) -> _Quantized:
+              key: jax.Array | None, axis: int = -1) -> _Quantized:
     """Quantize `x` (no gradient): value, STE mask, new state and stats. NVFP4 blocks run along `axis`."""
     if x.size == 0:
         raise ValueError(f"cannot quantize an empty array (shape {x.shape})")
@@ -200,7 +204,7 @@ def _st_bwd(keep, g):
 straight_through.defvjp(_st_fwd, _st_bwd)
 
 
-def reverse_mode_only(fn: Any, *args: Any, where: str, what: str) -> Any:
+def reverse_mode_only(fn: Callable[..., T], *args: Any, where: str, what: str) -> T:
     """``fn(*args)`` for a ``jax.custom_vjp`` `fn` (a straight-through estimator), with JAX's forward-mode error
     ("can't apply forward-mode autodiff (jvp) to a custom_vjp function") replaced by one that names the op
     (`where`), what it quantizes (`what`, e.g. the recipe) and the way out. Caught where `fn` is called, i.e. under
@@ -220,7 +224,7 @@ def reverse_mode_only(fn: Any, *args: Any, where: str, what: str) -> Any:
 
 
 def fake_quant(
-    x: Any,
+    x: ArrayLike,
     state: AmaxHistory,
     spec: QuantSpec,
     *,
