@@ -100,7 +100,7 @@ def fake_quantize_model(model: Any, quantize: str, *, layers: str = "paper", kee
     """Fake-quantize ``model``'s Linear layers in place (`jaxlowfp.qnnx.quantize`) with the recipe named
     ``quantize`` (`QUANTIZE`) on ``layers`` (module docstring); returns the `jaxlowfp.rules.QuantizeReport`. A
     selection that quantizes nothing is an error, never a silent high-precision evaluation."""
-    from jaxlowfp.qnnx import paper_rules, quantize as qnnx_quantize
+    from jaxlowfp.qnnx import paper_rules, quantize_model as qnnx_quantize
     from jaxlowfp.rules import Rule
 
     if quantize not in QUANTIZE or quantize == "none":
@@ -134,7 +134,7 @@ def _ptq(model: Any, tokenizer: Any, method: str, *, scheme: str, layers: str, w
     elif method != "rtn":
         raise ValueError(f"ptq={method!r} needs calibration=<a UTF-8 text file> (only rtn needs no calibration)")
     rules = [ptq.Rule(path=layers, scheme=ptq.scheme(scheme, weights_only=weights_only))]
-    return ptq.quantize(model, rules, method=m, calibration=tokens)
+    return ptq.quantize_model(model, rules, method=m, calibration=tokens)
 
 
 def _positive_int(value: Any, what: str) -> int:

@@ -6,8 +6,8 @@ keyword for the same meaning in every format module):
 
 - ``quantize(x, ...)`` returns codes (an ``NVFP4Array``, ``IFArray``, ``MXArray``, or HiF8 ``encode``'s uint8),
   ``dequantize(q)`` their values, ``fake_quantize(x, ...)`` the values of ``dequantize(quantize(x))`` in x's dtype.
-- Model-level calls say so: ``harness.fake_quantize_model`` (the NNX QAT layers on a whole model);
-  ``qnnx.quantize(model, rules)`` and ``ptq.quantize(model, rules)`` take the model as their first argument.
+- Model-level calls say so: ``qnnx.quantize_model(model, rules)`` (QAT layers in place), ``ptq.quantize_model(model,
+  rules)`` (PTQ) and ``harness.fake_quantize_model`` (the lm-eval backend's recipes on a whole model).
 - ``format=``: which format of a module's family (``if4.quantize(format="if6_e2m3")``, ``mx.quantize(format="e4m3")``,
   ``QuantSpec(format="nvfp4")``); ``rule=``: how each block picks its scale or grid (NVFP4: :data:`NVFP4_RULES`, IF:
   :data:`IF_RULES`, MX: :data:`MX_RULES`); ``rounding=``, ``block_shape=``, ``global_amax=``, ``key=`` likewise.

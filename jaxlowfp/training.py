@@ -36,7 +36,7 @@ Python floats with its int32 count), the model under whatever promotion the call
 ...     def __call__(self, x):
 ...         return self.up_proj(x)
 >>> model = Net(nnx.Rngs(0))
->>> _ = qnnx.quantize(model, [qnnx.Rule(path="up_proj", recipe=qat.hif8_w8a8())])
+>>> _ = qnnx.quantize_model(model, [qnnx.Rule(path="up_proj", recipe=qat.hif8_w8a8())])
 >>> def loss_fn(m, batch):
 ...     return jnp.mean((m(batch) - batch) ** 2), {}
 >>> graphdef, state = training.init(model, optax.sgd(0.1))

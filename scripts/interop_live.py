@@ -86,13 +86,13 @@ def stage_ours_prepare() -> None:
     ours = {}
     for name, (sch, conv) in runs.items():
         m, _ = load("smollm2-135m")
-        res = ptq.quantize(m, rules(sch), method="rtn", calibration=calib, convention=conv)
+        res = ptq.quantize_model(m, rules(sch), method="rtn", calibration=calib, convention=conv)
         rep = ptq.export(m, res, WORK / name, tokenizer=tok)
         print(rep)
         ours[name] = np.asarray(m(x)[0], np.float32)
     # GGUF: 4/6 (mse) weights only, and the float32 control with the same weights
     m, _ = load("smollm2-135m")
-    res = ptq.quantize(m, rules(ptq.scheme("nvfp4-mse", weights_only=True)), method="rtn")
+    res = ptq.quantize_model(m, rules(ptq.scheme("nvfp4-mse", weights_only=True)), method="rtn")
     print(gguf_export.export_gguf(m, res, WORK / "smollm2-nvfp4-mse.gguf", source_gguf=smollm2_135m_path()))
     print(gguf_export.export_gguf(m, res, WORK / "smollm2-f32-control.gguf", source_gguf=smollm2_135m_path(),
                                   float32=True))
@@ -384,7 +384,7 @@ def stage_compare() -> None:
     from jaxlowfp.models.gguf_loader import unpermute_rope_rows
 
     gm, _ = load("smollm2-135m")
-    ptq.quantize(gm, [ptq.Rule(path=r"blocks/\d+/(attn|mlp)/\w+_proj",
+    ptq.quantize_model(gm, [ptq.Rule(path=r"blocks/\d+/(attn|mlp)/\w+_proj",
                                scheme=ptq.scheme("nvfp4-mse", weights_only=True))], method="rtn")
     params = {"/".join(map(str, p)): v for p, v in nnx.iter_graph(gm) if isinstance(v, nnx.Param)}
     reader = gguf.GGUFReader(WORK / "smollm2-nvfp4-mse.gguf")

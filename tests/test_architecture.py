@@ -240,4 +240,4 @@ def test_library_calls_show_no_progress_bar_unless_asked():
                 if p is not None:
                     found.append(f"{name}.{attr}")
                     assert p.default is False, f"{name}.{attr}(progress={p.default!r}): library calls default to False"
-    assert len(found) >= 4, found  # perplexity, score_choices, score_requests, ptq.quantize, ptq.collect
+    assert len(found) >= 4, found  # perplexity, score_choices, score_requests, ptq.quantize_model, ptq.collect

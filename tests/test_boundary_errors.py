@@ -20,7 +20,7 @@ class Net(nnx.Module):
 
 def _quantized(recipe, **kw):
     model = Net(nnx.Rngs(0))
-    qnnx.quantize(model, [qnnx.Rule(path="up_proj", recipe=recipe)], **kw)
+    qnnx.quantize_model(model, [qnnx.Rule(path="up_proj", recipe=recipe)], **kw)
     return model
 
 

@@ -156,7 +156,7 @@ def test_mamba2_by_interception_equals_module_replacement(third_party_promotion)
     # quantize_model's own first call runs eagerly (op by op: slow); skip it and make that call under jit
     theirs = qwix.quantize_model(_mamba(), provider, ids[:2], skip_nnx_init=True)
     ours = _mamba()
-    report = qnnx.quantize(ours, [qnnx.Rule(path=mixer + "in_proj", recipe=HIF8),
+    report = qnnx.quantize_model(ours, [qnnx.Rule(path=mixer + "in_proj", recipe=HIF8),
                                   qnnx.Rule(path=mixer + "out_proj", recipe=NVFP4)])
     assert dict(report.quantized) == {"backbone/layers/0/mixer/in_proj": "hif8_w8a8",
                                       "backbone/layers/0/mixer/out_proj": "nvfp4_w4a4_mse"}

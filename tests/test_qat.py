@@ -624,7 +624,7 @@ def test_train_step_records_the_output_gradient_amax(microbatches):
             return self.up_proj(x)
 
     model = Net(nnx.Rngs(0))
-    qnnx.quantize(model, [qnnx.Rule(path="up_proj", recipe=qat.fp8_delayed(history_len=4))])
+    qnnx.quantize_model(model, [qnnx.Rule(path="up_proj", recipe=qat.fp8_delayed(history_len=4))])
     loss_fn = lambda m, b: (jnp.mean((m(b["x"]) - b["t"]) ** 2), {})  # noqa: E731
     graphdef, state = training.init(model, optax.sgd(0.1))
     step = jax.jit(training.make_step(graphdef, optax.sgd(0.1), loss_fn, microbatches=microbatches))
@@ -675,7 +675,7 @@ def test_microbatches_give_the_parameters_and_amax_histories_of_one_big_batch():
         return jnp.mean((m(b["x"]) - b["t"]) ** 2), {}
 
     model = Net(nnx.Rngs(0))
-    qnnx.quantize(model, [qnnx.Rule(path=".*_proj", recipe=qat.hif8_w8a8())])
+    qnnx.quantize_model(model, [qnnx.Rule(path=".*_proj", recipe=qat.hif8_w8a8())])
     k, b = 4, 2
     rng = np.random.default_rng(8)
     batches = []

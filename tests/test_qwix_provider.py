@@ -110,7 +110,7 @@ def test_provider_equals_quant_linear_bit_for_bit():
     trained model by test_foreign_loop.py::test_mamba2_by_interception_equals_module_replacement."""
     x = _batch()[0]
     ours = MLP(nnx.Rngs(0))
-    qnnx.quantize(ours, [qnnx.Rule(path="up", recipe=NVFP4), qnnx.Rule(path="down", recipe=FP8)])
+    qnnx.quantize_model(ours, [qnnx.Rule(path="up", recipe=NVFP4), qnnx.Rule(path="down", recipe=FP8)])
     provider = RecipeProvider([RecipeRule(module_path="up", recipe=NVFP4), RecipeRule(module_path="down", recipe=FP8)])
     theirs = _quantize_model(MLP(nnx.Rngs(0)), provider, x)
     assert provider.get_unused_rules() == []

@@ -28,9 +28,10 @@ PUBLIC_MODULES = [
 
 # The names that several modules define on purpose, each module its own object, with the one meaning they share.
 PER_MODULE = {
-    "quantize": "nvfp4 / if4 / mx: x -> codes (an NVFP4Array / IFArray / MXArray); qnnx / ptq: the model-level "
-                "quantize(model, rules), whose first argument is the model and which returns a report",
+    "quantize": "x -> codes (an NVFP4Array / IFArray / MXArray) in the module's format",
     "fake_quantize": "x -> dequantize(quantize(x)) in x's dtype, in the module's format",
+    "quantize_model": "quantize a model's layers in place by path rules and report what was done: qnnx with QAT "
+                      "recipes (fake-quant layers that train), ptq with PTQ schemes (weights quantized once)",
     "dequantize": "codes -> values, in the module's format",
     "global_scales": "the two-level format's (S_enc, S_dec) from a tensor amax",
     "FORMATS": "the format names of the module's family (jaxlowfp.formats: the element-format descriptors by name)",
@@ -107,6 +108,17 @@ def test_quantize_returns_codes_fake_quantize_values(module):
     np.testing.assert_array_equal(np.asarray(y), np.asarray(module.dequantize(q, X.dtype)))
 
 
+def test_model_level_calls_say_so():
+    from jaxlowfp import harness, ptq, qnnx
+
+    for module in (qnnx, ptq, harness):
+        names = _public(module)
+        assert "quantize" not in names and "fake_quantize" not in names, module.__name__
+    assert "model" in inspect.signature(qnnx.quantize_model).parameters
+    assert "model" in inspect.signature(ptq.quantize_model).parameters
+    assert "model" in inspect.signature(harness.fake_quantize_model).parameters
+
+
 def test_format_modules_share_keyword_names():
     """The same meaning, the same keyword: format= (which format of the family), rule= (how a block picks its
     scale or grid); rounding=, block_shape=, global_amax=, key= where the module has them."""
@@ -172,7 +184,8 @@ def test_deprecated_names_warn_and_still_work():
     assert {(m, old) for m, old, _, _ in found} >= {
         ("jaxlowfp.nvfp4", "Rule"), ("jaxlowfp.nvfp4", "ALL_RULES"), ("jaxlowfp.if4", "Rule"),
         ("jaxlowfp.if4", "Format"), ("jaxlowfp.mx", "ELEMENTS"), ("jaxlowfp.mx", "SCALE_RULES"),
-        ("jaxlowfp.harness", "fake_quantize"), ("jaxlowfp.owg", "encode"), ("jaxlowfp.owg", "decode"),
+        ("jaxlowfp.harness", "fake_quantize"), ("jaxlowfp.qnnx", "quantize"), ("jaxlowfp.ptq", "quantize"),
+        ("jaxlowfp.owg", "encode"), ("jaxlowfp.owg", "decode"),
         ("jaxlowfp.owg", "init")}
     changelog = (ROOT / "CHANGELOG.md").read_text()
     for m, old, new, get in found:

@@ -109,12 +109,11 @@ def _load(model: str, dtype: str) -> tuple[Any, Any, float]:
 def quantize_model(model: Any, kind: str, *, keep_first: int, keep_last: int) -> str:
     """Swap the middle blocks' MLP projections for fake-quantized ones (``kind``: a name of
     `jaxlowfp.registry.EVAL_QUANTIZE`, e.g. hif8 or nvfp4); the report."""
-    from jaxlowfp import qat
-    from jaxlowfp.qnnx import paper_rules, quantize
+    from jaxlowfp import qat, qnnx
 
     recipe = qat.named_recipe(kind)
-    report = quantize(model, paper_rules(model.config.n_layers, keep_first=keep_first, keep_last=keep_last,
-                                         recipe=recipe))
+    report = qnnx.quantize_model(model, qnnx.paper_rules(model.config.n_layers, keep_first=keep_first,
+                                                         keep_last=keep_last, recipe=recipe))
     return "; ".join(str(report).splitlines()[-2:])
 
 

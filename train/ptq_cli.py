@@ -319,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for method in args.methods:
             m = _restore(graphdef, hp_state)
             own = args.pipeline == "sequential" and method != "rtn"  # calibrated block by block in this call
-            res = ptq.quantize(m, [ptq.Rule(path=args.layers, scheme=sch)], method=methods[method],
+            res = ptq.quantize_model(m, [ptq.Rule(path=args.layers, scheme=sch)], method=methods[method],
                                stats=None if own else stats, calibration=calib if own else None,
                                batch_size=args.batch_size, progress=not args.no_progress)
             r = _evaluate(m, tok, texts, task, args)

@@ -6,7 +6,7 @@ directory (``config.json``, ``*.safetensors``, ``tokenizer.json``), NVFP4 checkp
 (llm-compressor, `jaxlowfp.ptq.export`) and ModelOpt included (`jaxlowfp.models.quantized`: weights decoded exactly,
 W4A4 layers with the engine's activation quantizer). The model is a `Llama` whose projections are
 ``nnx.Linear`` modules at paths such as ``blocks/3/mlp/gate_proj``, so ``jaxlowfp.qnnx.paper_rules`` and
-``jaxlowfp.qnnx.quantize`` apply unchanged::
+``jaxlowfp.qnnx.quantize_model`` apply unchanged::
 
     from jaxlowfp.models import load
     model, tok = load("smollm2-135m")

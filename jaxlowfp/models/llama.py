@@ -8,7 +8,7 @@
   and keys before RoPE (Qwen3);
 - MLP: SwiGLU, ``down_proj(silu(gate_proj(x)) * up_proj(x))``;
 - head: ``lm_head`` (an ``nnx.Linear``), or with ``tie_embeddings`` the embedding matrix: ``logits = x @ E^T``;
-- every projection is a plain ``nnx.Linear``, so ``jaxlowfp.qnnx.quantize`` can replace one by its graph path,
+- every projection is a plain ``nnx.Linear``, so ``jaxlowfp.qnnx.quantize_model`` can replace one by its graph path,
   e.g. ``blocks/3/mlp/gate_proj`` or ``blocks/0/attn/q_proj``.
 
 ``model(tokens)`` is the plain causal forward pass over positions ``0..T-1``. ``model(tokens, attention_mask=m)``
