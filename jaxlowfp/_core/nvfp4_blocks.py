@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +29,19 @@ from jaxlowfp._core.checks import float_dtype, float_input, one_of
 from jaxlowfp._core.minifloat import _E2M1_THRESHOLDS, E2M1, E4M3
 from jaxlowfp._core.pytree import pytree_dataclass
 
-if TYPE_CHECKING:  # the IF formats reuse these checks (their module imports this one)
-    from jaxlowfp._core.if4_blocks import IFConfig
+
+class BlockConfig(Protocol):
+    """What the argument checks read of a block-format config (NVFP4Config, and the IF formats' IFConfig)."""
+
+    @property
+    def block_shape(self) -> tuple[int, int]: ...
+
+    @property
+    def rounding(self) -> str: ...
+
+    @property
+    def rows(self) -> int: ...
+
 
 NVFP4Rule = Literal["static_6", "static_4", "abs_max", "mae", "mse", "search"]
 Rounding = Literal["nearest", "stochastic", "stochastic_unbiased", "ms_eden"]
@@ -508,7 +519,7 @@ def from_blocks(xb: jax.Array, shape: tuple[int, ...], rows: int) -> jax.Array:
     return xb.reshape(shape)
 
 
-def _check_x(x: Any, cfg: NVFP4Config | IFConfig) -> jax.Array:
+def _check_x(x: Any, cfg: BlockConfig) -> jax.Array:
     x = float_input(x, "x")
     need = 2 if cfg.rows > 1 else 1
     if x.ndim < need:
@@ -521,8 +532,7 @@ def _check_x(x: Any, cfg: NVFP4Config | IFConfig) -> jax.Array:
     return x
 
 
-def validate_args(x: Any, cfg: NVFP4Config | IFConfig, global_amax: Any, key: Any
-                  ) -> tuple[jax.Array, jax.Array | None]:
+def validate_args(x: Any, cfg: BlockConfig, global_amax: Any, key: Any) -> tuple[jax.Array, jax.Array | None]:
     """Check `x`, the key and `global_amax` against `cfg` (clear errors); returns (x, global_amax as an array)."""
     x = _check_x(x, cfg)
     if cfg.rounding in STOCHASTIC and key is None:
