@@ -204,7 +204,7 @@ class JaxLowFPLM(TemplateLM):
                 raise ValueError("give pretrained=<name or path>, or model= with tokenizer= (an in-process model)")
             if a["ptq_export"] is not None or a["quantize"] != "none" or a["ptq"] != "none":
                 raise ValueError("with model= the model is evaluated as given: quantize it before wrapping it "
-                                 "(jaxlowfp.harness.fake_quantize_model, jaxlowfp.ptq.quantize)")
+                                 "(jaxlowfp.harness.fake_quantize_model, jaxlowfp.ptq.quantize_model)")
             self.model, self.tokenizer, self.source = a["model"], a["tokenizer"], type(a["model"]).__name__
         elif pretrained is None:
             raise ValueError("the jaxlowfp backend needs pretrained=<registry name, .gguf file or Hugging Face "
