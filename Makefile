@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test setup bench clean gpu-check docs interop
+.PHONY: demo test setup bench clean gpu-check docs interop lint
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -11,8 +11,14 @@ setup:
 demo: setup
 	$(PY) -m train
 
-test: setup docs
+test: setup docs lint
 	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+
+# ruff (pyflakes, pycodestyle) and mypy on the library ([tool.ruff] / [tool.mypy] in pyproject.toml); `make test`
+# runs it first
+lint: setup
+	$(PY) -m ruff check jaxlowfp pallas_kernels
+	$(PY) -m mypy
 
 # The API reference site (mkdocs.yml: mkdocs-material + mkdocstrings), warnings as errors; `make test` runs it first.
 docs: setup

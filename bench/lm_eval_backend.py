@@ -10,7 +10,7 @@
    Goal: the backend at least 0.9x the library's requests/s.
 2. The local lm-eval tasks of ``tests/lm_eval_tasks`` (multiple choice, rolling perplexity, generation) through
    ``simple_evaluate`` on SmolLM2 in high precision and with HiF8 W8A8 and NVFP4 4/6 (MSE) W4A4 fake quantization of
-   the middle blocks' MLPs (`jaxlowfp.harness.fake_quantize`, the Max-Window paper's layers): the table the README
+   the middle blocks' MLPs (`jaxlowfp.harness.fake_quantize_model`, the Max-Window paper's layers): the table the README
    shows (local tasks: these machines cannot download lm-eval's datasets).
 
 Writes the ``## lm-eval backend (SmolLM2-135M)`` section of bench/RESULTS.md.
@@ -32,7 +32,7 @@ from _results import machine, markdown_table, write_section  # noqa: E402  (puts
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from jaxlowfp import evaluation as ev  # noqa: E402
-from jaxlowfp.harness import LM_EVAL_VERSION, JaxLowFPLM, choice_task, evaluate, fake_quantize  # noqa: E402
+from jaxlowfp.harness import LM_EVAL_VERSION, JaxLowFPLM, choice_task, evaluate, fake_quantize_model  # noqa: E402
 from jaxlowfp.models import load  # noqa: E402
 from train.data import load_domain  # noqa: E402
 from train.evaluate import build_choice_task  # noqa: E402
@@ -110,7 +110,7 @@ def local_tasks(args) -> str:
         model, tok = load("smollm2-135m")
         label = "high precision" if quant == "none" else {"hif8": "HiF8 W8A8", "nvfp4": "NVFP4 4/6 (mse) W4A4"}[quant]
         if quant != "none":
-            fake_quantize(model, quant)
+            fake_quantize_model(model, quant)
         t = time.perf_counter()
         res = evaluate(JaxLowFPLM(model=model, tokenizer=tok, batch_size=BATCH), [str(TASKS)], log_samples=False)
         r = res["results"]

@@ -24,7 +24,7 @@ from flax import nnx
 
 from _results import machine, markdown_table, write_section
 from jaxlowfp import qat
-from jaxlowfp.qnnx import paper_rules, quantize
+from jaxlowfp.qnnx import paper_rules, quantize_model
 from jaxlowfp.models import load
 
 VARIANTS = {"high precision": None, "HiF8 W8A8": qat.hif8_w8a8, "NVFP4 4/6 W4A4": lambda: qat.nvfp4_w4a4("mse")}
@@ -49,7 +49,7 @@ def main() -> None:
     for name, recipe in VARIANTS.items():
         model, _ = load("smollm2-135m", dtype=args.dtype)
         if recipe is not None:
-            quantize(model, paper_rules(model.config.n_layers, keep_first=3, keep_last=2, recipe=recipe()))
+            quantize_model(model, paper_rules(model.config.n_layers, keep_first=3, keep_last=2, recipe=recipe()))
         fns[name] = nnx.split(model)
     n_params = model.config.num_params()
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, model.config.vocab, (args.batch_size, args.seq_len)),

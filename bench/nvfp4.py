@@ -75,8 +75,8 @@ def fake(rule):
 
 def error_table(data: dict[str, np.ndarray]) -> list[str]:
     fns = {r: fake(r) for r in RULES}
-    fns["mxfp4_floor"] = jax.jit(lambda v: mx.fake_quantize(v, elem="e2m1", scale_rule="floor"))
-    fns["mxfp4_ceil"] = jax.jit(lambda v: mx.fake_quantize(v, elem="e2m1", scale_rule="ceil"))
+    fns["mxfp4_floor"] = jax.jit(lambda v: mx.fake_quantize(v, format="e2m1", rule="floor"))
+    fns["mxfp4_ceil"] = jax.jit(lambda v: mx.fake_quantize(v, format="e2m1", rule="ceil"))
     fns["qwix"] = jax.jit(qwix_qdq)
     map4 = jax.jit(lambda v: jnp.mean(nvfp4.selected_map4(v, rule="mse").astype(jnp.float32)))
     lines = [

@@ -1,7 +1,7 @@
 """PTQ wall time per method on SmolLM2-135M, and the run-time cost of fake-quantized W4A4 evaluation.
 
 1. One calibration pass (`jaxlowfp.ptq.collect`: Hessians, activation maxima, AWQ samples of the 210 attention and
-   MLP projections), then `jaxlowfp.ptq.quantize(..., stats=...)` of the whole model per method (RTN, GPTQ,
+   MLP projections), then `jaxlowfp.ptq.quantize_model(..., stats=...)` of the whole model per method (RTN, GPTQ,
    SmoothQuant, AWQ) to NVFP4 4/6 (mse) W4A4, on a fresh copy each time; the first call of a method includes the
    compilation of its jitted pieces (`--repeat 2` also times a second, warm call).
 2. The jitted forward pass ([batch, seq] tokens -> logits) of the high-precision model against the same model with
@@ -60,7 +60,7 @@ def main() -> None:
         for _ in range(args.repeat):
             m = nnx.merge(graphdef, hp_state, copy=True)
             t = time.perf_counter()
-            ptq.quantize(m, rule, method=method, stats=stats, progress=False)
+            ptq.quantize_model(m, rule, method=method, stats=stats, progress=False)
             times.append(time.perf_counter() - t)
         warm = f"{times[1]:.1f}" if len(times) > 1 else "-"
         rows.append([method, f"{times[0]:.1f}", warm, f"{1000 * times[-1] / len(layers):.0f}"])
@@ -71,7 +71,7 @@ def main() -> None:
     variants = {"high precision": (graphdef, hp_state)}
     for fmt in FORMATS:
         m = nnx.merge(graphdef, hp_state, copy=True)
-        ptq.quantize(m, [ptq.Rule(path=LAYERS, scheme=ptq.scheme(fmt))], method="rtn", progress=False)
+        ptq.quantize_model(m, [ptq.Rule(path=LAYERS, scheme=ptq.scheme(fmt))], method="rtn", progress=False)
         variants[f"W4A4 {fmt}" if fmt != "hif8" else "W8A8 hif8"] = nnx.split(m)
     for g, s in variants.values():  # compile and warm up
         jax.block_until_ready(fwd(g, s, x))

@@ -4,7 +4,7 @@
 
 Each configuration runs in a fresh interpreter (so one run's allocations cannot hide another's): build the model
 (d_model 128, d_ff 4096, so the down_proj Hessians [4096, 4096] dominate the statistics), run one jitted forward
-pass, record the resident set (RSS), then ``ptq.quantize(method=GPTQ(), calibration=tokens, pipeline=...)`` of every
+pass, record the resident set (RSS), then ``ptq.quantize_model(method=GPTQ(), calibration=tokens, pipeline=...)`` of every
 projection to NVFP4 (mse) and read the process's peak RSS (``getrusage`` ru_maxrss). The table gives the peak minus
 the RSS before PTQ, and ``PTQResult.peak_stats_bytes`` (the statistics and calibration activations PTQ held at
 once, counted). Sequential holds one block's statistics, so both stay flat in the number of blocks; one pass holds
@@ -39,7 +39,7 @@ def rss():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) * 1024
 before = rss()
-res = ptq.quantize(model, [ptq.Rule(path=r"blocks/\d+/(attn|mlp)/\w+_proj", scheme=ptq.scheme("nvfp4-mse"))],
+res = ptq.quantize_model(model, [ptq.Rule(path=r"blocks/\d+/(attn|mlp)/\w+_proj", scheme=ptq.scheme("nvfp4-mse"))],
                    method=ptq.GPTQ(), calibration=tokens, pipeline=pipe)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps({"blocks": n, "pipeline": pipe, "before": before, "peak": peak, "stats": res.peak_stats_bytes,

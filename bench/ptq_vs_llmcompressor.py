@@ -14,7 +14,7 @@ texts and windows; word perplexity with paired standard errors, and the wall tim
    in float32; AWQ: its default Llama mappings restricted to those layers, then RTN of every layer), and so do ours
    in the rows compared with them.
 3. Their exports are loaded into our model (codes, E4M3 block scales and global scale decoded in compressed-tensors'
-   arithmetic; AWQ's folded norms as exported); ours: ``jaxlowfp.ptq.quantize`` with the same tokens, sequential,
+   arithmetic; AWQ's folded norms as exported); ours: ``jaxlowfp.ptq.quantize_model`` with the same tokens, sequential,
    static_6 and 4/6 (mse), at llm-compressor's settings (GPTQ ``act_order=True, scales="original"``, AWQ
    ``grid=20, duo_scaling=True``) and on all blocks (GPTQ with our scales as reached); RTN and the all-block GPTQ
    and AWQ also with the per-block E4M3 scale search ``nvfp4-search`` (``jaxlowfp.nvfp4`` rule "search", after
@@ -208,7 +208,7 @@ def main() -> None:
                 continue
             m = nnx.merge(graphdef, hp_state, copy=True)
             t = time.perf_counter()
-            ptq.quantize(m, [ptq.Rule(path=layers, scheme=ptq.scheme(f"nvfp4-{rule}"))], method=obj,
+            ptq.quantize_model(m, [ptq.Rule(path=layers, scheme=ptq.scheme(f"nvfp4-{rule}"))], method=obj,
                          calibration=None if method == "rtn" else calib)
             add(f"{key}-{rule}", label, "jaxlowfp", method, rule, m, time.perf_counter() - t)
             cache.write_text(json.dumps({"rows": rows, "lls": {k: {t: v.tolist() for t, v in d.items()}

@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from _results import machine, markdown_table, write_section
-from jaxlowfp.qnnx import paper_rules, quantize
+from jaxlowfp.qnnx import paper_rules, quantize_model
 from jaxlowfp.qat import Warmup, hif8_w8a8
 from jaxlowfp import training
 from train.loop import make_optimizer, make_schedule
@@ -39,7 +39,7 @@ def build(cfg: ModelConfig, variant: str, tx, schedule):
     model = Llama(cfg, rngs=nnx.Rngs(0))
     warmup = None
     if variant != "hp":
-        quantize(model, paper_rules(cfg.n_layers, keep_first=1, keep_last=1, recipe=hif8_w8a8()))
+        quantize_model(model, paper_rules(cfg.n_layers, keep_first=1, keep_last=1, recipe=hif8_w8a8()))
         warmup = Warmup(steps=10**9) if variant == "observe" else None
     graphdef, state = training.init(model, tx)
     step = jax.jit(training.make_step(graphdef, tx, loss_fn, warmup=warmup, lr_schedule=schedule))

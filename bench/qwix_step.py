@@ -1,7 +1,7 @@
 """Train-step time of the Qwix-provider path against our own QAT path and high precision, on the same model.
 
 The demo Llama ("small") and a larger one, trained with `jaxlowfp.training.make_step` (forward, backward, AdamW,
-non-finite guard, telemetry) in four variants: high precision; our QAT (`qnnx.quantize`: the MLP projections of the
+non-finite guard, telemetry) in four variants: high precision; our QAT (`qnnx.quantize_model`: the MLP projections of the
 middle blocks become `QuantLinear`, as `paper_rules` selects them); the same selection quantized by interception
 (`qwix.quantize_model` with `jaxlowfp.qwix_provider.RecipeProvider`, the rules' regexes as `module_path`); and, for
 the recipe NVFP4 4/6, both paths again. Calls are interleaved so machine load hits all variants alike. Both paths
@@ -27,7 +27,7 @@ from flax import nnx
 from _results import machine, markdown_table, write_section
 from jaxlowfp import qat, training
 from jaxlowfp.models.llama import PRESETS, Llama, ModelConfig, loss_fn
-from jaxlowfp.qnnx import paper_rules, quantize
+from jaxlowfp.qnnx import paper_rules, quantize_model
 from jaxlowfp.qwix_provider import RecipeProvider, RecipeRule
 from train.loop import make_optimizer, make_schedule
 
@@ -45,7 +45,7 @@ def build(cfg: ModelConfig, variant: str, tx, schedule, batch: jax.Array):
         recipe_name, path = variant.split("/")
         rules = paper_rules(cfg.n_layers, keep_first=1, keep_last=1, recipe=RECIPES[recipe_name])
         if path == "ours":
-            quantize(model, rules)
+            quantize_model(model, rules)
         else:
             provider = RecipeProvider([RecipeRule(module_path=r.path, recipe=r.recipe) for r in rules])
             model = qwix.quantize_model(model, provider, batch[:1, :-1])
@@ -112,7 +112,7 @@ def main() -> None:
         f"{args.seq_len} bytes, median of {args.reps} interleaved steps (load average {load:.1f} at start; "
         f"{time.perf_counter() - t0:.0f} s).\n\n"
         "The full train step of `jaxlowfp.training.make_step` on the MLP projections of the middle blocks "
-        "(`paper_rules`, keep first 1 and last 1): ours = `qnnx.quantize` (QuantLinear), provider = "
+        "(`paper_rules`, keep first 1 and last 1): ours = `qnnx.quantize_model` (QuantLinear), provider = "
         "`qwix.quantize_model(model, RecipeProvider(...))` with the same regexes; both run the same `jaxlowfp.qat` "
         "op (tests/test_qwix_provider.py checks they agree bit for bit).\n\n" + table
     )

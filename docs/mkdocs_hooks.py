@@ -1,10 +1,8 @@
 """Build-time helpers for the API reference (``make docs``); they change what is rendered, never the sources.
 
-- A MkDocs hook (mkdocs.yml ``hooks:``). The guides are plain Markdown, where bracketed tags such as
-  ``[code][exhaustive]`` are literal text, but mkdocs-autorefs reads ``[text][id]`` as a cross-reference and warns
-  (an error under ``--strict``) when ``id`` names nothing; unresolved, it leaves the text as written. The hook drops
-  only that warning, only for pages outside ``api/`` and only for identifiers without a dot, so a broken
-  ``[x][jaxlowfp.qat.linear]`` anywhere, and any broken reference in the API pages, still fails the build.
+- No filter on mkdocs-autorefs: it reads ``[text][id]`` as a cross-reference on every page, and a broken one
+  fails the strict build (guides and API pages alike). Bracketed tags that are text, not references, are written
+  so that they are not ``[a][b]`` (in code spans, or with an escaped bracket ``\\[a]\\[b]``).
 - A Griffe extension (mkdocstrings ``extensions:``). The docstrings are Google-style sections around free text
   written for ``help()`` and doctest: a doctest at the left margin (``>>>`` lines up to the next blank line) would
   read as nested Markdown block quotes, so it is fenced as a ``pycon`` block; reST roles (``:func:`x```) become
@@ -13,25 +11,9 @@
 """
 from __future__ import annotations
 
-import logging
 import re
 
 import griffe
-
-# the message, after the plugin logger's "mkdocs_autorefs: " prefix: "<page>: [from ...: ]Could not find ... '<id>'"
-_UNRESOLVED = re.compile(r"(?:^|: )(?!api/)[^\s:]+\.md: .*Could not find cross-reference target '[^'.]+'$")
-
-
-class _GuideTags(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno == logging.WARNING and _UNRESOLVED.search(record.getMessage()))
-
-
-def on_startup(command, dirty):  # noqa: ARG001 - the MkDocs hook signature
-    logger = logging.getLogger("mkdocs.plugins.mkdocs_autorefs._internal.plugin")
-    if not any(isinstance(f, _GuideTags) for f in logger.filters):
-        logger.addFilter(_GuideTags())
-
 
 _ROLE = re.compile(r":(?:py:)?(?:func|meth|class|mod|attr|data|obj|exc|const):`(~?)([^`]+)`")
 

@@ -4,7 +4,7 @@
     python examples/quantize_nnx_model.py --blocks 4 --d-model 32 --steps 6
 
 What it shows:
-1. `jaxlowfp.qnnx.quantize(model, rules)` swaps matching `nnx.Linear` modules for `QuantLinear` in place and
+1. `jaxlowfp.qnnx.quantize_model(model, rules)` swaps matching `nnx.Linear` modules for `QuantLinear` in place and
    returns a report (what was quantized, what was kept, which rules matched nothing).
 2. The functional view: `jaxlowfp.training` splits the model into params (for optax), the amax histories
    (qstate) and the rest, and builds one jitted train step `(state, batch) -> (state, metrics)`.
@@ -77,7 +77,7 @@ def main() -> None:
     print("rules:")
     for r in rules:
         print(f"  {r.path!r:60} -> {r.recipe.name if r.recipe else 'high precision'}")
-    report = jnnx.quantize(model, rules)
+    report = jnnx.quantize_model(model, rules)
     print("\n" + str(report) + "\n")
 
     def loss_fn(m: TinyLM, tokens: jax.Array):

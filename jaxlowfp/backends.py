@@ -174,9 +174,9 @@ def _nvfp4_operand(arr: nvfp4.NVFP4Array, k: int) -> tuple[jax.Array, jax.Array]
 
 
 def _mx_operand(arr: mx.MXArray, k: int) -> tuple[jax.Array, jax.Array]:
-    if arr.elem == "e2m1":
+    if arr.format == "e2m1":
         return _e2m1_operand(arr.codes, k), arr.scales
-    dt = jnp.float8_e4m3fn if arr.elem == "e4m3" else jnp.float8_e5m2
+    dt = jnp.float8_e4m3fn if arr.format == "e4m3" else jnp.float8_e5m2
     return lax.bitcast_convert_type(arr.codes, dt), arr.scales
 
 
@@ -187,7 +187,7 @@ def _scaled_matmul(x2: jax.Array, w: PackedWeight, act: PackedFormat) -> jax.Arr
         (xq, xs), (wq, ws) = _nvfp4_operand(xa, k), _nvfp4_operand(w.array, k)
         gx, gw = xa.global_scale, w.array.global_scale
     else:
-        xa = mx.quantize(x2, elem=w.array.elem)
+        xa = mx.quantize(x2, format=w.array.format)
         (xq, xs), (wq, ws) = _mx_operand(xa, k), _mx_operand(w.array, k)
         gx = gw = None
     out = jax.nn.scaled_matmul(xq[None], wq[None], xs[None], ws[None], preferred_element_type=jnp.float32)[0]

@@ -11,12 +11,11 @@ True
 """
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike
 
 from jaxlowfp._core.checks import float_input
 from jaxlowfp._core.nvfp4_blocks import BLOCK
@@ -34,7 +33,7 @@ def hadamard_matrix() -> np.ndarray:
     return (0.25 * np.asarray(_RHT_SIGNS, np.float32)[:, None] * h).astype(np.float32)
 
 
-def hadamard16(x: Any, axis: int = -1) -> jax.Array:
+def hadamard16(x: ArrayLike, axis: int = -1) -> jax.Array:
     """``x.reshape(..., 16) @ H`` along `axis` (size a multiple of 16), in float32, returned in x's dtype.
 
     H is orthogonal, so ``hadamard16(y) @ H.T`` undoes it; apply it to both GEMM operands along the reduction axis.
@@ -42,9 +41,9 @@ def hadamard16(x: Any, axis: int = -1) -> jax.Array:
     x = float_input(x, "x")
     if x.ndim == 0:
         raise ValueError("hadamard16 needs an array with at least one axis")
-    axis = axis % x.ndim if -x.ndim <= axis < x.ndim else None
-    if axis is None:
+    if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"axis out of range for x of shape {x.shape}")
+    axis = axis % x.ndim
     if x.shape[axis] % BLOCK:
         raise ValueError(f"hadamard16 needs axis {axis} of x (shape {x.shape}) to be a multiple of 16")
     xm = jnp.moveaxis(x, axis, -1).astype(jnp.float32)

@@ -80,30 +80,26 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("jaxlowfp.harness needs lm-eval (EleutherAI's lm-evaluation-harness, no PyTorch): "
                       "pip install 'jaxlowfp[lm-eval]'") from e
 
+from jaxlowfp import registry
+from jaxlowfp._core.deprecation import deprecated_getattr
 from jaxlowfp.evaluation import budget_docs, pair_request, rolling_requests, score_requests
 
-__all__ = ["ACT_SCALES", "ARGUMENTS", "LM_EVAL_VERSION", "QUANTIZE", "JaxLowFPLM", "eval_recipe", "choice_task", "evaluate", "fake_quantize", "main",
+__all__ = ["ACT_SCALES", "ARGUMENTS", "LM_EVAL_VERSION", "QUANTIZE", "JaxLowFPLM", "choice_task", "eval_recipe",
+           "evaluate", "fake_quantize_model", "main",
            "rolling_task"]
 
 log = logging.getLogger(__name__)
 
 LM_EVAL_VERSION: str = lm_eval.__version__
 PTQ_LAYERS = r".*(attn|mlp)/\w+_proj"  # every attention and MLP projection (not the embedding, not lm_head)
-_NVFP4_RULES = ("static_6", "static_4", "abs_max", "mae", "mse")
-QUANTIZE = ("none", "hif8", "nvfp4", *(f"nvfp4-{r}" for r in _NVFP4_RULES), "fp8")
+QUANTIZE = registry.EVAL_QUANTIZE  # none, hif8, nvfp4, nvfp4-<rule>, if4-<rule>, fp8
 _GEN_KEYS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p")
 
 
 def _recipe(name: str) -> Any:
     from jaxlowfp import qat
 
-    if name == "hif8":
-        return qat.hif8_w8a8()
-    if name == "fp8":
-        return qat.fp8_delayed()
-    if name == "nvfp4":
-        return qat.nvfp4_w4a4("mse")
-    return qat.nvfp4_w4a4(name.split("-", 1)[1])
+    return qat.named_recipe(name)
 
 
 ACT_SCALES = ("auto", "token", "static", "tensor")
@@ -130,13 +126,13 @@ def eval_recipe(recipe: Any, act_scale: str) -> Any:
     return qat.Recipe(weight=recipe.weight, activation=act, grad=None, name=recipe.name)
 
 
-def fake_quantize(model: Any, quantize: str, *, layers: str = "paper", keep_first: int = 3, keep_last: int = 2,
-                  act_scale: str = "token") -> Any:
-    """Fake-quantize ``model``'s Linear layers in place (`jaxlowfp.qnnx.quantize`) with the recipe named
+def fake_quantize_model(model: Any, quantize: str, *, layers: str = "paper", keep_first: int = 3,
+                        keep_last: int = 2, act_scale: str = "token") -> Any:
+    """Fake-quantize ``model``'s Linear layers in place (`jaxlowfp.qnnx.quantize_model`) with the recipe named
     ``quantize`` (`QUANTIZE`) on ``layers`` (module docstring), activations scaled per ``act_scale``
     (`eval_recipe`); returns the `jaxlowfp.rules.QuantizeReport`. A selection that quantizes nothing is an error,
     never a silent high-precision evaluation."""
-    from jaxlowfp.qnnx import paper_rules, quantize as qnnx_quantize
+    from jaxlowfp.qnnx import paper_rules, quantize_model as qnnx_quantize
     from jaxlowfp.rules import Rule
 
     if quantize not in QUANTIZE or quantize == "none":
@@ -170,7 +166,7 @@ def _ptq(model: Any, tokenizer: Any, method: str, *, scheme: str, layers: str, w
     elif method != "rtn":
         raise ValueError(f"ptq={method!r} needs calibration=<a UTF-8 text file> (only rtn needs no calibration)")
     rules = [ptq.Rule(path=layers, scheme=ptq.scheme(scheme, weights_only=weights_only))]
-    return ptq.quantize(model, rules, method=m, calibration=tokens, activation_scale=act_scale)
+    return ptq.quantize_model(model, rules, method=m, calibration=tokens, activation_scale=act_scale)
 
 
 def _positive_int(value: Any, what: str) -> int:
@@ -248,7 +244,7 @@ class JaxLowFPLM(TemplateLM):
                 raise ValueError("give pretrained=<name or path>, or model= with tokenizer= (an in-process model)")
             if a["ptq_export"] is not None or a["quantize"] != "none" or a["ptq"] != "none":
                 raise ValueError("with model= the model is evaluated as given: quantize it before wrapping it "
-                                 "(jaxlowfp.harness.fake_quantize, jaxlowfp.ptq.quantize)")
+                                 "(jaxlowfp.harness.fake_quantize_model, jaxlowfp.ptq.quantize_model)")
             self.model, self.tokenizer, self.source = a["model"], a["tokenizer"], type(a["model"]).__name__
         elif pretrained is None:
             raise ValueError("the jaxlowfp backend needs pretrained=<registry name, .gguf file or Hugging Face "
@@ -284,8 +280,9 @@ class JaxLowFPLM(TemplateLM):
                          f"({', '.join(sorted({s.name for s in schemes.values()}))})")
         if a["quantize"] != "none":
             act = "token" if a["act_scale"] == "auto" else a["act_scale"]
-            report = fake_quantize(self.model, a["quantize"], layers=a["layers"], keep_first=int(a["keep_first"]),
-                                   keep_last=int(a["keep_last"]), act_scale=act)
+            report = fake_quantize_model(self.model, a["quantize"], layers=a["layers"],
+                                         keep_first=int(a["keep_first"]), keep_last=int(a["keep_last"]),
+                                         act_scale=act)
             notes.append(f"fake quantization {a['quantize']} of {len(report.quantized)} layers "
                          f"({100 * report.quantized_fraction:.1f} % of linear weights, layers={a['layers']}), "
                          f"activation scale: {act}")
@@ -560,6 +557,11 @@ def evaluate(lm: JaxLowFPLM, tasks: Sequence[str | dict], *, include_path: str |
 
 def _quiet_custom_dataset(record: logging.LogRecord) -> bool:
     return "Custom kwargs can be passed to `--metadata`" not in record.getMessage()
+
+
+# old names (one release): `fake_quantize` quantizes a whole model, so the name says so now
+__getattr__ = deprecated_getattr(__name__, {"fake_quantize": ("jaxlowfp.harness.fake_quantize_model",
+                                                              lambda: fake_quantize_model)})
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -39,28 +39,28 @@ True
 from __future__ import annotations
 
 import functools
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike, DTypeLike
 
+from jaxlowfp._core.deprecation import deprecated_getattr
 from jaxlowfp._core.if4_blocks import (
     FORMATS,
     GRIDS,
-    ROUNDINGS,
     RULES,
-    Format,
     IFArray,
     IFConfig,
-    Rounding,
-    Rule,
+    IFFormat,
+    IFRule,
     global_scales,
     if_blocks,
 )
 from jaxlowfp._core.nvfp4_blocks import (
     BLOCK,
     BLOCK_SHAPES,
+    ROUNDINGS,
+    Rounding,
     block_amax,
     from_blocks,
     pack_nibbles,
@@ -70,8 +70,12 @@ from jaxlowfp._core.nvfp4_blocks import (
     validate_args,
 )
 
-__all__ = ["IFArray", "IFConfig", "FORMATS", "RULES", "ROUNDINGS", "BLOCK_SHAPES", "GRIDS", "quantize", "dequantize",
-           "fake_quantize", "selected_int", "global_scales"]
+__all__ = ["IFArray", "IFConfig", "IFFormat", "IFRule", "Rounding", "FORMATS", "RULES", "ROUNDINGS", "BLOCK_SHAPES",
+           "GRIDS", "quantize", "dequantize", "fake_quantize", "selected_int", "global_scales"]
+
+# old names (one release): `Rule` clashed with the class jaxlowfp.Rule, `Format` with jaxlowfp.formats.Format
+_DEPRECATED = {"Rule": ("jaxlowfp.if4.IFRule", lambda: IFRule), "Format": ("jaxlowfp.if4.IFFormat", lambda: IFFormat)}
+__getattr__ = deprecated_getattr(__name__, _DEPRECATED)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "out"))
@@ -107,19 +111,20 @@ def _run(x: jax.Array, global_amax: jax.Array | None, key: jax.Array | None, *, 
     return codes, scales, s_dec
 
 
-def _prepare(x, fmt, rule, block_shape, rounding, global_amax, key):
+def _prepare(x: ArrayLike, fmt: IFFormat, rule: IFRule, block_shape: tuple[int, int], rounding: Rounding,
+             global_amax: ArrayLike | None, key: jax.Array | None) -> tuple[IFConfig, jax.Array, jax.Array | None]:
     cfg = IFConfig(format=fmt, rule=rule, block_shape=block_shape, rounding=rounding)
     x, global_amax = validate_args(x, cfg, global_amax, key)
     return cfg, x, global_amax
 
 
 def quantize(
-    x: Any,
+    x: ArrayLike,
     *,
-    format: Format = "if4",  # noqa: A002 (the format's name, as QuantSpec.format)
-    rule: Rule = "mse",
+    format: IFFormat = "if4",  # noqa: A002 (the format's name, as QuantSpec.format)
+    rule: IFRule = "mse",
     block_shape: tuple[int, int] = (1, 16),
-    global_amax: Any = None,
+    global_amax: ArrayLike | None = None,
     rounding: Rounding = "nearest",
     key: jax.Array | None = None,
 ) -> IFArray:
@@ -141,7 +146,7 @@ def quantize(
                    block_shape=cfg.block_shape, dtype=x.dtype, shape=x.shape)
 
 
-def dequantize(q: IFArray, dtype: Any = jnp.float32) -> jax.Array:
+def dequantize(q: IFArray, dtype: DTypeLike = jnp.float32) -> jax.Array:
     """``x̂`` of an :class:`IFArray` in `dtype`: ``(q * |s|) * S_dec`` (FP blocks), ``((q * |s|) * step) * S_dec``
     (INT blocks)."""
     if not isinstance(q, IFArray):
@@ -150,12 +155,12 @@ def dequantize(q: IFArray, dtype: Any = jnp.float32) -> jax.Array:
 
 
 def fake_quantize(
-    x: Any,
+    x: ArrayLike,
     *,
-    format: Format = "if4",  # noqa: A002
-    rule: Rule = "mse",
+    format: IFFormat = "if4",  # noqa: A002
+    rule: IFRule = "mse",
     block_shape: tuple[int, int] = (1, 16),
-    global_amax: Any = None,
+    global_amax: ArrayLike | None = None,
     rounding: Rounding = "nearest",
     key: jax.Array | None = None,
 ) -> jax.Array:
@@ -165,12 +170,12 @@ def fake_quantize(
 
 
 def selected_int(
-    x: Any,
+    x: ArrayLike,
     *,
-    format: Format = "if4",  # noqa: A002
-    rule: Rule = "mse",
+    format: IFFormat = "if4",  # noqa: A002
+    rule: IFRule = "mse",
     block_shape: tuple[int, int] = (1, 16),
-    global_amax: Any = None,
+    global_amax: ArrayLike | None = None,
     rounding: Rounding = "nearest",
     key: jax.Array | None = None,
 ) -> jax.Array:

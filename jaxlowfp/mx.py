@@ -22,73 +22,94 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Literal
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import ArrayLike, DTypeLike
 
-from jaxlowfp import formats
+from jaxlowfp import formats, registry
 from jaxlowfp._core.bits import div_const, materialize, pow2
 from jaxlowfp._core.checks import float_dtype, float_input, one_of
+from jaxlowfp._core.deprecation import deprecated_getattr, renamed_kwarg, warn
 from jaxlowfp._core.nvfp4_blocks import block_amax, pack_nibbles, unpack_nibbles
 from jaxlowfp._core.pytree import pytree_dataclass
 
-__all__ = ["MXArray", "MXConfig", "ELEMENTS", "SCALE_RULES", "BLOCK", "quantize", "dequantize", "fake_quantize",
-           "shared_exponent"]
+__all__ = ["MXArray", "MXConfig", "MXFormat", "MXRule", "FORMATS", "RULES", "BLOCK", "quantize", "dequantize",
+           "fake_quantize", "shared_exponent"]
 
-ELEMENTS = ("e2m1", "e4m3", "e5m2")
-SCALE_RULES = ("floor", "ceil")
+MXFormat = Literal["e2m1", "e4m3", "e5m2"]
+MXRule = Literal["floor", "ceil"]
+FORMATS = registry.MX_FORMATS  # the element format: "e2m1" (MXFP4), "e4m3" / "e5m2" (MXFP8)
+RULES = registry.MX_RULES  # the shared exponent: "floor" (OCP) or "ceil" (RCEIL)
 BLOCK = 32
+# old names (one release): the keywords were elem= / scale_rule=, the lists ELEMENTS / SCALE_RULES; the same
+# meaning is format= / rule= in jaxlowfp.if4 and jaxlowfp.nvfp4
+_DEPRECATED = {"ELEMENTS": ("jaxlowfp.mx.FORMATS", lambda: FORMATS),
+               "SCALE_RULES": ("jaxlowfp.mx.RULES", lambda: RULES)}
+__getattr__ = deprecated_getattr(__name__, _DEPRECATED)
 _EMAX = {"e2m1": 2, "e4m3": 8, "e5m2": 15}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MXConfig:
-    """MX settings. elem: "e2m1" (MXFP4), "e4m3" or "e5m2" (MXFP8); scale_rule: "floor" (OCP) or "ceil" (RCEIL)."""
+    """MX settings. format: "e2m1" (MXFP4), "e4m3" or "e5m2" (MXFP8); rule: "floor" (OCP) or "ceil" (RCEIL)."""
 
-    elem: Literal["e2m1", "e4m3", "e5m2"] = "e2m1"
-    scale_rule: Literal["floor", "ceil"] = "floor"
+    format: MXFormat = "e2m1"
+    rule: MXRule = "floor"
 
     def __post_init__(self) -> None:
-        one_of(self.elem, ELEMENTS, "elem")
-        one_of(self.scale_rule, SCALE_RULES, "scale_rule")
+        one_of(self.format, FORMATS, "format")
+        one_of(self.rule, RULES, "rule")
 
     @property
     def fmt(self) -> formats.MiniFloat:
-        return formats.get(self.elem)  # type: ignore[return-value]
+        return formats.get(self.format)  # type: ignore[return-value]
 
 
-@pytree_dataclass(data=("codes", "scales"), meta=("elem", "scale_rule", "dtype", "shape"))
+@pytree_dataclass(data=("codes", "scales"), meta=("format", "rule", "dtype", "shape"))
 class MXArray:
     """An MX-quantized tensor (pytree).
 
     Attributes:
       codes: uint8; E2M1 packed two a byte (element 2j in the low nibble) [..., K // 2], E4M3/E5M2 [..., K].
       scales: float8_e8m0fnu [..., K // 32], the block scales 2^e (0xFF = NaN).
-      elem, scale_rule, dtype, shape: static metadata.
+      format, rule, dtype, shape: static metadata (``elem`` / ``scale_rule``: deprecated names of the first two).
     """
 
     codes: jax.Array
     scales: jax.Array
-    elem: str
-    scale_rule: str
-    dtype: Any
+    format: str
+    rule: str
+    dtype: DTypeLike
     shape: tuple[int, ...]
 
-    def dequantize(self, dtype: Any = None) -> jax.Array:
+    def dequantize(self, dtype: DTypeLike | None = None) -> jax.Array:
         return dequantize(self, self.dtype if dtype is None else dtype)
 
+    @property
+    def elem(self) -> str:
+        """Deprecated: :attr:`format`."""
+        warn("MXArray.elem", "MXArray.format")
+        return self.format
 
-def shared_exponent(blk_amax: jax.Array, elem: str, scale_rule: str) -> jax.Array:
+    @property
+    def scale_rule(self) -> str:
+        """Deprecated: :attr:`rule`."""
+        warn("MXArray.scale_rule", "MXArray.rule")
+        return self.rule
+
+
+def shared_exponent(blk_amax: jax.Array, format: str, rule: str) -> jax.Array:  # noqa: A002
     """int32 scale exponent e in [-127, 127] of float32 block maxima (see the module docstring); read from the
     float32 bits, so no log2 rounding. Non-finite maxima give 128 (the NaN scale)."""
     bits = lax.bitcast_convert_type(blk_amax, jnp.uint32)
-    if scale_rule == "floor":
+    if rule == "floor":
         # floor(log2 a) = unbiased exponent for normals; subnormals (and 0) sit below -127 + emax: clamped anyway
-        e = (bits >> 23).astype(jnp.int32) - 127 - _EMAX[elem]
+        e = (bits >> 23).astype(jnp.int32) - 127 - _EMAX[format]
     else:
-        r = lax.bitcast_convert_type(div_const(blk_amax, formats.get(elem).max_finite), jnp.uint32)  # integer-exact
+        r = lax.bitcast_convert_type(div_const(blk_amax, formats.get(format).max_finite), jnp.uint32)  # integer-exact
         biased, mant = (r >> 23).astype(jnp.int32), r & jnp.uint32(0x7FFFFF)
         e = biased - 127 + (mant != 0).astype(jnp.int32)  # ceil(log2 r) for normal r
         # subnormal r = mant * 2^-149: ceil(log2 r) is -126 if r > 2^-127, else <= -127 (clamped below)
@@ -97,7 +118,7 @@ def shared_exponent(blk_amax: jax.Array, elem: str, scale_rule: str) -> jax.Arra
     return jnp.where(jnp.isfinite(blk_amax), e, 128)
 
 
-def _check_x(x: Any) -> jax.Array:
+def _check_x(x: ArrayLike) -> jax.Array:
     x = float_input(x, "x")
     if x.ndim < 1 or x.shape[-1] % BLOCK:
         raise ValueError(f"the last axis of x (shape {x.shape}) must be a multiple of {BLOCK}")
@@ -107,47 +128,58 @@ def _check_x(x: Any) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("cfg", "out"))
 def _run(x: jax.Array, *, cfg: MXConfig, out: str):
     xb = x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
-    e = materialize(shared_exponent(block_amax(xb, axes=(-1,)), cfg.elem, cfg.scale_rule))  # once per block
+    e = materialize(shared_exponent(block_amax(xb, axes=(-1,)), cfg.format, cfg.rule))  # once per block
     xb = xb.astype(jnp.float32)
-    y = xb * pow2(-jnp.minimum(e, 127), subnormal=True)[..., None]  # x / 2^e exactly (one rounding only if y is subnormal)
+    # x / 2^e exactly (one rounding only if y is subnormal)
+    y = xb * pow2(-jnp.minimum(e, 127), subnormal=True)[..., None]
     if out == "fake":
         scale = jnp.where(e == 128, jnp.nan, pow2(jnp.minimum(e, 127), subnormal=True))
         return (cfg.fmt.round(y, saturate=True) * scale[..., None]).reshape(x.shape).astype(x.dtype)
     codes = cfg.fmt.encode(y, saturate=True).reshape(x.shape)
-    if cfg.elem == "e2m1":
+    if cfg.format == "e2m1":
         codes = pack_nibbles(codes)
     scales = lax.bitcast_convert_type((e + 127).astype(jnp.uint8), jnp.float8_e8m0fnu)  # 128 + 127 = 0xFF: NaN
     return codes, scales
 
 
-def quantize(x: Any, *, elem: str = "e2m1", scale_rule: str = "floor") -> MXArray:
-    """MX-quantize `x` (float32/bfloat16/float16, last axis a multiple of 32) with `elem` elements."""
-    cfg = MXConfig(elem=elem, scale_rule=scale_rule)  # type: ignore[arg-type]
+def _cfg(where: str, format: str, rule: str, elem: str | None, scale_rule: str | None) -> MXConfig:  # noqa: A002
+    format = renamed_kwarg(where, "elem", elem, "format", format, "e2m1", stacklevel=5)  # noqa: A001
+    rule = renamed_kwarg(where, "scale_rule", scale_rule, "rule", rule, "floor", stacklevel=5)
+    return MXConfig(format=format, rule=rule)  # type: ignore[arg-type]
+
+
+def quantize(x: ArrayLike, *, format: MXFormat = "e2m1", rule: MXRule = "floor",  # noqa: A002 (as if4.quantize)
+             elem: str | None = None, scale_rule: str | None = None) -> MXArray:
+    """MX-quantize `x` (float32/bfloat16/float16, last axis a multiple of 32): `format` elements ("e2m1": MXFP4,
+    "e4m3" / "e5m2": MXFP8), the shared exponent by `rule` ("floor": OCP, "ceil": RCEIL). ``elem=`` /
+    ``scale_rule=`` are the deprecated names of ``format=`` / ``rule=``."""
+    cfg = _cfg("mx.quantize", format, rule, elem, scale_rule)
     x = _check_x(x)
     codes, scales = _run(x, cfg=cfg, out="q")
-    return MXArray(codes=codes, scales=scales, elem=cfg.elem, scale_rule=cfg.scale_rule, dtype=x.dtype,
-                   shape=x.shape)
+    return MXArray(codes=codes, scales=scales, format=cfg.format, rule=cfg.rule, dtype=x.dtype, shape=x.shape)
 
 
-@functools.partial(jax.jit, static_argnames=("elem", "shape", "dtype"))
-def _dequantize(codes, scales, *, elem: str, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    if elem == "e2m1":
+@functools.partial(jax.jit, static_argnames=("fmt", "shape", "dtype"))
+def _dequantize(codes: jax.Array, scales: jax.Array, *, fmt: str, shape: tuple[int, ...], dtype: DTypeLike
+                ) -> jax.Array:
+    if fmt == "e2m1":
         codes = unpack_nibbles(codes)
-    v = formats.get(elem).decode(codes).reshape(*shape[:-1], shape[-1] // BLOCK, BLOCK)
+    v = formats.get(fmt).decode(codes).reshape(*shape[:-1], shape[-1] // BLOCK, BLOCK)
     sb = lax.bitcast_convert_type(scales, jnp.uint8).astype(jnp.int32)
     scale = jnp.where(sb == 255, jnp.nan, pow2(jnp.minimum(sb - 127, 127), subnormal=True))
     return (v * scale[..., None]).reshape(shape).astype(dtype)
 
 
-def dequantize(q: MXArray, dtype: Any = jnp.float32) -> jax.Array:
+def dequantize(q: MXArray, dtype: DTypeLike = jnp.float32) -> jax.Array:
     """``x̂ = P_i * 2^e`` in float32, cast to `dtype`."""
     if not isinstance(q, MXArray):
         raise TypeError(f"dequantize expects an MXArray; got {type(q).__name__}")
     dtype = float_dtype(dtype)
-    return _dequantize(q.codes, q.scales, elem=q.elem, shape=q.shape, dtype=dtype)
+    return _dequantize(q.codes, q.scales, fmt=q.format, shape=q.shape, dtype=dtype)
 
 
-def fake_quantize(x: Any, *, elem: str = "e2m1", scale_rule: str = "floor") -> jax.Array:
-    """``dequantize(quantize(x, ...), x.dtype)`` bit for bit, without building codes."""
-    cfg = MXConfig(elem=elem, scale_rule=scale_rule)  # type: ignore[arg-type]
+def fake_quantize(x: ArrayLike, *, format: MXFormat = "e2m1", rule: MXRule = "floor",  # noqa: A002
+                  elem: str | None = None, scale_rule: str | None = None) -> jax.Array:
+    """``dequantize(quantize(x, ...), x.dtype)`` bit for bit, without building codes (same arguments)."""
+    cfg = _cfg("mx.fake_quantize", format, rule, elem, scale_rule)
     return _run(_check_x(x), cfg=cfg, out="fake")

@@ -10,6 +10,7 @@ from jaxlowfp import qnnx as _qnnx
 from jaxlowfp.qnnx import *  # noqa: F401,F403
 from jaxlowfp.qnnx import __all__  # noqa: F401
 from jaxlowfp.qnnx import layer, rules, telemetry
+from jaxlowfp.qnnx.rules import quantize  # noqa: F401  (the old name, in this old module)
 
 warnings.warn("jaxlowfp.nnx is renamed jaxlowfp.qnnx (it shadowed flax.nnx); import jaxlowfp.qnnx instead",
               DeprecationWarning, stacklevel=2)

@@ -66,7 +66,8 @@ neighbours with ``E[s'] = c``: ``E[x̂] = q * c * S_dec``, so ``E[<x̂, x>] = <x
 random rotation in front (the 16-point RHT with fresh random signs, :mod:`jaxlowfp.hadamard`) the rotated-back
 estimate is nearly unbiased element-wise (EDEN is exact for a uniformly random rotation, which a signed 16-point
 Hadamard is not: a relative squared bias of about 6e-6 remains), at about round-to-nearest error instead of
-stochastic rounding's 2.5x larger one (``tests/test_nvfp4_search.py`` measures both; ``docs/formats/if4.md`` 3). Rule "static_6", 1x16 blocks; one uniform per block
+stochastic rounding's 2.5x larger one (``tests/test_nvfp4_search.py`` measures both; ``docs/formats/if4.md`` 3).
+Rule "static_6", 1x16 blocks; one uniform per block
 from `key`. The kernel applies the RHT itself and re-rotates with random signs on request
 (``quartet_ii_rerotate_had``); here the rotation is the caller's (``qat`` gradients: ``QuantSpec(hadamard=True)``).
 
@@ -94,20 +95,22 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike, DTypeLike
 
 from jaxlowfp import dispatch
 from jaxlowfp._core.checks import one_of
+from jaxlowfp._core.deprecation import deprecated_getattr
 from jaxlowfp._core.nvfp4_blocks import (
-    ALL_RULES,
     BLOCK,
     BLOCK_SHAPES,
+    KERNEL_RULES,
     ROUNDINGS,
     RULES,
     STOCHASTIC,
     NVFP4Array,
     NVFP4Config,
+    NVFP4Rule,
     Rounding,
-    Rule,
     block_amax,
     from_blocks,
     global_scales,
@@ -123,10 +126,15 @@ from jaxlowfp._core.nvfp4_blocks import (
 from jaxlowfp.hadamard import hadamard16, hadamard_matrix
 
 __all__ = [
-    "NVFP4Array", "NVFP4Config", "RULES", "ALL_RULES", "ROUNDINGS", "BLOCK_SHAPES", "quantize", "dequantize",
-    "fake_quantize",
-    "selected_map4", "global_scales", "rule_constants", "unpack_nibbles", "hadamard16", "hadamard_matrix",
+    "NVFP4Array", "NVFP4Config", "NVFP4Rule", "Rounding", "RULES", "KERNEL_RULES", "ROUNDINGS", "BLOCK_SHAPES",
+    "quantize", "dequantize", "fake_quantize", "selected_map4", "global_scales", "rule_constants", "unpack_nibbles",
+    "hadamard16", "hadamard_matrix",
 ]
+
+# old names (one release): `Rule` clashed with the class jaxlowfp.Rule; ALL_RULES is RULES now ("search" included)
+_DEPRECATED = {"Rule": ("jaxlowfp.nvfp4.NVFP4Rule", lambda: NVFP4Rule),
+               "ALL_RULES": ("jaxlowfp.nvfp4.RULES", lambda: RULES)}
+__getattr__ = deprecated_getattr(__name__, _DEPRECATED)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "out"))
@@ -161,9 +169,10 @@ def _run(x: jax.Array, global_amax: jax.Array | None, key: jax.Array | None, *, 
 
 def _use_pallas(impl: str, kernel: str, rounding: str, backend: str, config: dict[str, Any]) -> bool:
     one_of(impl, dispatch.IMPLS, "impl")
-    if config["rule"] not in RULES:
+    if config["rule"] not in KERNEL_RULES:
         if impl == "pallas":
-            raise ValueError(f"impl='pallas': the NVFP4 kernel implements the rules {', '.join(RULES)} (got rule="
+            raise ValueError(f"impl='pallas': the NVFP4 kernel implements the rules {', '.join(KERNEL_RULES)} (got "
+                             f"rule="
                              f"{config['rule']!r}); use impl='xla' or 'auto'")
         return False
     if rounding in STOCHASTIC:
@@ -174,18 +183,18 @@ def _use_pallas(impl: str, kernel: str, rounding: str, backend: str, config: dic
     return dispatch.resolve_impl(impl, kernel=kernel, backend=backend, config=config) == "pallas"
 
 
-def _config(x: Any, rule: str, block_shape: Any) -> dict[str, Any]:
+def _config(x: ArrayLike, rule: str, block_shape: tuple[int, int]) -> dict[str, Any]:
     """What the verified-kernel table is keyed by (``jaxlowfp.dispatch.verified``)."""
     dtype = getattr(x, "dtype", None)
     return {"rule": rule, "block_shape": block_shape, "dtype": None if dtype is None else str(dtype)}
 
 
 def quantize(
-    x: Any,
+    x: ArrayLike,
     *,
-    rule: Rule = "mse",
+    rule: NVFP4Rule = "static_6",
     block_shape: tuple[int, int] = (1, 16),
-    global_amax: Any = None,
+    global_amax: ArrayLike | None = None,
     rounding: Rounding = "nearest",
     key: jax.Array | None = None,
     impl: Literal["auto", "xla", "pallas"] = "auto",
@@ -195,8 +204,9 @@ def quantize(
 
     Args:
       x: the tensor; blocks run along the last axis (the GEMM reduction axis).
-      rule: "static_6" (standard NVFP4), "static_4", the Four Over Six rules "abs_max", "mae", "mse", or
-        "search" (per-block E4M3 scale search, minimum MSE; see the module docstring).
+      rule: "static_6" (standard NVFP4, the default), "static_4", the Four Over Six rules "abs_max", "mae", "mse"
+        (pass one for 4/6; until 0.2 the default was "mse"), or "search" (per-block E4M3 scale search, minimum
+        MSE; see the module docstring). :data:`RULES` lists them, :data:`KERNEL_RULES` those with a Pallas kernel.
       block_shape: (1, 16), or (16, 16) tiles over the last two axes (one scale and one 4/6 choice per tile).
       global_amax: a float scalar >= 0 used instead of max|x| (delayed or all-reduced amax): values above it
         saturate, and a negative or non-finite one makes every scale NaN; see the module docstring.
@@ -210,7 +220,8 @@ def quantize(
         sm_90+).
     """
     if _use_pallas(impl, "nvfp4.quantize", rounding, backend, _config(x, rule, block_shape)):
-        return dispatch.kernel("nvfp4.quantize", backend)(x, rule=rule, block_shape=block_shape, global_amax=global_amax)
+        return dispatch.kernel("nvfp4.quantize", backend)(x, rule=rule, block_shape=block_shape,
+                                                          global_amax=global_amax)
     cfg = NVFP4Config(rule=rule, block_shape=block_shape, rounding=rounding)
     x, global_amax = validate_args(x, cfg, global_amax, key)
     codes, scales, s_dec = _run(x, global_amax, key, cfg=cfg, out="q")
@@ -218,7 +229,7 @@ def quantize(
                       dtype=x.dtype, shape=x.shape)
 
 
-def dequantize(q: NVFP4Array, dtype: Any = jnp.float32) -> jax.Array:
+def dequantize(q: NVFP4Array, dtype: DTypeLike = jnp.float32) -> jax.Array:
     """``x̂ = (q_i * s_b) * global_scale`` (one float32 rounding: q * s is exact), cast to `dtype`."""
     if not isinstance(q, NVFP4Array):
         raise TypeError(f"dequantize expects an NVFP4Array; got {type(q).__name__}")
@@ -226,30 +237,32 @@ def dequantize(q: NVFP4Array, dtype: Any = jnp.float32) -> jax.Array:
 
 
 def fake_quantize(
-    x: Any,
+    x: ArrayLike,
     *,
-    rule: Rule = "mse",
+    rule: NVFP4Rule = "static_6",
     block_shape: tuple[int, int] = (1, 16),
-    global_amax: Any = None,
+    global_amax: ArrayLike | None = None,
     rounding: Rounding = "nearest",
     key: jax.Array | None = None,
     impl: Literal["auto", "xla", "pallas"] = "auto",
     backend: Literal["triton", "mosaic"] = "triton",
 ) -> jax.Array:
-    """``dequantize(quantize(x, ...), x.dtype)`` bit for bit, without packing the codes."""
+    """``dequantize(quantize(x, ...), x.dtype)`` bit for bit, without packing the codes (same arguments and
+    defaults as :func:`quantize`: rule "static_6", the standard format)."""
     if _use_pallas(impl, "nvfp4.fake_quantize", rounding, backend, _config(x, rule, block_shape)):
-        return dispatch.kernel("nvfp4.fake_quantize", backend)(x, rule=rule, block_shape=block_shape, global_amax=global_amax)
+        return dispatch.kernel("nvfp4.fake_quantize", backend)(x, rule=rule, block_shape=block_shape,
+                                                               global_amax=global_amax)
     cfg = NVFP4Config(rule=rule, block_shape=block_shape, rounding=rounding)
     x, global_amax = validate_args(x, cfg, global_amax, key)
     return _run(x, global_amax, key, cfg=cfg, out="fake")
 
 
 def selected_map4(
-    x: Any,
+    x: ArrayLike,
     *,
-    rule: Rule = "mse",
+    rule: NVFP4Rule = "mse",
     block_shape: tuple[int, int] = (1, 16),
-    global_amax: Any = None,
+    global_amax: ArrayLike | None = None,
     rounding: Rounding = "nearest",
     key: jax.Array | None = None,
 ) -> jax.Array:

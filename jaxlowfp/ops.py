@@ -185,7 +185,7 @@ def dot_general(
     x_free = [i for i in range(x.ndim) if i not in xc and i not in xb]
     w_free = [i for i in range(w.ndim) if i not in wc and i not in wb]
     common = dict(recipe=recipe, state=state, observe_only=observe_only, key=key, precision=precision,
-                  preferred_element_type=preferred_element_type)
+                  preferred_element_type=preferred_element_type, where=where)
     if xb:
         if needs_linear_layout(recipe):
             raise NotImplementedError(
@@ -325,7 +325,7 @@ def ragged_dot(
     """
     from jaxlowfp._core.checks import bool_flag
     from jaxlowfp._core.reduce import abs_max
-    from jaxlowfp.qat.fake_quant import (keep_mask, round_with, sat_count, select, straight_through, tensor_stats,
+    from jaxlowfp.qat.scaled_quant import (keep_mask, round_with, sat_count, select, straight_through, tensor_stats,
                                          underflow_count)
 
     where = where or "jaxlowfp.ops.ragged_dot"

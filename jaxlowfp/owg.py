@@ -26,7 +26,7 @@ batch would (from a warm history; see :mod:`jaxlowfp.training`).
     state = state.apply_gradients(grads=grads)               # Flax's TrainState: OWG leaves replaced, exactly
 
 The layers that carry their state this way: ``jaxlowfp.qlinen.quant_dot_general_cls(recipe, carry="gradient")``,
-``jaxlowfp.qlinen.QuantEinsum(carry="gradient")`` and ``jaxlowfp.qwix_provider.Provider(..., carry="gradient")``
+``jaxlowfp.qlinen.QuantEinsum(carry="gradient")`` and ``jaxlowfp.qwix_provider.RecipeProvider(..., carry="gradient")``
 on Linen models. See ``docs/qwix_maxtext.md`` for MaxText.
 """
 from __future__ import annotations
@@ -36,13 +36,15 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.typing import ArrayLike
 
 from jaxlowfp import scaling
+from jaxlowfp._core.deprecation import deprecated_getattr
 from jaxlowfp.qat.spec import Recipe, RecipeState
-from jaxlowfp.scaling import AmaxHistory
+from jaxlowfp.scaling import AmaxHistory, PyTree
 
-__all__ = ["COLLECTION", "Carried", "is_carried", "init", "encode", "decode", "overwrite", "accumulate", "finalize",
-           "zeros_like", "apply_gradients"]
+__all__ = ["COLLECTION", "Carried", "is_carried", "init_carried", "to_carried", "from_carried", "overwrite",
+           "accumulate", "finalize", "zeros_like", "apply_gradients"]
 
 COLLECTION = "_overwrite_with_gradient"  # flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT
 _INT_FIELDS = ("count", "nonfinite", "version")  # the int32 fields of an AmaxHistory
@@ -64,20 +66,20 @@ def _is_history(x: Any) -> bool:
     return isinstance(x, AmaxHistory)
 
 
-def encode(state: RecipeState, observe_only: bool | jax.Array = False) -> Carried:
+def to_carried(state: RecipeState, observe_only: bool | jax.Array = False) -> Carried:
     """`state` (from ``recipe.init()`` or a quantized op) as a :class:`Carried`: every leaf float32."""
     f32 = jax.tree.map(lambda x: jnp.asarray(x).astype(jnp.float32), state)
     return Carried(state=f32, observe_only=jnp.asarray(observe_only).astype(jnp.float32))
 
 
-def init(recipe: Recipe, observe_only: bool = False) -> Carried:
+def init_carried(recipe: Recipe, observe_only: bool = False) -> Carried:
     """The initial :class:`Carried` of a layer with `recipe`."""
     if not isinstance(recipe, Recipe):
         raise TypeError(f"recipe must be a jaxlowfp.qat.Recipe; got {type(recipe).__name__}: {recipe!r}")
-    return encode(recipe.init(), observe_only)
+    return to_carried(recipe.init(), observe_only)
 
 
-def decode(carried: Carried) -> tuple[RecipeState, jax.Array]:
+def from_carried(carried: Carried) -> tuple[RecipeState, jax.Array]:
     """``(state, observe_only)``: the ``RecipeState`` with its integer counters back as int32, and the flag as a
     bool scalar. Counts are exact while below 2**24 (float32's integer range)."""
     if not isinstance(carried, Carried):
@@ -112,34 +114,34 @@ def _overwrite_bwd(new, g):
 overwrite.defvjp(_overwrite_fwd, _overwrite_bwd)
 
 
-def is_carried(x: Any) -> bool:
+def is_carried(x: object) -> bool:
     return isinstance(x, Carried)
 
 
 def _merge(a: Carried, b: Carried) -> Carried:
-    (sa, oa), (sb, ob) = decode(a), decode(b)
-    merged = scaling.merge([sa, sb])
-    return encode(merged, jnp.maximum(jnp.asarray(a.observe_only), jnp.asarray(b.observe_only)))
+    merged = scaling.merge([from_carried(a)[0], from_carried(b)[0]])
+    return to_carried(merged, jnp.maximum(jnp.asarray(a.observe_only), jnp.asarray(b.observe_only)))
 
 
-def accumulate(acc: Any, grads: Any) -> Any:
+def accumulate(acc: PyTree, grads: PyTree) -> PyTree:
     """``acc + grads`` leaf by leaf (MaxText's accumulation), except that every :class:`Carried` merges by max
     (:func:`jaxlowfp.scaling.merge`: the histories of microbatches that ran from the same state)."""
     return jax.tree.map(lambda a, g: _merge(a, g) if is_carried(g) else a + g, acc, grads, is_leaf=is_carried)
 
 
-def finalize(acc: Any, divisor: Any) -> Any:
+def finalize(acc: PyTree, divisor: ArrayLike) -> PyTree:
     """``acc / divisor`` for every gradient leaf (in its own dtype), the :class:`Carried` leaves unchanged."""
     return jax.tree.map(lambda a: a if is_carried(a) else (a / divisor).astype(a.dtype), acc, is_leaf=is_carried)
 
 
-def zeros_like(tree: Any) -> Any:
+def zeros_like(tree: PyTree) -> PyTree:
     """The accumulator's start: zeros everywhere (an all-zero :class:`Carried` recorded nothing, so merging it
     with a microbatch's state gives that state)."""
     return jax.tree.map(jnp.zeros_like, tree)
 
 
-def apply_gradients(tx: optax.GradientTransformation, params: Any, grads: Any, opt_state: Any) -> tuple[Any, Any]:
+def apply_gradients(tx: optax.GradientTransformation, params: PyTree, grads: PyTree, opt_state: optax.OptState
+                    ) -> tuple[PyTree, optax.OptState]:
     """``(params', opt_state')`` as Flax's ``TrainState.apply_gradients`` computes them for a variables dict with
     a :data:`COLLECTION`: the optimizer updates ``params["params"]``, the OWG collection becomes its gradient
     (exactly, no arithmetic); other collections are kept (Flax's TrainState drops them)."""
@@ -150,3 +152,11 @@ def apply_gradients(tx: optax.GradientTransformation, params: Any, grads: Any, o
     new["params"] = optax.apply_updates(params["params"], updates)
     new[COLLECTION] = grads[COLLECTION]
     return new, opt_state
+
+
+# old names (one release): `encode` / `decode` meant codes of a format everywhere else (jaxlowfp.hif8)
+__getattr__ = deprecated_getattr(__name__, {
+    "encode": ("jaxlowfp.owg.to_carried", lambda: to_carried),
+    "decode": ("jaxlowfp.owg.from_carried", lambda: from_carried),
+    "init": ("jaxlowfp.owg.init_carried", lambda: init_carried),
+})

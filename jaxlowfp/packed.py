@@ -203,7 +203,7 @@ def _fake(x: jax.Array, fmt: PackedFormat) -> jax.Array:
     if fmt.kind == "if4":
         return if4.fake_quantize(x, rule=fmt.rule, block_shape=fmt.block_shape)
     if fmt.kind in ("mxfp4", "mxfp8"):
-        return mx.fake_quantize(x, elem="e2m1" if fmt.kind == "mxfp4" else "e4m3")
+        return mx.fake_quantize(x, format="e2m1" if fmt.kind == "mxfp4" else "e4m3")
     elem, target = PER_TENSOR[fmt.kind]
     scale = _per_tensor_scale(x, target)
     return scaled_round_mask(x, scale, target, formats.get(elem), scale)[0]
@@ -306,7 +306,7 @@ def pack(w: Any, fmt: Any, *, global_amax: Any = None, where: str = "w") -> Pack
     elif fmt.kind == "if4":
         arr = if4.quantize(wt, rule=fmt.rule, block_shape=fmt.block_shape, global_amax=global_amax)
     elif fmt.kind in ("mxfp4", "mxfp8"):
-        arr = mx.quantize(wt, elem="e2m1" if fmt.kind == "mxfp4" else "e4m3")
+        arr = mx.quantize(wt, format="e2m1" if fmt.kind == "mxfp4" else "e4m3")
     else:
         arr = scaled_quantize(wt, fmt.kind)
     return PackedWeight(array=arr, s_enc=s_enc, format=fmt, k=k, n=n)

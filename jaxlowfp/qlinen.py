@@ -101,9 +101,9 @@ def contract_in(
     scope = module.scope
     key = module.make_rng(RNG_STREAM) if recipe.needs_key else None
     if carry == "gradient":
-        var = scope.variable(owg.COLLECTION, names[0], lambda: owg.init(recipe, observe_only))
+        var = scope.variable(owg.COLLECTION, names[0], lambda: owg.init_carried(recipe, observe_only))
         carried = var.value
-        state, observe = owg.decode(carried)
+        state, observe = owg.from_carried(carried)
     else:
         var = scope.variable(AMAX_COLLECTION, names[0], recipe.init)
         phase = scope.variable(PHASE_COLLECTION, names[1], lambda: jnp.asarray(bool(observe_only)))
@@ -114,7 +114,7 @@ def contract_in(
         precision=precision, preferred_element_type=preferred_element_type, where=where,
         op_key=linen_op_key(where, names[0]))
     if carry == "gradient":
-        out = owg.overwrite(out, carried, owg.encode(new_state, observe))
+        out = owg.overwrite(out, carried, owg.to_carried(new_state, observe))
     elif not module.is_initializing() and module.is_mutable_collection(AMAX_COLLECTION):
         var.value = new_state
     if module.is_mutable_collection(STATS_COLLECTION):

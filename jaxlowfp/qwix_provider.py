@@ -61,6 +61,7 @@ import jax
 import jax.numpy as jnp
 import qwix
 from flax import nnx
+from packaging.specifiers import SpecifierSet
 from qwix._src.utils import flax_util
 
 from jaxlowfp import qat
@@ -71,7 +72,7 @@ from jaxlowfp.qnnx.layer import QuantOp, QuantRaggedOp
 
 __all__ = ["SUPPORTED_QWIX", "OP_NAMES", "RecipeRule", "RecipeProvider"]
 
-SUPPORTED_QWIX = ("0.1.8",)  # the Qwix releases this provider is tested with (pyproject: qwix>=0.1.8,<0.1.9)
+SUPPORTED_QWIX = ">=0.1.8,<0.1.9"  # the Qwix releases this provider is tested with: pyproject's pin, as a specifier
 # the op names of rules (jnp.matmul, jnp.dot and `@` are dot_general ops; ragged_dot: the grouped GEMM of MoE layers)
 OP_NAMES = ("dot_general", "einsum", "ragged_dot")
 # jnp functions that JAX jit-compiles and that call lax.dot_general inside: quantized as dot_general ops
@@ -84,8 +85,8 @@ _TRACING_FILES = (_PJIT_FILE, os.path.join("jax", "_src", "interpreters"), os.pa
                   os.path.join("jax", "_src", "profiler"))
 NNX_PREFIX = "jaxlowfp_"  # attribute name of an NNX op's QuantOp: jaxlowfp_dot_general0, jaxlowfp_einsum1, ...
 
-if qwix.__version__ not in SUPPORTED_QWIX:
-    raise ImportError(f"jaxlowfp.qwix_provider is tested with Qwix {', '.join(SUPPORTED_QWIX)} and uses its private "
+if not SpecifierSet(SUPPORTED_QWIX).contains(qwix.__version__):  # parsed: 0.1.8.post1 is admitted, as by pip
+    raise ImportError(f"jaxlowfp.qwix_provider is tested with Qwix {SUPPORTED_QWIX} and uses its private "
                       f"rule lookup; Qwix {qwix.__version__} is installed. Install a tested version "
                       f"(pip install 'jaxlowfp[qwix]') or run tests/test_qwix_provider.py against the new one first.")
 

@@ -1,5 +1,5 @@
-"""Module-path rules: the one rule type of QAT (`jaxlowfp.qnnx.quantize`, recipes) and PTQ (`jaxlowfp.ptq.quantize`,
-schemes), how rules are matched, and the report of what a quantize call did.
+"""Module-path rules: the one rule type of QAT (`jaxlowfp.qnnx.quantize_model`, recipes) and PTQ
+(`jaxlowfp.ptq.quantize_model`, schemes), how rules are matched, and the report of what a quantize call did.
 
 A `Rule` names modules by a regex matched with `re.fullmatch` against their "/"-joined NNX graph path (as
 ``nnx.iter_graph`` gives it, e.g. ``blocks/3/mlp/gate_proj``) and says what to do with them:
@@ -44,8 +44,8 @@ def _is_kind(value: Any, field: str) -> bool:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Rule:
     """``path``: a regex matched with `re.fullmatch` against a module path. At most one of ``recipe`` (a
-    `jaxlowfp.qat.Recipe`, for `jaxlowfp.qnnx.quantize`) and ``scheme`` (a `jaxlowfp.ptq.Scheme`, for
-    `jaxlowfp.ptq.quantize`); with neither, the matched modules are kept in high precision, explicitly (the report
+    `jaxlowfp.qat.Recipe`, for `jaxlowfp.qnnx.quantize_model`) and ``scheme`` (a `jaxlowfp.ptq.Scheme`, for
+    `jaxlowfp.ptq.quantize_model`); with neither, the matched modules are kept in high precision, explicitly (the report
     says so). Each quantize call checks that its rules carry the kind it applies."""
 
     path: str
@@ -123,8 +123,8 @@ def natural_key(path: str) -> list:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class QuantizeReport:
-    """What a quantize call did (`jaxlowfp.qnnx.quantize`, `jaxlowfp.ptq.quantize`). Paths are "/"-joined NNX graph
-    paths.
+    """What a quantize call did (`jaxlowfp.qnnx.quantize_model`, `jaxlowfp.ptq.quantize_model`). Paths are
+    "/"-joined NNX graph paths.
 
     quantized:        (path, recipe or scheme name) of each module quantized by this call
     kept:             (path, rule regex) of each module a keep rule (no recipe, no scheme) kept in high precision

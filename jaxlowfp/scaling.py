@@ -45,13 +45,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
-from typing import Any, Literal, NamedTuple
+from collections.abc import Hashable, Sequence
+from typing import Any, Literal, NamedTuple, TypeAlias
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike
 
 from jaxlowfp._core.bits import ieee_div
 from jaxlowfp._core.checks import integer, number, one_of, positive_finite
@@ -78,6 +79,8 @@ __all__ = [
 
 SCHEMA_VERSION = 1
 ALGORITHMS = ("most_recent", "max_window", "max", "ema")
+PyTree: TypeAlias = Any  # a JAX pytree (nested tuples, lists, dicts, NamedTuples of arrays)
+AxisName: TypeAlias = Hashable  # a mapped axis name (jax.lax.pmax), or a tuple of them
 Algorithm = Literal["most_recent", "max_window", "max", "ema"]
 CONVENTIONS = ("default", "te", "flax")
 Convention = Literal["default", "te", "flax"]
@@ -103,7 +106,7 @@ class AmaxHistory(NamedTuple):
     """
 
     history: jax.Array
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a NamedTuple field named like tuple.count
     estimate: jax.Array
     nonfinite: jax.Array
     version: jax.Array
@@ -147,7 +150,7 @@ def _init_state(history_len: int) -> AmaxHistory:
     )
 
 
-def _as_amax(x_amax: Any) -> jax.Array:
+def _as_amax(x_amax: ArrayLike) -> jax.Array:
     a = jnp.asarray(x_amax)
     if a.shape != ():
         raise ValueError(f"x_amax must be a scalar (the tensor's max |x|); got shape {a.shape}")
@@ -187,14 +190,14 @@ def _record(state: AmaxHistory, a: jax.Array, estimate: jax.Array, ema_decay: fl
     )
 
 
-def _guarded_scale(amax_est: Any, target_max: float) -> jax.Array:
+def _guarded_scale(amax_est: ArrayLike, target_max: float) -> jax.Array:
     est = jnp.asarray(amax_est).astype(jnp.float32)
     ok = jnp.isfinite(est) & (est > 0)
     # The divisor of the guarded-out branch is irrelevant; keep it finite so no NaN is ever computed.
     return jnp.where(ok, ieee_div(jnp.where(ok, est, 1.0), target_max), jnp.float32(1.0))
 
 
-def _te_multiplier(amax_est: Any, target_max: float) -> jax.Array:
+def _te_multiplier(amax_est: ArrayLike, target_max: float) -> jax.Array:
     """TE's ``sf = target_max / est`` (IEEE division); 1 when the estimate is 0, NaN or Inf."""
     est = jnp.asarray(amax_est).astype(jnp.float32)
     ok = jnp.isfinite(est) & (est > 0)
@@ -255,7 +258,7 @@ class DelayedScaling:
         or to scale 1 ("te", "flax")."""
         return _init_state(self.history_len)
 
-    def amax_estimate(self, state: AmaxHistory, x_amax: Any) -> jax.Array:
+    def amax_estimate(self, state: AmaxHistory, x_amax: ArrayLike) -> jax.Array:
         """f32[] estimate for this step from amaxes recorded before it; `x_amax` (this step's) if none yet.
 
         Conventions "te"/"flax": the last estimate (0 at first) when the window value is 0, NaN or Inf."""
@@ -280,20 +283,20 @@ class DelayedScaling:
         est = jnp.where(c > 0, est, a)
         return est * (2.0**self.margin) if self.margin else est
 
-    def update(self, state: AmaxHistory, x_amax: Any) -> AmaxHistory:
+    def update(self, state: AmaxHistory, x_amax: ArrayLike) -> AmaxHistory:
         """Record this step's amax (after use). A NaN/Inf amax is not recorded (convention "default") or recorded
         ("te", "flax"); ``nonfinite`` counts it either way."""
         est = self.amax_estimate(state, x_amax)
         return _record(state, _as_amax(x_amax), est, self.ema_decay, keep_nonfinite=self.convention != "default")
 
-    def scale(self, amax_est: Any) -> jax.Array:
+    def scale(self, amax_est: ArrayLike) -> jax.Array:
         """Dequant multiplier ``amax_est / target_max`` (IEEE division; "te"/"flax": ``1 / (target_max /
         amax_est)``, two IEEE divisions); 1 when the estimate is 0, NaN or Inf."""
         if self.convention == "default":
             return _guarded_scale(amax_est, self.target_max)
         return ieee_div(1.0, _te_multiplier(amax_est, self.target_max))
 
-    def multiplier(self, amax_est: Any) -> jax.Array:
+    def multiplier(self, amax_est: ArrayLike) -> jax.Array:
         """The quantization multiplier ``x -> x * multiplier`` of convention "te": ``target_max / amax_est`` (TE's
         ``scale``; ``scale(est) == 1 / multiplier(est)``); 1 when the estimate is 0, NaN or Inf."""
         return _te_multiplier(amax_est, self.target_max)
@@ -315,16 +318,16 @@ class _OneSlot:
     def _estimate(self, x_amax: jax.Array) -> jax.Array:
         raise NotImplementedError
 
-    def amax_estimate(self, state: AmaxHistory, x_amax: Any) -> jax.Array:
+    def amax_estimate(self, state: AmaxHistory, x_amax: ArrayLike) -> jax.Array:
         _check_state(state, 1, type(self).__name__)
         return self._estimate(_as_amax(x_amax))
 
-    def update(self, state: AmaxHistory, x_amax: Any) -> AmaxHistory:
+    def update(self, state: AmaxHistory, x_amax: ArrayLike) -> AmaxHistory:
         a = _as_amax(x_amax)
         _check_state(state, 1, type(self).__name__)
         return _record(state, a, self._estimate(a), 0.0)
 
-    def scale(self, amax_est: Any) -> jax.Array:
+    def scale(self, amax_est: ArrayLike) -> jax.Array:
         """Dequant multiplier ``amax_est / target_max`` (IEEE division); 1 when the estimate is 0, NaN or Inf."""
         return _guarded_scale(amax_est, self.target_max)
 
@@ -394,7 +397,7 @@ def _is_history(x: Any) -> bool:
     return isinstance(x, (AmaxHistory, PendingAmax))
 
 
-def _merge_pending(p: PendingAmax, axis_name: Any = None) -> PendingAmax:
+def _merge_pending(p: PendingAmax, axis_name: AxisName | None = None) -> PendingAmax:
     """Max over replicas (a leading axis, or `axis_name`): the amax of the union of their gradients."""
     amax = jnp.where(p.seen > 0, p.amax, 0.0)
     nan = jnp.isnan(amax)
@@ -438,7 +441,7 @@ def _merge_stacked(s: AmaxHistory) -> AmaxHistory:
     )
 
 
-def merge(states: Sequence[Any] | Any) -> Any:
+def merge(states: Sequence[PyTree] | PyTree) -> PyTree:
     """Combine the scale states of microbatches or replicas that each ran the same step from the same state.
 
     `states` is a list/tuple of identical pytrees (an :class:`AmaxHistory`, a ``RecipeState``, a model's whole
@@ -460,7 +463,7 @@ def merge(states: Sequence[Any] | Any) -> Any:
             raise ValueError("merge needs at least one state; got an empty sequence")
         struct = jax.tree.structure(states[0], is_leaf=_is_history)
         for i, s in enumerate(states[1:], 1):
-            if jax.tree.structure(s, is_leaf=_is_history) != struct:
+            if jax.tree.structure(s, is_leaf=_is_history) != struct:  # type: ignore[operator]
                 raise ValueError(f"merge: state {i} has a different pytree structure from state 0")
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
     else:
@@ -474,7 +477,7 @@ def merge(states: Sequence[Any] | Any) -> Any:
     return jax.tree.map(one, stacked, is_leaf=_is_history)
 
 
-def merge_across(states: Any, axis_name: Any) -> Any:
+def merge_across(states: PyTree, axis_name: AxisName) -> PyTree:
     """:func:`merge` over a named mapped axis (inside ``shard_map``/``pmap``/``vmap`` with ``axis_name``).
 
     Every replica gets the merged state; same rules as :func:`merge`.
@@ -503,7 +506,7 @@ def merge_across(states: Any, axis_name: Any) -> Any:
     return jax.tree.map(one, states, is_leaf=_is_history)
 
 
-def check_version(states: Any) -> Any:
+def check_version(states: PyTree) -> PyTree:
     """Raise ValueError if any (concrete) :class:`AmaxHistory` in `states` has another schema version.
 
     Call it on a restored checkpoint; returns `states` unchanged.
@@ -531,7 +534,7 @@ def _is_pending(x: Any) -> bool:
     return isinstance(x, PendingAmax)
 
 
-def pending_amaxes(tree: Any) -> Any:
+def pending_amaxes(tree: PyTree) -> PyTree:
     """`tree` (a ``RecipeState``, a model's quantization state, a Linen collection) with every leaf that is not
     part of a :class:`PendingAmax` replaced by None: the part of the state to differentiate the loss w.r.t.
 
@@ -546,7 +549,7 @@ def pending_amaxes(tree: Any) -> Any:
     return jax.tree.map(lambda x: x if _is_pending(x) else None, tree, is_leaf=_is_pending)
 
 
-def with_pending_amaxes(tree: Any, pendings: Any) -> Any:
+def with_pending_amaxes(tree: PyTree, pendings: PyTree) -> PyTree:
     """`tree` with its :class:`PendingAmax` entries replaced, in order, by those of `pendings` (the output of
     :func:`pending_amaxes` or its gradient)."""
     leaves, treedef = jax.tree.flatten(tree, is_leaf=_is_pending)
@@ -557,4 +560,4 @@ def with_pending_amaxes(tree: Any, pendings: Any) -> Any:
                          f"{len(new)} (pass the output of pending_amaxes(tree) or its gradient)")
     for i, p in zip(slots, new):
         leaves[i] = PendingAmax(*(jnp.asarray(v, jnp.float32) for v in p))
-    return treedef.unflatten(leaves)
+    return treedef.unflatten(leaves)  # type: ignore[attr-defined]

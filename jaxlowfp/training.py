@@ -36,7 +36,7 @@ Python floats with its int32 count), the model under whatever promotion the call
 ...     def __call__(self, x):
 ...         return self.up_proj(x)
 >>> model = Net(nnx.Rngs(0))
->>> _ = qnnx.quantize(model, [qnnx.Rule(path="up_proj", recipe=qat.hif8_w8a8())])
+>>> _ = qnnx.quantize_model(model, [qnnx.Rule(path="up_proj", recipe=qat.hif8_w8a8())])
 >>> def loss_fn(m, batch):
 ...     return jnp.mean((m(batch) - batch) ** 2), {}
 >>> graphdef, state = training.init(model, optax.sgd(0.1))
@@ -63,7 +63,47 @@ from jaxlowfp.qat import Warmup
 
 __all__ = ["TrainState", "LossFn", "split", "init", "make_step", "quant_metrics"]
 
-LossFn = Callable[[nnx.Module, Any], tuple[jax.Array, Any]]
+LossFn = Callable[[nnx.Module, Any], tuple[jax.Array, Any] | jax.Array]
+
+_LIBRARY_METRICS = ("loss", "observe_only", "skipped", "finite", "lr", "max_saturated_fraction",
+                    "mean_saturated_fraction", "nonfinite_quantized", "amax", "amax_estimate")
+
+
+def _loss_and_aux(out: Any, loss_fn: Any) -> tuple[jax.Array, Any]:
+    """``(loss, aux)`` from what `loss_fn` returned: ``(loss, aux)`` or a bare scalar loss (aux None)."""
+    if isinstance(out, tuple | list):
+        if len(out) != 2:
+            raise TypeError(f"loss_fn {getattr(loss_fn, '__name__', loss_fn)!r} must return a scalar loss or "
+                            f"(scalar loss, aux); got a {type(out).__name__} of length {len(out)}")
+        loss, aux = out
+    else:
+        loss, aux = out, None
+    shape = getattr(loss, "shape", None)
+    if shape is None or tuple(shape) != ():
+        raise TypeError(f"loss_fn {getattr(loss_fn, '__name__', loss_fn)!r} must return a scalar loss (shape ()) or "
+                        f"(scalar loss, aux); got a loss of "
+                        f"{'shape ' + str(tuple(shape)) if shape is not None else 'type ' + type(loss).__name__}: "
+                        f"reduce it (e.g. jnp.mean) inside loss_fn")
+    return loss, aux
+
+
+def _aux_metrics(aux: Any) -> dict[str, Any]:
+    """The user's aux as metrics: a dict's entries by name, anything else as ``aux`` (None: nothing)."""
+    if aux is None:
+        return {}
+    if not isinstance(aux, dict) or not all(isinstance(k, str) for k in aux):
+        return {"aux": aux}
+    clash = sorted(set(aux) & set(_LIBRARY_METRICS))
+    if clash:
+        raise ValueError(f"loss_fn's aux names {clash} clash with make_step's own metrics {list(_LIBRARY_METRICS)}; "
+                         f"rename them in loss_fn's aux dict")
+    return dict(aux)
+
+
+def _reduce_microbatches(x: jax.Array) -> jax.Array:
+    """One aux leaf over the microbatch axis: the mean of a float (a loss, an accuracy), the sum of a count."""
+    x = jnp.asarray(x)
+    return jnp.mean(x, axis=0) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.sum(x, axis=0)
 
 
 class TrainState(NamedTuple):
@@ -79,7 +119,7 @@ class TrainState(NamedTuple):
 
 def split(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State, nnx.State]:
     """``(graphdef, params, qstate, rest)`` = ``nnx.split(model, nnx.Param, AmaxState, ...)``."""
-    return nnx.split(model, nnx.Param, AmaxState, ...)
+    return nnx.split(model, nnx.Param, AmaxState, ...)  # type: ignore[return-value]  # three filters: three states
 
 
 def init(model: nnx.Module, tx: optax.GradientTransformation) -> tuple[nnx.GraphDef, TrainState]:
@@ -167,14 +207,17 @@ def make_step(
     lr_schedule: optax.Schedule | None = None,
     telemetry_layer: str | None = None,
     state_shardings: Callable[[TrainState], Any] | None = None,
-) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
+) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]:
     """The pure step ``(state, batch) -> (state', metrics)``: wrap it in ``jax.jit``, with ``donate_argnums=0`` to
     update the state in place (a state from :func:`init` has a buffer per leaf).
 
     Args:
       graphdef: from :func:`init` / :func:`split`.
       tx: the optax transformation (the same one `init` was given).
-      loss_fn: ``loss_fn(model, batch) -> (scalar loss, aux)``; `aux` is ignored.
+      loss_fn: ``loss_fn(model, batch) -> (scalar loss, aux)`` or ``-> scalar loss``. `aux` (any pytree of arrays)
+        comes back in the metrics: a dict with str keys entry by entry (``metrics["accuracy"]``; a name that clashes
+        with a metric below is refused), anything else as ``metrics["aux"]``. With microbatches, each aux leaf is
+        reduced over them: floats by mean, integers and bools by sum (token counts add up).
       warmup: a :class:`jaxlowfp.qat.Warmup`: observe-only (high precision) while ``step < warmup.steps``.
       microbatches: split the leading axis of every batch leaf into this many equal microbatches, accumulate the
         mean gradient and merge the amax histories by maximum (the module docstring says when that equals one
@@ -187,7 +230,7 @@ def make_step(
 
     Metrics: ``loss``, ``observe_only``, ``finite``, ``skipped`` and, with quantized layers, ``max_saturated_fraction``,
     ``mean_saturated_fraction`` (max / mean over layers and microbatches), ``nonfinite_quantized``, and the
-    ``amax`` / ``amax_estimate`` of `telemetry_layer`; ``lr`` with `lr_schedule`.
+    ``amax`` / ``amax_estimate`` of `telemetry_layer`; ``lr`` with `lr_schedule`; and the entries of `aux`.
     """
     if warmup is not None and not isinstance(warmup, Warmup):
         raise TypeError(f"warmup must be a jaxlowfp.qat.Warmup or None; got {type(warmup).__name__}")
@@ -200,20 +243,20 @@ def make_step(
             q = qstate if pending is None else scaling.with_pending_amaxes(qstate, pending)
             model = nnx.merge(graphdef, p, q, rest, copy=True)  # fresh Variables: mutable in this trace
             set_observe_only(model, observe)
-            loss, _ = loss_fn(model, batch)
+            loss, aux = _loss_and_aux(loss_fn(model, batch), loss_fn)
             check_executed(model)  # at trace time: a layer reported quantized whose op never ran is named
             _, _, new_q, new_rest = split(model)
-            return loss, (new_q, new_rest)
+            return loss, (new_q, new_rest, aux)
 
         pending = scaling.pending_amaxes(qstate)
         if not jax.tree.leaves(pending):  # no delayed gradient scaling: differentiate w.r.t. the params only
-            (loss, (new_q, new_rest)), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
-            return loss, grads, new_q, new_rest
+            (loss, (new_q, new_rest, aux)), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+            return loss, grads, new_q, new_rest, aux
         # Delayed gradient scaling: the backward passes report their output-gradient amaxes as the gradient
         # w.r.t. the pending slots of qstate, which becomes their new value (recorded at the next forward pass).
-        (loss, (new_q, new_rest)), (grads, reported) = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=True)(
-            params, pending)
-        return loss, grads, scaling.with_pending_amaxes(new_q, reported), new_rest
+        (loss, (new_q, new_rest, aux)), (grads, reported) = jax.value_and_grad(
+            loss_of, argnums=(0, 1), has_aux=True)(params, pending)
+        return loss, grads, scaling.with_pending_amaxes(new_q, reported), new_rest, aux
 
     def split_batch(batch):
         def one(x):
@@ -226,25 +269,25 @@ def make_step(
     def accumulate(state, batch, observe):
         def body(carry, mb):
             rest, gsum, lsum = carry
-            loss, grads, new_q, new_rest = grads_of(state.params, state.qstate, rest, mb, observe)
+            loss, grads, new_q, new_rest, aux = grads_of(state.params, state.qstate, rest, mb, observe)
             carry = (new_rest, jax.tree.map(jnp.add, gsum, grads), lsum + loss)
-            return carry, (new_q, quant_metrics(new_rest, telemetry_layer))
+            return carry, (new_q, quant_metrics(new_rest, telemetry_layer), aux)
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
-        (rest, gsum, lsum), (qs, mets) = jax.lax.scan(body, (state.rest, zeros, jnp.zeros((), jnp.float32)),
-                                                      split_batch(batch))
+        (rest, gsum, lsum), (qs, mets, aux) = jax.lax.scan(
+            body, (state.rest, zeros, jnp.zeros((), jnp.float32)), split_batch(batch))
         grads = jax.tree.map(lambda g: g / k, gsum)
         reduce = {"mean_saturated_fraction": jnp.mean, "nonfinite_quantized": jnp.sum}  # the others: max
         mets = {name: reduce.get(name, jnp.max)(v) for name, v in mets.items()}
-        return lsum / k, grads, scaling.merge(qs), rest, mets
+        return lsum / k, grads, scaling.merge(qs), rest, mets, jax.tree.map(_reduce_microbatches, aux)
 
-    def step_fn(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, jax.Array]]:
+    def step_fn(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         observe = warmup.observe_only(state.step) if warmup is not None else jnp.bool_(False)
         if k == 1:
-            loss, grads, qstate, rest = grads_of(state.params, state.qstate, state.rest, batch, observe)
+            loss, grads, qstate, rest, aux = grads_of(state.params, state.qstate, state.rest, batch, observe)
             qmets = quant_metrics(rest, telemetry_layer)
         else:
-            loss, grads, qstate, rest, qmets = accumulate(state, batch, observe)
+            loss, grads, qstate, rest, qmets, aux = accumulate(state, batch, observe)
         with jax.numpy_dtype_promotion("standard"):
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -264,7 +307,8 @@ def make_step(
             step=state.step + 1,
             skipped=state.skipped + jnp.where(ok, 0, 1).astype(jnp.int32),
         )
-        metrics = {"loss": loss, "observe_only": observe, "skipped": new.skipped, "finite": ok, **qmets}
+        metrics = {**_aux_metrics(aux), "loss": loss, "observe_only": observe, "skipped": new.skipped, "finite": ok,
+                   **qmets}
         if lr_schedule is not None:
             with jax.numpy_dtype_promotion("standard"):
                 metrics["lr"] = jnp.asarray(lr_schedule(applied), jnp.float32)

@@ -12,10 +12,10 @@ How these kernels use Mosaic GPU (``jax.experimental.pallas.mosaic_gpu``, sm_90+
   Mosaic GPU has no masked loads, so every program covers whole blocks: the wrappers run the kernel on the
   whole programs of the input in place and on a zero-padded copy of the remainder (less than one program's width
   along the split axis), and merge the results with ``dynamic_update_slice``.
-- No float division inside a kernel: Mosaic compiled ``1 / d`` to ``rcp.approx.f32`` (seen in the PTX). The one division the NVFP4 twin
-  does per block (``1 / (s * S_dec)``) is :func:`reciprocal` here, correctly rounded with integer operations;
-  ``/ 6`` and ``/ 1536`` are ``div_by_3_pow2``. Mosaic also marks float add/sub/mul as contractible (FMA), so a
-  product that feeds a sum goes through ``no_contract``, as in the twin.
+- No float division inside a kernel: Mosaic compiled ``1 / d`` to ``rcp.approx.f32`` (seen in the PTX). The one
+  division the NVFP4 twin does per block (``1 / (s * S_dec)``) is :func:`reciprocal` here, correctly rounded with
+  integer operations; ``/ 6`` and ``/ 1536`` are ``div_by_3_pow2``. Mosaic also marks float add/sub/mul as
+  contractible (FMA), so a product that feeds a sum goes through ``no_contract``, as in the twin.
 
 The API has changed between JAX releases; :func:`require` checks the pieces used here and names the JAX needed.
 """

@@ -240,7 +240,8 @@ def _call(params, xb, programs: int, *, rule: str, tile: bool, fake: bool, block
     return plgpu.kernel(
         body, out_type=tuple(out), grid=grid, grid_names=names, compiler_params=mg.compiler_params(),
         interpret=interpret,
-        kernel_name=f"nvfp4_{'fake_' if fake else ''}quantize_{rule}{'_16x16' if tile else ''}{'_rest' if rest else ''}",
+        kernel_name=(f"nvfp4_{'fake_' if fake else ''}quantize_{rule}{'_16x16' if tile else ''}"
+                     f"{'_rest' if rest else ''}"),
     )(params, xb)
 
 
@@ -301,7 +302,7 @@ def _prepare(x, rule, block_shape, global_amax, rounding, key, interpret, tile_s
 def quantize(
     x: Any,
     *,
-    rule: ref.Rule = "mse",
+    rule: ref.NVFP4Rule = "static_6",
     block_shape: tuple[int, int] = (1, 16),
     global_amax: Any = None,
     rounding: str = "nearest",
@@ -330,7 +331,7 @@ def quantize(
 def fake_quantize(
     x: Any,
     *,
-    rule: ref.Rule = "mse",
+    rule: ref.NVFP4Rule = "static_6",
     block_shape: tuple[int, int] = (1, 16),
     global_amax: Any = None,
     rounding: str = "nearest",

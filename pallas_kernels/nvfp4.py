@@ -268,7 +268,7 @@ def _prepare(x, rule, block_shape, global_amax, rounding, key, interpret, tile_s
 def quantize(
     x: Any,
     *,
-    rule: ref.Rule = "mse",
+    rule: ref.NVFP4Rule = "static_6",
     block_shape: tuple[int, int] = (1, 16),
     global_amax: Any = None,
     rounding: str = "nearest",
@@ -297,7 +297,7 @@ def quantize(
 def fake_quantize(
     x: Any,
     *,
-    rule: ref.Rule = "mse",
+    rule: ref.NVFP4Rule = "static_6",
     block_shape: tuple[int, int] = (1, 16),
     global_amax: Any = None,
     rounding: str = "nearest",

@@ -204,7 +204,7 @@ def all_configs(backends: tuple[str, ...] = ("triton",)) -> list[Config]:
                 if kernel in HIF8_KERNELS:
                     out.append(Config(kernel=kernel, dtype=dtype, shape=RAGGED_1X16, backend=backend))
                     continue
-                for rule in nvfp4.RULES:
+                for rule in nvfp4.KERNEL_RULES:
                     for bs in nvfp4.BLOCK_SHAPES:
                         shape = RAGGED_16X16 if bs[0] > 1 else RAGGED_1X16
                         out.append(Config(kernel=kernel, dtype=dtype, shape=shape, rule=rule, block_shape=tuple(bs),

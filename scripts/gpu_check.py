@@ -106,7 +106,7 @@ def all_cases(backends: tuple[str, ...] = dispatch.BACKENDS) -> list[Case]:
                     out.append(Case(kernel=kernel, backend=b, dtype=dtype))
                 else:
                     out += [Case(kernel=kernel, backend=b, dtype=dtype, rule=r, block_shape=tuple(bs))
-                            for r in nvfp4.RULES for bs in nvfp4.BLOCK_SHAPES]
+                            for r in nvfp4.KERNEL_RULES for bs in nvfp4.BLOCK_SHAPES]
     return out
 
 
@@ -335,7 +335,7 @@ def build_train_steps(preset: str, *, batch: int, seq: int, backends: tuple[str,
     import optax
     from flax import nnx
 
-    from jaxlowfp.qnnx import paper_rules, quantize
+    from jaxlowfp.qnnx import paper_rules, quantize_model
     from train.loop import init_state, make_train_step  # the public step builder (one import to move)
     from jaxlowfp.models.llama import Llama, loss_fn
     from jaxlowfp.models.llama import preset as model_preset
@@ -352,7 +352,7 @@ def build_train_steps(preset: str, *, batch: int, seq: int, backends: tuple[str,
             r = qat.hif8_w8a8()
             recipe = dataclasses.replace(r, weight=dataclasses.replace(r.weight, **how),
                                          activation=dataclasses.replace(r.activation, **how))
-            quantize(model, paper_rules(cfg.n_layers, keep_first=1, keep_last=1, recipe=recipe))
+            quantize_model(model, paper_rules(cfg.n_layers, keep_first=1, keep_last=1, recipe=recipe))
         graphdef, state = init_state(model, tx)
         steps[name] = (jax.jit(make_train_step(graphdef, tx, loss_fn=loss_fn, schedule=schedule)), state)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab, (batch, seq + 1)), jnp.int32)

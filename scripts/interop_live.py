@@ -96,14 +96,14 @@ def stage_ours_prepare() -> None:
     ours = {}
     for name, (sch, conv) in runs.items():
         m, _ = load("smollm2-135m")
-        res = ptq.quantize(m, rules(sch), method="rtn", calibration=calib, convention=conv)
+        res = ptq.quantize_model(m, rules(sch), method="rtn", calibration=calib, convention=conv)
         rep = ptq.export(m, res, WORK / name, tokenizer=tok, dtype="float32")  # float32: the logits compared are
         # those of the in-memory model (record.json was made so; the default F16 export is checked by v31-ct)
         print(rep)
         ours[name] = np.asarray(m(x)[0], np.float32)
     # GGUF: 4/6 (mse) weights only, and the float32 control with the same weights
     m, _ = load("smollm2-135m")
-    res = ptq.quantize(m, rules(ptq.scheme("nvfp4-mse", weights_only=True)), method="rtn")
+    res = ptq.quantize_model(m, rules(ptq.scheme("nvfp4-mse", weights_only=True)), method="rtn")
     print(gguf_export.export_gguf(m, res, WORK / "smollm2-nvfp4-mse.gguf", source_gguf=smollm2_135m_path()))
     print(gguf_export.export_gguf(m, res, WORK / "smollm2-f32-control.gguf", source_gguf=smollm2_135m_path(),
                                   float32=True))
@@ -397,7 +397,7 @@ def stage_compare() -> None:
     from jaxlowfp.models.gguf_loader import unpermute_rope_rows
 
     gm, _ = load("smollm2-135m")
-    ptq.quantize(gm, [ptq.Rule(path=r"blocks/\d+/(attn|mlp)/\w+_proj",
+    ptq.quantize_model(gm, [ptq.Rule(path=r"blocks/\d+/(attn|mlp)/\w+_proj",
                                scheme=ptq.scheme("nvfp4-mse", weights_only=True))], method="rtn")
     params = {"/".join(map(str, p)): v for p, v in nnx.iter_graph(gm) if isinstance(v, nnx.Param)}
     reader = gguf.GGUFReader(WORK / "smollm2-nvfp4-mse.gguf")
@@ -483,7 +483,7 @@ def stage_v31_ours() -> None:
                        tie_embeddings=True, qkv_bias=True)
     for part, rx in (("mlp", r"blocks/\d+/mlp/\w+_proj"), ("attn", r"blocks/\d+/attn/\w+_proj")):
         qm = Llama(qcfg, rngs=nnx.Rngs(11))
-        qres = ptq.quantize(qm, [ptq.Rule(path=rx, scheme=ptq.scheme("nvfp4-mse", weights_only=True))])
+        qres = ptq.quantize_model(qm, [ptq.Rule(path=rx, scheme=ptq.scheme("nvfp4-mse", weights_only=True))])
         ptq.export_gguf(qm, qres, V31 / f"qwen2_tiny_nvfp4_{part}.gguf", tokenizer_json=V31 / "tiny_tokenizer.json",
                         dtype="float32", allow_known_gaps=True)
         np.save(V31 / f"qwen2_tiny_nvfp4_{part}_ours.npy", np.asarray(qm(jnp.asarray([ids[:32]], jnp.int32))[0]))
@@ -492,7 +492,7 @@ def stage_v31_ours() -> None:
     # own decoder reads its NVFP4 layers)
     lcfg = ModelConfig(vocab=260, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=256)
     lm = Llama(lcfg, rngs=nnx.Rngs(13))
-    lres = ptq.quantize(lm, [ptq.Rule(path=r"blocks/\d+/(attn|mlp)/\w+_proj",
+    lres = ptq.quantize_model(lm, [ptq.Rule(path=r"blocks/\d+/(attn|mlp)/\w+_proj",
                                       scheme=ptq.scheme("nvfp4-mse", weights_only=True))])
     print(ptq.export(lm, lres, V31 / "ct_tiny_w", tokenizer=None))
     _byte_tokenizer(merge=True).save(str(V31 / "ct_tiny_w" / "tokenizer.json"))
@@ -507,7 +507,7 @@ def stage_v31_ours() -> None:
     mcfg = tep.mamba.Mamba2Config(vocab_size=128, hidden_size=64, state_size=16, head_dim=16, chunk_size=16,
                                   num_hidden_layers=2)
     mm = tep.Mamba2(mcfg, rngs=nnx.Rngs(0))
-    mres = ptq.quantize(mm, [ptq.Rule(path=r"backbone/layers/\d+/mixer/(in|out)_proj",
+    mres = ptq.quantize_model(mm, [ptq.Rule(path=r"backbone/layers/\d+/mixer/(in|out)_proj",
                                       scheme=ptq.scheme("nvfp4-static_6", weights_only=True))])
     print(ptq.export(mm, mres, V31 / "ct_mamba2"))
     # SmolLM2's tokenizer through the tokenizer route
@@ -525,7 +525,7 @@ def stage_v31_ours() -> None:
                                                           for t in TEXTS]))
     # SmolLM2 NVFP4 (4/6 mse, weights only) with the default options
     rules = [ptq.Rule(path=r"blocks/\d+/(attn|mlp)/\w+_proj", scheme=ptq.scheme("nvfp4-mse", weights_only=True))]
-    res = ptq.quantize(sm, rules, method="rtn")
+    res = ptq.quantize_model(sm, rules, method="rtn")
     rep = ptq.export_gguf(sm, res, V31 / "smollm2-nvfp4-mse-default.gguf", source_gguf=smollm2_135m_path())
     print(rep)
     sizes = {"nvfp4_gguf_bytes": (V31 / "smollm2-nvfp4-mse-default.gguf").stat().st_size,

@@ -62,7 +62,7 @@ def main() -> None:
     from flax import nnx
     from jax.experimental import multihost_utils
 
-    from jaxlowfp.qnnx import paper_rules, quantize
+    from jaxlowfp.qnnx import paper_rules, quantize_model
     from jaxlowfp.qat import hif8_w8a8
     from train.data import BatchStream
     from train.loop import make_optimizer, make_schedule, train
@@ -86,7 +86,7 @@ def main() -> None:
     # the tiny preset cut to 2 blocks (block 0 high precision, block 1 quantized): every kind of state the 4-block
     # model has (fsdp-sharded and replicated params, AdamW moments, amax histories) at half the compile time
     model = Llama(preset("tiny", n_layers=2), rngs=nnx.Rngs(0))
-    quantize(model, paper_rules(2, keep_first=1, keep_last=0, recipe=hif8_w8a8()))
+    quantize_model(model, paper_rules(2, keep_first=1, keep_last=0, recipe=hif8_w8a8()))
     stream = BatchStream(tokens(), batch_size=B, seq_len=T, seed=0, process_index=jax.process_index(),
                          process_count=jax.process_count())
     res = train(model, stream, steps=a.steps, tx=tx, schedule=schedule, loss_fn=loss_fn, out_dir=a.out,

@@ -23,6 +23,7 @@ FLOORS = {
     "jaxlowfp.hadamard": 1,
     "jaxlowfp.rules": 1,
     "jaxlowfp.sharding": 1,  # meshes and PartitionSpec rules (jax.sharding only), used by models and the app
+    "jaxlowfp.registry": 1,  # the format and rule names (imports only jaxlowfp._core.names: no jax)
     "jaxlowfp.nvfp4": 2,
     "jaxlowfp.if4": 2,  # IF3 / IF4 / IF6 adaptive block formats, beside nvfp4
     "jaxlowfp.mx": 2,
@@ -244,4 +245,4 @@ def test_library_calls_show_no_progress_bar_unless_asked():
                 if p is not None:
                     found.append(f"{name}.{attr}")
                     assert p.default is False, f"{name}.{attr}(progress={p.default!r}): library calls default to False"
-    assert len(found) >= 4, found  # perplexity, score_choices, score_requests, ptq.quantize, ptq.collect
+    assert len(found) >= 4, found  # perplexity, score_choices, score_requests, ptq.quantize_model, ptq.collect

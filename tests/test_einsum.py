@@ -1,5 +1,5 @@
 """Einsum and general dense layers: nnx.Einsum / nnx.LinearGeneral (QuantEinsum, QuantLinearGeneral via
-qnnx.quantize), Linen DenseGeneral (dot_general_cls) and Einsum (qlinen.QuantEinsum), quantized and trained.
+qnnx.quantize_model), Linen DenseGeneral (dot_general_cls) and Einsum (qlinen.QuantEinsum), quantized and trained.
 
 Judges: jnp.einsum and lax.dot_general for the contraction layouts, Flax's own nnx.Einsum / nnx.LinearGeneral /
 nn.Einsum / nn.DenseGeneral for the high-precision (observe-only) forward and the parameter layout, the en_dtypes
@@ -105,7 +105,7 @@ def test_quantize_replaces_einsum_and_linear_general_and_observe_only_is_flax(re
     x = _rand(6, (2, 4, 32))
     model = Net(nnx.Rngs(0))
     want = model(x)
-    report = qnnx.quantize(model, [qnnx.Rule(path=".*", recipe=recipe)])
+    report = qnnx.quantize_model(model, [qnnx.Rule(path=".*", recipe=recipe)])
     assert dict(report.quantized) == {"qkv": recipe.name, "out": recipe.name, "head": recipe.name}
     assert (type(model.qkv), type(model.out)) == (qnnx.QuantEinsum, qnnx.QuantLinearGeneral)
     assert report.quantized_fraction == 1.0
@@ -120,7 +120,7 @@ def test_quantize_replaces_einsum_and_linear_general_and_observe_only_is_flax(re
 
 def test_einsum_and_linear_general_train_with_make_step():
     model = Net(nnx.Rngs(1))
-    qnnx.quantize(model, [qnnx.Rule(path="qkv|out", recipe=HIF8)])
+    qnnx.quantize_model(model, [qnnx.Rule(path="qkv|out", recipe=HIF8)])
     x = _rand(7, (8, 4, 32))
     tgt = jnp.tanh(x)
 
@@ -145,7 +145,7 @@ def test_multi_head_attention_linear_generals():
     mha = nnx.MultiHeadAttention(num_heads=2, in_features=32, qkv_features=32, decode=False, rngs=nnx.Rngs(0))
     x = _rand(8, (2, 5, 32))
     want = mha(x)
-    report = qnnx.quantize(nnx.Dict(attn=mha), [qnnx.Rule(path="attn/(query|key|value|out)", recipe=NVFP4)])
+    report = qnnx.quantize_model(nnx.Dict(attn=mha), [qnnx.Rule(path="attn/(query|key|value|out)", recipe=NVFP4)])
     assert sorted(p for p, _ in report.quantized) == ["attn/key", "attn/out", "attn/query", "attn/value"]
     qnnx.set_observe_only(mha, True)
     np.testing.assert_allclose(mha(x), want, rtol=1e-5, atol=1e-6)

@@ -32,7 +32,7 @@ def _x():
 
 def test_qat_layer_read_directly_is_named():
     model = DirectRead(nnx.Rngs(0))
-    report = qnnx.quantize(model, [qnnx.Rule(path=".*", recipe=qat.hif8_w8a8())])
+    report = qnnx.quantize_model(model, [qnnx.Rule(path=".*", recipe=qat.hif8_w8a8())])
     assert {p for p, _ in report.quantized} == {"qkv", "mlp"}  # configured: both
     assert set(report.not_executed()) == {"qkv", "mlp"} and "not executed yet" in str(report)
     with pytest.warns(RuntimeWarning, match="no quantized op of the model has executed yet"):
@@ -50,7 +50,7 @@ def test_qat_layer_read_directly_is_named():
 
 def test_ptq_layer_read_directly_is_named():
     model = DirectRead(nnx.Rngs(0))
-    res = ptq.quantize(model, [ptq.Rule(path=".*", scheme=ptq.scheme("nvfp4-mse"))], activation_scale="token")
+    res = ptq.quantize_model(model, [ptq.Rule(path=".*", scheme=ptq.scheme("nvfp4-mse"))], activation_scale="token")
     model(_x())  # eager: the ops trace (run) here too
     assert res.report.not_executed() == ("qkv",)
     with pytest.raises(RuntimeError, match=r"qkv \(PTQ nvfp4-mse: weights quantized, activation quantization never ran"):
@@ -62,7 +62,7 @@ def test_training_step_warns_at_trace_time():
     import optax
 
     model = DirectRead(nnx.Rngs(0))
-    qnnx.quantize(model, [qnnx.Rule(path=".*", recipe=qat.hif8_w8a8())])
+    qnnx.quantize_model(model, [qnnx.Rule(path=".*", recipe=qat.hif8_w8a8())])
     graphdef, state = training.init(model, optax.sgd(1e-3))
     step = training.make_step(graphdef, optax.sgd(1e-3), lambda m, b: (jnp.mean(m(b) ** 2), {}))
     with pytest.warns(RuntimeWarning, match="qkv"):
@@ -85,11 +85,11 @@ def _quantized(how):
     if how == "qat-token":
         from jaxlowfp import harness
 
-        harness.fake_quantize(model, "nvfp4", layers="all", act_scale="token")
+        harness.fake_quantize_model(model, "nvfp4", layers="all", act_scale="token")
         return model
     calib = np.random.default_rng(2).integers(0, 256, (4, 32))
     rules = [ptq.Rule(path=r"blocks/\d+/(attn|mlp)/\w+_proj", scheme=ptq.scheme("nvfp4-mse"))]
-    res = ptq.quantize(model, rules, calibration=calib if how == "static" else None, activation_scale=how)
+    res = ptq.quantize_model(model, rules, calibration=calib if how == "static" else None, activation_scale=how)
     assert res.activation_scale == how
     return model
 
@@ -155,9 +155,9 @@ def test_bad_activation_scale():
     model = Llama(PRESETS["tiny"], rngs=nnx.Rngs(0))
     rules = [ptq.Rule(path=r"blocks/1/mlp/up_proj", scheme=ptq.scheme("nvfp4-mse"))]
     with pytest.raises(ValueError, match="activation_scale='static' takes each layer's calibrated input amax"):
-        ptq.quantize(model, rules, activation_scale="static")
+        ptq.quantize_model(model, rules, activation_scale="static")
     with pytest.raises(ValueError, match="activation_scale='batch' is not supported; allowed: 'auto', 'tensor'"):
-        ptq.quantize(model, rules, activation_scale="batch")
+        ptq.quantize_model(model, rules, activation_scale="batch")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert ptq.quantize(model, rules).activation_scale == "token"  # auto without calibration
+        assert ptq.quantize_model(model, rules).activation_scale == "token"  # auto without calibration

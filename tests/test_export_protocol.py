@@ -75,7 +75,7 @@ def quantized():
     model = Mamba2(cfg, rngs=nnx.Rngs(0))
     rules = [ptq.Rule(path=r"backbone/layers/\d+/mixer/(in|out)_proj", scheme=ptq.scheme("nvfp4-static_6",
                                                                                         weights_only=True))]
-    res = ptq.quantize(model, rules, method="rtn")
+    res = ptq.quantize_model(model, rules, method="rtn")
     assert len(res.packed) == 4
     return model, res
 
@@ -164,7 +164,7 @@ def test_load_takes_a_tokenizer(tmp_path):
 
     cfg = ModelConfig(vocab=300, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=32)
     m = Llama(cfg, rngs=nnx.Rngs(0))
-    res = ptq.quantize(m, [ptq.Rule(path=r".*/mlp/\w+_proj", scheme=ptq.scheme("nvfp4-mse", weights_only=True))])
+    res = ptq.quantize_model(m, [ptq.Rule(path=r".*/mlp/\w+_proj", scheme=ptq.scheme("nvfp4-mse", weights_only=True))])
     ptq.export(m, res, tmp_path / "ck")
     with pytest.raises(CheckpointError, match=r"tokenizer.json: file not found \(llm-compressor saves none.*"
                                               r"tokenizer=None"):

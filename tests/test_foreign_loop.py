@@ -100,12 +100,12 @@ def test_max_merge_over_four_microbatches_equals_one_large_batch():
     _, g1 = maxtext_ga_grads(loss, warm, batch, 1, **patched)  # one large batch
     _, g4 = maxtext_ga_grads(loss, warm, batch, 4, **patched)
     _, bad = maxtext_ga_grads(loss, warm, batch, 4)  # MaxText's own accumulation: sums, then divides
-    s1, s4, sbad = (owg.decode(g[owg.COLLECTION]["up"]["QuantDotGeneral_0"]["recipe_state"])[0]
+    s1, s4, sbad = (owg.from_carried(g[owg.COLLECTION]["up"]["QuantDotGeneral_0"]["recipe_state"])[0]
                     for g in (g1, g4, bad))
     assert int(s1.activation.count) == 2
     for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s4)):  # the layer fed by the batch itself: exact
         np.testing.assert_array_equal(a, b)
-    d1, d4 = (owg.decode(g[owg.COLLECTION]["down"]["QuantDotGeneral_0"]["recipe_state"])[0] for g in (g1, g4))
+    d1, d4 = (owg.from_carried(g[owg.COLLECTION]["down"]["QuantDotGeneral_0"]["recipe_state"])[0] for g in (g1, g4))
     # the second layer's input is computed per microbatch: equal up to float32 rounding of the first GEMM
     np.testing.assert_allclose(d1.activation.history, d4.activation.history, rtol=1e-6)
     assert int(d4.activation.count) == 2
@@ -156,7 +156,7 @@ def test_mamba2_by_interception_equals_module_replacement(third_party_promotion)
     # quantize_model's own first call runs eagerly (op by op: slow); skip it and make that call under jit
     theirs = qwix.quantize_model(_mamba(), provider, ids[:2], skip_nnx_init=True)
     ours = _mamba()
-    report = qnnx.quantize(ours, [qnnx.Rule(path=mixer + "in_proj", recipe=HIF8),
+    report = qnnx.quantize_model(ours, [qnnx.Rule(path=mixer + "in_proj", recipe=HIF8),
                                   qnnx.Rule(path=mixer + "out_proj", recipe=NVFP4)])
     assert dict(report.quantized) == {"backbone/layers/0/mixer/in_proj": "hif8_w8a8",
                                       "backbone/layers/0/mixer/out_proj": "nvfp4_w4a4_mse"}
@@ -220,5 +220,5 @@ def test_nano_moe_trains_with_carried_state_and_maxtext_accumulation(third_party
         losses.append(float(l))
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
     carried = state.params[owg.COLLECTION]["block_0"]["MoELayer_0"]["expert_0"]["Dense_0"]["dot_general0"]
-    st, observe = owg.decode(carried)
+    st, observe = owg.from_carried(carried)
     assert int(st.activation.count) == 2 and not bool(observe)  # one record per step, not per microbatch

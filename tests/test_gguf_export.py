@@ -46,7 +46,7 @@ def _fields(path):
 
 def test_w4a4_needs_weights_only(tmp_path):
     model = Llama(CFG, rngs=nnx.Rngs(0))
-    res = ptq.quantize(model, [ptq.Rule(path=LINEARS, scheme=ptq.scheme("nvfp4-mse"))])  # W4A4, RTN
+    res = ptq.quantize_model(model, [ptq.Rule(path=LINEARS, scheme=ptq.scheme("nvfp4-mse"))])  # W4A4, RTN
     tj = _tokenizer(tmp_path / "tok")
     with pytest.raises(ValueError, match=r"quantize their inputs \(W4A4\), which GGUF cannot say.*weights_only=True"):
         ptq.export_gguf(model, res, tmp_path / "a.gguf", tokenizer_json=tj)
@@ -57,7 +57,7 @@ def test_w4a4_needs_weights_only(tmp_path):
 
 def test_compressed_tensors_convention_needs_the_flag(tmp_path):
     model = Llama(CFG, rngs=nnx.Rngs(0))
-    res = ptq.quantize(model, [ptq.Rule(path=LINEARS, scheme=ptq.scheme("nvfp4-static_6", weights_only=True))],
+    res = ptq.quantize_model(model, [ptq.Rule(path=LINEARS, scheme=ptq.scheme("nvfp4-static_6", weights_only=True))],
                        convention="compressed-tensors")
     tj = _tokenizer(tmp_path / "tok")
     with pytest.raises(ValueError, match=r"convention='compressed-tensors'.*allow_reordered_decode=True"):
@@ -90,7 +90,7 @@ def test_qwen2_nvfp4_mlp_is_a_known_llamacpp_gap(tmp_path):
                        qkv_bias=True)
     tj = _tokenizer(tmp_path / "tok")
     model = Llama(qwen, rngs=nnx.Rngs(0))
-    res = ptq.quantize(model, [ptq.Rule(path=LINEARS, scheme=ptq.scheme("nvfp4-mse", weights_only=True))])
+    res = ptq.quantize_model(model, [ptq.Rule(path=LINEARS, scheme=ptq.scheme("nvfp4-mse", weights_only=True))])
     with pytest.raises(ValueError, match=r"llama.cpp 0.3.36: its qwen2 graph applies no .scale.*NaN.*"
                                          r"allow_known_gaps=True"):
         ptq.export_gguf(model, res, tmp_path / "a.gguf", tokenizer_json=tj)
@@ -98,7 +98,7 @@ def test_qwen2_nvfp4_mlp_is_a_known_llamacpp_gap(tmp_path):
         rep = ptq.export_gguf(model, res, tmp_path / "a.gguf", tokenizer_json=tj, allow_known_gaps=True)
     assert any("qwen2 graph" in n for n in rep.notes)
     attn = Llama(qwen, rngs=nnx.Rngs(0))  # NVFP4 on attention only: llama.cpp runs it
-    res = ptq.quantize(attn, [ptq.Rule(path=r".*/attn/\w+_proj", scheme=ptq.scheme("nvfp4-mse", weights_only=True))])
+    res = ptq.quantize_model(attn, [ptq.Rule(path=r".*/attn/\w+_proj", scheme=ptq.scheme("nvfp4-mse", weights_only=True))])
     rep = ptq.export_gguf(attn, res, tmp_path / "b.gguf", tokenizer_json=tj)
     assert rep.types["blk.0.attn_q.weight"] == "NVFP4" and not any("qwen2" in n for n in rep.notes)
 
@@ -133,7 +133,7 @@ def test_high_precision_dtype(tmp_path, dtype):
     """Embeddings and other 2-D high-precision tensors in `dtype` (F16 default), 1-D ones F32; gguf's dequantizer
     reads back ours rounded to nearest by numpy / ml_dtypes."""
     model = Llama(CFG, rngs=nnx.Rngs(0))
-    res = ptq.quantize(model, [ptq.Rule(path=r".*/mlp/\w+_proj", scheme=ptq.scheme("nvfp4-mse", weights_only=True))])
+    res = ptq.quantize_model(model, [ptq.Rule(path=r".*/mlp/\w+_proj", scheme=ptq.scheme("nvfp4-mse", weights_only=True))])
     kw = {} if dtype == "float16" else {"dtype": dtype}
     rep = ptq.export_gguf(model, res, tmp_path / "a.gguf", tokenizer_json=_tokenizer(tmp_path / "tok"), **kw)
     name = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}[dtype]
@@ -242,7 +242,7 @@ def test_gguf_nvfp4_is_exact_up_to_the_sign_of_zero(tmp_path):
     """gguf's NVFP4 dequantizer (its E2M1 table has no negative zero) reads our -0.0 weights as +0.0; every other
     value is bit for bit ours."""
     model = Llama(CFG, rngs=nnx.Rngs(0))
-    res = ptq.quantize(model, [ptq.Rule(path=r".*/mlp/\w+_proj", scheme=ptq.scheme("nvfp4-mse", weights_only=True))])
+    res = ptq.quantize_model(model, [ptq.Rule(path=r".*/mlp/\w+_proj", scheme=ptq.scheme("nvfp4-mse", weights_only=True))])
     ptq.export_gguf(model, res, tmp_path / "a.gguf", tokenizer_json=_tokenizer(tmp_path / "tok"))
     _, t = _fields(tmp_path / "a.gguf")
     x = t["blk.0.ffn_up.weight"]
@@ -262,7 +262,7 @@ def test_hf_config_of_llama3_rope_needs_the_source_config(tmp_path):
     cfg = ModelConfig(vocab=96, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=32,
                       rope_freq_factors=f)
     model = Llama(cfg, rngs=nnx.Rngs(0))
-    res = ptq.quantize(model, [ptq.Rule(path=LINEARS, scheme=ptq.scheme("nvfp4-mse", weights_only=True))])
+    res = ptq.quantize_model(model, [ptq.Rule(path=LINEARS, scheme=ptq.scheme("nvfp4-mse", weights_only=True))])
     with pytest.raises(ValueError, match=r"per-frequency \(Llama-3\) RoPE divisors.*model_config="):
         ptq.export(model, res, tmp_path / "a")
     src = {"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
@@ -270,7 +270,7 @@ def test_hf_config_of_llama3_rope_needs_the_source_config(tmp_path):
     assert json.loads((tmp_path / "a" / "config.json").read_text())["rope_scaling"]["rope_type"] == "llama3"
     lin = Llama(ModelConfig(vocab=96, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=32,
                             rope_freq_factors=(2.0,) * 8), rngs=nnx.Rngs(0))
-    res = ptq.quantize(lin, [ptq.Rule(path=LINEARS, scheme=ptq.scheme("nvfp4-mse", weights_only=True))])
+    res = ptq.quantize_model(lin, [ptq.Rule(path=LINEARS, scheme=ptq.scheme("nvfp4-mse", weights_only=True))])
     ptq.export(lin, res, tmp_path / "b")
     assert json.loads((tmp_path / "b" / "config.json").read_text())["rope_scaling"] == {"rope_type": "linear",
                                                                                        "factor": 2.0}

@@ -46,7 +46,7 @@ def test_cases_cover_every_kernel_rule_block_and_dtype():
 
     cases = gc.all_cases(("triton",))
     assert {c.kernel for c in cases} == set(dispatch.KERNELS) and len(cases) == len(set(cases))
-    assert len([c for c in cases if c.rule]) == 2 * len(nvfp4.RULES) * len(nvfp4.BLOCK_SHAPES) * 2
+    assert len([c for c in cases if c.rule]) == 2 * len(nvfp4.KERNEL_RULES) * len(nvfp4.BLOCK_SHAPES) * 2
     every = gc.all_cases()
     assert {(c.kernel, c.backend) for c in every} == {(k, b) for k in dispatch.KERNELS for b in dispatch.KERNELS[k]}
     assert len(every) == len(cases) * len(dispatch.BACKENDS)

@@ -131,7 +131,7 @@ def test_configurations_cover_every_kernel_rule_block_and_dtype():
     both = ck.all_configs(("triton", "mosaic"))
     assert {(c.kernel, c.backend) for c in both} == {(k, b) for k in dispatch.KERNELS for b in dispatch.KERNELS[k]}
     assert {c.kernel for c in configs} == set(dispatch.KERNELS)
-    want = {(k, r, tuple(b), d) for k in ("nvfp4.quantize", "nvfp4.fake_quantize") for r in nvfp4.RULES
+    want = {(k, r, tuple(b), d) for k in ("nvfp4.quantize", "nvfp4.fake_quantize") for r in nvfp4.KERNEL_RULES
             for b in nvfp4.BLOCK_SHAPES for d in ("float32", "bfloat16")}
     assert {(c.kernel, c.rule, c.block_shape, c.dtype) for c in configs if c.rule} == want
     assert {c.dtype for c in configs if c.rule is None} == {"float32", "bfloat16"}

@@ -210,7 +210,7 @@ def test_a_ptq_export_from_model_arguments(tiny, tmp_path):
 
     model, _ = load(path)
     calib = np.random.default_rng(0).integers(0, CFG["vocab"], (2, 32)).astype(np.int32)
-    res = ptq.quantize(model, [ptq.Rule(path=r"blocks/1/mlp/down_proj", scheme=ptq.scheme("nvfp4-mse"))],
+    res = ptq.quantize_model(model, [ptq.Rule(path=r"blocks/1/mlp/down_proj", scheme=ptq.scheme("nvfp4-mse"))],
                        method="rtn", calibration=calib)
     ptq.export(model, res, tmp_path / "export", dtype="float32")  # float32: the reload is compared bit for bit
     req = [_inst("loglikelihood", "the thin cat sat", " on the mat")]

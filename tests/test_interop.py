@@ -57,7 +57,7 @@ def test_gguf_export_is_what_the_gguf_dequantizer_reads(tmp_path):
              ptq.Rule(path=r"blocks/0/.*", scheme=ptq.scheme("nvfp4-static_6", weights_only=True)),
              ptq.Rule(path=r"blocks/1/mlp/(gate|up)_proj", scheme=ptq.scheme("mxfp4", weights_only=True)),
              ptq.Rule(path=r"blocks/1/.*", scheme=ptq.scheme("nvfp4-static_6", weights_only=True, weight_block=(16, 16)))]
-    res = ptq.quantize(model, rules, method="rtn")
+    res = ptq.quantize_model(model, rules, method="rtn")
     tj = _byte_tokenizer_json(tmp_path / "tokenizer.json")
     rep = gguf_export.export_gguf(model, res, tmp_path / "m.gguf", tokenizer_json=tj, eos_id=0)
     reader = gguf.GGUFReader(tmp_path / "m.gguf")
@@ -225,7 +225,7 @@ def test_foreign_checkpoint_errors(tmp_path):
 def test_export_fuses_refuses_and_reports(tmp_path):
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 16)), jnp.int32)
     model = Llama(CFG, rngs=nnx.Rngs(1))
-    res = ptq.quantize(model, [ptq.Rule(path=LINEARS, scheme=ptq.scheme("nvfp4-mse"))], calibration=tokens)
+    res = ptq.quantize_model(model, [ptq.Rule(path=LINEARS, scheme=ptq.scheme("nvfp4-mse"))], calibration=tokens)
     assert ("blocks/0/attn/q_proj", "blocks/0/attn/k_proj", "blocks/0/attn/v_proj") in res.fused
     rep = ptq.export(model, res, tmp_path / "a")
     t = read_safetensors(tmp_path / "a" / checkpoint.WEIGHTS_FILE)
@@ -254,9 +254,9 @@ def test_export_fuses_refuses_and_reports(tmp_path):
         ptq.export(model, r4, tmp_path / "d")
     mixed = [ptq.Rule(path=r".*/q_proj", scheme=ptq.scheme("nvfp4-static_6")), ptq.Rule(path=LINEARS, scheme=ptq.scheme("nvfp4-mse"))]
     with pytest.raises(ValueError, match="mixes NVFP4 weight formats"):
-        ptq.quantize(Llama(CFG, rngs=nnx.Rngs(1)), mixed)
+        ptq.quantize_model(Llama(CFG, rngs=nnx.Rngs(1)), mixed)
     with pytest.raises(ValueError, match="convention='compressed-tensors' reproduces llm-compressor's RTN"):
-        ptq.quantize(Llama(CFG, rngs=nnx.Rngs(1)), [ptq.Rule(path=LINEARS, scheme=ptq.scheme("nvfp4-mse"))],
+        ptq.quantize_model(Llama(CFG, rngs=nnx.Rngs(1)), [ptq.Rule(path=LINEARS, scheme=ptq.scheme("nvfp4-mse"))],
                      convention="compressed-tensors")
 
 

@@ -29,7 +29,7 @@ def test_llamacpp_ran_our_gguf_with_our_weights():
     fx = np.load(FIX / "smollm2_consumers.npz")
     model, _ = load("smollm2-135m")
     rules = [ptq.Rule(path=LINEARS, scheme=ptq.scheme("nvfp4-mse", weights_only=True))]
-    ptq.quantize(model, rules, method="rtn")
+    ptq.quantize_model(model, rules, method="rtn")
     ids = fx["llamacpp/tokens"]
     ours = _logprobs(np.asarray(model(jnp.asarray([ids], jnp.int32))[0], np.float32))
     ours = ours[np.arange(len(ids) - 1), ids[1:]]

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from jaxlowfp import qat
-from jaxlowfp.qnnx import paper_rules, quantize
+from jaxlowfp.qnnx import paper_rules, quantize_model
 from jaxlowfp.models.llama import KVCache, Llama, ModelConfig, generate, llama3_rope_factors
 
 CFG = ModelConfig(vocab=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64,
@@ -139,7 +139,7 @@ def test_generate_argument_errors():
 def test_quantized_model_decodes_with_the_cache():
     """paper_rules apply unchanged (same module paths); fake-quantized MLPs work in the cached path."""
     model = _model(dataclasses.replace(CFG, n_layers=4, tie_embeddings=True))
-    report = quantize(model, paper_rules(4, keep_first=1, keep_last=1, recipe=qat.hif8_w8a8()))
+    report = quantize_model(model, paper_rules(4, keep_first=1, keep_last=1, recipe=qat.hif8_w8a8()))
     assert "blocks/1/mlp/gate_proj" in str(report)
     out = generate(model, [[1, 2, 3]], max_new_tokens=4)[0]
     assert len(out) == 4 and all(0 <= t < 97 for t in out)

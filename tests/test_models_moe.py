@@ -207,7 +207,7 @@ def test_exports_refuse_a_mixture_of_experts(tmp_path):
     from jaxlowfp import ptq
 
     model, _ = load(FIX / "qwen3_moe")
-    result = ptq.quantize(model, [ptq.Rule(path="blocks/0/attn/q_proj",
+    result = ptq.quantize_model(model, [ptq.Rule(path="blocks/0/attn/q_proj",
                                            scheme=ptq.scheme("nvfp4-mse", weights_only=True))], method="rtn")
     for write in (lambda: ptq.export(model, result, tmp_path / "hf"),
                   lambda: ptq.export_gguf(model, result, tmp_path / "m.gguf",

@@ -23,7 +23,7 @@ def _calib(n=4, t=16, seed=0):
 def rtn():
     model, _ = load(FIX / "qwen3_moe")
     ref = {p: np.asarray(getattr(m, n)[...]) for p, m, n in ptq.experts.grouped_weights(model)}
-    res = ptq.quantize(model, [ptq.Rule(path=EXPERTS, scheme=ptq.scheme("nvfp4-mse"))], method="rtn",
+    res = ptq.quantize_model(model, [ptq.Rule(path=EXPERTS, scheme=ptq.scheme("nvfp4-mse"))], method="rtn",
                        calibration=_calib(), activation_scale="static")
     return model, res, ref
 
@@ -60,7 +60,7 @@ def test_an_expert_no_token_reaches_falls_back_with_a_warning():
     model, _ = load(FIX / "qwen3_moe")
     calib = np.full((2, 8), 7, np.int32)
     with pytest.warns(RuntimeWarning, match=r"experts \[.*\] saw fewer than 1 calibration token"):
-        res = ptq.quantize(model, [ptq.Rule(path=EXPERTS, scheme=ptq.scheme("nvfp4-mse"))], method="gptq",
+        res = ptq.quantize_model(model, [ptq.Rule(path=EXPERTS, scheme=ptq.scheme("nvfp4-mse"))], method="gptq",
                            calibration=calib, activation_scale="static")
     fallbacks = {p: r.fallback for p, r in res.experts.items()}
     assert any(fallbacks.values())
@@ -75,5 +75,5 @@ def test_an_expert_no_token_reaches_falls_back_with_a_warning():
 def test_methods_that_fold_into_linear_layers_are_refused():
     model, _ = load(FIX / "qwen3_moe")
     with pytest.raises(ValueError, match="grouped GEMMs: quantize them with rtn or gptq"):
-        ptq.quantize(model, [ptq.Rule(path=EXPERTS, scheme=ptq.scheme("nvfp4-mse"))], method="awq",
+        ptq.quantize_model(model, [ptq.Rule(path=EXPERTS, scheme=ptq.scheme("nvfp4-mse"))], method="awq",
                      calibration=_calib())

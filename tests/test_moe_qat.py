@@ -22,7 +22,7 @@ EXPERTS = r"blocks/\d+/mlp/experts/(gate|up|down)_proj"
 def test_short_qat_run_on_a_tiny_qwen3_moe(recipe):
     model, _ = load(FIX / "qwen3_moe")
     ref = np.asarray(jax.jit(lambda m, x: m(x))(model, jnp.arange(12, dtype=jnp.int32)[None] % 100))
-    report = qnnx.quantize(model, [qnnx.Rule(path=EXPERTS, recipe=recipe)])
+    report = qnnx.quantize_model(model, [qnnx.Rule(path=EXPERTS, recipe=recipe)])
     n_sparse = sum(1 for p, _ in report.quantized)
     assert n_sparse >= 3 and all(p.rsplit("/", 1)[1] in ("gate_proj", "up_proj", "down_proj") for p, _ in report.quantized)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 100, (4, 17)), jnp.int32)
@@ -52,6 +52,6 @@ def test_dense_reference_refuses_quantized_experts():
     from jaxlowfp.models import with_experts_impl
 
     model, _ = load(FIX / "qwen3_moe")
-    qnnx.quantize(model, [qnnx.Rule(path=EXPERTS, recipe=qat.hif8_w8a8())])
+    qnnx.quantize_model(model, [qnnx.Rule(path=EXPERTS, recipe=qat.hif8_w8a8())])
     with pytest.raises(ValueError, match="dense per-expert reference computes no quantized product"):
         with_experts_impl(model, "dense")(jnp.zeros((1, 4), jnp.int32))

@@ -30,7 +30,7 @@ from pallas_kernels import mosaic_hif8, mosaic_nvfp4
 
 plgpu = mg.require()
 RACES = plgpu.InterpretGPUParams(detect_races=True)
-RULES = nvfp4.RULES
+RULES = nvfp4.KERNEL_RULES
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 ROOT = Path(__file__).resolve().parents[1]
 

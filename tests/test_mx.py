@@ -61,14 +61,14 @@ def test_matches_reference(elem, rule):
     x = data()
     for dtype in (np.float32, ml_dtypes.bfloat16):
         xd = x.astype(dtype)
-        q = mx.quantize(xd, elem=elem, scale_rule=rule)
+        q = mx.quantize(xd, format=elem, rule=rule)
         codes, scale_bytes, deq = ref_quantize(xd, elem, rule)
         np.testing.assert_array_equal(np.asarray(q.codes), codes)
         assert q.scales.dtype == jnp.float8_e8m0fnu
         np.testing.assert_array_equal(np.asarray(q.scales).view(np.uint8), scale_bytes)
         d = mx.dequantize(q)
         assert same_bits(d, deq).all()
-        fq = jax.jit(lambda v: mx.fake_quantize(v, elem=elem, scale_rule=rule))(xd)
+        fq = jax.jit(lambda v: mx.fake_quantize(v, format=elem, rule=rule))(xd)
         assert fq.dtype == jnp.dtype(dtype)
         assert same_bits(np.asarray(fq).astype(F32), np.asarray(mx.dequantize(q, dtype)).astype(F32)).all()
 
@@ -77,14 +77,14 @@ def test_rules_by_hand():
     x = np.zeros((1, 64), F32)
     x[0, 0] = 7.0  # block 0: floor -> e = 2 - 2 = 0, 7 saturates to 6; ceil -> e = ceil(log2(7/6)) = 1, 7/2 -> 4
     x[0, 32] = 6.0  # block 1: both rules give X = 1 (floor(log2 6) - 2 = 0, ceil(log2(1)) = 0)
-    fl = np.asarray(mx.fake_quantize(x, elem="e2m1", scale_rule="floor"))
-    ce = np.asarray(mx.fake_quantize(x, elem="e2m1", scale_rule="ceil"))
+    fl = np.asarray(mx.fake_quantize(x, format="e2m1", rule="floor"))
+    ce = np.asarray(mx.fake_quantize(x, format="e2m1", rule="ceil"))
     assert (fl[0, 0], ce[0, 0], fl[0, 32], ce[0, 32]) == (6.0, 8.0, 6.0, 6.0)
-    q = mx.quantize(x, elem="e2m1", scale_rule="ceil")
+    q = mx.quantize(x, format="e2m1", rule="ceil")
     np.testing.assert_array_equal(np.asarray(q.scales).view(np.uint8)[0], [128, 127])
     assert int(q.codes[0, 0]) == 0x06  # 7 / 2 = 3.5 -> 4 (tie to even index 6), element 0 in the low nibble
     # an all-zero block: scale 2^-127 (byte 0) and zero codes
-    z = mx.quantize(np.zeros((2, 32), F32), elem="e4m3")
+    z = mx.quantize(np.zeros((2, 32), F32), format="e4m3")
     assert not np.asarray(z.codes).any() and not np.asarray(z.scales).view(np.uint8).any()
 
 
@@ -92,7 +92,7 @@ def test_non_finite_blocks_are_nan():
     x = np.ones((2, 64), F32)
     x[0, 5], x[1, 40] = np.nan, np.inf
     for elem in ELEM:
-        q = mx.quantize(x, elem=elem)
+        q = mx.quantize(x, format=elem)
         ok = 127 - EMAX[elem]  # all-ones block: e = floor(log2 1) - emax
         np.testing.assert_array_equal(np.asarray(q.scales).view(np.uint8), [[255, ok], [ok, 255]])
         d = np.asarray(mx.dequantize(q))
@@ -100,19 +100,35 @@ def test_non_finite_blocks_are_nan():
 
 
 def test_pytree_and_bad_inputs():
-    q = mx.quantize(jnp.ones((2, 64), jnp.bfloat16), elem="e5m2", scale_rule="ceil")
+    q = mx.quantize(jnp.ones((2, 64), jnp.bfloat16), format="e5m2", rule="ceil")
     leaves, tree = jax.tree_util.tree_flatten(q)
-    assert len(leaves) == 2 and jax.tree_util.tree_unflatten(tree, leaves).elem == "e5m2"
+    assert len(leaves) == 2 and jax.tree_util.tree_unflatten(tree, leaves).format == "e5m2"
     assert q.dequantize().dtype == jnp.bfloat16
     with pytest.raises(ValueError, match="multiple of 32"):
         mx.quantize(jnp.ones((2, 48)))
-    with pytest.raises(ValueError, match="elem='e3m2'"):
-        mx.quantize(jnp.ones((2, 32)), elem="e3m2")
-    with pytest.raises(ValueError, match="scale_rule='even'"):
-        mx.fake_quantize(jnp.ones((2, 32)), scale_rule="even")
+    with pytest.raises(ValueError, match="format='e3m2'"):
+        mx.quantize(jnp.ones((2, 32)), format="e3m2")
+    with pytest.raises(ValueError, match="rule='even'"):
+        mx.fake_quantize(jnp.ones((2, 32)), rule="even")
     with pytest.raises(TypeError, match="float64"):
         mx.quantize(np.ones((2, 32)))
     with pytest.raises(TypeError, match="int32"):
         mx.quantize(jnp.ones((2, 32), jnp.int32))
     with pytest.raises(TypeError, match="MXArray"):
         mx.dequantize(jnp.ones(3))
+
+
+def test_the_old_keywords_still_work_with_a_deprecation_warning():
+    x = jnp.linspace(-3.0, 3.0, 64, dtype=jnp.float32).reshape(2, 32)
+    with pytest.warns(DeprecationWarning, match=r"mx.quantize\(elem=...\) is deprecated .* use format="):
+        old = mx.quantize(x, elem="e4m3")
+    with pytest.warns(DeprecationWarning, match=r"scale_rule=...\) is deprecated .* use rule="):
+        old_fq = mx.fake_quantize(x, scale_rule="ceil")
+    np.testing.assert_array_equal(np.asarray(old.codes), np.asarray(mx.quantize(x, format="e4m3").codes))
+    np.testing.assert_array_equal(np.asarray(old_fq), np.asarray(mx.fake_quantize(x, rule="ceil")))
+    with pytest.warns(DeprecationWarning, match="MXArray.elem"):
+        assert old.elem == "e4m3"
+    with pytest.warns(DeprecationWarning, match="jaxlowfp.mx.FORMATS"):
+        assert mx.ELEMENTS == mx.FORMATS
+    with pytest.raises(TypeError, match="pass format= only"):
+        mx.quantize(x, elem="e4m3", format="e5m2")

@@ -98,7 +98,7 @@ MIDDLE = [f"blocks/{i}/mlp/{n}" for i in (1, 2) for n in MLP_NAMES]
 
 def quantized_model(recipe=None, **kw):
     model = TinyLM(**kw)
-    report = jnnx.quantize(model, jnnx.paper_rules(NB, keep_first=1, keep_last=1, recipe=recipe or qat.hif8_w8a8()))
+    report = jnnx.quantize_model(model, jnnx.paper_rules(NB, keep_first=1, keep_last=1, recipe=recipe or qat.hif8_w8a8()))
     return model, report
 
 
@@ -113,7 +113,7 @@ def test_quantize_replaces_only_rule_matched_modules_in_place():
     model = TinyLM()
     before = {p: n for p, n in nnx.iter_graph(model) if isinstance(n, nnx.Module)}
     kernels = {p: (n.kernel, n.kernel.get_value()) for p, n in before.items() if isinstance(n, nnx.Linear)}
-    report = jnnx.quantize(model, jnnx.paper_rules(NB, keep_first=1, keep_last=1, recipe=qat.hif8_w8a8()))
+    report = jnnx.quantize_model(model, jnnx.paper_rules(NB, keep_first=1, keep_last=1, recipe=qat.hif8_w8a8()))
 
     assert linear_paths(model, jnnx.QuantLinear) == sorted(MIDDLE)
     all_linear = sorted("/".join(map(str, p)) for p in kernels)
@@ -148,13 +148,13 @@ def test_first_match_wins_and_report_names_unused_rules():
         jnnx.Rule(path=r"blocks/0/mlp/up_proj", recipe=qat.hif8_w8a8()),  # shadowed by the first rule
         jnnx.Rule(path=r"decoder/.*", recipe=qat.hif8_w8a8()),  # matches nothing
     ]
-    report = jnnx.quantize(model, rules)
+    report = jnnx.quantize_model(model, rules)
     assert [p for p, _ in report.quantized] == [f"blocks/{i}/mlp/up_proj" for i in (1, 2, 3)]
     assert type(model.blocks[0].mlp.up_proj) is nnx.Linear
     assert report.unused_rules == (r"blocks/0/mlp/up_proj", r"decoder/.*")
     assert "'decoder/.*'" in str(report)
     # a second pass leaves the QuantLinears alone and says so
-    again = jnnx.quantize(model, rules)
+    again = jnnx.quantize_model(model, rules)
     assert again.quantized == () and again.already_quantized == tuple(p for p, _ in report.quantized)
     assert again.quantized_fraction == report.quantized_fraction
 
@@ -165,8 +165,8 @@ def test_linear_subclasses_are_refused_by_name():
 
     model = nnx.Dict(proj=LoRALinear(16, 16, rngs=nnx.Rngs(0)))
     with pytest.raises(TypeError, match="proj: rule 'proj' matches a LoRALinear, a subclass of nnx.Linear"):
-        jnnx.quantize(model, [jnnx.Rule(path="proj", recipe=qat.hif8_w8a8())])
-    assert jnnx.quantize(model, [jnnx.Rule(path="proj", recipe=None)]).kept == (("proj", "proj"),)
+        jnnx.quantize_model(model, [jnnx.Rule(path="proj", recipe=qat.hif8_w8a8())])
+    assert jnnx.quantize_model(model, [jnnx.Rule(path="proj", recipe=None)]).kept == (("proj", "proj"),)
 
 
 def test_rule_validation_errors_name_the_input():
@@ -181,13 +181,13 @@ def test_rule_validation_errors_name_the_input():
         rule.path = "x"
     assert hash(rule) == hash(jnnx.Rule(path="head", recipe=None))
     with pytest.raises(TypeError, match=r"rules\[0\]"):
-        jnnx.quantize(TinyLM(), ["head"])
+        jnnx.quantize_model(TinyLM(), ["head"])
 
 
 def test_nvfp4_with_in_features_40_raises_naming_the_path_and_leaves_model_unchanged():
     model = TinyLM(f=40)  # down_proj has in_features 40: not a whole number of 16-element blocks
     with pytest.raises(ValueError, match=r"blocks/1/mlp/down_proj.*in_features=40"):
-        jnnx.quantize(model, jnnx.paper_rules(NB, keep_first=1, keep_last=1, recipe=qat.nvfp4_w4a4(rule="mse")))
+        jnnx.quantize_model(model, jnnx.paper_rules(NB, keep_first=1, keep_last=1, recipe=qat.nvfp4_w4a4(rule="mse")))
     assert linear_paths(model, jnnx.QuantLinear) == []
     with pytest.raises(ValueError, match="in_features=40"):
         jnnx.QuantLinear(40, 32, recipe=qat.nvfp4_w4a4(rule="mse"), rngs=nnx.Rngs(0))
@@ -206,11 +206,11 @@ def test_nvfp4_quantizes_compatible_layers():
 def test_nvfp4_training_needs_whole_tiles_and_rngs_and_trains():
     recipe = qat.nvfp4_training(rule="mse")  # 16x16 weight tiles, stochastic rounding of gradients
     with pytest.raises(ValueError, match=r"proj: .*out_features=40 is not a multiple of the tile height 16"):
-        jnnx.quantize(nnx.Dict(proj=nnx.Linear(32, 40, rngs=nnx.Rngs(0))), [jnnx.Rule(path="proj", recipe=recipe)])
+        jnnx.quantize_model(nnx.Dict(proj=nnx.Linear(32, 40, rngs=nnx.Rngs(0))), [jnnx.Rule(path="proj", recipe=recipe)])
     with pytest.raises(TypeError, match="proj: .*stochastic rounding and needs rngs"):
-        jnnx.quantize(nnx.Dict(proj=nnx.Linear(32, 32, rngs=nnx.Rngs(0))), [jnnx.Rule(path="proj", recipe=recipe)])
+        jnnx.quantize_model(nnx.Dict(proj=nnx.Linear(32, 32, rngs=nnx.Rngs(0))), [jnnx.Rule(path="proj", recipe=recipe)])
     model = nnx.Dict(proj=nnx.Linear(32, 32, rngs=nnx.Rngs(0)))
-    jnnx.quantize(model, [jnnx.Rule(path="proj", recipe=recipe)], rngs=nnx.Rngs(quant=7))
+    jnnx.quantize_model(model, [jnnx.Rule(path="proj", recipe=recipe)], rngs=nnx.Rngs(quant=7))
     x = jax.random.normal(jax.random.key(1), (16, 32))  # 16 tokens: whole wgrad blocks
 
     @nnx.jit
@@ -249,7 +249,7 @@ def test_shared_linear_is_replaced_at_every_reference():
             self.table = nnx.Dict({"x": self.a})
 
     m = Tied()
-    report = jnnx.quantize(m, [jnnx.Rule(path="a", recipe=qat.hif8_w8a8())])
+    report = jnnx.quantize_model(m, [jnnx.Rule(path="a", recipe=qat.hif8_w8a8())])
     assert [p for p, _ in report.quantized] == ["a"]
     assert isinstance(m.a, jnnx.QuantLinear) and m.b is m.a and m.items[0] is m.a and m.table["x"] is m.a
 
@@ -259,10 +259,10 @@ def test_shared_linear_is_replaced_at_every_reference():
 
     m = InTuple()
     with pytest.raises(TypeError, match="pair/0: cannot replace a module held in a tuple"):
-        jnnx.quantize(m, [jnnx.Rule(path="pair/.*", recipe=qat.hif8_w8a8())])
+        jnnx.quantize_model(m, [jnnx.Rule(path="pair/.*", recipe=qat.hif8_w8a8())])
     assert all(type(layer) is nnx.Linear for layer in m.pair)  # nothing replaced
     with pytest.raises(TypeError, match="from_linear"):
-        jnnx.quantize(nnx.Linear(16, 16, rngs=nnx.Rngs(0)), [jnnx.Rule(path=".*", recipe=qat.hif8_w8a8())])
+        jnnx.quantize_model(nnx.Linear(16, 16, rngs=nnx.Rngs(0)), [jnnx.Rule(path=".*", recipe=qat.hif8_w8a8())])
 
 
 # ------------------------------------------------------------------------------------------ numerics

@@ -136,7 +136,7 @@ def _loss(m, batch):
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_hif8_qat_step_with_an_inf_activation_is_skipped_and_counted(tmp_path, microbatches):
     model = Net(nnx.Rngs(0))
-    qnnx.quantize(model, [qnnx.Rule(path="up_proj|down_proj", recipe=qat.hif8_w8a8())])
+    qnnx.quantize_model(model, [qnnx.Rule(path="up_proj|down_proj", recipe=qat.hif8_w8a8())])
     tx = optax.adam(1e-2)
     graphdef, state = training.init(model, tx)
     step = jax.jit(training.make_step(graphdef, tx, _loss, microbatches=microbatches))

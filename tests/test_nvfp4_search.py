@@ -195,7 +195,7 @@ def test_ms_eden_statistics_against_stochastic_rounding(fmt, record_property):
 def test_ms_eden_validation():
     x = jnp.ones((2, 32))
     with pytest.raises(ValueError, match="rule='static_6', block_shape=\\(1, 16\\)"):
-        nvfp4.quantize(x, rounding="ms_eden", key=jax.random.key(0))
+        nvfp4.quantize(x, rule="mse", rounding="ms_eden", key=jax.random.key(0))
     with pytest.raises(ValueError, match="needs a PRNG key"):
         nvfp4.quantize(x, rule="static_6", rounding="ms_eden")
     with pytest.raises(ValueError, match="no stochastic rounding"):

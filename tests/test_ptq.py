@@ -144,7 +144,7 @@ def test_methods_quantize_the_model(tokens, method):
     """Every method quantizes every matched layer onto the format's grid and moves the logits a little."""
     model = _model()
     ref = model(tokens)
-    res = ptq.quantize(model, [ptq.Rule(path=r"blocks/(1|2)/mlp/\w+_proj", scheme=ptq.scheme("nvfp4-mse"))],
+    res = ptq.quantize_model(model, [ptq.Rule(path=r"blocks/(1|2)/mlp/\w+_proj", scheme=ptq.scheme("nvfp4-mse"))],
                        method=method, calibration=tokens, progress=False)
     assert {p for p, _ in res.report.quantized} == {f"blocks/{i}/mlp/{n}_proj" for i in (1, 2)
                                                     for n in ("gate", "up", "down")}
@@ -174,7 +174,7 @@ def _unpack_compressed_tensors(packed: np.ndarray) -> np.ndarray:
 def test_export_follows_compressed_tensors_and_reloads_bit_identically(tmp_path, tokens, weights_only, block):
     model = _model()
     sch = ptq.scheme("nvfp4-mse", weights_only=weights_only, weight_block=block)
-    res = ptq.quantize(model, [ptq.Rule(path=r"blocks/[12]/mlp/\w+_proj", scheme=sch)], method="gptq",
+    res = ptq.quantize_model(model, [ptq.Rule(path=r"blocks/[12]/mlp/\w+_proj", scheme=sch)], method="gptq",
                        calibration=tokens, progress=False)
     ptq.export(model, res, tmp_path, dtype="float32")  # high precision kept exact (the default is float16)
     tensors = checkpoint.read_safetensors(tmp_path / checkpoint.WEIGHTS_FILE)
@@ -205,7 +205,7 @@ def test_report_kept_unmatched_and_unused_rules(tokens):
     model = _model()
     rules = [ptq.Rule(path=r"blocks/0/.*", scheme=None), ptq.Rule(path=r"blocks/\d+/mlp/.*", scheme=ptq.scheme("hif8")),
              ptq.Rule(path=r"nothing/here", scheme=ptq.scheme("mxfp4"))]
-    res = ptq.quantize(model, rules, method="rtn", progress=False)
+    res = ptq.quantize_model(model, rules, method="rtn", progress=False)
     rep = res.report
     assert {p for p, _ in rep.kept} == {f"blocks/0/{x}" for x in ("attn/q_proj", "attn/k_proj", "attn/v_proj",
                                                                   "attn/o_proj", "mlp/gate_proj", "mlp/up_proj",
@@ -220,23 +220,23 @@ def test_bad_options(tokens):
     model = _model()
     rule = [ptq.Rule(path=LAYERS, scheme=ptq.scheme("nvfp4-mse"))]
     with pytest.raises(ValueError, match="unknown PTQ method 'gptqq'"):
-        ptq.quantize(model, rule, method="gptqq", calibration=tokens)
+        ptq.quantize_model(model, rule, method="gptqq", calibration=tokens)
     with pytest.raises(ValueError, match="scheme='nvfp4-mxe' is not supported"):
         ptq.scheme("nvfp4-mxe")
     with pytest.raises(ValueError, match="rule='sixes' is not supported"):
         TensorFormat(kind="nvfp4", rule="sixes")
     with pytest.raises(ValueError, match=r"integer token array \[n_sequences, seq_len\]"):
-        ptq.quantize(model, rule, method="gptq", calibration=np.zeros((4, 32), np.float32))
+        ptq.quantize_model(model, rule, method="gptq", calibration=np.zeros((4, 32), np.float32))
     with pytest.raises(ValueError, match=r"integer token array \[n_sequences, seq_len\]"):
-        ptq.quantize(model, rule, method="gptq", calibration=np.zeros(32, np.int32))
+        ptq.quantize_model(model, rule, method="gptq", calibration=np.zeros(32, np.int32))
     with pytest.raises(ValueError, match="needs calibration data"):
-        ptq.quantize(model, rule, method="awq")
+        ptq.quantize_model(model, rule, method="awq")
     with pytest.raises(ValueError, match="no nnx.Linear layer matches a rule"):
-        ptq.quantize(model, [ptq.Rule(path="encoder/.*", scheme=ptq.scheme("hif8"))])
+        ptq.quantize_model(model, [ptq.Rule(path="encoder/.*", scheme=ptq.scheme("hif8"))])
     with pytest.raises(ValueError, match="in_features to be a multiple of 32"):
-        ptq.quantize(nnx.Sequential(nnx.Linear(48, 32, rngs=nnx.Rngs(0))), [ptq.Rule(path=".*", scheme=ptq.scheme("mxfp4"))])
+        ptq.quantize_model(nnx.Sequential(nnx.Linear(48, 32, rngs=nnx.Rngs(0))), [ptq.Rule(path=".*", scheme=ptq.scheme("mxfp4"))])
     with pytest.raises(TypeError, match="must be a jaxlowfp.rules.Rule"):
-        ptq.quantize(model, ["blocks/.*"])
+        ptq.quantize_model(model, ["blocks/.*"])
     # nothing was changed by the failed calls
     assert all(not isinstance(lin.dot_general, ptq.ActQuant) for lin in calibrate.linear_modules(model).values())
 
@@ -265,6 +265,6 @@ def test_cli_variants_start_from_the_high_precision_weights(tokens):
     graphdef, state = nnx.split(_model())
     first = ptq_cli._restore(graphdef, state)
     hp = np.asarray(first.blocks[1].mlp.up_proj.kernel[...])
-    ptq.quantize(first, [ptq.Rule(path=LAYERS, scheme=ptq.scheme("nvfp4-mse"))], progress=False)
+    ptq.quantize_model(first, [ptq.Rule(path=LAYERS, scheme=ptq.scheme("nvfp4-mse"))], progress=False)
     assert not np.array_equal(np.asarray(first.blocks[1].mlp.up_proj.kernel[...]), hp)
     np.testing.assert_array_equal(np.asarray(ptq_cli._restore(graphdef, state).blocks[1].mlp.up_proj.kernel[...]), hp)

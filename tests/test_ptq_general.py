@@ -85,8 +85,8 @@ def test_general_layers_quantize_as_their_linear_twin(method):
     if method == "gptq":
         stats = ptq.collect(twin, ["lg", "ein"], batches, forward=lambda m, b: m(b), hessian=True)
         kw = dict(stats=stats)
-    r_gen = ptq.quantize(gen, RULES, method=method, **kw)
-    r_twin = ptq.quantize(twin, RULES, method=method, **kw)
+    r_gen = ptq.quantize_model(gen, RULES, method=method, **kw)
+    r_twin = ptq.quantize_model(twin, RULES, method=method, **kw)
     assert sorted(p for p, _ in r_gen.report.quantized) == ["ein", "lg"] and r_gen.report.quantized_fraction == 1.0
     got = _gen_kernels(gen)
     for p in ("lg", "ein"):
@@ -124,7 +124,7 @@ def test_unsupported_general_layers_are_clear_errors():
             self.moe = nnx.Einsum("ebk,ekn->ebn", (4, 32, 16), rngs=rngs)  # e: an expert (batch) axis
 
     with pytest.raises(ValueError, match=r"moe: the einsum 'ebk,ekn->ebn' has batch axes"):
-        ptq.quantize(Experts(), ptq.Rule(path="moe", scheme=ptq.scheme("hif8")))
+        ptq.quantize_model(Experts(), ptq.Rule(path="moe", scheme=ptq.scheme("hif8")))
 
     class LateSpec(nnx.Module):
         def __init__(self):
@@ -132,20 +132,20 @@ def test_unsupported_general_layers_are_clear_errors():
             self.ein.einsum_str = None  # the equation then comes with each call (Flax allows either)
 
     with pytest.raises(ValueError, match=r"ein: this nnx.Einsum takes its equation at call time"):
-        ptq.quantize(LateSpec(), ptq.Rule(path="ein", scheme=ptq.scheme("hif8")))
+        ptq.quantize_model(LateSpec(), ptq.Rule(path="ein", scheme=ptq.scheme("hif8")))
 
     class Odd(nnx.Module):
         def __init__(self):
             self.lg = nnx.LinearGeneral((3, 5), 16, axis=(-2, -1), rngs=rngs)
 
     with pytest.raises(ValueError, match=r"lg: .*in_features to be a multiple of 16; got 15"):
-        ptq.quantize(Odd(), ptq.Rule(path="lg", scheme=ptq.scheme("nvfp4-mse")))
+        ptq.quantize_model(Odd(), ptq.Rule(path="lg", scheme=ptq.scheme("nvfp4-mse")))
 
     gen, _ = _models()
     with pytest.raises(ValueError, match=r"'smoothquant' folds per-channel scales into nnx.Linear layers; "
                                          r"ein \(Einsum\)"):
-        ptq.quantize(gen, RULES, method="smoothquant", calibration=_calibration(), forward=lambda m, b: m(b))
-    result = ptq.quantize(gen, RULES)
+        ptq.quantize_model(gen, RULES, method="smoothquant", calibration=_calibration(), forward=lambda m, b: m(b))
+    result = ptq.quantize_model(gen, RULES)
     with pytest.raises(ValueError, match=r"export \(compressed-tensors\) stores nnx.Linear weights.*"
                                          r"lg \(LinearGeneral\)"):
         ptq.export(gen, result, "/nonexistent/never-written", tensor_names={})

@@ -30,7 +30,7 @@ def _model():
 
 def _ptq(name, **kw):
     model = _model()
-    res = ptq.quantize(model, [ptq.Rule(path=r".*_proj", scheme=ptq.scheme(name))], progress=False, **kw)
+    res = ptq.quantize_model(model, [ptq.Rule(path=r".*_proj", scheme=ptq.scheme(name))], progress=False, **kw)
     return model, res
 
 
@@ -104,7 +104,7 @@ class _MLP(nnx.Module):
 def test_other_formats_and_conventions(name, kw):
     model = _MLP(nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (4, 64), jnp.float32)
-    res = ptq.quantize(model, [ptq.Rule(path=r".*_proj", scheme=ptq.scheme(name))], progress=False, **kw)
+    res = ptq.quantize_model(model, [ptq.Rule(path=r".*_proj", scheme=ptq.scheme(name))], progress=False, **kw)
     fake = model(x)
     report = ptq.pack(model, res)  # auto: dequant on CPU
     assert {b for _, _, b, _ in report.layers} == {"dequant"} and len(packed_layers(model)) == 2

@@ -40,7 +40,7 @@ def test_quantize_refuses_nonfinite_weights_before_changing_anything(method, val
     what = "1 NaN and 0 Inf" if np.isnan(value) else "0 NaN and 1 Inf"
     with pytest.raises(ValueError, match=rf"blocks/1/mlp/up_proj/kernel: {what} of 4096 values \(first at index "
                                          rf"\(3, 5\)\).*Nothing was changed"):
-        ptq.quantize(model, _rules(), method=method, calibration=TOKENS)
+        ptq.quantize_model(model, _rules(), method=method, calibration=TOKENS)
     after = _kernels(model)
     assert all(np.array_equal(before[p], after[p], equal_nan=True) for p in before)
     for _, mod in nnx.iter_graph(model):  # no hook was installed
@@ -53,7 +53,7 @@ def test_quantize_refuses_nonfinite_high_precision_parameters():
     model = Llama(CFG, rngs=nnx.Rngs(0))
     _set(model, "blocks/0/mlp_norm/scale", lambda s: s.at[7].set(np.nan))
     with pytest.raises(ValueError, match=r"blocks/0/mlp_norm/scale: 1 NaN and 0 Inf of 64 values"):
-        ptq.quantize(model, _rules(weights_only=True), method="rtn")
+        ptq.quantize_model(model, _rules(weights_only=True), method="rtn")
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -61,10 +61,10 @@ def test_quantize_refuses_an_all_zero_layer(method):
     model = Llama(CFG, rngs=nnx.Rngs(0))
     _set(model, "blocks/0/attn/k_proj/kernel", jnp.zeros_like)
     with pytest.raises(ValueError, match=r"kernels of blocks/0/attn/k_proj are all zero.*scheme=None"):
-        ptq.quantize(model, _rules(), method=method, calibration=TOKENS)
+        ptq.quantize_model(model, _rules(), method=method, calibration=TOKENS)
     # the way out the message names: keep it in high precision
     keep = [ptq.Rule(path="blocks/0/attn/k_proj", scheme=None)] + _rules()
-    res = ptq.quantize(model, keep, method="rtn", calibration=TOKENS)
+    res = ptq.quantize_model(model, keep, method="rtn", calibration=TOKENS)
     assert ("blocks/0/attn/k_proj", "blocks/0/attn/k_proj") in res.report.kept
 
 
@@ -88,7 +88,7 @@ def test_gptq_names_the_layer_whose_input_is_nonfinite(pipeline):
             _set(model, f"blocks/0/mlp/{p}_proj/kernel", lambda k: k * 1e20)
         with pytest.raises(ValueError, match=r"calibration inputs of blocks/0/mlp/down_proj hold NaN or Inf .*; the "
                                              r"first of them in the model, blocks/0/mlp/down_proj, is where"):
-            ptq.quantize(model, _rules(), method="gptq", calibration=TOKENS, pipeline="sequential")
+            ptq.quantize_model(model, _rules(), method="gptq", calibration=TOKENS, pipeline="sequential")
         return
     model = _Stack(nnx.Rngs(0))
     model.a.kernel.set_value(model.a.kernel[...] * 1e37)
@@ -96,14 +96,14 @@ def test_gptq_names_the_layer_whose_input_is_nonfinite(pipeline):
     rules = [ptq.Rule(path="a|b|c", scheme=ptq.scheme("nvfp4-mse"))]
     with pytest.raises(ValueError, match=r"calibration inputs of b, c hold NaN or Inf .*; the first of them in "
                                          r"the model, b, is where"):
-        ptq.quantize(model, rules, method="gptq", calibration=[x], forward=lambda m, b: m(b))
+        ptq.quantize_model(model, rules, method="gptq", calibration=[x], forward=lambda m, b: m(b))
 
 
 def test_export_refuses_nonfinite_tensors_and_names_them(tmp_path):
     """A model changed after quantize: a NaN embedding (kept in high precision) and an Inf quantized kernel are
     refused by both exporters with the tensor's name, before anything is written."""
     model = Llama(CFG, rngs=nnx.Rngs(0))
-    res = ptq.quantize(model, _rules(weights_only=True), method="rtn")
+    res = ptq.quantize_model(model, _rules(weights_only=True), method="rtn")
     _set(model, "embed/embedding", lambda e: e.at[2, 1].set(np.nan))
     with pytest.raises(ValueError, match=r"model.embed_tokens.weight \(parameter embed/embedding\): 1 NaN and 0 Inf "
                                          r"of 6144 values \(first at index \(2, 1\)\); refusing to export"):
@@ -122,7 +122,7 @@ def test_export_refuses_nonfinite_tensors_and_names_them(tmp_path):
 
 def test_export_refuses_zero_and_nonfinite_scales(tmp_path):
     model = Llama(CFG, rngs=nnx.Rngs(0))
-    res = ptq.quantize(model, _rules(weights_only=True), method="rtn")
+    res = ptq.quantize_model(model, _rules(weights_only=True), method="rtn")
     arr, s = res.packed["blocks/0/mlp/gate_proj"]
     zero = type(arr)(codes=jnp.zeros_like(arr.codes), scales=arr.scales, global_scale=arr.global_scale,
                      rule=arr.rule, block_shape=arr.block_shape, dtype=arr.dtype, shape=arr.shape)

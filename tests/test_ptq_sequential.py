@@ -1,6 +1,6 @@
 """Sequential (block-by-block) PTQ calibration against a straightforward reference: quantize block 1 with statistics
 from the whole model's forward pass, run the whole model again (block 1 now quantized) to calibrate block 2, and so
-on, each step an ordinary one-pass `ptq.quantize` restricted to one block. The sequential pipeline computes the
+on, each step an ordinary one-pass `ptq.quantize_model` restricted to one block. The sequential pipeline computes the
 same from one block's inputs at a time, so the quantized weights must agree."""
 import dataclasses
 import functools
@@ -52,7 +52,7 @@ def _reference_uncached(method, tokens, *, act_quant: bool) -> Llama:
         if not act_quant:
             for p in quantized:
                 lins[p].dot_general = lax.dot_general
-        ptq.quantize(model, [ptq.Rule(path=rf"blocks/{i}/(attn|mlp)/\w+_proj", scheme=SCHEME)], method=method,
+        ptq.quantize_model(model, [ptq.Rule(path=rf"blocks/{i}/(attn|mlp)/\w+_proj", scheme=SCHEME)], method=method,
                      calibration=tokens, pipeline="one-pass")
         for p, dg in quantized.items():
             lins[p].dot_general = dg
@@ -78,7 +78,7 @@ def _agree(a: Llama, b: Llama) -> dict[str, float]:
                          ids=["gptq", "smoothquant-search"])
 def test_sequential_matches_block_by_block_reference(method, tokens):
     seq = _model()
-    res = ptq.quantize(seq, ALL, method=method, calibration=tokens)
+    res = ptq.quantize_model(seq, ALL, method=method, calibration=tokens)
     assert res.pipeline == "sequential"  # the default for calibrated methods on a model with ptq_blocks()
     ref = _reference(method, tokens)
     agree = _agree(seq, ref)
@@ -88,7 +88,7 @@ def test_sequential_matches_block_by_block_reference(method, tokens):
     np.testing.assert_allclose(_logits(seq, tokens), _logits(ref, tokens), atol=1e-3, rtol=1e-3)
     if isinstance(method, ptq.GPTQ):  # the test can tell: one pass over the unquantized model gives other weights
         one = _model()
-        assert ptq.quantize(one, ALL, method=method, calibration=tokens, pipeline="one-pass").pipeline == "one-pass"
+        assert ptq.quantize_model(one, ALL, method=method, calibration=tokens, pipeline="one-pass").pipeline == "one-pass"
         later = {p: v for p, v in _agree(one, ref).items() if p.startswith(f"blocks/{N - 1}/")}
         assert min(later.values()) < 0.99, later
         first = {p: v for p, v in _agree(one, ref).items() if p.startswith("blocks/0/")}
@@ -98,7 +98,7 @@ def test_sequential_matches_block_by_block_reference(method, tokens):
 def test_propagate_weights_only_matches_reference(tokens):
     """propagate="weights" (llm-compressor's pipeline: activations in high precision while propagating)."""
     seq = _model()
-    ptq.quantize(seq, ALL, method=ptq.GPTQ(), calibration=tokens, propagate="weights")
+    ptq.quantize_model(seq, ALL, method=ptq.GPTQ(), calibration=tokens, propagate="weights")
     agree = _agree(seq, _reference(ptq.GPTQ(), tokens, act_quant=False))
     assert min(agree.values()) > 0.999, agree
     other = _agree(seq, _reference(ptq.GPTQ(), tokens, act_quant=True))
@@ -111,7 +111,7 @@ def test_peak_statistics_flat_in_blocks(tokens):
     peaks = {}
     for n in (1, 3):
         for pipe in ("sequential", "one-pass"):
-            res = ptq.quantize(_model(n), ALL, method=ptq.SmoothQuant(), calibration=tokens, pipeline=pipe)
+            res = ptq.quantize_model(_model(n), ALL, method=ptq.SmoothQuant(), calibration=tokens, pipeline=pipe)
             peaks[pipe, n] = res.peak_stats_bytes
     assert peaks["sequential", 1] == peaks["sequential", 3], peaks
     assert peaks["one-pass", 3] == 3 * peaks["one-pass", 1], peaks
@@ -122,13 +122,13 @@ def test_pipeline_errors(tokens):
     layers = [p for p in calibrate.linear_modules(model) if p != "lm_head"]
     stats = ptq.collect(model, layers, [tokens], hessian=True)
     with pytest.raises(ValueError, match="pipeline='one-pass'"):
-        ptq.quantize(model, ALL, method="gptq", stats=stats, pipeline="sequential")
+        ptq.quantize_model(model, ALL, method="gptq", stats=stats, pipeline="sequential")
     with pytest.raises(ValueError, match="pipeline='bogus' is not supported"):
-        ptq.quantize(model, ALL, method="gptq", calibration=tokens, pipeline="bogus")
+        ptq.quantize_model(model, ALL, method="gptq", calibration=tokens, pipeline="bogus")
     with pytest.raises(ValueError, match="propagate='x' is not supported"):
-        ptq.quantize(model, ALL, method="gptq", calibration=tokens, propagate="x")
+        ptq.quantize_model(model, ALL, method="gptq", calibration=tokens, propagate="x")
     with pytest.raises(ValueError, match="forward"):
-        ptq.quantize(model, ALL, method="gptq", calibration=tokens, pipeline="sequential",
+        ptq.quantize_model(model, ALL, method="gptq", calibration=tokens, pipeline="sequential",
                      forward=lambda m, b: m(b))
 
     class Plain(nnx.Module):  # no ptq_blocks(): sequential is refused, auto falls back to one pass
@@ -141,9 +141,9 @@ def test_pipeline_errors(tokens):
     x = [jnp.ones((2, 4, 32), jnp.float32)]
     rule = [ptq.Rule(path="up_proj", scheme=SCHEME)]
     with pytest.raises(ValueError, match="no ptq_blocks"):
-        ptq.quantize(Plain(), rule, method="gptq", calibration=x, forward=lambda m, b: m(b), pipeline="sequential")
-    assert ptq.quantize(Plain(), rule, method="gptq", calibration=x, forward=lambda m, b: m(b)).pipeline == "one-pass"
-    assert ptq.quantize(_model(1), ALL, method="rtn").pipeline == "none"
+        ptq.quantize_model(Plain(), rule, method="gptq", calibration=x, forward=lambda m, b: m(b), pipeline="sequential")
+    assert ptq.quantize_model(Plain(), rule, method="gptq", calibration=x, forward=lambda m, b: m(b)).pipeline == "one-pass"
+    assert ptq.quantize_model(_model(1), ALL, method="rtn").pipeline == "none"
 
 
 # ---------------------------------------------------------------------------------------------------------------

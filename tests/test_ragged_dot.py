@@ -178,7 +178,7 @@ def test_qnnx_quantizes_expert_weights_and_training_keeps_empty_experts():
     model = TinyMoE(nnx.Rngs(0))
     x, _ = _operands(5)
     want = ops.ragged_dot(x, model.experts.up[...], jnp.asarray(SIZES, jnp.int32), recipe=qat.hif8_w8a8())[0]
-    report = qnnx.quantize(model, [qnnx.Rule(path="experts/up", recipe=qat.hif8_w8a8()),
+    report = qnnx.quantize_model(model, [qnnx.Rule(path="experts/up", recipe=qat.hif8_w8a8()),
                                    qnnx.Rule(path="experts/gate", recipe=qat.hif8_w8a8())])
     assert report.quantized == (("experts/up", "hif8_w8a8"),) and report.unmatched == ("experts/down",)
     assert report.unused_rules == ("experts/gate",)

@@ -132,8 +132,8 @@ def test_gptq_nvfp4_of_a_sharded_model_equals_one_device(tmp_path):
     model, _ = load(path, mesh=mesh)
     tokens = np.random.default_rng(0).integers(0, 272, (4, 32)).astype(np.int32)
     rules = [ptq.Rule(path=r"blocks/\d+/mlp/\w+_proj", scheme=ptq.scheme("nvfp4-mse", weights_only=True))]
-    ra = ptq.quantize(ref, rules, method=ptq.GPTQ(), calibration=jnp.asarray(tokens))
-    rb = ptq.quantize(model, rules, method=ptq.GPTQ(), calibration=sharding.put_batch(tokens, mesh))
+    ra = ptq.quantize_model(ref, rules, method=ptq.GPTQ(), calibration=jnp.asarray(tokens))
+    rb = ptq.quantize_model(model, rules, method=ptq.GPTQ(), calibration=sharding.put_batch(tokens, mesh))
     specs = sharding.resolve({p: v.get_value().shape for p, v in sharding.variable_paths(model).items()},
                              sharding.llama_rules(), mesh)
     want = sharding.variable_paths(ref)

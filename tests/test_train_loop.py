@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxlowfp.qnnx import iter_quant_linears, paper_rules, quantize
+from jaxlowfp.qnnx import iter_quant_linears, paper_rules, quantize_model
 from jaxlowfp.qat import Warmup, hif8_w8a8
 from train import mesh as mesh_lib
 from train.checkpoint import CheckpointError
@@ -45,7 +45,7 @@ def one_device() -> mesh_lib.Mesh:
 def tiny_model(*, quantized: bool = True, seed: int = 0) -> Llama:
     model = Llama(PRESETS["tiny"], rngs=nnx.Rngs(seed))
     if quantized:
-        quantize(model, paper_rules(4, keep_first=1, keep_last=1, recipe=hif8_w8a8()))
+        quantize_model(model, paper_rules(4, keep_first=1, keep_last=1, recipe=hif8_w8a8()))
     return model
 
 

@@ -25,7 +25,7 @@ def _loss(m, batch):
 
 def _model():
     model = Net(nnx.Rngs(0))
-    qnnx.quantize(model, [qnnx.Rule(path=".*", recipe=qat.hif8_w8a8())])
+    qnnx.quantize_model(model, [qnnx.Rule(path=".*", recipe=qat.hif8_w8a8())])
     return model
 
 

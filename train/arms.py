@@ -13,7 +13,7 @@ import jax
 from flax import nnx
 
 from jaxlowfp import qat
-from jaxlowfp.qnnx import QuantizeReport, paper_rules, quantize
+from jaxlowfp.qnnx import QuantizeReport, paper_rules, quantize_model
 from .grid import FOUROVERSIX_LAYERS, ArmSpec, make_recipe
 from .loop import RunResult, make_optimizer, make_schedule, train
 from jaxlowfp.models.llama import loss_fn
@@ -58,7 +58,7 @@ def quantize_arm(model: nnx.Module, arm: ArmSpec, *, keep_first: int, keep_last:
             rules = paper_rules(n_blocks, keep_first=0, keep_last=0, recipe=recipe, mlp_names=FOUROVERSIX_LAYERS)
         else:
             rules = paper_rules(n_blocks, keep_first=keep_first, keep_last=keep_last, recipe=recipe)
-        report = quantize(model, rules, rngs=nnx.Rngs(seed) if recipe.needs_key else None)
+        report = quantize_model(model, rules, rngs=nnx.Rngs(seed) if recipe.needs_key else None)
     except ValueError as e:
         raise RuleError(f"arm {arm.name!r}: the quantization rules do not fit the model ({n_blocks} blocks): {e}") \
             from e

@@ -24,9 +24,11 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from jaxlowfp.registry import EVAL_QUANTIZE
+
 __all__ = ["main", "main_generate", "parse_eval_args", "parse_generate_args"]
 
-QUANT_CHOICES = ("none", "hif8", "nvfp4")
+QUANT_CHOICES = EVAL_QUANTIZE  # none, hif8, nvfp4, nvfp4-<rule>, if4-<rule>, fp8 (jaxlowfp.registry)
 
 
 def _model_arg(p: argparse.ArgumentParser) -> None:
@@ -108,15 +110,15 @@ def _load(model: str, dtype: str) -> tuple[Any, Any, float]:
 
 
 def quantize_model(model: Any, kind: str, *, keep_first: int, keep_last: int, act_scale: str = "token") -> str:
-    """Swap the middle blocks' MLP projections for fake-quantized ones (``kind``: hif8 or nvfp4; activations scaled
-    per ``act_scale``, `jaxlowfp.harness.eval_recipe`); the report."""
-    from jaxlowfp import qat
+    """Swap the middle blocks' MLP projections for fake-quantized ones (``kind``: a name of
+    `jaxlowfp.registry.EVAL_QUANTIZE`, e.g. hif8 or nvfp4; activations scaled per ``act_scale``,
+    `jaxlowfp.harness.eval_recipe`); the report."""
+    from jaxlowfp import qat, qnnx
     from jaxlowfp.harness import eval_recipe
-    from jaxlowfp.qnnx import paper_rules, quantize
 
-    recipe = eval_recipe(qat.hif8_w8a8() if kind == "hif8" else qat.nvfp4_w4a4("mse"), act_scale)
-    report = quantize(model, paper_rules(model.config.n_layers, keep_first=keep_first, keep_last=keep_last,
-                                         recipe=recipe))
+    recipe = eval_recipe(qat.named_recipe(kind), act_scale)
+    report = qnnx.quantize_model(model, qnnx.paper_rules(model.config.n_layers, keep_first=keep_first,
+                                                         keep_last=keep_last, recipe=recipe))
     return "; ".join(str(report).splitlines()[-2:]) + f"; activation scale: {act_scale}"
 
 

@@ -27,11 +27,12 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from jaxlowfp import registry
+
 __all__ = ["main", "parse_args"]
 
 METHODS = ("rtn", "gptq", "smoothquant", "awq")
-FORMATS = ("nvfp4-static_6", "nvfp4-static_4", "nvfp4-abs_max", "nvfp4-mae", "nvfp4-mse", "mxfp4", "hif8",
-           "nvfp4-search", "if4-mse", "if4-mae", "if4-abs_max")  # the last four: issue 24 (scale search, IF4)
+FORMATS = registry.PTQ_FORMATS  # nvfp4-<rule>, mxfp4, hif8, if4-<rule> (jaxlowfp.ptq.scheme's names)
 FOUR_OVER_SIX = ("nvfp4-abs_max", "nvfp4-mae", "nvfp4-mse")
 DEFAULT_FORMATS = ("nvfp4-static_6", "nvfp4-mse", "hif8")  # the paper's PTQ comparison, about 10 minutes
 LAYERS = r".*(attn|mlp)/\w+_proj"
@@ -318,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for method in args.methods:
             m = _restore(graphdef, hp_state)
             own = args.pipeline == "sequential" and method != "rtn"  # calibrated block by block in this call
-            res = ptq.quantize(m, [ptq.Rule(path=args.layers, scheme=sch)], method=methods[method],
+            res = ptq.quantize_model(m, [ptq.Rule(path=args.layers, scheme=sch)], method=methods[method],
                                stats=None if own else stats, calibration=calib if own else None,
                                batch_size=args.batch_size, progress=not args.no_progress)
             r = _evaluate(m, tok, texts, task, args)

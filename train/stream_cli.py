@@ -108,9 +108,9 @@ def _resolve(model: nnx.Module, path: str) -> tuple[Any, str]:
 def probe_model(model: nnx.Module, recipe: Any, *, keep_first: int, keep_last: int) -> list[str]:
     """Quantize `model` in place (`paper_rules` with `recipe`) and wrap every quantized layer in a `ChannelProbe`;
     returns the quantized layers' paths (``blocks/<i>/mlp/<name>``)."""
-    from jaxlowfp.qnnx import iter_quant_linears, paper_rules, quantize
+    from jaxlowfp.qnnx import iter_quant_linears, paper_rules, quantize_model
 
-    report = quantize(model, paper_rules(model.config.n_layers, keep_first=keep_first, keep_last=keep_last,
+    report = quantize_model(model, paper_rules(model.config.n_layers, keep_first=keep_first, keep_last=keep_last,
                                          recipe=recipe))
     if not report.quantized:
         raise ValueError("the rules quantized no layer: the model has no blocks/<i>/mlp/<proj> linear layers")

@@ -40,13 +40,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxlowfp._core import names as _names
 from jaxlowfp._core.bits import FLT_MAX, SIGN, div_const, from_bits, ieee_div, materialize, pow2, u32
 from jaxlowfp._core.checks import float_dtype, one_of
 from jaxlowfp._core.minifloat import E2M1, E4M3, MiniFloat
 from jaxlowfp._core.nvfp4_blocks import (
     BLOCK,
-    check_block_shape,
+    ROUNDINGS,
     UNBIASED_FACTOR,
+    Rounding,
+    check_block_shape,
     _block_errors,
     _inverse,
     accumulate_error,
@@ -66,12 +69,10 @@ from jaxlowfp._core.nvfp4_blocks import (
 )
 from jaxlowfp._core.pytree import pytree_dataclass
 
-Format = Literal["if4", "if6_e2m3", "if6_e3m2", "if3"]
-Rule = Literal["abs_max", "mae", "mse"]
-Rounding = Literal["nearest", "stochastic", "stochastic_unbiased", "ms_eden"]
-FORMATS = ("if4", "if6_e2m3", "if6_e3m2", "if3")
-RULES = ("abs_max", "mae", "mse")
-ROUNDINGS = ("nearest", "stochastic", "stochastic_unbiased", "ms_eden")
+IFFormat = Literal["if4", "if6_e2m3", "if6_e3m2", "if3"]
+IFRule = Literal["abs_max", "mae", "mse"]
+FORMATS = _names.IF_FORMATS
+RULES = _names.IF_RULES
 E4M3_MAX = 448.0
 
 E2M3 = MiniFloat(
@@ -138,8 +139,8 @@ class IFConfig:
         stochastic rounding on the chosen grid) and "ms_eden" (rule "mse", 1x16: :func:`if_ms_eden_blocks`).
     """
 
-    format: Format = "if4"
-    rule: Rule = "mse"
+    format: IFFormat = "if4"
+    rule: IFRule = "mse"
     block_shape: tuple[int, int] = (1, 16)
     rounding: Rounding = "nearest"
 

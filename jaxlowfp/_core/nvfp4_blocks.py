@@ -16,24 +16,39 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxlowfp._core import names as _names
 from jaxlowfp._core.bits import FLT_MAX, SIGN, div_const, from_bits, ieee_div, materialize, no_contract, u32
 from jaxlowfp._core.checks import float_dtype, float_input, one_of
 from jaxlowfp._core.minifloat import _E2M1_THRESHOLDS, E2M1, E4M3
 from jaxlowfp._core.pytree import pytree_dataclass
 
-Rule = Literal["static_6", "static_4", "abs_max", "mae", "mse", "search"]
+
+class BlockConfig(Protocol):
+    """What the argument checks read of a block-format config (NVFP4Config, and the IF formats' IFConfig)."""
+
+    @property
+    def block_shape(self) -> tuple[int, int]: ...
+
+    @property
+    def rounding(self) -> str: ...
+
+    @property
+    def rows(self) -> int: ...
+
+
+NVFP4Rule = Literal["static_6", "static_4", "abs_max", "mae", "mse", "search"]
 Rounding = Literal["nearest", "stochastic", "stochastic_unbiased", "ms_eden"]
-RULES = ("static_6", "static_4", "abs_max", "mae", "mse")  # the rules the Pallas kernels implement
-ALL_RULES = RULES + ("search",)  # "search": the per-block E4M3 scale search (jnp only)
-FOUR_OVER_SIX = ("abs_max", "mae", "mse")
-ROUNDINGS = ("nearest", "stochastic", "stochastic_unbiased", "ms_eden")
+KERNEL_RULES = _names.NVFP4_KERNEL_RULES  # the rules the Pallas kernels implement
+RULES = _names.NVFP4_RULES  # every accepted rule; "search": the per-block E4M3 scale search (jnp only)
+FOUR_OVER_SIX = _names.NVFP4_FOUR_OVER_SIX
+ROUNDINGS = _names.ROUNDINGS
 STOCHASTIC = ("stochastic", "stochastic_unbiased", "ms_eden")  # the roundings that need a PRNG key
 # Scale search (rule="search"): every E4M3 scale from e4m3(base * 0.81) to e4m3(base * 1.8), the range of
 # llm-compressor's nvfp4_expanded_mse grid (1.8 * (1 - i / 200), i < 111); at most SEARCH_CODES codes (a test
@@ -46,7 +61,7 @@ EDEN_SCALE_MAX = 255.99  # the E4M3 target of the tensor scale, below 448 so the
 EDEN_SCALE_OVERRIDE = (17 / 16) * 0.93  # QUARTET_II_BACKWARD_SCALE_OVERRIDE
 EDEN_VAL_MAX = float(np.float32(6.0 / EDEN_SCALE_OVERRIDE))  # a block max maps to 6 / 0.988 = 6.07
 UNBIASED_FACTOR = 16 / 17  # fouroversix RoundStyle.stochastic_unbiased.adjustment_factor (Quartet II)
-BLOCK_SHAPES = ((1, 16), (16, 16))
+BLOCK_SHAPES = _names.NVFP4_BLOCK_SHAPES
 
 
 def check_block_shape(block_shape: Any) -> tuple[int, int]:
@@ -63,7 +78,7 @@ _MANT = 0x400000  # the one mantissa bit of an E2M1 value held in float32 (set f
 def rule_constants(rule: str) -> tuple[float, float]:
     """(M, E) of `rule`: the element max a block max maps to, and the E4M3 max the tensor scale targets ("search"
     uses the 4/6 constants, so both see the same tensor scale)."""
-    one_of(rule, ALL_RULES, "rule")
+    one_of(rule, RULES, "rule")
     return {"static_6": (6.0, 448.0), "static_4": (4.0, 448.0)}.get(rule, (6.0, 256.0))
 
 
@@ -96,12 +111,12 @@ class NVFP4Config:
         all but "nearest" need a PRNG key.
     """
 
-    rule: Rule = "mse"
+    rule: NVFP4Rule = "mse"
     block_shape: tuple[int, int] = (1, 16)
     rounding: Rounding = "nearest"
 
     def __post_init__(self) -> None:
-        one_of(self.rule, ALL_RULES, "rule")
+        one_of(self.rule, RULES, "rule")
         one_of(self.rounding, ROUNDINGS, "rounding")
         bs = check_block_shape(self.block_shape)
         object.__setattr__(self, "block_shape", bs)
@@ -504,7 +519,7 @@ def from_blocks(xb: jax.Array, shape: tuple[int, ...], rows: int) -> jax.Array:
     return xb.reshape(shape)
 
 
-def _check_x(x: Any, cfg: NVFP4Config) -> jax.Array:
+def _check_x(x: Any, cfg: BlockConfig) -> jax.Array:
     x = float_input(x, "x")
     need = 2 if cfg.rows > 1 else 1
     if x.ndim < need:
@@ -517,7 +532,7 @@ def _check_x(x: Any, cfg: NVFP4Config) -> jax.Array:
     return x
 
 
-def validate_args(x: Any, cfg: NVFP4Config, global_amax: Any, key: Any) -> tuple[jax.Array, jax.Array | None]:
+def validate_args(x: Any, cfg: BlockConfig, global_amax: Any, key: Any) -> tuple[jax.Array, jax.Array | None]:
     """Check `x`, the key and `global_amax` against `cfg` (clear errors); returns (x, global_amax as an array)."""
     x = _check_x(x, cfg)
     if cfg.rounding in STOCHASTIC and key is None:
@@ -538,8 +553,8 @@ def validate_kernel_args(
     """`validate_args` for a GPU kernel (Triton or Mosaic): round to nearest only, fewer than 2^31 elements (the
     kernels index with int32). Returns ``(cfg, x, global_amax)``."""
     cfg = NVFP4Config(rule=rule, block_shape=block_shape, rounding=rounding)
-    if cfg.rule not in RULES:
-        raise ValueError(f"the {kernel} kernel implements the rules {', '.join(RULES)}; got rule={rule!r} (use "
+    if cfg.rule not in KERNEL_RULES:
+        raise ValueError(f"the {kernel} kernel implements the rules {', '.join(KERNEL_RULES)}; got rule={rule!r} (use "
                          f"impl='xla', jaxlowfp.nvfp4)")
     if cfg.rounding != "nearest" or key is not None:
         raise ValueError(

@@ -6,8 +6,9 @@ directory (``config.json``, ``*.safetensors``, ``tokenizer.json``), NVFP4 checkp
 (llm-compressor, `jaxlowfp.ptq.export`) and ModelOpt included (`jaxlowfp.models.quantized`: weights decoded exactly,
 W4A4 layers with the engine's activation quantizer). The model is a `Llama` whose projections are
 ``nnx.Linear`` modules at paths such as ``blocks/3/mlp/gate_proj``, so ``jaxlowfp.qnnx.paper_rules`` and
-``jaxlowfp.qnnx.quantize`` apply unchanged. Qwen3-MoE, Mixtral and OLMoE checkpoints (Hugging Face or GGUF) load
-as a `MoEDecoder` (`jaxlowfp.models.moe`: the same decoder with routed experts, ``blocks/3/mlp/experts/gate_proj``)::
+``jaxlowfp.qnnx.quantize_model`` apply unchanged. Qwen3-MoE, Mixtral and OLMoE checkpoints (Hugging Face or GGUF)
+load as a `MoEDecoder` (`jaxlowfp.models.moe`: the same decoder with routed experts,
+``blocks/3/mlp/experts/gate_proj``)::
 
     from jaxlowfp.models import load
     model, tok = load("smollm2-135m")

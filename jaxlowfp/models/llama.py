@@ -8,7 +8,7 @@
   and keys before RoPE (Qwen3);
 - MLP: SwiGLU, ``down_proj(silu(gate_proj(x)) * up_proj(x))``;
 - head: ``lm_head`` (an ``nnx.Linear``), or with ``tie_embeddings`` the embedding matrix: ``logits = x @ E^T``;
-- every projection is a plain ``nnx.Linear``, so ``jaxlowfp.qnnx.quantize`` can replace one by its graph path,
+- every projection is a plain ``nnx.Linear``, so ``jaxlowfp.qnnx.quantize_model`` can replace one by its graph path,
   e.g. ``blocks/3/mlp/gate_proj`` or ``blocks/0/attn/q_proj``.
 
 ``model(tokens)`` is the plain causal forward pass over positions ``0..T-1``. ``model(tokens, attention_mask=m)``
@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence, cast
 
 import jax
 import jax.numpy as jnp
@@ -279,7 +279,7 @@ class KVCache(NamedTuple):
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
     valid: jax.Array
-    index: jax.Array
+    index: jax.Array  # type: ignore[assignment]  # a NamedTuple field named like tuple.index
 
     @classmethod
     def init(cls, config: ModelConfig, batch: int, capacity: int, dtype: Any = None) -> "KVCache":
@@ -555,7 +555,7 @@ def _split_batch(batch: jax.Array) -> tuple[jax.Array, jax.Array]:
 def token_log_likelihood(model: Llama, batch: jax.Array) -> jax.Array:
     """``log p(batch[:, t+1] | batch[:, :t+1])`` for every position: float32 [B, T] from a [B, T+1] batch."""
     inputs, targets = _split_batch(jnp.asarray(batch))
-    logp = jax.nn.log_softmax(model(inputs), axis=-1)
+    logp = jax.nn.log_softmax(cast(jax.Array, model(inputs)), axis=-1)  # no cache given: logits only
     return jnp.take_along_axis(logp, targets.astype(jnp.int32)[..., None], axis=-1)[..., 0]
 
 
@@ -565,7 +565,7 @@ def loss_fn(model: Llama, batch: jax.Array) -> tuple[jax.Array, dict[str, jax.Ar
     aux: ``accuracy`` (top-1 next-byte accuracy, float32) and ``n_tokens`` (B*T, int32).
     """
     inputs, targets = _split_batch(jnp.asarray(batch))
-    logits = model(inputs)
+    logits = cast(jax.Array, model(inputs))  # no cache given: logits only
     targets = targets.astype(jnp.int32)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
     accuracy = (logits.argmax(-1) == targets).astype(jnp.float32).mean()
@@ -664,7 +664,7 @@ def generate(
         to_host = sharding.to_host  # gathers the rows of a multi-process mesh
     for step in range(max_new_tokens):
         host = to_host(nxt)
-        for i in np.flatnonzero(~done):
+        for i in np.flatnonzero(~done).tolist():
             out[i].append(int(host[i]))
             done[i] |= (eos_id is not None and int(host[i]) == eos_id) or (stop is not None and bool(stop(i, out[i])))
         if done.all() or step == max_new_tokens - 1:

@@ -6,7 +6,7 @@ The Four Over Six paper's PTQ setting: W4A4, weights quantized once (here: offli
 fake-quantized at run time with their current per-tensor amax, NVFP4 blocks of 16 along the GEMM reduction axis::
 
     rules  = [ptq.Rule(path=r"blocks/\\d+/(attn|mlp)/\\w+_proj", scheme=ptq.scheme("nvfp4-mse"))]
-    result = ptq.quantize(model, rules, method="gptq", calibration=tokens)   # tokens: int [n, seq]
+    result = ptq.quantize_model(model, rules, method="gptq", calibration=tokens)   # tokens: int [n, seq]
     print(result.report)                                  # what was quantized, kept, unmatched; unused rules
     ptq.export(model, result, "out/")                      # safetensors + config.json (compressed-tensors NVFP4)
     ptq.export_gguf(model, result, "m.gguf", source_gguf=path)   # llama.cpp NVFP4 / MXFP4
@@ -35,13 +35,14 @@ Schemes (`formats`): ``"nvfp4-static_6"``, ``"nvfp4-static_4"``, ``"nvfp4-abs_ma
 ...         return self.down_proj(nnx.relu(self.up_proj(x)))
 >>> model = MLP(nnx.Rngs(0))
 >>> x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 16, 32)), jnp.float32)
->>> res = ptq.quantize(model, [ptq.Rule(path="up_proj", scheme=ptq.scheme("nvfp4-mse")),
+>>> res = ptq.quantize_model(model, [ptq.Rule(path="up_proj", scheme=ptq.scheme("nvfp4-mse")),
 ...                            ptq.Rule(path="gate_proj", scheme=None)],
 ...                    method="gptq", calibration=[x], forward=lambda m, b: m(b), progress=False)
 >>> res.report.quantized, res.report.unmatched, res.report.unused_rules
 ((('up_proj', 'nvfp4-mse'),), ('down_proj',), ('gate_proj',))
 """
-from jaxlowfp.ptq.api import METHODS, RTN, PTQResult, Rule, method_from_name, quantize, smooth_model
+from jaxlowfp.ptq.api import METHODS, RTN, PTQResult, Rule, method_from_name, smooth_model
+from jaxlowfp.ptq.api import quantize as quantize_model
 from jaxlowfp.ptq.layers import ActQuant, EinsumActQuant
 from jaxlowfp.ptq.calibrate import LayerStats, collect
 from jaxlowfp.ptq.checkpoint import ExportReport, export, load
@@ -54,9 +55,14 @@ from jaxlowfp.ptq.smooth import AWQ, Fold, SmoothQuant
 
 __all__ = [
     "METHODS", "SCHEMES", "RTN", "GPTQ", "SmoothQuant", "AWQ", "Rule", "Scheme", "TensorFormat", "Fold",
-    "ActQuant", "EinsumActQuant", "PTQResult", "QuantizedWeight", "LayerStats", "quantize", "scheme",
+    "ActQuant", "EinsumActQuant", "PTQResult", "QuantizedWeight", "LayerStats", "quantize_model", "scheme",
     "method_from_name",
     "rtn_weight", "gptq_weight", "smooth_model", "collect", "export", "load", "ExportReport", "export_gguf",
     "GGUFReport", "ExportTensor",
     "pack", "PackedLinear", "PackReport",
 ]
+
+# old names (one release): `quantize` means x -> codes in the format modules; this one quantizes a model
+from jaxlowfp._core.deprecation import deprecated_getattr  # noqa: E402
+
+__getattr__ = deprecated_getattr(__name__, {"quantize": ("jaxlowfp.ptq.quantize_model", lambda: quantize_model)})

@@ -120,7 +120,7 @@ def collect(model: nnx.Module, paths: Sequence[str], batches: Iterable[Any], *,
 def _step(graphdef, state, batch, paths: tuple[str, ...], forward, hessian: bool, samples_per_batch: int):
     """One calibration batch: the statistics of every layer at `paths` (numpy-ready dicts)."""
     m = nnx.merge(graphdef, state)
-    sink: dict[str, jax.Array] = {}
+    sink: dict[str, tuple[jax.Array, tuple[int, ...]]] = {}  # path -> (layer input, contracted axes)
     mods = quantizable_modules(m)
     for p in paths:
         if p not in mods:
@@ -128,7 +128,8 @@ def _step(graphdef, state, batch, paths: tuple[str, ...], forward, hessian: bool
         recorder = _EinsumRecorder if hook_name(mods[p]) == "einsum_op" else _Recorder
         setattr(mods[p], hook_name(mods[p]), recorder(p, sink))
     forward(m, batch)
-    out, done = {}, {}
+    out: dict[str, Any] = {}
+    done: dict[tuple[int, Any], Any] = {}
     for p in paths:
         if p not in sink:
             raise ValueError(f"calibration: layer {p!r} was not called by the forward pass")

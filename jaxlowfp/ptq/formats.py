@@ -16,22 +16,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlowfp import formats, if4, mx, nvfp4, qat
+from jaxlowfp import formats, if4, mx, nvfp4, qat, registry
 from jaxlowfp.scaling import CurrentScaling, StaticScaling
 
-KINDS = ("nvfp4", "mxfp4", "hif8", "if4")
+KINDS = registry.PTQ_KINDS
 # how a W4A4 / W8A8 layer's run-time activation gets its amax: the whole input tensor's (the batch's: the Four Over
 # Six paper's PTQ setting; a score then depends on the other requests of its batch), each token's own (dynamic), or
 # the calibrated input amax (static: what the export writes as input_global_scale and vLLM applies)
 ACTIVATION_SCALES = ("tensor", "token", "static")
-NVFP4_RULES = tuple(nvfp4.ALL_RULES)
-IF4_RULES = tuple(if4.RULES)
+NVFP4_RULES = registry.NVFP4_RULES
+IF4_RULES = registry.IF_RULES
 TWO_LEVEL = ("nvfp4", "if4")  # E4M3 scales per 16 values and an FP32 tensor scale
 NVFP4_BLOCK_SHAPES = tuple(nvfp4.BLOCK_SHAPES)
 HIF8_TARGET = 15.0
@@ -56,14 +56,14 @@ class TensorFormat:
     """
 
     kind: str
-    rule: str | None = None
+    rule: nvfp4.NVFP4Rule | None = None  # NVFP4's rules; IF4 takes the 4/6 ones (if4.IFRule)
     block_shape: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         _one_of(self.kind, KINDS, "kind")
         if self.kind in TWO_LEVEL:
             object.__setattr__(self, "rule", "mse" if self.rule is None else self.rule)
-            bs = (1, 16) if self.block_shape is None else self.block_shape
+            bs: Any = (1, 16) if self.block_shape is None else self.block_shape
             bs = tuple(bs) if isinstance(bs, (list, tuple)) else bs
             _one_of(self.rule, NVFP4_RULES if self.kind == "nvfp4" else IF4_RULES, "rule")
             _one_of(bs, NVFP4_BLOCK_SHAPES, "block_shape")
@@ -95,9 +95,9 @@ class TensorFormat:
         if self.kind == "nvfp4":
             return nvfp4.fake_quantize(x, rule=self.rule, block_shape=self.block_shape)
         if self.kind == "if4":
-            return if4.fake_quantize(x, rule=self.rule, block_shape=self.block_shape)
+            return if4.fake_quantize(x, rule=cast(if4.IFRule, self.rule), block_shape=self.block_shape)
         if self.kind == "mxfp4":
-            return mx.fake_quantize(x, elem="e2m1")
+            return mx.fake_quantize(x, format="e2m1")
         return hif8_fake_quantize(x)
 
 
@@ -178,8 +178,7 @@ class Scheme:
                                  f"of 16; got {out_features}")
 
 
-SCHEMES = ("nvfp4-static_6", "nvfp4-static_4", "nvfp4-abs_max", "nvfp4-mae", "nvfp4-mse", "mxfp4", "hif8",
-           "nvfp4-search", "if4-mse", "if4-mae", "if4-abs_max")
+SCHEMES = registry.PTQ_FORMATS
 
 
 def scheme(name: str, *, weights_only: bool = False, weight_block: tuple[int, int] = (1, 16)) -> Scheme:
@@ -192,8 +191,8 @@ def scheme(name: str, *, weights_only: bool = False, weight_block: tuple[int, in
     _one_of(name, SCHEMES, "scheme")
     kind = name.split("-", 1)[0]
     if kind in TWO_LEVEL:
-        rule = name.split("-", 1)[1]
-        w = TensorFormat(kind=kind, rule=rule, block_shape=tuple(weight_block))
+        rule = cast(nvfp4.NVFP4Rule, name.split("-", 1)[1])
+        w = TensorFormat(kind=kind, rule=rule, block_shape=cast(tuple[int, int], tuple(weight_block)))
         a = TensorFormat(kind=kind, rule="mse" if rule == "search" else rule)
     else:
         if tuple(weight_block) != (1, 16):
@@ -269,7 +268,7 @@ def block_global_scales(fmt: TensorFormat, amax: jax.Array) -> tuple[jax.Array, 
 def if4_fix(cols: jax.Array, fmt: TensorFormat, global_amax: jax.Array) -> jax.Array:
     """IF4's block scale and grid choice (float32 per row [out]) of the 16 columns `cols` [out, 16] as they stand:
     the E4M3 scale value, negated for an INT block (fouroversix's sign-bit flag, as a float)."""
-    arr = if4.quantize(cols, rule=fmt.rule, block_shape=fmt.block_shape, global_amax=global_amax)
+    arr = if4.quantize(cols, rule=cast(if4.IFRule, fmt.rule), block_shape=fmt.block_shape, global_amax=global_amax)
     s = arr.scales.astype(jnp.float32).reshape(-1)
     return jnp.repeat(s, fmt.rows) if fmt.rows > 1 else s
 
@@ -292,7 +291,7 @@ def if4_column(col: jax.Array, p: jax.Array, s_dec: jax.Array) -> tuple[jax.Arra
 
 def mxfp4_fix(cols: jax.Array) -> jax.Array:
     """The E8M0 block scale 2^e (float32, per row [out]) of 32 columns `cols` [out, 32] as they stand."""
-    return mx.quantize(cols, elem="e2m1").scales.astype(jnp.float32).reshape(-1)
+    return mx.quantize(cols, format="e2m1").scales.astype(jnp.float32).reshape(-1)
 
 
 def mxfp4_column(col: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:

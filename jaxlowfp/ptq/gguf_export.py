@@ -124,7 +124,7 @@ def mxfp4_bytes(w: np.ndarray) -> np.ndarray:
     """GGUF MXFP4 rows (uint8 [out, in / 32 * 17]) of a float32 weight [out, in] whose blocks are already MXFP4
     values: re-quantized with `jaxlowfp.mx` (exact for such values) and checked."""
     out, k = w.shape
-    q = mx.quantize(w, elem="e2m1")
+    q = mx.quantize(w, format="e2m1")
     back = np.asarray(mx.dequantize(q, np.float32))
     if not np.array_equal(back, w):
         raise ValueError("the weight is not an MXFP4 tensor (its re-quantization changed values)")

@@ -167,7 +167,8 @@ def gptq_weight(kernel: jax.Array, hessian: jax.Array, fmt: TensorFormat, cfg: G
     dead = np.diag(h) == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    amax = jnp.max(jnp.abs(kernel)) if global_amax is None else jnp.asarray(global_amax, jnp.float32)  # original weights
+    # the original weights' amax
+    amax = jnp.max(jnp.abs(kernel)) if global_amax is None else jnp.asarray(global_amax, jnp.float32)
     perm = np.argsort(-np.diag(h), kind="stable") if cfg.act_order else np.arange(n_in)
     pos = np.argsort(perm)  # processing position of each original column
     hp = h[perm][:, perm]
@@ -195,8 +196,9 @@ def gptq_weight(kernel: jax.Array, hessian: jax.Array, fmt: TensorFormat, cfg: G
     else:
         params0 = jnp.zeros((n_groups, out), jnp.float32)
     chunk = int(np.gcd(n_in, cfg.block_size))
-    qv, deq, params = _gptq(jnp.asarray(w[:, perm]), jnp.asarray(u), jnp.asarray(group_of, jnp.int32), jnp.asarray(first),
-                            jnp.asarray(group_cols, jnp.int32), params0, amax, fmt=fmt, chunk=chunk)
+    qv, deq, params = _gptq(jnp.asarray(w[:, perm]), jnp.asarray(u), jnp.asarray(group_of, jnp.int32),
+                            jnp.asarray(first), jnp.asarray(group_cols, jnp.int32), params0, amax, fmt=fmt,
+                            chunk=chunk)
     return QuantizedWeight(*_finish(qv, deq, params, jnp.asarray(pos, jnp.int32), amax, fmt=fmt))
 
 

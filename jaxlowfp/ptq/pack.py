@@ -173,7 +173,7 @@ def pack(model: nnx.Module, result: PTQResult, *, backend: str = "auto", paths: 
     arrays, in place (module docstring).
 
     Args:
-      model: the model `result` came from (``result = jaxlowfp.ptq.quantize(model, ...)``).
+      model: the model `result` came from (``result = jaxlowfp.ptq.quantize_model(model, ...)``).
       result: its `PTQResult`.
       backend: "auto", "scaled_matmul", "fp8" or "dequant" (`jaxlowfp.backends`); an explicit one is checked for
         every layer on `device` before anything changes.

@@ -40,6 +40,7 @@ import dataclasses
 import functools
 import re
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -186,7 +187,7 @@ def check_fold(model_mods: dict, fold: Fold) -> None:
 
 def apply_fold(model_mods: dict, fold: Fold, s: np.ndarray) -> None:
     """Divide prev's output channels by `s` and multiply the group's kernel rows by `s` (in place)."""
-    s = jnp.asarray(s, jnp.float32)
+    s = jnp.asarray(s, jnp.float32)  # type: ignore[assignment]  # numpy in, one float32 jax array here
     prev = model_mods[fold.prev]
     if isinstance(prev, nnx.Linear):
         prev.kernel.set_value(prev.kernel[...] / s[None, :])
@@ -214,9 +215,10 @@ def smoothquant_scales(x_amax: np.ndarray, kernels: Sequence[jax.Array], alpha: 
 def awq_w_mean(kernels: Sequence[jax.Array], group: int | None) -> np.ndarray:
     """llm-compressor's ``_compute_layer_means``: per input channel, the mean over every output row of the fold's
     layers of |W| divided by (its block's max |W| + 1e-6) (blocks of `group` inputs; None: one per row)."""
-    total, rows = 0.0, 0
+    total: Any = 0.0
+    rows = 0
     for k in kernels:
-        w = np.abs(np.asarray(k, np.float32).T)  # [out, in]
+        w: Any = np.abs(np.asarray(k, np.float32).T)  # [out, in]
         g = group or w.shape[1]
         blocks = w.reshape(w.shape[0], -1, g)
         w = (blocks / (blocks.max(axis=2, keepdims=True) + np.float32(1e-6))).reshape(w.shape)
@@ -229,8 +231,8 @@ def awq_candidates(x_mean: np.ndarray, w_mean: np.ndarray, params: Sequence[tupl
     """Candidate scales [len(params), in] (module docstring; llm-compressor's formula and normalisation)."""
     x = np.asarray(x_mean, np.float32)
     out = []
-    for r, duo in params:
-        r = np.float32(r)
+    for r_, duo in params:
+        r = np.float32(r_)
         if duo:
             s = np.maximum(x ** r / (np.asarray(w_mean, np.float32) ** (1 - r) + np.float32(1e-4)), np.float32(1e-4))
         else:

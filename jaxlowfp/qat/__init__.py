@@ -46,7 +46,7 @@ anyway. The int32 counters are exact: tensors of 2**31 elements or more are refu
 >>> y.tolist(), float(stats.amax_estimate), round(float(stats.saturated_fraction), 3)
 ([1.0, -2.0, 3.0], 3.0, 0.333)
 """
-from jaxlowfp.qat.fake_quant import fake_quant, scaled_round
+from jaxlowfp.qat.scaled_quant import fake_quant, scaled_round
 from jaxlowfp.qat.matmul import dot_general, linear
 from jaxlowfp.qat.spec import (
     CLIPS,
@@ -62,6 +62,7 @@ from jaxlowfp.qat.spec import (
     hif8_w8a8,
     if4_training,
     if4_w4a4,
+    named_recipe,
     nvfp4_training,
     nvfp4_w4a4,
 )
@@ -84,4 +85,5 @@ __all__ = [
     "nvfp4_training",
     "if4_w4a4",
     "if4_training",
+    "named_recipe",
 ]

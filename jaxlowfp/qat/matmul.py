@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.lax import PrecisionLike
+from jax.typing import ArrayLike, DTypeLike
 
 from jaxlowfp._core.checks import bool_flag, float_input
 from jaxlowfp._core.reduce import abs_max
 from jaxlowfp.hadamard import hadamard16
-from jaxlowfp.qat.fake_quant import (fixed_estimate, keep_mask, need_key, nvfp4_fake_quant, quantize, round_with,
+from jaxlowfp.qat.scaled_quant import (fixed_estimate, keep_mask, need_key, nvfp4_fake_quant, quantize,
+                                       reverse_mode_only, round_with,
                                      select, straight_through)
 from jaxlowfp.qat.spec import QuantSpec, Recipe, RecipeState, RecipeStats, check_size, convention
 from jaxlowfp.scaling import AmaxHistory, CurrentScaling, PendingAmax, record_pending
@@ -46,13 +50,14 @@ class _DotConfig:
     preferred_element_type: Any
     recipe: Recipe
     observe: bool | None  # a static observe_only flag; None: traced, passed as an argument
+    where: str = "qat.dot_general"  # the layer, for errors
 
 
 def _dot(cfg: _DotConfig, a: jax.Array, b: jax.Array) -> jax.Array:
     return lax.dot_general(a, b, cfg.dn, precision=cfg.precision, preferred_element_type=cfg.preferred_element_type)
 
 
-def _quantize_grad(g: jax.Array, spec: QuantSpec, key: Any, axis: int) -> jax.Array:
+def _quantize_grad(g: jax.Array, spec: QuantSpec, key: jax.Array | None, axis: int) -> jax.Array:
     """Current-scaling quantization of a backward operand (no state, no stats); NVFP4 blocks along `axis`."""
     return quantize(g, spec.init(), spec, False, key, axis).y
 
@@ -75,7 +80,7 @@ class _Ctx(NamedTuple):
     grad_hist: AmaxHistory | None  # delayed gradient scaling: the output gradient's history
 
 
-def _requantize(x: jax.Array, spec: QuantSpec | None, est: Any, key: Any, axis: int,
+def _requantize(x: jax.Array, spec: QuantSpec | None, est: jax.Array | None, key: jax.Array | None, axis: int,
                 observe: bool | jax.Array) -> tuple[jax.Array, jax.Array | None]:
     """The forward's quantized operand and masked-STE mask, recomputed from high precision (bit for bit)."""
     if spec is None:
@@ -91,7 +96,41 @@ def _qdot(cfg: _DotConfig, lhs, rhs, lhs_q, rhs_q, ctx: _Ctx, pending):
     return out if pending is None else (out, PendingAmax.none())
 
 
+def _token_block(recipe: Recipe) -> int:
+    """The multiple of tokens the backward pass needs: its weight gradient ``lhs^T . g`` contracts the token axis,
+    and a block-scaled recipe blocks (NVFP4 / IF4: 16 elements) or rotates (Hadamard: 16 points) both of its operands
+    along it. 1: no such requirement."""
+    gs, act = recipe.grad, recipe.activation
+    if gs is None:
+        return 1
+    sizes = [1]
+    if gs.hadamard:
+        sizes.append(16)
+    if gs.is_nvfp4:
+        sizes.append(int(gs.block_shape[-1]))
+    if act is not None and act.is_nvfp4:
+        sizes.append(int(act.block_shape[-1]))
+    return math.lcm(*sizes)
+
+
+def _check_tokens(cfg: _DotConfig, lhs: jax.Array) -> None:
+    """Refuse, at trace time of the differentiated forward, a token count the backward cannot block."""
+    block = _token_block(cfg.recipe)
+    n = math.prod(lhs.shape[:-1])
+    if n % block:
+        what = "blocks (NVFP4/IF4 scales per 16 elements) and rotates (16-point Hadamard)" if cfg.recipe.grad.hadamard \
+            else "blocks (NVFP4/IF4 scales per 16 elements)"
+        raise ValueError(
+            f"{cfg.where}: recipe {cfg.recipe.name!r} {what} the weight gradient's operands along the token axis, so "
+            f"the number of tokens (the product of the activation's leading axes, shape {tuple(lhs.shape)}) must be "
+            f"a multiple of {block}; got {n}. Pad or pack the batch to a multiple of {block} tokens (batch x "
+            f"sequence), or quantize this layer with a recipe that keeps gradients in high precision (e.g. "
+            f"qat.nvfp4_w4a4) for small batches. A forward pass without gradients (evaluation, generation) takes "
+            f"any number of tokens.")
+
+
 def _qdot_fwd(cfg, lhs, rhs, lhs_q, rhs_q, ctx, pending):
+    _check_tokens(cfg, lhs)  # traced only when differentiated: the backward's requirement, before it is traced
     # Residuals: the high-precision operands (alive anyway: the weight is a parameter, the activation usually the
     # previous layer's residual) and scalars; the quantized copies are recomputed in the backward pass.
     return _qdot(cfg, lhs, rhs, lhs_q, rhs_q, ctx, pending), (lhs, rhs, ctx)
@@ -167,16 +206,17 @@ def _global_amax(spec: QuantSpec, est: jax.Array) -> jax.Array | None:
 
 
 def dot_general(
-    lhs: Any,
-    rhs: Any,
+    lhs: ArrayLike,
+    rhs: ArrayLike,
     dimension_numbers: DimensionNumbers,
     *,
     recipe: Recipe,
     state: RecipeState,
     observe_only: bool | jax.Array = False,
     key: jax.Array | None = None,
-    precision: Any = None,
-    preferred_element_type: Any = None,
+    precision: PrecisionLike = None,
+    preferred_element_type: DTypeLike | None = None,
+    where: str = "",
 ) -> tuple[jax.Array, RecipeState, RecipeStats]:
     """``lax.dot_general`` with `lhs` (activation) and `rhs` (weight) fake-quantized per `recipe`.
 
@@ -189,14 +229,19 @@ def dot_general(
     re-quantized from high precision with blocks along the GEMM's contraction axis, and ``grad.hadamard`` rotates
     both wgrad operands along the token axis. NVFP4 and Hadamard need the linear layout ``lhs [..., K]``,
     ``rhs [K, M]``; the per-tensor 8-bit formats accept any dimension numbers. ``observe_only`` makes forward and
-    backward exactly the high-precision ones.
+    backward exactly the high-precision ones. A recipe that blocks or rotates the weight gradient along the tokens
+    (``nvfp4_training``, ``if4_training``) needs a multiple of 16 tokens (``prod(lhs.shape[:-1])``) when
+    differentiated: refused when the gradient is traced, before the backward pass. The straight-through gradient
+    is reverse mode only (``jax.jvp`` raises, naming `where`), except with a static ``observe_only=True`` and a
+    recipe without delayed gradient scaling, which is plain JAX. `where` names the layer in errors.
 
     Returns ``(out, new_state, stats)`` with a :class:`RecipeState` and :class:`RecipeStats`.
     """
+    where = where or "qat.dot_general"
     if not isinstance(recipe, Recipe):
-        raise TypeError(f"recipe must be a Recipe; got {type(recipe).__name__}")
+        raise TypeError(f"{where}: recipe must be a Recipe; got {type(recipe).__name__}")
     if not isinstance(state, RecipeState):
-        raise TypeError(f"state must be a RecipeState (recipe.init()); got {type(state).__name__}")
+        raise TypeError(f"{where}: state must be a RecipeState (recipe.init()); got {type(state).__name__}")
     lhs = float_input(lhs, "lhs")
     rhs = float_input(rhs, "rhs")
     dn = _normalize_dn(dimension_numbers)
@@ -206,9 +251,9 @@ def dot_general(
     needs_layout |= any(s is not None and s.is_block_scaled for s in (recipe.weight, recipe.activation, recipe.grad))
     if needs_layout and not linear_layout:
         raise NotImplementedError(
-            f"recipe {recipe.name!r} uses block scales (NVFP4, IF4, MX) or the Hadamard transform, which need the "
-            f"linear layout "
-            f"lhs [..., K] . rhs [K, M] (dimension_numbers (((lhs.ndim-1,), (0,)), ((), ()))); got "
+            f"{where}: recipe {recipe.name!r} uses block scales (NVFP4, IF4, MX) or the Hadamard transform, which "
+            f"need the linear layout lhs [..., K] . rhs [K, M] (dimension_numbers (((lhs.ndim-1,), (0,)), ((), "
+            f"()))); got "
             f"dimension_numbers={dn}, lhs {lhs.shape}, rhs {rhs.shape}"
         )
     keys = [None, None, None] if key is None else list(jax.random.split(key, 3))
@@ -217,8 +262,8 @@ def dot_general(
             need_key(spec, key, f"recipe.{role}")
     if recipe.delayed_grad and not (isinstance(state.grad, AmaxHistory)
                                     and isinstance(state.grad_pending, PendingAmax)):
-        raise ValueError(f"recipe {recipe.name!r} scales the output gradient with delayed scaling, but the state has "
-                         f"no gradient history (grad={type(state.grad).__name__}, grad_pending="
+        raise ValueError(f"{where}: recipe {recipe.name!r} scales the output gradient with delayed scaling, but "
+                         f"the state has no gradient history (grad={type(state.grad).__name__}, grad_pending="
                          f"{type(state.grad_pending).__name__}); build the state with recipe.init()")
     if recipe.activation is not None:
         qa = quantize(lhs, state.activation, recipe.activation, observe, keys[0], axis=-1)
@@ -231,42 +276,60 @@ def dot_general(
     else:
         rhs_q, keep_r, st_w, stats_w, est_r = lax.stop_gradient(rhs), None, state.weight, None, None
     static_obs = observe if isinstance(observe, bool) else None
-    cfg = _DotConfig(dn, precision, preferred_element_type, recipe, static_obs)
+    cfg = _DotConfig(dn, precision, preferred_element_type, recipe, static_obs, where)
     grad_hist, pending = state.grad, state.grad_pending
-    if recipe.grad is None:
-        out = _dot(cfg, straight_through(lhs, lhs_q, keep_l), straight_through(rhs, rhs_q, keep_r))
+    what = f"recipe {recipe.name!r}"
+    if static_obs is True and not recipe.delayed_grad:
+        # observing: both operands are the high-precision ones bitwise and every gradient the plain one (the custom
+        # backward selects the high-precision operands), so the plain op is the same function, forward mode included
+        out = _dot(cfg, lhs, rhs)
+    elif recipe.grad is None:
+        out = _dot(cfg, reverse_mode_only(straight_through, lhs, lhs_q, keep_l, where=where, what=what),
+                   reverse_mode_only(straight_through, rhs, rhs_q, keep_r, where=where, what=what))
     else:
         check_size(jax.eval_shape(lambda a, b: _dot(cfg, a, b), lhs_q, rhs_q).shape, "the output gradient")
         traced_obs = None if static_obs is not None else observe
-        ctx = _Ctx(est_l, est_r, keys[0], keys[1], keys[2], traced_obs, None)
+        ctx = _Ctx(est_l, est_r, keys[0], keys[1], keys[2], cast(jax.Array | None, traced_obs), None)
         if recipe.delayed_grad:  # record the amax the last backward pass reported, then hand the history over
             grad_hist = record_pending(recipe.grad.scaling, state.grad, lax.stop_gradient(pending))
-            out, pending = _qdot(cfg, lhs, rhs, lhs_q, rhs_q, ctx._replace(grad_hist=lax.stop_gradient(grad_hist)),
-                                 pending)
+            out, pending = reverse_mode_only(
+                _qdot, cfg, lhs, rhs, lhs_q, rhs_q, ctx._replace(grad_hist=lax.stop_gradient(grad_hist)), pending,
+                where=where, what=what)
         else:
-            out = _qdot(cfg, lhs, rhs, lhs_q, rhs_q, ctx, None)
+            out = reverse_mode_only(_qdot, cfg, lhs, rhs, lhs_q, rhs_q, ctx, None, where=where, what=what)
     new_state = RecipeState(weight=st_w, activation=st_a, grad=grad_hist, grad_pending=pending)
     return out, new_state, RecipeStats(weight=stats_w, activation=stats_a)
 
 
 def linear(
-    x: Any,
-    w: Any,
+    x: ArrayLike,
+    w: ArrayLike,
     *,
     recipe: Recipe,
     state: RecipeState,
     observe_only: bool | jax.Array = False,
     key: jax.Array | None = None,
-    precision: Any = None,
-    preferred_element_type: Any = None,
+    precision: PrecisionLike = None,
+    preferred_element_type: DTypeLike | None = None,
+    where: str = "",
 ) -> tuple[jax.Array, RecipeState, RecipeStats]:
     """``x @ w`` quantized per `recipe`: x [..., in], w [in, out] (``nnx.Linear``'s kernel layout).
 
-    Same as :func:`dot_general` with ``dimension_numbers=(((x.ndim - 1,), (0,)), ((), ()))``.
+    Same as :func:`dot_general` with ``dimension_numbers=(((x.ndim - 1,), (0,)), ((), ()))``. `w` must be 2-D and
+    `x` at least 1-D with ``x.shape[-1] == w.shape[0]``. `where` names the layer in errors.
     """
+    where = where or "qat.linear"
     x = float_input(x, "x")
+    w = float_input(w, "w")
+    if w.ndim != 2:
+        raise ValueError(f"{where}: the weight w must be 2-D [in_features, out_features] (nnx.Linear's kernel "
+                         f"layout); got shape {tuple(w.shape)}. Reshape a vector to [in, 1] (or [1, out]), or use "
+                         f"qat.dot_general / jaxlowfp.qat.contract.contract for other layouts")
+    if x.ndim < 1 or x.shape[-1] != w.shape[0]:
+        raise ValueError(f"{where}: x [..., in_features] and w [in_features, out_features] must agree on "
+                         f"in_features; got x {tuple(x.shape)} and w {tuple(w.shape)}")
     return dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), recipe=recipe, state=state,
                        observe_only=observe_only, key=key, precision=precision,
-                       preferred_element_type=preferred_element_type)
+                       preferred_element_type=preferred_element_type, where=where)
 
 

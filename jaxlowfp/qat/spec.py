@@ -4,25 +4,26 @@ their state and statistics pytrees, and the recipe factories (``hif8_w8a8``, ``n
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, cast
 
 import jax
 import numpy as np
 
-from jaxlowfp import dispatch, formats
+from jaxlowfp import dispatch, formats, registry
 from jaxlowfp._core.checks import one_of
-from jaxlowfp._core.if4_blocks import RULES as IF4_RULES
-from jaxlowfp._core.if4_blocks import IFConfig
-from jaxlowfp._core.nvfp4_blocks import ALL_RULES, BLOCK_SHAPES, NVFP4Config
-from jaxlowfp.scaling import AmaxHistory, CurrentScaling, DelayedScaling, PendingAmax, Scaling, StaticScaling
+from jaxlowfp._core.if4_blocks import IFConfig, IFRule
+from jaxlowfp._core.nvfp4_blocks import NVFP4Config, NVFP4Rule, Rounding
+from jaxlowfp.scaling import (Algorithm, AmaxHistory, Convention, CurrentScaling, DelayedScaling, PendingAmax,
+                              Scaling, StaticScaling)
 
-FORMATS = ("hif8", "e4m3", "e5m2", "nvfp4", "if4", "mxfp4", "mxfp8")
+FORMATS = registry.QAT_FORMATS
 MX_ELEMENTS = {"mxfp4": "e2m1", "mxfp8": "e4m3"}  # OCP MX: E8M0 scale per 32 values along K
 CLIPS = ("target", "format")
 STES = ("identity", "masked")
-ROUNDINGS = ("nearest", "stochastic", "stochastic_unbiased", "ms_eden")
-NVFP4_RULES = ALL_RULES
-NVFP4_BLOCKS = BLOCK_SHAPES
+ROUNDINGS = registry.ROUNDINGS
+NVFP4_RULES = registry.NVFP4_RULES
+IF4_RULES = registry.IF_RULES
+NVFP4_BLOCKS = registry.NVFP4_BLOCK_SHAPES
 NVFP4_ELEMENT_MAX = 6.0  # E2M1
 KERNELS = {"hif8": "hif8.scaled_fake_quant", "nvfp4": "nvfp4.fake_quantize"}  # kernel names in jaxlowfp.dispatch
 MAX_ELEMENTS = 2**31 - 1  # the int32 counters of QuantStats (sums over the tensor) are exact up to here
@@ -77,14 +78,14 @@ class QuantSpec:
       backend: the Pallas backend of ``impl="pallas"``/``"auto"``: "triton" or "mosaic" (Mosaic GPU, sm_90+).
     """
 
-    format: Literal["hif8", "e4m3", "e5m2", "nvfp4"] = "hif8"
+    format: Literal["hif8", "e4m3", "e5m2", "nvfp4", "if4", "mxfp4", "mxfp8"] = "hif8"
     scaling: Scaling | None = None
     target_max: float | None = None
     clip: Literal["target", "format"] = "target"
     ste: Literal["identity", "masked"] = "identity"
-    rule: str | None = None
+    rule: NVFP4Rule | None = None  # NVFP4's rules; IF4 takes the 4/6 ones (IFRule)
     block_shape: tuple[int, int] | None = None
-    rounding: Literal["nearest", "stochastic", "stochastic_unbiased"] = "nearest"
+    rounding: Rounding = "nearest"
     hadamard: bool = False
     impl: Literal["auto", "xla", "pallas"] = "auto"
     backend: Literal["triton", "mosaic"] = "triton"
@@ -102,7 +103,7 @@ class QuantSpec:
         one_of(self.ste, STES, "ste")
         if self.impl == "pallas" and getattr(self.scaling, "convention", "default") != "default":
             raise ValueError(f"impl='pallas': the kernel scales by 1 / scale, not the way convention="
-                             f"{self.scaling.convention!r} does; use impl='xla' or 'auto'")
+                             f"{getattr(self.scaling, 'convention', 'default')!r} does; use impl='xla' or 'auto'")
         one_of(self.rounding, ROUNDINGS, "rounding")
         if not isinstance(self.hadamard, bool):
             raise TypeError(f"hadamard must be a bool; got {self.hadamard!r}")
@@ -163,7 +164,7 @@ class QuantSpec:
         if self.format == "nvfp4":  # the combinations the quantizer accepts (e.g. ms_eden: static_6, 1x16)
             NVFP4Config(rule=self.rule, block_shape=self.block_shape, rounding=self.rounding)
         else:
-            IFConfig(format="if4", rule=self.rule, block_shape=self.block_shape, rounding=self.rounding)
+            IFConfig(format="if4", rule=cast(IFRule, self.rule), block_shape=self.block_shape, rounding=self.rounding)
 
     @property
     def is_nvfp4(self) -> bool:
@@ -326,7 +327,7 @@ class Recipe:
 
 
 def hif8_w8a8(
-    *, algorithm: str = "max_window", history_len: int = 64, target_max: float = 15.0, margin: float = 0.0
+    *, algorithm: Algorithm = "max_window", history_len: int = 64, target_max: float = 15.0, margin: float = 0.0
 ) -> Recipe:
     """The Max-Window paper's HiF8 W8A8 QAT: per-tensor delayed scaling (max over 64 steps), clip at 15,
     straight-through backward, gradients not quantized."""
@@ -335,13 +336,13 @@ def hif8_w8a8(
     return Recipe(weight=spec, activation=spec, grad=None, name="hif8_w8a8")
 
 
-def nvfp4_w4a4(rule: str = "mse") -> Recipe:
+def nvfp4_w4a4(rule: NVFP4Rule = "mse") -> Recipe:
     """NVFP4 W4A4 (fouroversix PTQ / fake-quant): 1x16 blocks, current per-tensor amax, round to nearest."""
     spec = QuantSpec(format="nvfp4", rule=rule, block_shape=(1, 16))
     return Recipe(weight=spec, activation=spec, grad=None, name=f"nvfp4_w4a4_{rule}")
 
 
-def nvfp4_training(rule: str = "mse", grad_rounding: str = "stochastic") -> Recipe:
+def nvfp4_training(rule: NVFP4Rule = "mse", grad_rounding: Rounding = "stochastic") -> Recipe:
     """NVFP4 training (NVIDIA recipe, fouroversix's FourOverSixLinearFunction): 16x16 weight blocks, 1x16
     activation and gradient blocks, stochastic rounding on gradients, Hadamard on both wgrad operands.
     ``grad_rounding``: "stochastic" (default), "stochastic_unbiased" or "ms_eden" (Quartet II; its gradients use
@@ -356,14 +357,14 @@ def nvfp4_training(rule: str = "mse", grad_rounding: str = "stochastic") -> Reci
     )
 
 
-def if4_w4a4(rule: str = "mse") -> Recipe:
+def if4_w4a4(rule: IFRule = "mse") -> Recipe:
     """IF4 W4A4 (fouroversix ``DataType.if4`` PTQ / fake-quant): 1x16 blocks, current per-tensor amax, round to
     nearest, each block on the E2M1 or INT4 grid by `rule`."""
     spec = QuantSpec(format="if4", rule=rule, block_shape=(1, 16))
     return Recipe(weight=spec, activation=spec, grad=None, name=f"if4_w4a4_{rule}")
 
 
-def if4_training(rule: str = "mse", grad_rounding: str = "stochastic_unbiased") -> Recipe:
+def if4_training(rule: IFRule = "mse", grad_rounding: Rounding = "stochastic_unbiased") -> Recipe:
     """IF4 training as fouroversix's ``transformer_340M_if4.json`` (IF4 with ``scale_rule`` mse,
     ``gradient_round_style`` stochastic_unbiased) on the layout of :func:`nvfp4_training` (16x16 weight tiles,
     Hadamard on both wgrad operands); ``grad_rounding="ms_eden"`` is its ``_mseden`` variant's gradient rounding
@@ -380,7 +381,7 @@ def if4_training(rule: str = "mse", grad_rounding: str = "stochastic_unbiased") 
 
 
 def fp8_delayed(
-    *, history_len: int = 1024, margin: int = 0, algorithm: str = "max_window", convention: str = "default"
+    *, history_len: int = 1024, margin: int = 0, algorithm: Algorithm = "max_window", convention: Convention = "default"
 ) -> Recipe:
     """FP8 with delayed scaling, as in Transformer Engine and Flax ``fp8_ops``: E4M3 weights and activations, E5M2
     output gradients, each with its own amax history (max over the last `history_len` = 1024 steps), the amax
@@ -388,7 +389,7 @@ def fp8_delayed(
 
     ``convention="flax"`` reproduces ``flax.linen.fp8_ops.Fp8DotGeneralOp`` bit for bit (outputs, gradients,
     histories), ``"te"`` Transformer Engine's scales and codes; see ``docs/from_flax_fp8_and_te.md``."""
-    def spec(fmt: str, target: float) -> QuantSpec:
+    def spec(fmt: Literal["e4m3", "e5m2"], target: float) -> QuantSpec:
         s = DelayedScaling(algorithm=algorithm, history_len=history_len, target_max=target, margin=margin,
                            convention=convention)
         return QuantSpec(format=fmt, scaling=s, clip="format", ste="identity")
@@ -396,3 +397,20 @@ def fp8_delayed(
     fwd = spec("e4m3", formats.E4M3.max_finite)
     return Recipe(weight=fwd, activation=fwd, grad=spec("e5m2", formats.E5M2.max_finite),
                   name=f"fp8_delayed_{convention}" if convention != "default" else "fp8_delayed")
+
+
+def named_recipe(name: str) -> Recipe:
+    """The W-A recipe of a name in :data:`jaxlowfp.registry.EVAL_QUANTIZE` (what the lm-eval backend's
+    ``quantize=`` and ``python -m train eval --quantize`` take): ``hif8`` (:func:`hif8_w8a8`), ``fp8``
+    (:func:`fp8_delayed`), ``nvfp4`` (:func:`nvfp4_w4a4` with 4/6 ``mse``), ``nvfp4-<rule>``, ``if4-<rule>``
+    (:func:`if4_w4a4`)."""
+    if name not in registry.EVAL_QUANTIZE or name == "none":
+        raise ValueError(f"recipe name {name!r}; allowed: {', '.join(registry.EVAL_QUANTIZE[1:])}")
+    if name == "hif8":
+        return hif8_w8a8()
+    if name == "fp8":
+        return fp8_delayed()
+    if name == "nvfp4":
+        return nvfp4_w4a4("mse")
+    kind, rule = name.split("-", 1)
+    return if4_w4a4(cast(IFRule, rule)) if kind == "if4" else nvfp4_w4a4(cast(NVFP4Rule, rule))

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from jax.typing import ArrayLike
 
 from jaxlowfp._core.checks import integer
 
@@ -27,11 +28,11 @@ class Warmup:
     def __post_init__(self) -> None:
         object.__setattr__(self, "steps", integer(self.steps, "steps"))
 
-    def observe_only(self, step: Any) -> jax.Array:
+    def observe_only(self, step: ArrayLike) -> jax.Array:
         """bool[] ``step < steps``: pass as ``observe_only=`` (traced steps do not retrace)."""
         return jnp.asarray(step) < self.steps
 
-    def quantize(self, step: Any) -> jax.Array:
+    def quantize(self, step: ArrayLike) -> jax.Array:
         """bool[] ``step >= steps``."""
         return jnp.logical_not(self.observe_only(step))
 

@@ -23,14 +23,15 @@ cloned, and the new `QuantLinear` holds the very same `nnx.Param` objects as the
 ...     def __init__(self, rngs):
 ...         self.up_proj, self.down_proj = nnx.Linear(16, 32, rngs=rngs), nnx.Linear(32, 16, rngs=rngs)
 >>> model = MLP(nnx.Rngs(0))
->>> report = qnnx.quantize(model, [qnnx.Rule(path="up_proj", recipe=qat.hif8_w8a8()),
+>>> report = qnnx.quantize_model(model, [qnnx.Rule(path="up_proj", recipe=qat.hif8_w8a8()),
 ...                                qnnx.Rule(path="gate_proj", recipe=qat.hif8_w8a8())])   # a typo'd rule
 >>> type(model.up_proj).__name__, report.unmatched, report.unused_rules
 ('QuantLinear', ('down_proj',), ('gate_proj',))
 """
 from jaxlowfp.qnnx.layer import (AmaxState, QuantEinsum, QuantLinear, QuantLinearGeneral, QuantOp, QuantPhase,
                                  QuantRaggedOp, QuantStatsState)
-from jaxlowfp.qnnx.rules import iter_quant_linears, iter_quant_ops, paper_rules, quantize
+from jaxlowfp.qnnx.rules import iter_quant_linears, iter_quant_ops, paper_rules
+from jaxlowfp.qnnx.rules import quantize as quantize_model
 from jaxlowfp.rules import QuantizeReport, Rule
 from jaxlowfp.qnnx.telemetry import collect_stats, max_saturated_fraction, set_observe_only
 
@@ -45,7 +46,7 @@ __all__ = [
     "QuantRaggedOp",
     "Rule",
     "QuantizeReport",
-    "quantize",
+    "quantize_model",
     "paper_rules",
     "set_observe_only",
     "collect_stats",
@@ -53,3 +54,8 @@ __all__ = [
     "iter_quant_linears",
     "iter_quant_ops",
 ]
+
+# old names (one release): `quantize` means x -> codes in the format modules; this one quantizes a model
+from jaxlowfp._core.deprecation import deprecated_getattr  # noqa: E402
+
+__getattr__ = deprecated_getattr(__name__, {"quantize": ("jaxlowfp.qnnx.quantize_model", lambda: quantize_model)})

@@ -13,11 +13,13 @@ Conventions "te" and "flax" of :class:`~jaxlowfp.scaling.DelayedScaling` round `
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.typing import ArrayLike
 
 from jaxlowfp import dispatch, formats, if4, mx, nvfp4
 from jaxlowfp._core.bits import ieee_div
@@ -28,9 +30,11 @@ from jaxlowfp._core.scaled import saturation_bound, scaled_round_mask
 from jaxlowfp.qat.spec import KERNELS, MX_ELEMENTS, QuantSpec, QuantStats, check_size, convention
 from jaxlowfp.scaling import AmaxHistory, CurrentScaling, DelayedScaling
 
+T = TypeVar("T")
+
 
 def scaled_round(
-    x: Any, scale: Any, clip: float, fmt: formats.Format | str, *, bound: Any = None
+    x: ArrayLike, scale: ArrayLike, clip: float, fmt: formats.Format | str, *, bound: ArrayLike | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """Scaled quantize-dequantize, in float32 (the exact form the Pallas kernel twins)::
 
@@ -68,15 +72,15 @@ def nvfp4_fake_quant(x: jax.Array, spec: QuantSpec, global_amax: jax.Array | Non
     xt = jnp.moveaxis(x, axis, -1)
     k = key if spec.rounding != "nearest" else None
     if spec.format == "if4":
-        yt = if4.fake_quantize(xt, rule=spec.rule, block_shape=spec.block_shape, global_amax=global_amax,
-                               rounding=spec.rounding, key=k)
+        yt = if4.fake_quantize(xt, rule=cast(if4.IFRule, spec.rule), block_shape=spec.block_shape,
+                               global_amax=global_amax, rounding=spec.rounding, key=k)
     else:
         yt = nvfp4.fake_quantize(xt, rule=spec.rule, block_shape=spec.block_shape, global_amax=global_amax,
                                  rounding=spec.rounding, key=k, impl=spec.impl, backend=spec.backend)
     return jnp.moveaxis(yt.astype(x.dtype), -1, axis)
 
 
-def need_key(spec: QuantSpec, key: Any, what: str) -> None:
+def need_key(spec: QuantSpec, key: jax.Array | None, what: str) -> None:
     if spec.rounding != "nearest" and key is None:
         raise ValueError(f"{what} uses rounding={spec.rounding!r} and needs a PRNG key; pass key=jax.random.key(...)")
 
@@ -113,14 +117,14 @@ def fused_kernel(spec: QuantSpec, x: jax.Array) -> bool:
         spec.impl, kernel=KERNELS["hif8"], backend=spec.backend, config={"dtype": str(x.dtype)}) == "pallas"
 
 
-def round_with(xs: jax.Array, spec: QuantSpec, est: jax.Array, key: Any, axis: int = -1) -> Rounded:
+def round_with(xs: jax.Array, spec: QuantSpec, est: jax.Array, key: jax.Array | None, axis: int = -1) -> Rounded:
     """Fake-quantize `xs` (no gradient) with the amax estimate `est`: a pure function of its arguments, so the
     backward pass of a matmul recomputes exactly the forward's operands from high precision.
 
     Non-finite elements of `xs` come out unchanged (``y = where(isfinite(x), y_q, x)``, every format and path).
     """
     if spec.is_mx:  # E8M0 block scales from each block of 32; no tensor scale
-        yq = jnp.moveaxis(mx.fake_quantize(jnp.moveaxis(xs, axis, -1), elem=MX_ELEMENTS[spec.format]), -1, axis)
+        yq = jnp.moveaxis(mx.fake_quantize(jnp.moveaxis(xs, axis, -1), format=MX_ELEMENTS[spec.format]), -1, axis)
         sat, scale, counts = None, jnp.float32(1.0), None
     elif spec.is_nvfp4:
         delayed = fixed_estimate(spec)
@@ -143,14 +147,14 @@ def round_with(xs: jax.Array, spec: QuantSpec, est: jax.Array, key: Any, axis: i
                 counts = None
         else:  # TE multiplies by its quantization scale, Flax divides by the dequant scale (IEEE division: XLA
             xf = xs.astype(jnp.float32)  # may turn a plain `/` by a scalar into a reciprocal multiply)
-            t = xf * sc.multiplier(est) if conv == "te" else ieee_div(xf, scale)
+            t = xf * cast(DelayedScaling, sc).multiplier(est) if conv == "te" else ieee_div(xf, scale)
             yq = (spec.element_format.round(jnp.clip(t, -c, c)) * scale).astype(xs.dtype)
             sat, counts = jnp.abs(t) > c, None
     return Rounded(jnp.where(jnp.isfinite(xs), yq, xs), sat, scale, counts)
 
 
 def quantize(x: jax.Array, state: AmaxHistory, spec: QuantSpec, observe: bool | jax.Array,
-              key: Any, axis: int = -1) -> _Quantized:
+              key: jax.Array | None, axis: int = -1) -> _Quantized:
     """Quantize `x` (no gradient): value, STE mask, new state and stats. NVFP4 blocks run along `axis`."""
     if x.size == 0:
         raise ValueError(f"cannot quantize an empty array (shape {x.shape})")
@@ -235,8 +239,7 @@ def keep_mask(sat: jax.Array | None, observe: bool | jax.Array, shape: tuple) ->
 def straight_through(x: jax.Array, y: jax.Array, keep: jax.Array | None) -> jax.Array:
     """Value `y`; gradient w.r.t. `x`: the cotangent itself (identity STE, ``keep`` None) or the cotangent where
     ``keep`` and 0 elsewhere (masked STE); no gradient reaches `y` or `keep`. A ``jax.custom_vjp``: reverse mode
-    (``grad``, ``vjp``) only; ``jax.jvp`` raises JAX's "can't apply forward-mode autodiff (jvp) to a custom_vjp
-    function"."""
+    (``grad``, ``vjp``) only: call it through :func:`reverse_mode_only`, whose error under ``jax.jvp`` says so."""
     return y
 
 
@@ -251,8 +254,27 @@ def _st_bwd(keep, g):
 straight_through.defvjp(_st_fwd, _st_bwd)
 
 
+def reverse_mode_only(fn: Callable[..., T], *args: Any, where: str, what: str) -> T:
+    """``fn(*args)`` for a ``jax.custom_vjp`` `fn` (a straight-through estimator), with JAX's forward-mode error
+    ("can't apply forward-mode autodiff (jvp) to a custom_vjp function") replaced by one that names the op
+    (`where`), what it quantizes (`what`, e.g. the recipe) and the way out. Caught where `fn` is called, i.e. under
+    an eager ``jax.jvp(f, ...)``; inside ``jax.jit`` JAX defers the error to lowering, after the call returned, and
+    keeps its own message (its traceback's "preceding stack trace" still points at this call)."""
+    try:
+        return fn(*args)
+    except TypeError as e:
+        if "forward-mode autodiff" not in str(e):
+            raise
+        raise TypeError(
+            f"{where}: {what} has a straight-through gradient (a jax.custom_vjp), which defines reverse mode only: "
+            f"jax.jvp, jax.linearize, jax.jacfwd and jax.hessian cannot differentiate through it. Use reverse mode "
+            f"(jax.grad, jax.value_and_grad, jax.vjp, jax.jacrev), or pass observe_only=True (the high-precision "
+            f"warmup path, which is plain JAX and supports forward mode; for recipes with delayed gradient scaling "
+            f"it keeps the custom backward and reverse mode only)") from e
+
+
 def fake_quant(
-    x: Any,
+    x: ArrayLike,
     state: AmaxHistory,
     spec: QuantSpec,
     *,
@@ -262,7 +284,8 @@ def fake_quant(
     """Scaled quantize-dequantize of `x` with a straight-through gradient (a ``jax.custom_vjp``).
 
     The gradient w.r.t. `x` is the output's cotangent (``spec.ste="identity"``) or the cotangent masked to 0 where
-    `x` was clipped (``"masked"``); forward mode (``jax.jvp``) is not defined for the estimator and raises.
+    `x` was clipped (``"masked"``); forward mode (``jax.jvp``) is not defined for the estimator and raises a
+    TypeError that says so, except with ``observe_only=True`` (static), which returns `x` itself.
 
     Args:
       x: float32/bfloat16/float16 array.
@@ -279,7 +302,12 @@ def fake_quant(
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"spec must be a QuantSpec; got {type(spec).__name__}")
     x = float_input(x, "x")
-    q = quantize(x, state, spec, bool_flag(observe_only), key)
-    return straight_through(x, q.y, q.keep), q.state, q.stats
+    observe = bool_flag(observe_only)
+    q = quantize(x, state, spec, observe, key)
+    if observe is True:  # y is x bitwise and the STE the identity: plain x (forward mode works too)
+        return x, q.state, q.stats
+    y = reverse_mode_only(straight_through, x, q.y, q.keep, where="qat.fake_quant",
+                          what=f"QuantSpec(format={spec.format!r})")
+    return y, q.state, q.stats
 
 

@@ -1,0 +1,212 @@
+"""One vocabulary (issue 27 item 3): the public names of every public module, read with ``dir()`` as a user does.
+
+A name that two public modules both define means one thing: the same object, an equal constant, or one of the
+per-module names documented below (one meaning, each module's own instance: ``nvfp4.quantize`` and ``mx.quantize``
+both return codes). The verbs are checked by what they return, old names warn and still work, and every name list
+is the registry's."""
+import importlib
+import inspect
+import re
+import types
+import warnings
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxlowfp import if4, mx, nvfp4, registry
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PUBLIC_MODULES = [
+    "jaxlowfp", "jaxlowfp.formats", "jaxlowfp.hif8", "jaxlowfp.nvfp4", "jaxlowfp.mx", "jaxlowfp.if4",
+    "jaxlowfp.hadamard", "jaxlowfp.scaling", "jaxlowfp.dispatch", "jaxlowfp.rules", "jaxlowfp.registry",
+    "jaxlowfp.training", "jaxlowfp.qat", "jaxlowfp.qnnx", "jaxlowfp.qlinen", "jaxlowfp.owg", "jaxlowfp.qwix_provider",
+    "jaxlowfp.harness", "jaxlowfp.evaluation", "jaxlowfp.models", "jaxlowfp.ptq",
+]
+
+# The names that several modules define on purpose, each module its own object, with the one meaning they share.
+PER_MODULE = {
+    "quantize": "x -> codes (an NVFP4Array / IFArray / MXArray) in the module's format",
+    "fake_quantize": "x -> dequantize(quantize(x)) in x's dtype, in the module's format",
+    "quantize_model": "quantize a model's layers in place by path rules and report what was done: qnnx with QAT "
+                      "recipes (fake-quant layers that train), ptq with PTQ schemes (weights quantized once)",
+    "dequantize": "codes -> values, in the module's format",
+    "global_scales": "the two-level format's (S_enc, S_dec) from a tensor amax",
+    "FORMATS": "the format names of the module's family (jaxlowfp.formats: the element-format descriptors by name)",
+    "RULES": "the block-scale rules the module accepts",
+    "ROUNDINGS": "the rounding modes the module accepts (hif8: its tie rules ta / hybrid)",
+    "BLOCK": "the module's block size along the last axis",
+    "QuantEinsum": "the quantized einsum layer of the module's framework (qnnx: Flax NNX, qlinen: Flax Linen)",
+    "collect_stats": "the quantized layers' last statistics, in the module's framework",
+    "set_observe_only": "switch the quantized layers to observe-only, in the module's framework",
+    "load": "read a checkpoint: models.load builds the model (and tokenizer) from a checkpoint, ptq.load fills "
+            "a given model from a directory written by ptq.export",
+}
+
+
+def _public(module):
+    """{name: object} of ``dir(module)``: not underscored, not a module, and defined by jaxlowfp (a constant has no
+    ``__module__`` and counts; a re-exported jax/typing object does not)."""
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)  # dir() must never list a deprecated name
+        for name in dir(module):
+            if name.startswith("_"):
+                continue
+            obj = getattr(module, name)
+            origin = getattr(obj, "__module__", None)
+            if isinstance(obj, types.ModuleType) or (origin is not None and not str(origin).startswith("jaxlowfp")):
+                continue
+            out[name] = obj
+    return out
+
+
+def _same(a, b) -> bool:
+    if a is b:
+        return True
+    try:
+        return isinstance(a, tuple | int | str | float) and type(a) is type(b) and a == b
+    except Exception:
+        return False
+
+
+def test_no_two_public_names_mean_different_things():
+    seen: dict[str, list[tuple[str, object]]] = {}
+    for m in PUBLIC_MODULES:
+        for name, obj in _public(importlib.import_module(m)).items():
+            seen.setdefault(name, []).append((m, obj))
+    clashes = {name: [m for m, _ in where] for name, where in seen.items()
+               if len(where) > 1 and not all(_same(where[0][1], o) for _, o in where[1:]) and name not in PER_MODULE}
+    assert not clashes, f"one name, different objects, no documented meaning: {clashes}"
+    unused = sorted(n for n in PER_MODULE if len(seen.get(n, ())) < 2)
+    assert not unused, f"documented per-module names that no longer clash: {unused}"
+
+
+def test_rule_is_one_type():
+    from jaxlowfp import ptq, qnnx, rules
+
+    import jaxlowfp
+
+    for m in PUBLIC_MODULES:
+        obj = _public(importlib.import_module(m)).get("Rule")
+        assert obj is None or obj is rules.Rule, m
+    assert jaxlowfp.Rule is qnnx.Rule is ptq.Rule is rules.Rule
+    assert inspect.isclass(rules.Rule)
+
+
+X = jnp.asarray(np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32) * 3.0)
+
+
+@pytest.mark.parametrize("module", [nvfp4, if4, mx], ids=lambda m: m.__name__)
+def test_quantize_returns_codes_fake_quantize_values(module):
+    q = module.quantize(X)
+    assert q.codes.dtype == jnp.uint8 and q.codes.shape[:-1] == X.shape[:-1]  # codes, packed along the last axis
+    y = module.fake_quantize(X)
+    assert y.shape == X.shape and y.dtype == X.dtype
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(module.dequantize(q, X.dtype)))
+
+
+def test_model_level_calls_say_so():
+    from jaxlowfp import harness, ptq, qnnx
+
+    for module in (qnnx, ptq, harness):
+        names = _public(module)
+        assert "quantize" not in names and "fake_quantize" not in names, module.__name__
+    assert "model" in inspect.signature(qnnx.quantize_model).parameters
+    assert "model" in inspect.signature(ptq.quantize_model).parameters
+    assert "model" in inspect.signature(harness.fake_quantize_model).parameters
+
+
+def test_format_modules_share_keyword_names():
+    """The same meaning, the same keyword: format= (which format of the family), rule= (how a block picks its
+    scale or grid); rounding=, block_shape=, global_amax=, key= where the module has them."""
+    vocabulary = {"format", "rule", "block_shape", "global_amax", "rounding", "key", "impl", "backend"}
+    deprecated = {"elem", "scale_rule"}
+    for module in (nvfp4, if4, mx):
+        for fn in (module.quantize, module.fake_quantize):
+            kw = {p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY}
+            assert kw - deprecated <= vocabulary, (fn.__module__, fn.__name__, kw - vocabulary)
+            assert "rule" in kw
+    assert {"format", "rule"} <= set(inspect.signature(mx.quantize).parameters)
+    assert {"format", "rule"} <= set(inspect.signature(if4.quantize).parameters)
+
+
+def test_nvfp4_quantize_defaults_to_the_standard_format():
+    """The default is standard NVFP4 (rule static_6): S_dec = amax / (6 * 448) (NVIDIA's two-level scaling), every
+    block mapped to 6; 4/6 is asked for by name."""
+    q = nvfp4.quantize(X)
+    assert q.rule == "static_6"
+    amax = np.float32(np.max(np.abs(np.asarray(X))))
+    assert float(q.global_scale) == float(np.float32(1) / np.float32(np.float32(2688.0) / amax))
+    assert not np.asarray(nvfp4.selected_map4(X, rule="static_6")).any()
+    assert nvfp4.fake_quantize(X).tolist() == nvfp4.fake_quantize(X, rule="static_6").tolist()
+    assert inspect.signature(nvfp4.fake_quantize).parameters["rule"].default == "static_6"
+
+
+def test_name_lists_come_from_the_registry():
+    from jaxlowfp import harness, ptq, qat
+    from jaxlowfp.ptq import formats as ptq_formats
+    from train import eval_cli, ptq_cli
+
+    assert "search" in nvfp4.RULES and nvfp4.RULES == registry.NVFP4_RULES
+    assert set(nvfp4.KERNEL_RULES) == set(nvfp4.RULES) - {"search"}
+    assert if4.RULES == registry.IF_RULES and if4.FORMATS == registry.IF_FORMATS
+    assert mx.RULES == registry.MX_RULES and mx.FORMATS == registry.MX_FORMATS
+    assert qat.QuantSpec.__module__ and registry.QAT_FORMATS == importlib.import_module("jaxlowfp.qat.spec").FORMATS
+    assert harness.QUANTIZE is registry.EVAL_QUANTIZE and eval_cli.QUANT_CHOICES is registry.EVAL_QUANTIZE
+    assert ptq_cli.FORMATS is registry.PTQ_FORMATS and ptq_formats.SCHEMES is registry.PTQ_FORMATS
+    assert {f"if4-{r}" for r in registry.IF_RULES} <= set(harness.QUANTIZE)  # the harness knows IF4 and search
+    assert "nvfp4-search" in harness.QUANTIZE
+    for name in registry.EVAL_QUANTIZE[1:]:  # every name builds what it says
+        r = qat.named_recipe(name)
+        assert isinstance(r, qat.Recipe)
+        if name.startswith(("nvfp4-", "if4-")):
+            kind, rule = name.split("-", 1)
+            assert (r.weight.format, r.weight.rule) == (kind, rule)
+    for name in registry.PTQ_FORMATS:
+        assert ptq.scheme(name).weight.kind == name.split("-")[0]
+
+
+def _deprecated():
+    """(module, old name, new name, getter) of every deprecated module attribute."""
+    out = []
+    for m in PUBLIC_MODULES:
+        mod = importlib.import_module(m)
+        aliases = getattr(getattr(mod, "__getattr__", None), "aliases", {})
+        out += [(m, old, new, get) for old, (new, get) in aliases.items()]
+    return out
+
+
+def test_deprecated_names_warn_and_still_work():
+    found = _deprecated()
+    assert {(m, old) for m, old, _, _ in found} >= {
+        ("jaxlowfp.nvfp4", "Rule"), ("jaxlowfp.nvfp4", "ALL_RULES"), ("jaxlowfp.if4", "Rule"),
+        ("jaxlowfp.if4", "Format"), ("jaxlowfp.mx", "ELEMENTS"), ("jaxlowfp.mx", "SCALE_RULES"),
+        ("jaxlowfp.harness", "fake_quantize"), ("jaxlowfp.qnnx", "quantize"), ("jaxlowfp.ptq", "quantize"),
+        ("jaxlowfp.owg", "encode"), ("jaxlowfp.owg", "decode"),
+        ("jaxlowfp.owg", "init")}
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    for m, old, new, get in found:
+        mod = importlib.import_module(m)
+        assert old not in dir(mod)
+        with pytest.warns(DeprecationWarning, match=re.escape(f"{m}.{old} is deprecated") + ".*" + re.escape(new)):
+            obj = getattr(mod, old)
+        assert obj is get()
+        new_module, new_name = new.rsplit(".", 1)
+        assert obj is getattr(importlib.import_module(new_module), new_name)  # the new name is public
+        assert f"`{m}.{old}`" in changelog and f"`{new}`" in changelog, f"CHANGELOG.md does not list {m}.{old}"
+    with pytest.warns(DeprecationWarning):
+        from jaxlowfp.nvfp4 import Rule  # noqa: F401  (from-imports go through the module __getattr__ too)
+    with pytest.raises(AttributeError, match="has no attribute 'Rul'"):
+        nvfp4.Rul  # noqa: B018
+
+
+def test_the_qat_function_is_not_shadowed_by_a_module():
+    from jaxlowfp import qat
+
+    import jaxlowfp.qat.scaled_quant  # noqa: F401  (importing every submodule leaves the function in place)
+
+    assert callable(qat.fake_quant) and not isinstance(qat.fake_quant, types.ModuleType)
+    assert not (ROOT / "jaxlowfp" / "qat" / "fake_quant.py").exists()
