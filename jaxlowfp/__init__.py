@@ -20,10 +20,11 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_MODULES = ("dispatch", "formats", "hadamard", "hif8", "mx", "nvfp4", "qat", "ops", "execution", "scaling", "rules",
-            "qnnx", "qlinen", "training", "models", "evaluation", "ptq")
-_MODULES += ("packed", "backends")  # packed low-precision weights and their GEMM backends (docs/backends.md)
-_MODULES += ("sharding",)  # meshes and path rules to PartitionSpecs (docs/sharding.md)
+# packed, backends: packed low-precision weights and their GEMM backends (docs/backends.md); sharding: meshes and
+# path rules to PartitionSpecs (docs/sharding.md)
+_MODULES: tuple[str, ...] = ("dispatch", "formats", "hadamard", "hif8", "mx", "nvfp4", "qat", "ops", "execution",
+                             "scaling", "rules", "qnnx", "qlinen", "training", "models", "evaluation", "ptq",
+                             "packed", "backends", "sharding")
 
 # old names, importable for one release with a DeprecationWarning (they shadowed flax.nnx / flax.linen)
 _DEPRECATED_MODULES = ("nnx", "linen")

@@ -10,10 +10,11 @@ be replayed for every later call of the same shapes, whatever the rules say ther
 every call is looked up on its own: a rule's effect is a function of (module path, op name) and the rule order only.
 A contraction met inside another jitted function that a module calls (``jnp.inner``, ``jnp.vdot``, a user's
 ``jax.jit`` helper) cannot be quantized reliably for the same reason: under a quantizing rule it is an error that
-names the module, the op and the jitted function. This provider quantizes the matched op with a :class:`jaxlowfp.qat.Recipe` (HiF8, NVFP4 with every Four
-Over Six rule, MX-style blocks via NVFP4, E4M3/E5M2 delayed scaling): the contraction runs through
-:func:`jaxlowfp.ops.dot_general`, so it is bit for bit the op :class:`jaxlowfp.qnnx.QuantLinear` runs on the
-same operands. Which operand is the weight is found as Qwix finds it (the one that is a parameter of the calling
+names the module, the op and the jitted function. This provider quantizes the matched op with a
+:class:`jaxlowfp.qat.Recipe` (HiF8, NVFP4 with every Four Over Six rule, MX, E4M3/E5M2 delayed scaling): the
+contraction runs through :func:`jaxlowfp.ops.dot_general` (``jax.lax.ragged_dot``: :func:`jaxlowfp.ops.ragged_dot`),
+so it is bit for bit the op :class:`jaxlowfp.qnnx.QuantLinear` runs on the same operands.
+Which operand is the weight is found as Qwix finds it (the one that is a parameter of the calling
 module), or else the one that is a parameter of one of its submodules (``x @ self.qkv.kernel[...]``, a kernel read
 directly); an op between two activations under a quantizing rule is an error (narrow the rule).
 `RecipeProvider.executed` lists the ops that were traced quantized (module path, op id, recipe).

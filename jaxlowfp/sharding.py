@@ -414,7 +414,7 @@ def _is_global(x: Any) -> bool:
 
 def _shard_multiprocess(tree: Any, shardings: Any, *, copy: bool) -> Any:
     leaves, treedef = jax.tree.flatten(tree)
-    shards = treedef.flatten_up_to(shardings)
+    shards = treedef.flatten_up_to(shardings)  # type: ignore[attr-defined]
     host = [None if _is_global(x) else np.asarray(x) for x in leaves]  # this process's copy of a local value
     assert_same_on_every_process([h for h in host if h is not None], what="jaxlowfp.sharding.shard")
 
@@ -423,7 +423,7 @@ def _shard_multiprocess(tree: Any, shardings: Any, *, copy: bool) -> Any:
             return jax.device_put(jnp.array(x, copy=True) if copy else x, s)
         return jax.make_array_from_callback(h.shape, s, lambda index: h[index])
 
-    return treedef.unflatten([put(x, h, s) for x, h, s in zip(leaves, host, shards)])
+    return treedef.unflatten([put(x, h, s) for x, h, s in zip(leaves, host, shards)])  # type: ignore[attr-defined]
 
 
 def assert_same_on_every_process(arrays: Sequence[np.ndarray], *, what: str) -> None:

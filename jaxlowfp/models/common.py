@@ -125,9 +125,9 @@ def build_model(config: ModelConfig, fetch: Callable[[TensorSpec], LazyTensor | 
     """
     model = nnx.eval_shape(lambda: model_class(config, rngs=nnx.Rngs(0)))
     variables = {"/".join(map(str, p)): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)}
-    specs = {s.path: s for s in (tensor_specs(config) if specs is None else specs)}
-    if set(variables) != set(specs):  # the name table and the model disagree: a bug here, not in the file
-        raise AssertionError(f"tensor table out of date: {sorted(set(variables) ^ set(specs))}")
+    by_path = {s.path: s for s in (tensor_specs(config) if specs is None else specs)}
+    if set(variables) != set(by_path):  # the name table and the model disagree: a bug here, not in the file
+        raise AssertionError(f"tensor table out of date: {sorted(set(variables) ^ set(by_path))}")
     shardings = None
     if mesh is not None:
         from jaxlowfp import sharding
@@ -137,7 +137,7 @@ def build_model(config: ModelConfig, fetch: Callable[[TensorSpec], LazyTensor | 
         raise ValueError("rules= places parameters on a mesh; pass mesh= too (jaxlowfp.sharding.make_mesh)")
     pdt = jnp.dtype(config.param_dtype)
     for path, var in variables.items():
-        spec = specs[path]
+        spec = by_path[path]
         tensor = fetch(spec)
         if not isinstance(tensor, LazyTensor):
             tensor = LazyTensor.of(*tensor)
@@ -171,7 +171,8 @@ def _put_shards(shape: tuple[int, ...], sharding: jax.sharding.Sharding, read: C
     """`jax.make_array_from_callback`, one device at a time: each shard is read, put on its device and dropped
     before the next is read (``make_array_from_callback`` reads every addressable shard first, so the host would
     hold the whole tensor at once on a one-host mesh). Shards with the same index (replicas) are read once."""
-    arrays, last = [], (None, None)
+    arrays: list[jax.Array] = []
+    last: tuple[Any, Any] = (None, None)
     for device, index in sharding.addressable_devices_indices_map(shape).items():
         key = tuple((s.start, s.stop) for s in _bounds(index, shape))
         if key != last[0]:

@@ -268,7 +268,7 @@ def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "f
         # NVFP4's per-tensor decode scale (llama.cpp multiplies it into the matmul output): elementwise, so every
         # slice is scaled exactly as the whole tensor would be
         g = np.float32(_dequantize(scale, path).reshape(-1)[0])
-        return LazyTensor(lazy.shape, lazy.where, lambda index, read=lazy.read: read(index) * g)
+        return LazyTensor(lazy.shape, lazy.where, lambda index, read=lazy.read: read(index) * g)  # type: ignore[misc]
 
     used = {s.gguf for s in tensor_specs(config)} | {"rope_freqs.weight"}
     used |= {n.replace(".weight", ".scale") for n in used if n.endswith(".weight")}

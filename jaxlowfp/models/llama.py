@@ -304,8 +304,8 @@ def cache_shardings(config: ModelConfig, mesh: jax.sharding.Mesh, batch: int) ->
     tensor = mesh.shape.get("tensor", 1)
     heads = "tensor" if tensor > 1 and config.n_kv_heads % tensor == 0 else None
     kv = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(row, None, heads, None))
-    return KVCache((kv,) * config.n_layers, (kv,) * config.n_layers,
-                   jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(row)), sharding.replicated(mesh))
+    return KVCache((kv,) * config.n_layers, (kv,) * config.n_layers,  # type: ignore[arg-type]
+                   jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(row)), sharding.replicated(mesh))  # type: ignore[arg-type]
 
 
 class Attention(nnx.Module):
@@ -651,7 +651,7 @@ def generate(
 
         sharding.check_on_mesh(state, mesh)
         cache = sharding.shard(cache, cache_shardings(model.config, mesh, len(rows)))
-        tokens, mask = sharding.put_batch(tokens, mesh), sharding.put_batch(mask, mesh)
+        tokens, mask = sharding.put_batch(tokens, mesh), sharding.put_batch(mask, mesh)  # type: ignore[assignment]
     keys = jax.random.split(jax.random.key(seed), max_new_tokens)
     temp = jnp.float32(temperature)
     nxt, cache = _generate_step(graphdef, state, jnp.asarray(tokens), jnp.asarray(mask), cache, keys[0], temp,
@@ -659,7 +659,7 @@ def generate(
     out: list[list[int]] = [[] for _ in rows]
     done = np.zeros(len(rows), bool)
     ones = jnp.ones((len(rows), 1), jnp.bool_)
-    to_host = np.asarray
+    to_host: Callable[[Any], np.ndarray] = np.asarray
     if mesh is not None:
         to_host = sharding.to_host  # gathers the rows of a multi-process mesh
     for step in range(max_new_tokens):

@@ -175,7 +175,7 @@ def load_quantized(directory: str | Path, *, dtype: str = "float32", param_dtype
         ignore = [p.replace("*", ".*") for p in qcfg.get("exclude_modules") or []]
         ignore = [f"re:{p}" for p in ignore]
         packed_name, scale_names = "weight", ("weight_scale", "weight_scale_2")
-    tokenizer = hf_loader.checkpoint_tokenizer(directory, tokenizer, config.vocab)
+    tok = hf_loader.checkpoint_tokenizer(directory, tokenizer, config.vocab)
     files = hf_loader._weight_files(directory)
     handles: dict[Path, dict[str, np.ndarray]] = {}
     acts: dict[str, float] = {}
@@ -234,7 +234,7 @@ def load_quantized(directory: str | Path, *, dtype: str = "float32", param_dtype
             raise CheckpointError(f"{directory}: layer {path} has an activation global scale {g}; it must be "
                                   f"finite and > 0")
         mods[path].dot_general = NVFP4Act(g)
-    return model, tokenizer
+    return model, tok
 
 
 _DTYPES = {"F32": np.float32, "U8": np.uint8, "F8_E4M3": ml_dtypes.float8_e4m3fn, "BF16": ml_dtypes.bfloat16,

@@ -201,7 +201,7 @@ def quantize_experts(model: nnx.Module, tg: Mapping[str, tuple[nnx.Module, str, 
     out = {}
     for path, (mod, name, sch) in tg.items():
         param = getattr(mod, name)
-        w = jnp.asarray(param[...], jnp.float32)
+        w = jnp.asarray(param[...], jnp.float32)  # type: ignore[assignment]
         n_exp = int(w.shape[0])
         st = stats.get(path)
         tokens = np.zeros(n_exp, np.int64) if st is None else st.tokens

@@ -116,10 +116,10 @@ class TensorFormat:
             scaling: Any = StaticScaling(amax=tuple(map(float, amax)) if isinstance(amax, (tuple, list)) else
                                          float(amax), target_max=target)
         else:
-            scaling = CurrentScaling(target_max=target, granularity=activation_scale)
+            scaling = CurrentScaling(target_max=target, granularity=activation_scale)  # type: ignore[arg-type]
         if self.kind == "hif8":
             return qat.QuantSpec(format="hif8", scaling=scaling, clip="target")
-        return qat.QuantSpec(format=self.kind, rule=self.rule, block_shape=self.block_shape, scaling=scaling)
+        return qat.QuantSpec(format=self.kind, rule=self.rule, block_shape=self.block_shape, scaling=scaling)  # type: ignore[arg-type]
 
 
 def hif8_scale(amax: jax.Array) -> jax.Array:

@@ -124,7 +124,7 @@ def round_with(xs: jax.Array, spec: QuantSpec, est: jax.Array, key: jax.Array | 
     Non-finite elements of `xs` come out unchanged (``y = where(isfinite(x), y_q, x)``, every format and path).
     """
     if spec.is_mx:  # E8M0 block scales from each block of 32; no tensor scale
-        yq = jnp.moveaxis(mx.fake_quantize(jnp.moveaxis(xs, axis, -1), format=MX_ELEMENTS[spec.format]), -1, axis)
+        yq = jnp.moveaxis(mx.fake_quantize(jnp.moveaxis(xs, axis, -1), format=MX_ELEMENTS[spec.format]), -1, axis)  # type: ignore[arg-type]
         sat, scale, counts = None, jnp.float32(1.0), None
     elif spec.is_nvfp4:
         delayed = fixed_estimate(spec)
