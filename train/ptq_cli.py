@@ -58,6 +58,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
                    help="comma-separated, from: " + ", ".join(FORMATS) + "; or all (default: %(default)s)")
     p.add_argument("--weights-only", action="store_true", help="W4A16 / W8A16: activations in high precision")
+    p.add_argument("--act-scale", default="token", choices=("token", "static", "tensor"),
+                   help="W4A4 activations' amax: each token's own (default), the calibrated input amax, or the whole "
+                        "batch's (the Four Over Six paper's setting; scores then depend on the batch)")
     p.add_argument("--weight-block", default="1x16", choices=("1x16", "16x16"), help="NVFP4 weight blocks")
     p.add_argument("--layers", default=LAYERS, help="regex of the Linear paths to quantize (default: %(default)s)")
     p.add_argument("--full", action="store_true", help="full sizes: " + ", ".join(f"{k}={v}" for k, v in FULL.items()))
@@ -321,7 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             own = args.pipeline == "sequential" and method != "rtn"  # calibrated block by block in this call
             res = ptq.quantize_model(m, [ptq.Rule(path=args.layers, scheme=sch)], method=methods[method],
                                stats=None if own else stats, calibration=calib if own else None,
-                               batch_size=args.batch_size, progress=not args.no_progress)
+                               batch_size=args.batch_size, progress=not args.no_progress,
+                               activation_scale=args.act_scale)
             r = _evaluate(m, tok, texts, task, args)
             row = {"method": method, "format": fmt, **r, "ptq_s": res.seconds, "mean": _geomean([r[t] for t in names])}
             rows.append(row)
