@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -52,7 +53,7 @@ def reset_peak():
         f.write("5")
 
 def trim():  # hand freed heap pages back to the OS, so VmRSS counts what is alive (the float copies are not)
-    gc.collect()
+    gc.collect()  # (compiled programs stay cached: a PTQ'd process keeps its quantizers' and fake forward's)
     __import__("ctypes").CDLL("libc.so.6").malloc_trim(0)
 
 dtype = "bfloat16" if config == "bfloat16" else "float32"
@@ -143,22 +144,13 @@ def mb(b: float) -> str:
     return f"{b / 2**20:.0f}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--configs", nargs="+", default=["float32", "bfloat16", "nvfp4", "hif8"])
-    ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args(argv)
-    sys.path.insert(0, str(ROOT / "bench"))
-    from _results import markdown_table, write_section
+def render(results: list[dict], tiny: dict[str, float], model: str, loads: tuple[float, float]) -> str:
+    """The RESULTS.md section from the children's results and the tiny Llama's differences."""
+    import jax
 
-    results = []
-    for c in args.configs:
-        r = run_child(args.model, c)
-        print(json.dumps(r), flush=True)
-        results.append(r)
-    tiny = tiny_llama_diffs()
-    print(json.dumps(tiny))
+    sys.path.insert(0, str(ROOT / "bench"))
+    from _results import markdown_table
+
     base = next((r for r in results if r["config"] == "float32"), None)
     rows = []
     for r in results:
@@ -171,18 +163,43 @@ def main(argv: list[str] | None = None) -> int:
                       if "disk_bytes" in r else "-")])
     body = markdown_table(["model", "param MiB", "bits / quantized param", "RSS MiB", "peak forward MiB",
                            "peak forward incl. compile", "peak generate MiB", "peak generate incl. compile",
-                           "decode tok/s (vs float32)", "max |Δ log-prob| vs fake-quant",
+                           "decode tok/s (vs float32)", "max \\|Δ log-prob\\| vs fake-quant",
                            "orbax MiB (restore)"], rows)
-    tiny_rows = markdown_table(["tiny Llama (4 blocks), scheme (backend)", "max |Δ log-prob| packed vs fake-quant"],
+    tiny_rows = markdown_table(["tiny Llama (4 blocks), scheme (backend)",
+                                "max \\|Δ log-prob\\| packed vs fake-quant"],
                                [[k, f"{v:.1e}"] for k, v in tiny.items()])
-    import jax
+    return (f"`.venv/bin/python bench/packed_memory.py` ({model}, jax {jax.__version__}, CPU; each row a fresh "
+            "process). nvfp4 = RTN W4A4 NVFP4 4/6 (mse) of every projection, hif8 = RTN W8A8 HiF8, both "
+            "`ptq.pack`ed (backend auto: dequantize + dot on a CPU); embeddings (tied with the head) and norms stay "
+            "float32. RSS is VmRSS with the model built (after gc and malloc_trim); the packed rows' processes "
+            "also ran PTQ and the fake-quant forward for the log-prob check and keep those compiled programs, so "
+            "their RSS and peaks are not the packed model's alone (param MiB is). Peaks are VmHWM (reset through "
+            "/proc/self/clear_refs) of a warm call, 'incl. compile' of the first call (W4A4 compiles an NVFP4 4/6 "
+            "activation quantizer into every projection, so its first generation, which compiles prefill and decode, "
+            "has the largest peak); decode of "
+            f"a 128-token greedy generation. Load average {loads[0]:.1f} at the start and {loads[1]:.1f} at the end "
+            f"on {os.cpu_count()} cores (shared with other jobs): tokens/s are indicative only.\n\n"
+            + body + "\n\n" + tiny_rows)
 
-    text = (f"`.venv/bin/python bench/packed_memory.py` ({args.model}, jax {jax.__version__}, CPU "
-            f"{jax.devices()[0].device_kind}; each row a fresh process). nvfp4 = RTN W4A4 NVFP4 4/6 (mse) of every "
-            "projection, hif8 = RTN W8A8 HiF8, both `ptq.pack`ed (backend auto: dequantize + dot on a CPU); "
-            "embeddings (tied with the head) and norms stay float32. Peaks are VmHWM of a warm call (reset through "
-            "/proc/self/clear_refs), 'incl. compile' of the first call; decode of a 128-token greedy generation. "
-            "The machine was shared with other jobs, so tokens/s are indicative.\n\n" + body + "\n\n" + tiny_rows)
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--configs", nargs="+", default=["float32", "bfloat16", "nvfp4", "hif8"])
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT / "bench"))
+    from _results import write_section
+
+    load0 = os.getloadavg()[0]
+    results = []
+    for c in args.configs:
+        r = run_child(args.model, c)
+        print(json.dumps(r), flush=True)
+        results.append(r)
+    tiny = tiny_llama_diffs()
+    print(json.dumps(tiny))
+    text = render(results, tiny, args.model, (load0, os.getloadavg()[0]))
     print(text)
     if not args.no_write:
         write_section(SECTION, text)
