@@ -1,0 +1,210 @@
+"""Memory and decode speed of SmolLM2-135M in float32, bfloat16, packed NVFP4 and packed HiF8 (`jaxlowfp.ptq.pack`),
+and the log-prob difference between a packed model and its fake-quant twin.
+
+    .venv/bin/python bench/packed_memory.py [--model smollm2-135m] [--configs float32 bfloat16 nvfp4 hif8] [--no-write]
+
+Each configuration runs in a fresh interpreter (one run's allocations cannot hide another's):
+  - float32 / bfloat16: ``models.load(name, dtype=..., param_dtype=...)``;
+  - nvfp4: float32 load, ``ptq.quantize`` RTN of every ``*_proj`` layer to W4A4 NVFP4 4/6 (``scheme("nvfp4-mse")``),
+    the fake-quant model's log-probs on a 128-token text, then ``ptq.pack`` (backend "auto": dequantize + dot on this
+    CPU), the packed model's log-probs (max |difference| reported);
+  - hif8: the same with ``scheme("hif8")`` (W8A8, per-tensor scales).
+The packed models are saved with orbax and restored (size on disk, restored bit for bit). Then, with the model
+built and the float copies dropped (``gc.collect()`` and glibc's ``malloc_trim(0)``, so the resident set counts
+live memory and not freed heap pages): the parameter bytes (every leaf of ``nnx.state``), the
+resident set (VmRSS), the peak resident set (VmHWM, reset through ``/proc/self/clear_refs`` before each phase) of a
+jitted forward over 128 tokens and of a 128-token greedy generation (each phase's first call compiles; the peaks are
+of a second, warm call, and "peak incl. compile" is the first call's), and decode tokens/s of the warm generation.
+`bits / quantized param` is ``PackReport.bits_per_param`` (codes, block scales and global scales of the packed
+layers). The tiny Llama's log-prob difference is measured the same way, in the parent.
+
+Writes the ``## Packed models: memory and decode speed`` section of bench/RESULTS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SECTION = "Packed models: memory and decode speed"
+TEXT = ("The quick brown fox jumps over the lazy dog. Memory is the first thing a quantized model should save: "
+        "packed weights hold four bits per value and one scale per sixteen, and the rest of the model stays as it "
+        "was. ") * 6
+
+CHILD = r"""
+import gc, json, sys, time
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from jaxlowfp import models, ptq
+from jaxlowfp.models.llama import generate
+
+name, config, text = sys.argv[1], sys.argv[2], sys.argv[3]
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith(key)) * 1024
+
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+def trim():  # hand freed heap pages back to the OS, so VmRSS counts what is alive (the float copies are not)
+    gc.collect()  # (compiled programs stay cached: a PTQ'd process keeps its quantizers' and fake forward's)
+    __import__("ctypes").CDLL("libc.so.6").malloc_trim(0)
+
+dtype = "bfloat16" if config == "bfloat16" else "float32"
+model, tok = models.load(name, dtype=dtype, param_dtype=dtype)
+ids = tok.encode(text)[:128]
+tokens = jnp.asarray([ids], jnp.int32)
+
+@jax.jit
+def logprobs(g, s, t):
+    return jax.nn.log_softmax(nnx.merge(g, s)(t), axis=-1)
+
+out = {"config": config}
+if config in ("nvfp4", "hif8"):
+    scheme = ptq.scheme("nvfp4-mse" if config == "nvfp4" else "hif8")
+    res = ptq.quantize(model, [ptq.Rule(path=r".*_proj", scheme=scheme)], progress=False)
+    fake = logprobs(*nnx.split(model), tokens)
+    rep = ptq.pack(model, res)
+    packed_lp = logprobs(*nnx.split(model), tokens)
+    out.update(max_logprob_diff=float(jnp.max(jnp.abs(packed_lp - fake))), bits=rep.bits_per_param,
+               packed_layers=len(rep.layers), backends=sorted({b for _, _, b, _ in rep.layers}),
+               quantized_params=rep.params)
+    del res, fake, packed_lp
+    import tempfile, pathlib, orbax.checkpoint as ocp
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = ocp.StandardCheckpointer()
+        _, st = nnx.split(model)
+        ckpt.save(pathlib.Path(tmp) / "c", st)
+        ckpt.wait_until_finished()
+        out["disk_bytes"] = sum(f.stat().st_size for f in pathlib.Path(tmp).rglob("*") if f.is_file())
+        back = ckpt.restore(pathlib.Path(tmp) / "c", jax.tree.map(ocp.utils.to_shape_dtype_struct, st))
+        out["orbax_bitwise"] = all(
+            a.dtype == b.dtype and bool(np.array_equal(np.atleast_1d(a).view(np.uint8), np.atleast_1d(b).view(np.uint8)))
+            for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(back), strict=True))
+        del st, back, ckpt
+trim()
+graph, state = nnx.split(model)
+out["param_bytes"] = int(sum(a.nbytes for a in jax.tree.leaves(state)))
+out["rss_model"] = status("VmRSS")
+for phase in ("forward", "generate"):
+    for warm in (False, True):
+        trim()
+        reset_peak()
+        t0 = time.perf_counter()
+        if phase == "forward":
+            jax.block_until_ready(logprobs(graph, state, tokens))
+        else:
+            new = generate(model, [ids[:8]], max_new_tokens=128)
+        dt = time.perf_counter() - t0
+        out[f"peak_{phase}{'' if warm else '_compile'}"] = status("VmHWM")
+    if phase == "generate":
+        out["decode_tok_s"] = len(new[0]) / dt
+out["maxrss"] = __import__("resource").getrusage(__import__("resource").RUSAGE_SELF).ru_maxrss * 1024
+print("RESULT " + json.dumps(out))
+"""
+
+
+def run_child(name: str, config: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", CHILD, name, config, TEXT], capture_output=True, text=True,
+                          cwd=ROOT, check=False)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        raise RuntimeError(f"{config}: the child failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def tiny_llama_diffs() -> dict[str, float]:
+    """max |log-prob difference| packed vs fake-quant on the 4-block tiny Llama, per scheme and backend."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from jaxlowfp import ptq
+    from jaxlowfp.models.llama import PRESETS, Llama
+
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (4, 64)), jnp.int32)
+    out = {}
+    for scheme, backend in (("nvfp4-mse", "scaled_matmul"), ("nvfp4-mse", "dequant"), ("hif8", "dequant")):
+        model = Llama(PRESETS["tiny"], rngs=nnx.Rngs(0))
+        res = ptq.quantize(model, [ptq.Rule(path=r".*_proj", scheme=ptq.scheme(scheme))], progress=False)
+        fake = jax.nn.log_softmax(model(tokens), -1)
+        ptq.pack(model, res, backend=backend)
+        out[f"{scheme} ({backend})"] = float(jnp.max(jnp.abs(jax.nn.log_softmax(model(tokens), -1) - fake)))
+    return out
+
+
+def mb(b: float) -> str:
+    return f"{b / 2**20:.0f}"
+
+
+def render(results: list[dict], tiny: dict[str, float], model: str, loads: tuple[float, float]) -> str:
+    """The RESULTS.md section from the children's results and the tiny Llama's differences."""
+    import jax
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from _results import markdown_table
+
+    base = next((r for r in results if r["config"] == "float32"), None)
+    rows = []
+    for r in results:
+        speed = f"{r['decode_tok_s']:.1f}" + (f" ({r['decode_tok_s'] / base['decode_tok_s']:.2f}x)" if base else "")
+        rows.append([r["config"], mb(r["param_bytes"]), f"{r['bits']:.3f}" if "bits" in r else "-",
+                     mb(r["rss_model"]), mb(r["peak_forward"]), mb(r["peak_forward_compile"]),
+                     mb(r["peak_generate"]), mb(r["peak_generate_compile"]), speed,
+                     f"{r['max_logprob_diff']:.1e}" if "max_logprob_diff" in r else "-",
+                     (f"{mb(r['disk_bytes'])} ({'bitwise' if r['orbax_bitwise'] else 'DIFFERS'})"
+                      if "disk_bytes" in r else "-")])
+    body = markdown_table(["model", "param MiB", "bits / quantized param", "RSS MiB", "peak forward MiB",
+                           "peak forward incl. compile", "peak generate MiB", "peak generate incl. compile",
+                           "decode tok/s (vs float32)", "max \\|Δ log-prob\\| vs fake-quant",
+                           "orbax MiB (restore)"], rows)
+    tiny_rows = markdown_table(["tiny Llama (4 blocks), scheme (backend)",
+                                "max \\|Δ log-prob\\| packed vs fake-quant"],
+                               [[k, f"{v:.1e}"] for k, v in tiny.items()])
+    return (f"`.venv/bin/python bench/packed_memory.py` ({model}, jax {jax.__version__}, CPU; each row a fresh "
+            "process). nvfp4 = RTN W4A4 NVFP4 4/6 (mse) of every projection, hif8 = RTN W8A8 HiF8, both "
+            "`ptq.pack`ed (backend auto: dequantize + dot on a CPU); embeddings (tied with the head) and norms stay "
+            "float32. RSS is VmRSS with the model built (after gc and malloc_trim); the packed rows' processes "
+            "also ran PTQ and the fake-quant forward for the log-prob check and keep those compiled programs, so "
+            "their RSS and peaks are not the packed model's alone (param MiB is). Peaks are VmHWM (reset through "
+            "/proc/self/clear_refs) of a warm call, 'incl. compile' of the first call (W4A4 compiles an NVFP4 4/6 "
+            "activation quantizer into every projection, so its first generation, which compiles prefill and decode, "
+            "has the largest peak); decode of "
+            f"a 128-token greedy generation. Load average {loads[0]:.1f} at the start and {loads[1]:.1f} at the end "
+            f"on {os.cpu_count()} cores (shared with other jobs): tokens/s are indicative only.\n\n"
+            + body + "\n\n" + tiny_rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--configs", nargs="+", default=["float32", "bfloat16", "nvfp4", "hif8"])
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT / "bench"))
+    from _results import write_section
+
+    load0 = os.getloadavg()[0]
+    results = []
+    for c in args.configs:
+        r = run_child(args.model, c)
+        print(json.dumps(r), flush=True)
+        results.append(r)
+    tiny = tiny_llama_diffs()
+    print(json.dumps(tiny))
+    text = render(results, tiny, args.model, (load0, os.getloadavg()[0]))
+    print(text)
+    if not args.no_write:
+        write_section(SECTION, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
