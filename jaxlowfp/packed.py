@@ -80,7 +80,7 @@ class PackedFormat:
         one_of(self.kind, FORMATS, "kind")
         if self.kind in TWO_LEVEL:
             rule = "mse" if self.rule is None else self.rule
-            one_of(rule, tuple(nvfp4.ALL_RULES) if self.kind == "nvfp4" else tuple(if4.RULES), "rule")
+            one_of(rule, tuple(nvfp4.RULES) if self.kind == "nvfp4" else tuple(if4.RULES), "rule")
             bs = (1, 16) if self.block_shape is None else tuple(self.block_shape)
             one_of(bs, tuple(BLOCK_SHAPES), "block_shape")
             object.__setattr__(self, "rule", rule)

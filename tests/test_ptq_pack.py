@@ -55,8 +55,9 @@ class _MLP(nnx.Module):
 
 @pytest.fixture(scope="module")
 def w4a4():
-    """(fake-quant log-probs, packed model, pack report) for NVFP4 4/6 (mse) W4A4 on the scaled_matmul backend."""
-    model, res = _ptq("nvfp4-mse")
+    """(fake-quant log-probs, packed model, pack report) for NVFP4 4/6 (mse) W4A4 on the scaled_matmul backend, whose
+    activation operand carries one tensor scale (activation_scale="tensor")."""
+    model, res = _ptq("nvfp4-mse", activation_scale="tensor")
     fake = _lp(model)
     report = ptq.pack(model, res, backend="scaled_matmul")
     return fake, model, report
@@ -125,9 +126,24 @@ def test_requantizing_a_ptq_kernel_is_lossless(fmt):
         _requantized(kernel.at[3, 5].multiply(1.01), packed.as_format(tf), "blocks/0/mlp/up_proj")
 
 
+def test_per_token_activations_run_the_op_layer_quantizer():
+    """The default per-token activation scales: the packed layer quantizes its input with the PTQ layer's own
+    quantizer (the one op layer's), then the weights-only product; the log-probs are the fake-quant model's (the same
+    quantized values; equal to float32 rounding of the dot), and scaled_matmul, one tensor scale, is refused."""
+    model, res = _ptq("nvfp4-mse")
+    assert res.activation_scale == "token"
+    fake = _lp(model)
+    report = ptq.pack(model, res)
+    assert {b for _, _, b, _ in report.layers} == {"dequant"}
+    np.testing.assert_allclose(np.asarray(_lp(model)), np.asarray(fake), rtol=0, atol=2e-5)
+    model2, res2 = _ptq("nvfp4-mse")
+    with pytest.raises(ValueError, match="'token' scales"):
+        ptq.pack(model2, res2, backend="scaled_matmul")
+
+
 def test_pack_refuses_bad_input_and_leaves_the_model_unchanged():
     model = _MLP(nnx.Rngs(0))
-    res = ptq.quantize(model, [ptq.Rule(path=r".*_proj", scheme=ptq.scheme("hif8"))], progress=False)
+    res = ptq.quantize_model(model, [ptq.Rule(path=r".*_proj", scheme=ptq.scheme("hif8"))], progress=False)
     with pytest.raises(ValueError, match="HiF8 has no hardware GEMM"):
         ptq.pack(model, res, backend="scaled_matmul")
     assert packed_layers(model) == {}

@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxlowfp import backends, formats, packed
+from jaxlowfp import backends, formats, packed, qat
 from jaxlowfp.ptq.api import PTQResult
-from jaxlowfp.ptq.layers import quantizable_modules
+from jaxlowfp.ptq.layers import ActQuant, quantizable_modules
 
 __all__ = ["PackedLinear", "PackReport", "pack", "packed_layers"]
 
@@ -41,7 +41,21 @@ class PackedLinear(nnx.Module):
     was stored."""
 
     def __init__(self, kernel: packed.PackedWeight, bias: nnx.Param | None, *, activation: packed.PackedFormat | None,
-                 backend: str = "auto", dtype: Any = None, param_dtype: Any = jnp.float32, path: str = "") -> None:
+                 backend: str = "auto", dtype: Any = None, param_dtype: Any = jnp.float32, path: str = "",
+                 act_quant: Any = None) -> None:
+        # act_quant: the PTQ'd layer's run-time activation quantizer (`jaxlowfp.ptq.ActQuant`); with per-token or
+        # static scales the input is quantized by it (the one op layer's quantizer, as the fake-quant model does)
+        # and the product runs on the weights-only path, since scaled_matmul's operands carry one tensor scale
+        if act_quant is not None and act_quant.activation_scale != "tensor":
+            if backend not in ("auto", "dequant"):
+                backends.plan(kernel, activation, backend, where=path)  # the format's and device's own refusals
+                raise ValueError(f"{path}: backend={backend!r} quantizes the activations with one tensor scale; this "
+                                 f"layer's activations have {act_quant.activation_scale!r} scales (jaxlowfp.ptq."
+                                 f"quantize_model activation_scale=): use backend='dequant' or 'auto', or quantize "
+                                 f"with activation_scale='tensor'")
+            self.act_quant, activation = act_quant, None
+        else:
+            self.act_quant = None
         self.kernel = packed.PackedParam(kernel)
         self.bias = bias
         self.in_features, self.out_features = kernel.k, kernel.n
@@ -58,6 +72,9 @@ class PackedLinear(nnx.Module):
     def __call__(self, inputs: jax.Array) -> jax.Array:
         dtype = inputs.dtype if self.dtype is None else jnp.dtype(self.dtype)
         x = inputs.astype(dtype)
+        if self.act_quant is not None:  # per-token / static activation scales: the op layer's quantizer
+            spec = self.act_quant.recipe.activation
+            x = qat.fake_quant(x, spec.init(), spec)[0]
         y = backends.packed_dot_general(x, self.kernel.get_value(), (((x.ndim - 1,), (0,)), ((), ())),
                                         backend=self.backend, activation=self.activation,
                                         weight_dtype=self.param_dtype, where=self.path)
@@ -206,8 +223,10 @@ def pack(model: nnx.Module, result: PTQResult, *, backend: str = "auto", paths: 
         w = _weight(path, mod, result)
         sch = result.schemes[path]
         act = None if sch.activation is None else packed.as_format(sch.activation, f"{path} activation")
+        hook = getattr(mod, "dot_general", None)
         layer = PackedLinear(w, mod.bias, activation=act, backend=backend, dtype=mod.dtype,
-                             param_dtype=mod.kernel[...].dtype, path=path)
+                             param_dtype=mod.kernel[...].dtype, path=path,
+                             act_quant=hook if isinstance(hook, ActQuant) else None)
         p = layer.plan(device)
         rows.append((path, w.format.name, p.backend, p.native))
         new[path] = layer
