@@ -183,12 +183,12 @@ def _mx_operand(arr: mx.MXArray, k: int) -> tuple[jax.Array, jax.Array]:
 def _scaled_matmul(x2: jax.Array, w: PackedWeight, act: PackedFormat) -> jax.Array:
     k = w.k
     if w.format.kind == "nvfp4":
-        xa = nvfp4.quantize(x2, rule=act.rule)  # our quantizer, Four Over Six included
+        xa = nvfp4.quantize(x2, rule=act.rule)  # our quantizer, Four Over Six included  # type: ignore[arg-type]
         (xq, xs), (wq, ws) = _nvfp4_operand(xa, k), _nvfp4_operand(w.array, k)
         gx, gw = xa.global_scale, w.array.global_scale
     else:
-        xa = mx.quantize(x2, format=w.array.format)
-        (xq, xs), (wq, ws) = _mx_operand(xa, k), _mx_operand(w.array, k)
+        xa = mx.quantize(x2, format=w.array.format)  # type: ignore[assignment]
+        (xq, xs), (wq, ws) = _mx_operand(xa, k), _mx_operand(w.array, k)  # type: ignore[arg-type]
         gx = gw = None
     out = jax.nn.scaled_matmul(xq[None], wq[None], xs[None], ws[None], preferred_element_type=jnp.float32)[0]
     return out if gx is None else out * (gx * gw)

@@ -199,9 +199,9 @@ def scaled_quantize(x: Any, kind: str) -> ScaledArray:
 @functools.partial(jax.jit, static_argnames=("fmt",))
 def _fake(x: jax.Array, fmt: PackedFormat) -> jax.Array:
     if fmt.kind == "nvfp4":
-        return nvfp4.fake_quantize(x, rule=fmt.rule, block_shape=fmt.block_shape)
+        return nvfp4.fake_quantize(x, rule=fmt.rule, block_shape=fmt.block_shape)  # type: ignore[arg-type]
     if fmt.kind == "if4":
-        return if4.fake_quantize(x, rule=fmt.rule, block_shape=fmt.block_shape)
+        return if4.fake_quantize(x, rule=fmt.rule, block_shape=fmt.block_shape)  # type: ignore[arg-type]
     if fmt.kind in ("mxfp4", "mxfp8"):
         return mx.fake_quantize(x, format="e2m1" if fmt.kind == "mxfp4" else "e4m3")
     elem, target = PER_TENSOR[fmt.kind]
@@ -304,11 +304,11 @@ def pack(w: Any, fmt: Any, *, global_amax: Any = None, where: str = "w") -> Pack
         arr = nvfp4.quantize(wt, rule=fmt.rule, block_shape=fmt.block_shape, global_amax=amax)
         s_enc = nvfp4.global_scales(amax, fmt.rule)[0]
     elif fmt.kind == "if4":
-        arr = if4.quantize(wt, rule=fmt.rule, block_shape=fmt.block_shape, global_amax=global_amax)
+        arr = if4.quantize(wt, rule=fmt.rule, block_shape=fmt.block_shape, global_amax=global_amax)  # type: ignore[assignment]
     elif fmt.kind in ("mxfp4", "mxfp8"):
-        arr = mx.quantize(wt, format="e2m1" if fmt.kind == "mxfp4" else "e4m3")
+        arr = mx.quantize(wt, format="e2m1" if fmt.kind == "mxfp4" else "e4m3")  # type: ignore[assignment]
     else:
-        arr = scaled_quantize(wt, fmt.kind)
+        arr = scaled_quantize(wt, fmt.kind)  # type: ignore[assignment]
     return PackedWeight(array=arr, s_enc=s_enc, format=fmt, k=k, n=n)
 
 

@@ -79,8 +79,8 @@ class PackedLinear(nnx.Module):
                                         backend=self.backend, activation=self.activation,
                                         weight_dtype=self.param_dtype, where=self.path)
         if self.bias is not None:
-            y = y + jnp.reshape(self.bias[...].astype(dtype), (1,) * (y.ndim - 1) + (-1,))
-        return y
+            y = y + jnp.reshape(self.bias[...].astype(dtype), (1,) * (y.ndim - 1) + (-1,))  # type: ignore[operator, union-attr]
+        return y  # type: ignore[return-value]
 
 
 @dataclasses.dataclass(frozen=True)
