@@ -183,7 +183,7 @@ def _mx_operand(arr: mx.MXArray, k: int) -> tuple[jax.Array, jax.Array]:
 def _scaled_matmul(x2: jax.Array, w: PackedWeight, act: PackedFormat) -> jax.Array:
     k = w.k
     if w.format.kind == "nvfp4":
-        xa = nvfp4.quantize(x2, rule=act.rule)  # our quantizer, Four Over Six included  # type: ignore[arg-type]
+        xa = nvfp4.quantize(x2, rule=act.rule)  # type: ignore[arg-type]  # ours: Four Over Six included
         (xq, xs), (wq, ws) = _nvfp4_operand(xa, k), _nvfp4_operand(w.array, k)
         gx, gw = xa.global_scale, w.array.global_scale
     else:
