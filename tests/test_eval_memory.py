@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from jaxlowfp import evaluation as ev
-from jaxlowfp.harness import fake_quantize
+from jaxlowfp.harness import fake_quantize_model as fake_quantize
 from jaxlowfp.models import Llama, preset
 
 ROWS, LENGTH = 2, 64
