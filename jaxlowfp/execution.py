@@ -12,11 +12,22 @@ provider's `jaxlowfp.qnnx.QuantOp`, a PTQ layer's `jaxlowfp.ptq.ActQuant`) holds
 
 `jaxlowfp.evaluation` and `jaxlowfp.training.make_step` call it after their first traced call, so a layer quantized
 on paper only is named at once.
+
+Flax Linen (`jaxlowfp.qlinen`, and the Qwix provider on Linen models): pass the variables instead of a model. Each
+quantized op there has its scale state in ``amax_state`` (or ``_overwrite_with_gradient``); it counts as executed
+once an ``apply`` has traced it (``init`` traces every op and does not count)::
+
+    variables = model.init(key, x)
+    y, upd = model.apply(variables, x, mutable=["amax_state"])
+    execution.check_executed(variables)          # e.g. a layer called only while initializing
 """
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any, NamedTuple
+
+import jax
 
 from flax import nnx
 
@@ -43,9 +54,31 @@ def _describe(op: Any) -> str:
     return f"PTQ {name}: weights quantized, activation quantization never ran" if hasattr(op, "fmt") else name
 
 
+def _linen_ops(variables: Mapping[str, Any]) -> list[QuantizedOp]:
+    from jaxlowfp import owg, qat
+    from jaxlowfp.qlinen import AMAX_COLLECTION, linen_op_key
+
+    def is_state(x: Any) -> bool:
+        return isinstance(x, (qat.RecipeState, owg.Carried))
+
+    out = []
+    for collection in (AMAX_COLLECTION, owg.COLLECTION):
+        leaves, _ = jax.tree_util.tree_flatten_with_path(variables.get(collection, {}), is_leaf=is_state)
+        for keys, leaf in leaves:
+            if not is_state(leaf):
+                continue
+            names = [str(getattr(k, "key", k)) for k in keys]
+            path, key = "/".join(names[:-1]), linen_op_key("/".join(names[:-1]), names[-1])
+            out.append(QuantizedOp(path, f"Linen quantized op {names[-1]!r}", key, _record.executed(key)))
+    return out
+
+
 def quantized_ops(model: Any) -> list[QuantizedOp]:
     """Every quantized op in `model` (NNX graph order): QuantOps (QAT layers, Qwix provider) and the run-time
-    activation quantizers of PTQ'd layers (held in a layer's ``dot_general`` / ``einsum_op``)."""
+    activation quantizers of PTQ'd layers (held in a layer's ``dot_general`` / ``einsum_op``). A Linen model's
+    variables (a mapping of collections): the ops whose scale state they hold (`jaxlowfp.qlinen`)."""
+    if isinstance(model, Mapping):
+        return _linen_ops(model)
     out = []
     for parts, node in nnx.iter_graph(model):
         if not isinstance(node, nnx.Module):
@@ -62,8 +95,9 @@ def quantized_ops(model: Any) -> list[QuantizedOp]:
 
 
 def check_executed(model: Any, *, strict: bool = False, warn_once: bool = True) -> tuple[str, ...]:
-    """Paths of the quantized ops in `model` that have not executed; a RuntimeWarning naming them and saying why
-    (or, with `strict`, a RuntimeError). Call it after the model's first (traced) call. `warn_once`: the same set
+    """Paths of the quantized ops in `model` (an NNX model, or a Linen model's variables) that have not executed; a
+    RuntimeWarning naming them and saying why (or, with `strict`, a RuntimeError). Call it after the model's first
+    (traced) call. `warn_once`: the same set
     of layers is warned about once per process."""
     ops = quantized_ops(model)
     missing = [op for op in ops if not op.executed]

@@ -5,6 +5,7 @@
     variables = dense.init(key, x)             # {"params", "amax_state", "quant_phase", "quant_stats"}
     y, upd = dense.apply(variables, x, mutable=["amax_state"])    # histories recorded: merge `upd` back
     variables = set_observe_only(variables, flag)                  # warmup switch; a traced flag is fine
+    execution.check_executed(variables)        # after the first apply: names each quantized op that never ran
 
 Collections: `AMAX_COLLECTION` holds each layer's `RecipeState` (the functional scale state, not trained),
 `PHASE_COLLECTION` the observe-only flag (bool scalar), `STATS_COLLECTION` the last `RecipeStats`, written only
@@ -112,7 +113,8 @@ def contract_in(
     out, new_state, stats = contract(
         lhs, rhs, dimension_numbers, recipe=recipe, state=state, weight=weight, observe_only=observe, key=key,
         precision=precision, preferred_element_type=preferred_element_type, where=where,
-        op_key=linen_op_key(where, names[0]))
+        # `init` traces every op once: only `apply` counts as executed (`jaxlowfp.execution.check_executed`)
+        op_key=None if module.is_initializing() else linen_op_key(where, names[0]))
     if carry == "gradient":
         out = owg.overwrite(out, carried, owg.to_carried(new_state, observe))
     elif not module.is_initializing() and module.is_mutable_collection(AMAX_COLLECTION):

@@ -7,9 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import flax.linen as nn
+import qwix
 from flax import nnx
 
-from jaxlowfp import execution, ptq, qat, qnnx
+from jaxlowfp import execution, ptq, qat, qlinen, qnnx, qwix_provider
 from jaxlowfp.evaluation import Request, score_requests
 from jaxlowfp.models.llama import PRESETS, Llama
 
@@ -55,6 +57,44 @@ def test_ptq_layer_read_directly_is_named():
     assert res.report.not_executed() == ("qkv",)
     with pytest.raises(RuntimeError, match=r"qkv \(PTQ nvfp4-mse: weights quantized, activation quantization never ran"):
         execution.check_executed(model, strict=True)
+
+
+class LinenDirectRead(nn.Module):
+    """The same pattern in Flax Linen: `qkv` is called while initializing (so its params exist) and read directly
+    by `apply`."""
+
+    dot_general_cls: object = None
+
+    def setup(self):
+        self.qkv = nn.Dense(96, dot_general_cls=self.dot_general_cls)
+        self.mlp = nn.Dense(32, dot_general_cls=self.dot_general_cls)
+
+    def __call__(self, x):
+        if self.is_initializing():
+            self.qkv(x)
+        qkv = x @ self.qkv.variables["params"]["kernel"]
+        return self.mlp(x) + qkv[..., :32]
+
+
+@pytest.mark.parametrize("via", ["qlinen", "qwix_provider"])
+def test_linen_layer_read_directly_is_named(via):
+    if via == "qlinen":
+        model = LinenDirectRead(dot_general_cls=qlinen.quant_dot_general_cls(qat.hif8_w8a8()))
+    else:
+        provider = qwix_provider.RecipeProvider([qwix_provider.RecipeRule(module_path="qkv|mlp", recipe=qat.hif8_w8a8())])
+        model = qwix.quantize_model(LinenDirectRead(), provider)
+    variables = model.init(jax.random.key(0), _x())
+    ops = execution.quantized_ops(variables)
+    names = {op.path.split("/")[0] for op in ops}
+    assert names == {"qkv", "mlp"} and not any(op.executed for op in ops)  # init does not count
+    with pytest.warns(RuntimeWarning, match="no quantized op of the model has executed yet"):
+        execution.check_executed(variables, warn_once=False)
+    jax.jit(lambda v, x: model.apply(v, x, mutable=[qlinen.AMAX_COLLECTION]))(variables, _x())
+    with pytest.warns(RuntimeWarning, match=r"qkv.*the model ran.*kernel is read directly"):
+        missing = execution.check_executed(variables, warn_once=False)
+    assert [m.split("/")[0] for m in missing] == ["qkv"]
+    with pytest.raises(RuntimeError, match="qkv"):
+        execution.check_executed(variables, strict=True)
 
 
 def test_training_step_warns_at_trace_time():
