@@ -36,8 +36,7 @@ import numpy as np
 from flax import nnx
 
 from jaxlowfp import sharding
-from jaxlowfp._core.executed import executed, mark as mark_executed
-from jaxlowfp.execution import check_executed, quantized_ops
+from jaxlowfp.execution import SharedPrograms, check_executed
 from jaxlowfp._core.progress import progress_bar
 
 __all__ = [
@@ -123,34 +122,6 @@ def _head_sums(fn: Any, graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, 
     return _sums(fn(nnx.merge(graphdef, state), x), targets, weights)
 
 
-def _shared_graphdef(block: nnx.Module) -> Any:
-    """A key equal for blocks of the same structure: the block's graphdef with its quantized ops' static names
-    blanked (a QuantOp's ``path`` and ``op_key``, a PTQ hook's ``path`` and ``op_key``: used in error messages and
-    the execution record only), so identical blocks share one compiled program."""
-    import dataclasses
-
-    from jaxlowfp.qnnx.layer import QuantOp
-
-    saved_ops, saved_hooks = [], []
-    for _, m in nnx.iter_modules(block):
-        if isinstance(m, QuantOp):
-            saved_ops.append((m, m.path, m.op_key))
-        for k, v in list(vars(m).items()):
-            if dataclasses.is_dataclass(v) and not isinstance(v, type) and isinstance(getattr(v, "op_key", None), str):
-                saved_hooks.append((m, k, v))
-    try:
-        for m, _, _ in saved_ops:
-            m.path, m.op_key = "", ""
-        for m, k, v in saved_hooks:
-            setattr(m, k, dataclasses.replace(v, path="", op_key=""))
-        return nnx.graphdef(block)
-    finally:
-        for m, p, k in saved_ops:
-            m.path, m.op_key = p, k
-        for m, k, v in saved_hooks:
-            setattr(m, k, v)
-
-
 class _Forward:
     """``(sums, greedy)`` of a batch: block by block for a model with ``ptq_blocks()``, else `_ll_sums`."""
 
@@ -165,14 +136,8 @@ class _Forward:
             if bad or not callable(embed) or not callable(head):
                 raise TypeError(f"{type(model).__name__}.ptq_blocks() must give callables embed and head and the paths "
                                 f"of blocks; got embed={embed!r}, head={head!r}, no module at {bad[:3]}")
-            first: dict[Any, tuple[nnx.GraphDef, list[str]]] = {}  # structure -> its first block's graphdef, op keys
-            self.blocks, self.shared_keys = [], []
-            for path, call in blocks:
-                g, s = nnx.split(mods[path])
-                keys = [op.op_key for op in quantized_ops(mods[path])]
-                g0, keys0 = first.setdefault(_shared_graphdef(mods[path]), (g, keys))
-                self.blocks.append((call, g0, s))
-                self.shared_keys.append((keys0, keys))  # ops traced under the first block's keys run these too
+            self.programs = SharedPrograms([mods[path] for path, _ in blocks])
+            self.blocks = [(call, g, s) for (_, call), (g, s) in zip(blocks, self.programs.split)]
             self.embed, self.head = embed, head
 
     def __call__(self, inputs: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -181,10 +146,7 @@ class _Forward:
         x = _embed(self.embed, self.graphdef, self.state, inputs)
         for call, g, s in self.blocks:
             x = _block(call, g, s, x)
-        for keys0, keys in self.shared_keys:  # a block run by a program traced for an identical block
-            if all(executed(k) for k in keys0):
-                for k in keys:
-                    mark_executed(k)
+        self.programs.mark_shared()
         return _head_sums(self.head, self.graphdef, self.state, x, targets, weights)
 
 

@@ -34,7 +34,7 @@ from flax import nnx
 from jaxlowfp._core import executed as _record
 from jaxlowfp.rules import not_executed_message
 
-__all__ = ["QuantizedOp", "quantized_ops", "check_executed"]
+__all__ = ["QuantizedOp", "quantized_ops", "check_executed", "SharedPrograms"]
 
 _WARNED: set[frozenset[str]] = set()
 
@@ -111,3 +111,60 @@ def check_executed(model: Any, *, strict: bool = False, warn_once: bool = True) 
             _WARNED.add(token)
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
     return tuple(op.path for op in missing)
+
+
+def _shared_graphdef(block: nnx.Module) -> Any:
+    """A key equal for blocks of the same structure: the block's graphdef with its quantized ops' static names
+    blanked (a QuantOp's ``path`` and ``op_key``, a PTQ hook's ``path`` and ``op_key``: used in error messages and
+    the execution record only), so identical blocks share one compiled program."""
+    import dataclasses
+
+    from jaxlowfp.qnnx.layer import QuantOp
+
+    saved_ops, saved_hooks = [], []
+    for _, m in nnx.iter_modules(block):
+        if isinstance(m, QuantOp):
+            saved_ops.append((m, m.path, m.op_key))
+        for k, v in list(vars(m).items()):
+            if dataclasses.is_dataclass(v) and not isinstance(v, type) and isinstance(getattr(v, "op_key", None), str):
+                saved_hooks.append((m, k, v))
+    try:
+        for m, _, _ in saved_ops:
+            m.path, m.op_key = "", ""
+        for m, k, v in saved_hooks:
+            setattr(m, k, dataclasses.replace(v, path="", op_key=""))
+        return nnx.graphdef(block)
+    finally:
+        for m, p, k in saved_ops:
+            m.path, m.op_key = p, k
+        for m, k, v in saved_hooks:
+            setattr(m, k, v)
+
+
+class SharedPrograms:
+    """Blocks of a model split so that blocks of the same structure share one graphdef, hence one compiled program
+    of a function jitted with the graphdef static (block-by-block evaluation and generation: a fake-quantized
+    layer is thousands of HLO ops, and one program for the whole model costs gigabytes to compile).
+
+    ``split[i]`` is ``(graphdef, state)`` of block ``i``: the graphdef of the first block of its structure, its own
+    state. The ops of a block that runs a program traced for another block are not traced under their own keys:
+    `mark_shared` marks them executed once the first block's ops are.
+    """
+
+    def __init__(self, blocks: list[nnx.Module]):
+        first: dict[Any, tuple[nnx.GraphDef, list[str]]] = {}  # structure -> its first block's graphdef, op keys
+        self.split: list[tuple[nnx.GraphDef, nnx.State]] = []
+        self._keys: list[tuple[list[str], list[str]]] = []
+        for block in blocks:
+            g, s = nnx.split(block)
+            keys = [op.op_key for op in quantized_ops(block)]
+            g0, keys0 = first.setdefault(_shared_graphdef(block), (g, keys))
+            self.split.append((g0, s))
+            self._keys.append((keys0, keys))
+
+    def mark_shared(self) -> None:
+        """Mark the ops of every block whose program (traced for an identical block) has executed."""
+        for keys0, keys in self._keys:
+            if all(_record.executed(k) for k in keys0):
+                for k in keys:
+                    _record.mark(k)

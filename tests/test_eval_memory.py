@@ -80,3 +80,23 @@ def test_block_by_block_scores_equal_the_whole_forward_program_bitwise(quantize,
     ll, top, _ = ev.score_requests(model, reqs, batch_size=4, greedy=True)
     np.testing.assert_array_equal(blocks, ll)
     np.testing.assert_array_equal(greedy, top)
+
+
+def test_generation_runs_block_by_block_with_one_shared_program():
+    """`models.generate` of a quantized model: one block program per token count (prefill, decode) shared by every
+    block, whatever the depth, and the same tokens as the whole-step program it ran before (greedy decoding of
+    float32 logits; the two programs compute the same values in the same order per block)."""
+    from jaxlowfp import execution
+    from jaxlowfp.models.llama import _gen_block, generate
+
+    model = _model(4, "hif8")
+    prompts = [[5, 9, 17, 3], [30, 2]]
+    before = _gen_block._cache_size()
+    tokens = generate(model, prompts, max_new_tokens=6)
+    assert _gen_block._cache_size() - before == 2  # prefill and decode, for all 4 blocks
+    assert execution.check_executed(model) == ()  # the blocks sharing the program are marked executed
+    assert generate(model, prompts, max_new_tokens=6, blockwise=False) == tokens
+    sampled = dict(max_new_tokens=6, temperature=0.8, seed=3)  # the same programs (the temperature is traced)
+    assert generate(model, prompts, **sampled) == generate(model, prompts, blockwise=False, **sampled)
+    with pytest.raises(TypeError, match="blockwise"):
+        generate(model, prompts, max_new_tokens=1, blockwise="yes")

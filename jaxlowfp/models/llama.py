@@ -479,19 +479,10 @@ class Llama(nnx.Module):
                 x, _ = block(x)
             return self._head(x)
 
-        new = jnp.ones((b, t), jnp.bool_) if attention_mask is None else attention_mask.astype(jnp.bool_)
-        seen = jnp.zeros((b, 1), jnp.int32)
-        if cache is None:
-            valid, q_slot, k_slot = new, jnp.arange(t), jnp.arange(t)
-        else:
-            if len(cache.k) != self.config.n_layers:
-                raise ValueError(f"cache has {len(cache.k)} layers; the model has {self.config.n_layers}")
-            seen = jnp.sum(cache.valid, axis=1, keepdims=True, dtype=jnp.int32)
-            valid = jax.lax.dynamic_update_slice(cache.valid, new, (jnp.zeros((), jnp.int32), cache.index))
-            q_slot, k_slot = cache.index + jnp.arange(t), jnp.arange(cache.valid.shape[1])
-        if positions is None:
-            positions = jnp.maximum(seen + jnp.cumsum(new, axis=1, dtype=jnp.int32) - 1, 0)
-        mask = (k_slot[None, None, :] <= q_slot[None, :, None]) & valid[:, None, :]  # [B, T, S]
+        if cache is not None and len(cache.k) != self.config.n_layers:
+            raise ValueError(f"cache has {len(cache.k)} layers; the model has {self.config.n_layers}")
+        positions, mask, valid = _layout(b, t, attention_mask, positions,
+                                         None if cache is None else (cache.valid, cache.index))
         ks, vs = [], []
         for i, block in enumerate(self.blocks):
             layer_cache = None if cache is None else (cache.k[i], cache.v[i], cache.index)
@@ -503,6 +494,25 @@ class Llama(nnx.Module):
         if cache is None:
             return logits
         return logits, KVCache(tuple(ks), tuple(vs), valid, cache.index + jnp.int32(t))
+
+
+def _layout(b: int, t: int, attention_mask: jax.Array | None, positions: jax.Array | None,
+            cached: tuple[jax.Array, jax.Array] | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(positions [B, T], attention mask [B, T, S], valid slots [B, S])`` of a call on ``T`` new tokens, with
+    ``cached = (cache.valid, cache.index)`` of a `KVCache` (``S`` its capacity) or None (``S = T``)."""
+    new = jnp.ones((b, t), jnp.bool_) if attention_mask is None else attention_mask.astype(jnp.bool_)
+    seen = jnp.zeros((b, 1), jnp.int32)
+    if cached is None:
+        valid, q_slot, k_slot = new, jnp.arange(t), jnp.arange(t)
+    else:
+        valid0, index = cached
+        seen = jnp.sum(valid0, axis=1, keepdims=True, dtype=jnp.int32)
+        valid = jax.lax.dynamic_update_slice(valid0, new, (jnp.zeros((), jnp.int32), index))
+        q_slot, k_slot = index + jnp.arange(t), jnp.arange(valid0.shape[1])
+    if positions is None:
+        positions = jnp.maximum(seen + jnp.cumsum(new, axis=1, dtype=jnp.int32) - 1, 0)
+    mask = (k_slot[None, None, :] <= q_slot[None, :, None]) & valid[:, None, :]  # [B, T, S]
+    return positions, mask, valid
 
 
 def _ptq_embed(model: Llama, tokens: jax.Array) -> jax.Array:
@@ -596,6 +606,53 @@ def _generate_step(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, 
     return _sample(logits[:, -1], key, temperature, top_k), cache
 
 
+# Block by block (a model with quantized ops): one program for the embedding and the attention layout, one per
+# distinct block structure and token count (prefill, decode), shared by identical blocks, one for the head and the
+# draw. A fake-quantized layer is thousands of HLO ops, and one program for the whole model took 7.6 GB to compile
+# with NVFP4 on every SmolLM2 projection (`jaxlowfp.evaluation` scores the same way).
+@functools.partial(jax.jit, static_argnums=(0,))
+def _gen_embed(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, mask: jax.Array, valid: jax.Array,
+               index: jax.Array) -> tuple[jax.Array, ...]:
+    positions, amask, valid = _layout(*tokens.shape, mask, None, (valid, index))
+    return nnx.merge(graphdef, state)(tokens.astype(jnp.int32)), positions, amask, valid
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(5, 6))
+def _gen_block(graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, positions: jax.Array, mask: jax.Array,
+               k: jax.Array, v: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    x, (k, v) = nnx.merge(graphdef, state)(x, positions, mask, (k, v, index))
+    return x, k, v
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _gen_head(graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, key: jax.Array, temperature: jax.Array,
+              top_k: int) -> jax.Array:
+    return _sample(nnx.merge(graphdef, state)._head(x)[:, -1], key, temperature, top_k)
+
+
+class _BlockwiseStep:
+    """`_generate_step` block by block (same arguments and results)."""
+
+    def __init__(self, model: Llama):
+        from jaxlowfp.execution import SharedPrograms
+
+        self.embed = nnx.split(model.embed)
+        self.model = nnx.split(model)
+        self.blocks = SharedPrograms(list(model.blocks))
+
+    def __call__(self, tokens: jax.Array, mask: jax.Array, cache: KVCache, key: jax.Array, temperature: jax.Array,
+                 top_k: int) -> tuple[jax.Array, KVCache]:
+        x, positions, amask, valid = _gen_embed(*self.embed, tokens, mask, cache.valid, cache.index)
+        ks, vs = [], []
+        for (g, s), k, v in zip(self.blocks.split, cache.k, cache.v):
+            x, k, v = _gen_block(g, s, x, positions, amask, k, v, cache.index)
+            ks.append(k)
+            vs.append(v)
+        self.blocks.mark_shared()
+        nxt = _gen_head(*self.model, x, key, temperature, top_k)
+        return nxt, KVCache(tuple(ks), tuple(vs), valid, cache.index + jnp.int32(tokens.shape[1]))
+
+
 def generate(
     model: Llama,
     prompts: Sequence[Sequence[int]],
@@ -608,6 +665,7 @@ def generate(
     stop: Callable[[int, list[int]], bool] | None = None,
     pad_to: int | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    blockwise: bool | None = None,
 ) -> list[list[int]]:
     """Continue each prompt (a list of token ids) by up to ``max_new_tokens`` tokens with a `KVCache`.
 
@@ -618,7 +676,9 @@ def generate(
     string appeared in the decoded text). ``pad_to`` left-pads to at least that many prompt tokens, so batches of
     different prompt lengths share one compiled shape. Returns the new tokens of every prompt. Never changes the
     model. ``mesh``: the model's parameters are on it (`jaxlowfp.models.load(..., mesh=...)`); the prompt rows and
-    the KV cache are sharded (`cache_shardings`).
+    the KV cache are sharded (`cache_shardings`). ``blockwise``: run each step block by block, one compiled program
+    shared by identical blocks (bounded compile memory for fake-quantized models), or as one program; default:
+    block by block when the model has quantized ops (`jaxlowfp.execution.quantized_ops`).
     """
     _check_int(max_new_tokens, "max_new_tokens")
     if pad_to is not None:
@@ -654,8 +714,14 @@ def generate(
         tokens, mask = sharding.put_batch(tokens, mesh), sharding.put_batch(mask, mesh)  # type: ignore[assignment]
     keys = jax.random.split(jax.random.key(seed), max_new_tokens)
     temp = jnp.float32(temperature)
-    nxt, cache = _generate_step(graphdef, state, jnp.asarray(tokens), jnp.asarray(mask), cache, keys[0], temp,
-                                top_k or 0)
+    if blockwise is None:
+        from jaxlowfp.execution import quantized_ops
+
+        blockwise = bool(quantized_ops(model))
+    elif not isinstance(blockwise, bool):
+        raise TypeError(f"blockwise must be True, False or None (auto); got {blockwise!r}")
+    step_fn = _BlockwiseStep(model) if blockwise else functools.partial(_generate_step, graphdef, state)
+    nxt, cache = step_fn(jnp.asarray(tokens), jnp.asarray(mask), cache, keys[0], temp, top_k or 0)
     out: list[list[int]] = [[] for _ in rows]
     done = np.zeros(len(rows), bool)
     ones = jnp.ones((len(rows), 1), jnp.bool_)
@@ -669,5 +735,5 @@ def generate(
             done[i] |= (eos_id is not None and int(host[i]) == eos_id) or (stop is not None and bool(stop(i, out[i])))
         if done.all() or step == max_new_tokens - 1:
             break
-        nxt, cache = _generate_step(graphdef, state, nxt[:, None], ones, cache, keys[step + 1], temp, top_k or 0)
+        nxt, cache = step_fn(nxt[:, None], ones, cache, keys[step + 1], temp, top_k or 0)
     return out
