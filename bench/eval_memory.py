@@ -103,8 +103,8 @@ def main() -> None:
     if args.no_write:
         return
     cmd = ("python -m jaxlowfp.harness --model jaxlowfp --model_args pretrained=smollm2-135m,quantize=<q>,layers=all "
-           "--tasks tests/lm_eval_tasks/jaxlowfp_local_mc.yaml,tests/lm_eval_tasks/jaxlowfp_local_rolling.yaml "
-           "--batch_size 8")
+           "--tasks tests/lm_eval_tasks/jaxlowfp_local_mc.yaml,tests/lm_eval_tasks/jaxlowfp_local_rolling.yaml"
+           + (",tests/lm_eval_tasks/jaxlowfp_local_gen.yaml" if args.gen else "") + " --batch_size 8")
     body = (f"`bench/eval_memory.py{' --gen' if args.gen else ''}` on {machine()} (2 cores shared with other jobs, "
             f"so seconds are loose): each row is `{cmd}` in a fresh interpreter; peak RSS of the process polled "
             f"every 0.2 s (GiB; killed above {args.limit_gb:g} GiB). Multiple choice: 8 questions x 4 choices; "
@@ -112,7 +112,9 @@ def main() -> None:
             "fix (the whole forward pass as one XLA program) NVFP4 on every projection was killed at 7.5 GiB while "
             "compiling that program for the first padded shape; the issue's report saw 20.6 GB. Measured once the same "
             "way with `quantize=nvfp4,layers=paper` (the default layers, 75 projections): 6.25 GiB before (commit "
-            "292a06d), 1.47 GiB after, with the same scores (MC acc 0.500, word ppl 83.4812) from both.\n\n"
+            "292a06d), 1.47 GiB after, with the same scores (MC acc 0.500, word ppl 83.4812) from both. Generation "
+            "(`jaxlowfp.models.generate`, the `--gen` task) compiled its step as one program for the whole model too "
+            "(7.6 GB with NVFP4 on every projection); it now runs block by block as well (`blockwise=`).\n\n"
             + markdown_table(["SmolLM2-135M, lm-eval backend", "peak RSS (GiB)", "seconds", "MC acc", "word ppl"],
                              rows))
     write_section("Evaluation peak memory (SmolLM2-135M, lm-eval backend)", body)
