@@ -613,7 +613,8 @@ def _generate_step(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, 
 @functools.partial(jax.jit, static_argnums=(0,))
 def _gen_embed(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, mask: jax.Array, valid: jax.Array,
                index: jax.Array) -> tuple[jax.Array, ...]:
-    positions, amask, valid = _layout(*tokens.shape, mask, None, (valid, index))
+    b, t = tokens.shape
+    positions, amask, valid = _layout(b, t, mask, None, (valid, index))
     return nnx.merge(graphdef, state)(tokens.astype(jnp.int32)), positions, amask, valid
 
 
