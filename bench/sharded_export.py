@@ -1,0 +1,97 @@
+"""Host peak memory of `jaxlowfp.ptq.export` / `export_gguf` of a tiny Llama, unsharded and on 2 / 4 / 8 devices.
+
+    PYTHONPATH=. .venv/bin/python bench/sharded_export.py [--layers 8 --d-model 256 --d-ff 1024]
+
+One interpreter with 8 simulated CPU devices (``jax_num_cpu_devices``). For each mesh (none, then ``fsdp=n/2,
+tensor=2`` over the first n devices) a random ``Llama`` (vocabulary 96, so a 96-token byte-level BPE tokenizer fits
+it) is placed by `jaxlowfp.sharding.llama_rules`, quantized by RTN to NVFP4 4/6 (mse, W4A16) on every projection,
+exported once to warm JAX's caches, then exported again under ``tracemalloc`` (every numpy and Python allocation
+of the host; device buffers are not counted): the peak, the file size and the file's SHA-256. Prints one JSON
+object; ``same`` says every sharded file's bytes equal the unsharded one's.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import tempfile
+import tracemalloc
+from pathlib import Path
+
+import jax
+
+
+def _tokenizer(directory: Path) -> Path:
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet())[:94])}
+    vocab["ab"] = 94
+    tk = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens(["<s>"])  # id 95
+    tk.save(str(directory / "tokenizer.json"))
+    return directory / "tokenizer.json"
+
+
+def _peak(fn) -> int:
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--d-ff", type=int, default=1024)
+    ap.add_argument("--devices", default="1,2,4,8", help="device counts; 1 is the unsharded model")
+    args = ap.parse_args(argv)
+    jax.config.update("jax_num_cpu_devices", 8)
+    from flax import nnx
+
+    from jaxlowfp import ptq, sharding
+    from jaxlowfp.models import Llama, ModelConfig
+
+    cfg = ModelConfig(vocab=96, d_model=args.d_model, n_layers=args.layers, n_heads=4, n_kv_heads=2,
+                      d_ff=args.d_ff, max_seq_len=32)
+    rules = [ptq.Rule(path=r"blocks/\d+/(attn|mlp)/\w+_proj", scheme=ptq.scheme("nvfp4-mse", weights_only=True))]
+    out: dict = {"params": 0, "rows": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        tj = _tokenizer(root)
+        for n in (int(x) for x in args.devices.split(",")):
+            model = Llama(cfg, rngs=nnx.Rngs(0))
+            if n > 1:
+                mesh = sharding.make_mesh(f"fsdp={n // 2},tensor=2", jax.devices()[:n])
+                model = sharding.shard_model(model, mesh, sharding.llama_rules())
+            res = ptq.quantize_model(model, rules, method="rtn", progress=False)
+            d = root / str(n)
+            ptq.export(model, res, d / "warm")
+            ptq.export_gguf(model, res, d / "warm.gguf", tokenizer_json=tj)
+            st = _peak(lambda: ptq.export(model, res, d / "st"))
+            gg = _peak(lambda: ptq.export_gguf(model, res, d / "m.gguf", tokenizer_json=tj))
+            per = sharding.device_bytes(model)
+            out["params"] = sum(int(v.get_value().size) for v in sharding.variable_paths(model).values())
+            out["rows"][n] = {
+                "max_device_bytes": max(per.values()), "devices": len(per),
+                "safetensors": {"bytes": (d / "st" / "model.safetensors").stat().st_size, "peak": st,
+                                "sha": _sha(d / "st" / "model.safetensors")},
+                "gguf": {"bytes": (d / "m.gguf").stat().st_size, "peak": gg, "sha": _sha(d / "m.gguf")}}
+    rows = list(out["rows"].values())
+    out["same"] = all(r[k]["sha"] == rows[0][k]["sha"] for r in rows for k in ("safetensors", "gguf"))
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,87 @@
+"""`ptq.export` / `ptq.export_gguf` of a sharded model write tensor by tensor (`jaxlowfp.ptq.stream`): the files are
+byte for byte the unsharded model's, the safetensors file byte for byte what ``safetensors.numpy.save_file``
+writes for the same tensors, and the host's peak (tracemalloc) is a fraction of the file, on 4 simulated devices
+here (conftest) and on 8 in a subprocess (bench/sharded_export.py)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import jax
+import numpy as np
+from flax import nnx
+
+from test_gguf_export import _tokenizer
+from jaxlowfp import ptq, sharding
+from jaxlowfp.models import Llama, ModelConfig
+from jaxlowfp.ptq import stream
+
+ROOT = Path(__file__).resolve().parents[1]
+CFG = ModelConfig(vocab=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=32)
+RULES = [ptq.Rule(path=r"blocks/\d+/(attn|mlp)/\w+_proj", scheme=ptq.scheme("nvfp4-mse", weights_only=True))]
+
+
+def _export_both(model, tmp: Path, tj: Path) -> tuple[bytes, bytes]:
+    res = ptq.quantize_model(model, RULES, method="rtn")
+    ptq.export(model, res, tmp / "st")
+    ptq.export_gguf(model, res, tmp / "m.gguf", tokenizer_json=tj)
+    return (tmp / "st" / "model.safetensors").read_bytes(), (tmp / "m.gguf").read_bytes()
+
+
+def test_sharded_export_is_the_unsharded_file(tmp_path):
+    tj = _tokenizer(tmp_path / "tok")
+    mesh = sharding.make_mesh("fsdp=2,tensor=2")
+    sharded = sharding.shard_model(Llama(CFG, rngs=nnx.Rngs(0)), mesh, sharding.llama_rules())
+    assert sharded.blocks[0].mlp.up_proj.kernel.get_value().sharding.spec == sharding.P("fsdp", "tensor")
+    want = _export_both(Llama(CFG, rngs=nnx.Rngs(0)), tmp_path / "one", tj)
+    got = _export_both(sharded, tmp_path / "mesh", tj)
+    assert got[0] == want[0] and got[1] == want[1]
+    # the streamed safetensors file is what the safetensors library writes for the same tensors
+    from safetensors.numpy import save_file
+
+    tensors = ptq.checkpoint.read_safetensors(tmp_path / "one" / "st" / "model.safetensors")
+    assert {str(t.dtype) for t in tensors.values()} >= {"uint8", "float8_e4m3fn", "float16", "float32"}
+    save_file(tensors, str(tmp_path / "lib.safetensors"), metadata={"format": "pt"})
+    assert (tmp_path / "lib.safetensors").read_bytes() == want[0]
+    # and the GGUF file is one the gguf package reads, with every tensor
+    reader = gguf.GGUFReader(tmp_path / "mesh" / "m.gguf")
+    assert {t.tensor_type.name for t in reader.tensors} == {"NVFP4", "F32", "F16"}
+
+
+def test_spool_roundtrip_and_safetensors_errors(tmp_path):
+    import ml_dtypes
+    import pytest
+
+    with stream.Spool(near=tmp_path / "not" / "yet") as sp:
+        a = np.arange(12, dtype=np.float32).reshape(3, 4)
+        b = np.asarray([1.5, -2], ml_dtypes.float8_e4m3fn)
+        ea, eb = sp.put(a), sp.put(b)
+        assert np.array_equal(sp.get(ea), a) and sp.get(eb).tobytes() == b.tobytes()
+        with pytest.raises(TypeError, match="x: safetensors has no dtype for complex64"):
+            stream.write_safetensors(tmp_path / "x.safetensors", sp, {"x": sp.put(np.zeros(2, np.complex64))})
+    assert not (tmp_path / "not").exists()
+    assert isinstance(stream.fetch(jax.numpy.ones(3)), np.ndarray)
+
+
+def test_eight_devices_export_holds_a_fraction_of_the_file():
+    """bench/sharded_export.py in a subprocess with 8 CPU devices: unsharded, fsdp=1 x tensor=2 (2 devices) and
+    fsdp=4 x tensor=2 (8): the same bytes, and a host peak below half the file (the gathering writer held the whole
+    file: its peak was above the file's size)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_FLAGS")} | {
+        "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "bench/sharded_export.py", "--layers", "6", "--d-model", "128",
+                           "--d-ff", "512", "--devices", "1,2,8"], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["same"], out
+    rows = out["rows"]
+    assert [rows[n]["devices"] for n in ("1", "2", "8")] == [1, 2, 8]
+    assert rows["1"]["max_device_bytes"] > rows["2"]["max_device_bytes"] > rows["8"]["max_device_bytes"]
+    for n in ("1", "2", "8"):
+        for kind in ("safetensors", "gguf"):
+            assert rows[n][kind]["peak"] < 0.5 * rows[n][kind]["bytes"], (n, kind, rows[n][kind])
