@@ -6,7 +6,8 @@ One interpreter with 8 simulated CPU devices (``jax_num_cpu_devices``). For each
 tensor=2`` over the first n devices) a random ``Llama`` (vocabulary 96, so a 96-token byte-level BPE tokenizer fits
 it) is placed by `jaxlowfp.sharding.llama_rules`, quantized by RTN to NVFP4 4/6 (mse, W4A16) on every projection,
 exported once to warm JAX's caches, then exported again under ``tracemalloc`` (every numpy and Python allocation
-of the host; device buffers are not counted): the peak, the file size and the file's SHA-256. Prints one JSON
+of the host; device buffers and XLA's own host copies are not counted): the peak, the file size and the file's
+SHA-256. Prints one JSON
 object; ``same`` says every sharded file's bytes equal the unsharded one's.
 """
 from __future__ import annotations

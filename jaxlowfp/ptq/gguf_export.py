@@ -149,6 +149,16 @@ class _Calls:
             getattr(writer, name)(*a, **k)
 
 
+class _Host:
+    """A parameter whose ``[...]`` is its host value (`jaxlowfp.ptq.stream.fetch`: one tensor's shards)."""
+
+    def __init__(self, var: Any) -> None:
+        self.var = var
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        return stream.fetch(self.var[...])[key]
+
+
 def _value_type(v: Any) -> Any:
     gguf = _gguf()
     if isinstance(v, bool):
@@ -422,8 +432,9 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
     reader = gguf.GGUFReader(Path(source_gguf)) if source_gguf is not None else None
     src_tensors = {x.name: x for x in reader.tensors} if reader is not None else {}
     notes_pre: list[str] = []
+    host = {p: _Host(v) for p, v in params.items()}  # what t.array reads: a host copy per tensor, none cached
     for t in specs:
-        w = t.array(params)
+        w = t.array(host)
         shapes[t.name] = tuple(w.shape)
         mod = t.module
         sch = schemes.get(mod) if mod is not None else None

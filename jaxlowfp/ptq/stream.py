@@ -41,10 +41,21 @@ _CHUNK = 1 << 24  # bytes copied at a time from the spool into the file
 
 def fetch(x: Any) -> np.ndarray:
     """One tensor's value on the host: its shards copied from their devices (every process's, gathered, when it
-    spans processes: `jaxlowfp.sharding.to_host`, a collective), nothing else of the model."""
+    spans processes: `jaxlowfp.sharding.to_host`, a collective), nothing else of the model.
+
+    ``np.asarray`` of a `jax.Array` that had to be copied to the host (a sharded one, or any on an accelerator)
+    keeps that copy cached on the array (``jax.Array._value``), so converting every parameter would leave the whole
+    model on the host; here the copy is taken of a temporary device copy, which goes with its cache."""
+    import jax
+    import jax.numpy as jnp
+
     from jaxlowfp.sharding import to_host
 
-    return to_host(x)
+    if not isinstance(x, jax.Array):
+        return np.asarray(x)
+    if not x.is_fully_addressable:
+        return to_host(x)
+    return np.asarray(jnp.array(x, copy=True))
 
 
 class SpoolEntry(NamedTuple):
