@@ -7,12 +7,15 @@ tensor=2`` over the first n devices) a random ``Llama`` (vocabulary 96, so a 96-
 it) is placed by `jaxlowfp.sharding.llama_rules`, quantized by RTN to NVFP4 4/6 (mse, W4A16) on every projection,
 exported once to warm JAX's caches, then exported again under ``tracemalloc`` (every numpy and Python allocation
 of the host; device buffers and XLA's own host copies are not counted): the peak, the file size and the file's
-SHA-256. Prints one JSON
+SHA-256; and ``rss``: the peak resident set during the export minus the resident set before it (``VmHWM``
+reset through ``/proc/self/clear_refs``), which also counts the host buffers XLA allocates (tracemalloc does not:
+a device array's host copy, or an unsharded CPU array's zero-copy view, is invisible to it). Prints one JSON
 object; ``same`` says every sharded file's bytes equal the unsharded one's.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import sys
@@ -37,11 +40,23 @@ def _tokenizer(directory: Path) -> Path:
     return directory / "tokenizer.json"
 
 
-def _peak(fn) -> int:
+def _status(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _peak(fn) -> tuple[int, int]:
+    """(tracemalloc peak, peak RSS - RSS before): the second counts XLA's host buffers too (VmHWM, reset through
+    /proc/self/clear_refs)."""
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+    rss = _status("VmRSS")
     tracemalloc.start()
     try:
         fn()
-        return tracemalloc.get_traced_memory()[1]
+        return tracemalloc.get_traced_memory()[1], _status("VmHWM") - rss
     finally:
         tracemalloc.stop()
 
@@ -85,9 +100,10 @@ def main(argv: list[str] | None = None) -> dict:
             out["params"] = sum(int(v.get_value().size) for v in sharding.variable_paths(model).values())
             out["rows"][n] = {
                 "max_device_bytes": max(per.values()), "devices": len(per),
-                "safetensors": {"bytes": (d / "st" / "model.safetensors").stat().st_size, "peak": st,
+                "safetensors": {"bytes": (d / "st" / "model.safetensors").stat().st_size, "peak": st[0], "rss": st[1],
                                 "sha": _sha(d / "st" / "model.safetensors")},
-                "gguf": {"bytes": (d / "m.gguf").stat().st_size, "peak": gg, "sha": _sha(d / "m.gguf")}}
+                "gguf": {"bytes": (d / "m.gguf").stat().st_size, "peak": gg[0], "rss": gg[1],
+                         "sha": _sha(d / "m.gguf")}}
     rows = list(out["rows"].values())
     out["same"] = all(r[k]["sha"] == rows[0][k]["sha"] for r in rows for k in ("safetensors", "gguf"))
     print(json.dumps(out))
