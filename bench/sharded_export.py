@@ -10,7 +10,7 @@ of the host; device buffers and XLA's own host copies are not counted): the peak
 SHA-256; and ``rss``: the peak resident set during the export minus the resident set before it (``VmHWM``
 reset through ``/proc/self/clear_refs``), which also counts the host buffers XLA allocates (tracemalloc does not:
 a device array's host copy, or an unsharded CPU array's zero-copy view, is invisible to it). Prints one JSON
-object; ``same`` says every sharded file's bytes equal the unsharded one's.
+object (rows ``<layers>x<devices>``); ``same`` says every sharded file's bytes equal the unsharded one's.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def _sha(path: Path) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layers", default="8", help="layer counts (comma-separated): the peak should not grow with them")
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--d-ff", type=int, default=1024)
     ap.add_argument("--devices", default="1,2,4,8", help="device counts; 1 is the unsharded model")
@@ -78,34 +78,35 @@ def main(argv: list[str] | None = None) -> dict:
     from jaxlowfp import ptq, sharding
     from jaxlowfp.models import Llama, ModelConfig
 
-    cfg = ModelConfig(vocab=96, d_model=args.d_model, n_layers=args.layers, n_heads=4, n_kv_heads=2,
-                      d_ff=args.d_ff, max_seq_len=32)
     rules = [ptq.Rule(path=r"blocks/\d+/(attn|mlp)/\w+_proj", scheme=ptq.scheme("nvfp4-mse", weights_only=True))]
-    out: dict = {"params": 0, "rows": {}}
+    out: dict = {"rows": {}}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         tj = _tokenizer(root)
-        for n in (int(x) for x in args.devices.split(",")):
+        for layers, n in ((int(k), int(x)) for k in args.layers.split(",") for x in args.devices.split(",")):
+            cfg = ModelConfig(vocab=96, d_model=args.d_model, n_layers=layers, n_heads=4, n_kv_heads=2,
+                              d_ff=args.d_ff, max_seq_len=32)
             model = Llama(cfg, rngs=nnx.Rngs(0))
             if n > 1:
                 mesh = sharding.make_mesh(f"fsdp={n // 2},tensor=2", jax.devices()[:n])
                 model = sharding.shard_model(model, mesh, sharding.llama_rules())
             res = ptq.quantize_model(model, rules, method="rtn", progress=False)
-            d = root / str(n)
+            d = root / f"{layers}-{n}"
             ptq.export(model, res, d / "warm")
             ptq.export_gguf(model, res, d / "warm.gguf", tokenizer_json=tj)
             st = _peak(lambda: ptq.export(model, res, d / "st"))
             gg = _peak(lambda: ptq.export_gguf(model, res, d / "m.gguf", tokenizer_json=tj))
             per = sharding.device_bytes(model)
-            out["params"] = sum(int(v.get_value().size) for v in sharding.variable_paths(model).values())
-            out["rows"][n] = {
+            out["rows"][f"{layers}x{n}"] = {"layers": layers,
+                "params": sum(int(v.get_value().size) for v in sharding.variable_paths(model).values()),
                 "max_device_bytes": max(per.values()), "devices": len(per),
                 "safetensors": {"bytes": (d / "st" / "model.safetensors").stat().st_size, "peak": st[0], "rss": st[1],
                                 "sha": _sha(d / "st" / "model.safetensors")},
                 "gguf": {"bytes": (d / "m.gguf").stat().st_size, "peak": gg[0], "rss": gg[1],
                          "sha": _sha(d / "m.gguf")}}
     rows = list(out["rows"].values())
-    out["same"] = all(r[k]["sha"] == rows[0][k]["sha"] for r in rows for k in ("safetensors", "gguf"))
+    out["same"] = all(r[k]["sha"] == q[k]["sha"] for r in rows for q in rows if q["layers"] == r["layers"]
+                      for k in ("safetensors", "gguf"))
     print(json.dumps(out))
     return out
 

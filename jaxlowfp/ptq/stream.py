@@ -45,7 +45,8 @@ def fetch(x: Any) -> np.ndarray:
 
     ``np.asarray`` of a `jax.Array` that had to be copied to the host (a sharded one, or any on an accelerator)
     keeps that copy cached on the array (``jax.Array._value``), so converting every parameter would leave the whole
-    model on the host; here the copy is taken of a temporary device copy, which goes with its cache."""
+    model on the host; here each shard is copied from a temporary device copy of it (which goes with its cache)
+    into one host array, so the host holds the tensor and one shard."""
     import jax
     import jax.numpy as jnp
 
@@ -55,7 +56,11 @@ def fetch(x: Any) -> np.ndarray:
         return np.asarray(x)
     if not x.is_fully_addressable:
         return to_host(x)
-    return np.asarray(jnp.array(x, copy=True))
+    out = np.empty(x.shape, x.dtype)
+    for s in x.addressable_shards:
+        if s.replica_id == 0:  # each distinct slice once
+            out[s.index] = np.asarray(jnp.array(s.data, copy=True))
+    return out
 
 
 class SpoolEntry(NamedTuple):
