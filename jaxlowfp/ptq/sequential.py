@@ -103,7 +103,7 @@ def _rows_on_mesh(state: Any) -> Callable[[Any], Any]:
     mesh = next((x.sharding.mesh for x in jax.tree.leaves(state)
                  if isinstance(x, jax.Array) and isinstance(x.sharding, jax.sharding.NamedSharding)
                  and len(x.sharding.device_set) > 1), None)
-    if mesh is None:
+    if not isinstance(mesh, jax.sharding.Mesh):
         return lambda x: x
 
     def place(x: Any) -> Any:
