@@ -7,7 +7,8 @@ Why any code may differ: the sharded Hessian adds its rows' outer products in an
 sums, then the all-reduce), and the sharded forward passes (tensor-parallel attention and MLP) give block k+1 inputs
 a float32 ulp or so away; every Hessian entry moves by ~1e-7 relative. GPTQ's column loop turns a few of those
 into another rounding where a value lies that close to the midpoint between two E2M1 codes (a near tie, not an
-exact one). Measured: 5 of 73728 codes (one layer, ``blocks/1/attn/v_proj``), no block or global scale."""
+exact one). Measured: 5 of 73728 codes (one layer, ``blocks/1/attn/v_proj``), no block or global scale. (On a wider
+model with fewer calibration rows than inputs many more differ: bench/RESULTS.md, *PTQ on a mesh*.)"""
 from __future__ import annotations
 
 import jax
