@@ -25,11 +25,42 @@ DOCS = ["The quick brown fox jumps over the lazy dog. " * 3, "hello world, hello
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [14]]
 
 
+def calibration_tokens():
+    import numpy as np
+
+    return np.random.default_rng(0).integers(0, 272, (4, 32)).astype(np.int32)
+
+
+PTQ_LAYERS = r"blocks/\d+/mlp/\w+_proj"
+
+
+def gptq(model, mesh) -> dict:
+    """GPTQ NVFP4 4/6 (mse, W4A16) of the MLP projections, calibration rows over the data axes of the global mesh;
+    every packed code and scale array gathered (``codes:<layer>``, ``scales:<layer>``, ``s_enc:<layer>``)."""
+    import numpy as np
+
+    from jaxlowfp import ptq, sharding
+
+    rules = [ptq.Rule(path=PTQ_LAYERS, scheme=ptq.scheme("nvfp4-mse", weights_only=True))]
+    calib = sharding.shard(calibration_tokens(), sharding.batch_sharding(mesh))
+    res = ptq.quantize_model(model, rules, method=ptq.GPTQ(), calibration=calib)
+    out = {}
+    for p, (arr, s_enc) in res.packed.items():
+        out[f"codes:{p}"] = sharding.to_host(arr.codes)
+        out[f"scales:{p}"] = sharding.to_host(arr.scales).view(np.uint8)
+        out[f"s_enc:{p}"] = np.asarray(sharding.to_host(s_enc), np.float32)
+    kernel = model.blocks[0].mlp.up_proj.kernel.get_value()
+    out["kernel_local_shards"] = len(kernel.addressable_shards)
+    out["kernel_spec"] = str(kernel.sharding.spec)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--devices", type=int, required=True)
     ap.add_argument("--gguf", required=True)
     ap.add_argument("--result", required=True)
+    ap.add_argument("--ptq", action="store_true", help="GPTQ NVFP4 4/6 of the MLP instead of the evaluation")
     a = ap.parse_args()
     jax.config.update("jax_num_cpu_devices", a.devices)
     jax.config.update("jax_numpy_dtype_promotion", "strict")
@@ -53,6 +84,9 @@ def main() -> None:
         for s in x.addressable_shards:
             equal &= np.array_equal(np.asarray(s.data).view(np.uint32), want[p][s.index].view(np.uint32))
             local += s.data.nbytes
+    if a.ptq:
+        np.savez(a.result, processes=jax.process_count(), **gptq(model, mesh))
+        return
     score = evaluation.perplexity(model, tok, DOCS, max_length=32, batch_size=4, mesh=mesh)
     tokens = generate(model, PROMPTS, max_new_tokens=6, mesh=mesh)
     np.savez(a.result, equal=equal, local_bytes=local, local_devices=len(jax.local_devices()),

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -23,12 +24,11 @@ from jaxlowfp.models import generate, load
 WORKER = Path(__file__).with_name("_sharded_multiprocess_worker.py")
 ROOT = WORKER.parents[1]
 sys.path.insert(0, str(WORKER.parent))
-from _sharded_multiprocess_worker import DOCS, PROMPTS  # noqa: E402
+from _sharded_multiprocess_worker import DOCS, PROMPTS, PTQ_LAYERS, calibration_tokens  # noqa: E402
 
 
-@pytest.mark.slow
-def test_two_processes_load_their_shards_and_evaluate_as_one_device(tmp_path):
-    path = _write(tmp_path, "gguf-q8_0")
+def _pair(tmp_path: Path, path: Path, *flags: str) -> list[dict]:
+    """Run the worker as two `jax.distributed` processes of two CPU devices each; their npz results."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS"))}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), JAX_COORDINATOR_ADDRESS=f"localhost:{_free_port()}",
                JAX_NUM_PROCESSES="2")
@@ -38,12 +38,18 @@ def test_two_processes_load_their_shards_and_evaluate_as_one_device(tmp_path):
             result, log = tmp_path / f"r{i}.npz", tmp_path / f"log{i}"
             with log.open("w") as f:
                 procs.append((subprocess.Popen([sys.executable, str(WORKER), "--devices", "2", "--gguf", str(path),
-                                                "--result", str(result)], cwd=ROOT,
+                                                "--result", str(result), *flags], cwd=ROOT,
                                                env={**env, "JAX_PROCESS_ID": str(i)}, stdout=f,
                                                stderr=subprocess.STDOUT), result, log))
-        res = _wait(procs, "sharded load + evaluation pair")
+        return _wait(procs, f"sharded pair {' '.join(flags)}")
     finally:
         _kill(procs)
+
+
+@pytest.mark.slow
+def test_two_processes_load_their_shards_and_evaluate_as_one_device(tmp_path):
+    path = _write(tmp_path, "gguf-q8_0")
+    res = _pair(tmp_path, path)
     for r in res:
         assert int(r["processes"]) == 2 and int(r["local_devices"]) == 2
         assert bool(r["equal"])  # every local shard: the unsharded load's slice, integer-exact
@@ -56,3 +62,29 @@ def test_two_processes_load_their_shards_and_evaluate_as_one_device(tmp_path):
     want = generate(ref, PROMPTS, max_new_tokens=6)
     for p, g, w in zip(PROMPTS, res[0]["tokens"].tolist(), want):
         assert g == w or _near_greedy(ref, p, g, tol=1e-4), (p, g, w)
+
+
+@pytest.mark.slow
+def test_two_processes_gptq_gives_the_one_device_codes(tmp_path):
+    """GPTQ NVFP4 4/6 (mse, W4A16) of the MLP projections by the two processes on one ``fsdp=2,tensor=2`` mesh:
+    calibration rows split over the processes' devices, the Hessians X^T X and input amax reduced on the devices by
+    XLA's collectives (gloo across the processes) and taken whole by each process, each process runs the same GPTQ
+    column loop on its host and rebuilds its own shards of the kernel. The packed codes, block scales and global
+    scales equal one device's in this process bit for bit (on this model no Hessian summation order moved a code)."""
+    from jaxlowfp import ptq
+
+    path = _write(tmp_path, "gguf-q8_0")
+    res = _pair(tmp_path, path, "--ptq")
+    ref, _ = load(path)
+    rules = [ptq.Rule(path=PTQ_LAYERS, scheme=ptq.scheme("nvfp4-mse", weights_only=True))]
+    one = ptq.quantize_model(ref, rules, method=ptq.GPTQ(), calibration=jax.numpy.asarray(calibration_tokens()))
+    assert len(one.packed) == 6
+    for r in res:
+        assert int(r["processes"]) == 2
+        assert int(r["kernel_local_shards"]) == 2 and str(r["kernel_spec"]) == "P('fsdp', 'tensor')"
+        differ = 0
+        for p, (arr, s_enc) in one.packed.items():
+            differ += int(np.sum(r[f"codes:{p}"] != np.asarray(arr.codes)))
+            np.testing.assert_array_equal(r[f"scales:{p}"], np.asarray(arr.scales).view(np.uint8), err_msg=p)
+            assert float(r[f"s_enc:{p}"]) == float(s_enc), p
+        assert differ == 0

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxlowfp import nvfp4
+from jaxlowfp import nvfp4, sharding
 from jaxlowfp._core.progress import progress_bar
 from jaxlowfp.ptq import calibrate, checks, experts, sequential, serving, smooth
 from jaxlowfp.qnnx.rules import grouped_weights
@@ -374,6 +374,11 @@ def _pipeline(pipeline: str, propagate: str, model: nnx.Module, m: Method, forwa
     return pipeline
 
 
+def _local(x: Any) -> Any:
+    """`x` as it is, or, when it spans other processes' devices, its whole value on this host."""
+    return sharding.to_host(x) if isinstance(x, jax.Array) and not x.is_fully_addressable else x
+
+
 def _quantize_weights(mods: Mapping[str, Any], m: Method, targets: Mapping[str, Scheme],
                       stats: Mapping[str, calibrate.LayerStats], shared: Mapping[str, jax.Array], convention: str,
                       packed: dict, progress: bool, act_scale: str, op_keys: dict[str, str]) -> None:
@@ -383,9 +388,10 @@ def _quantize_weights(mods: Mapping[str, Any], m: Method, targets: Mapping[str, 
         mod, sch = mods[path], targets[path]
         view = layout(mod, path)
         kernel = view.to_matrix(mod.kernel[...])  # [K, N]
-        if isinstance(m, GPTQ):
-            qw = gptq_weight(kernel, stats[path].gptq_hessian(), sch.weight, m, where=path,
-                             global_amax=shared.get(path))
+        if isinstance(m, GPTQ):  # on the host (float64 factorization); a kernel spanning processes: gathered first
+            ga = shared.get(path)
+            qw = gptq_weight(_local(kernel), stats[path].gptq_hessian(), sch.weight, m, where=path,
+                             global_amax=None if ga is None else _local(ga))
         elif convention == "compressed-tensors":
             qw = serving.ct_weight(kernel, sch.weight, shared.get(path))
         else:
@@ -393,7 +399,8 @@ def _quantize_weights(mods: Mapping[str, Any], m: Method, targets: Mapping[str, 
         old = mod.kernel[...]
         new = view.from_matrix(qw.kernel).astype(old.dtype)
         # a kernel on a mesh (jaxlowfp.sharding) keeps its placement: the quantized values go back into its shards
-        mod.kernel.set_value(jax.device_put(new, old.sharding) if isinstance(old, jax.Array) else new)
+        # (`sharding.shard`: across processes, each builds its own shards of the value every process computed)
+        mod.kernel.set_value(sharding.shard(new, old.sharding) if isinstance(old, jax.Array) else new)
         if qw.packed is not None:
             packed[path] = (qw.packed, qw.s_enc)
         if sch.activation is not None:

@@ -24,6 +24,7 @@ from flax import nnx
 from jax import lax
 
 from jaxlowfp._core.progress import progress_bar
+from jaxlowfp.sharding import to_host
 from jaxlowfp.ptq.layers import contracted_axes, hook_name, input_rows, quantizable_modules
 
 _HI = lax.Precision.HIGHEST
@@ -96,7 +97,9 @@ def collect(model: nnx.Module, paths: Sequence[str], batches: Iterable[Any], *,
     total: dict[str, dict[str, Any]] = {}
     bar = progress_bar(batches, desc="calibrate", enabled=progress)
     for batch in bar:
-        res = jax.device_get(_step(graphdef, state, batch, paths, forward, hessian, samples_per_batch))
+        # the statistics, reduced on the devices (a sharded batch: by XLA's collectives), to the host; on a mesh
+        # spanning processes every process takes the whole reduced value (`sharding.to_host`, a collective)
+        res = jax.tree.map(to_host, _step(graphdef, state, batch, paths, forward, hessian, samples_per_batch))
         for p, st in res.items():
             acc = total.setdefault(p, {"tokens": 0, "amax": None, "abs_sum": None, "hessian": None, "samples": []})
             acc["tokens"] += int(st["tokens"])

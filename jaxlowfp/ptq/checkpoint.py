@@ -64,7 +64,7 @@ from jax import lax
 
 from jaxlowfp import nvfp4
 from jaxlowfp._core import ct_nvfp4
-from jaxlowfp.ptq import checks, known_gaps, serving
+from jaxlowfp.ptq import checks, known_gaps, serving, stream
 from jaxlowfp.ptq.protocol import Exportable, require_exportable
 from jaxlowfp.ptq.api import PTQResult
 from jaxlowfp.ptq.layers import act_quant, require_linear
@@ -248,14 +248,22 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
     name_of = _namer(tensor_names)
     params = _params(model)
     linears = linear_modules(model)
-    conv = result.convention
     check_export_inputs(params, result, name_of)
     unfused = serving.vllm_fused_error(serving.name_groups(list(result.schemes)),
                                        {p: float(result.packed[p][1]) for p in result.schemes if p in result.packed})
     if unfused:
         raise ValueError("vLLM fuses these layers and decodes each group with its largest global scale, so their "
                          "global scales must be equal (quantize with fused='auto'): " + "; ".join(unfused[:3]))
-    tensors: dict[str, np.ndarray] = {}
+    with stream.Spool(near=directory) as spool:  # tensor by tensor: one on the host at a time (ptq/stream.py)
+        return _write(model, result, Path(directory), spool, params=params, linears=linears, name_of=name_of,
+                      model_config=model_config, tokenizer=tokenizer, dtype=dtype)
+
+
+def _write(model: nnx.Module, result: PTQResult, directory: Path, spool: stream.Spool, *, params: dict,
+           linears: dict, name_of: Callable[[str], str], model_config: Mapping[str, Any] | None, tokenizer: Any,
+           dtype: str) -> ExportReport:
+    conv = result.convention
+    tensors: dict[str, stream.SpoolEntry] = {}
     layers: dict[str, Any] = {}
     n_quant = 0
     quant_bits = 0
@@ -274,18 +282,19 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
                                  f"changed after quantize?)")
             m = name[: -len(".weight")]
             sch = result.schemes[mod_path]
-            scales = np.asarray(arr.scales)
+            scales = stream.fetch(arr.scales)
             if sch.weight.rows > 1:  # 16x16 tiles -> one (equal) scale per row and 16 inputs
                 scales = np.repeat(scales, sch.weight.rows, axis=0)
             _check_scales(m, scales, float(s_enc))
-            tensors[f"{m}.weight_packed"] = np.asarray(arr.codes)
-            tensors[f"{m}.weight_scale"] = scales
-            tensors[f"{m}.weight_global_scale"] = np.asarray(s_enc, np.float32).reshape(1)
+            tensors[f"{m}.weight_packed"] = spool.put(stream.fetch(arr.codes))
+            tensors[f"{m}.weight_scale"] = spool.put(scales)
+            tensors[f"{m}.weight_global_scale"] = spool.put(np.asarray(s_enc, np.float32).reshape(1))
             if sch.activation is not None:
                 if mod_path not in result.act_amax:
                     raise ValueError(f"{mod_path}: W4A4 export needs the calibration activation amax for "
                                      f"input_global_scale; run jaxlowfp.ptq.quantize with calibration data")
-                tensors[f"{m}.input_global_scale"] = _input_global_scale(m, result.act_amax[mod_path], conv)
+                tensors[f"{m}.input_global_scale"] = spool.put(
+                    _input_global_scale(m, result.act_amax[mod_path], conv))
             n_quant += int(np.prod(var.shape))
             quant_bits += sum(tensors[f"{m}.{k}"].nbytes * 8 for k in ("weight_packed", "weight_scale",
                                                                          "weight_global_scale"))
@@ -295,7 +304,7 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
                 if result.activation_scale == "static":
                     layers[mod_path]["input_amax"] = float(result.act_amax[mod_path])
             continue
-        value = np.asarray(var[...], np.float32)
+        value = np.asarray(stream.fetch(var[...]), np.float32)
         if leaf == "kernel" and mod_path in linears:
             value = value.T  # PyTorch [out, in]
         if value.ndim >= 2 and dtype != "float32":
@@ -306,15 +315,13 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
             rounded += int(np.sum(back != value))
             written_hp += value.size
             value = low
-        tensors[name] = np.ascontiguousarray(value)
+        tensors[name] = spool.put(value)
+        del value
 
     notes = known_gaps.check("hf", "", {}, {p: result.schemes[p].activation is not None for p in layers},
                              allow_known_gaps=True, caller="export")
-    directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    from safetensors.numpy import save_file
-
-    save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    stream.write_safetensors(directory / WEIGHTS_FILE, spool, tensors, metadata={"format": "pt"})
     groups = {}
     for act in (True, False):
         targets = sorted(v["name"] for p, v in layers.items() if (result.schemes[p].activation is not None) == act)

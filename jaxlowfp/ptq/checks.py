@@ -35,9 +35,16 @@ def describe_nonfinite(values: np.ndarray) -> str | None:
 
 def check_finite_tensor(values: Any, where: str, action: str = "refusing to export") -> None:
     """ValueError naming `where` if `values` holds a NaN or an Inf."""
-    found = describe_nonfinite(np.asarray(values))
+    found = describe_nonfinite(_host(values))
     if found is not None:
         raise ValueError(f"{where}: {found}; {action}")
+
+
+def _host(values: Any) -> np.ndarray:
+    """A host copy that leaves no cached copy on a sharded / device array (`jaxlowfp.ptq.stream.fetch`)."""
+    from jaxlowfp.ptq.stream import fetch
+
+    return fetch(values)
 
 
 def _natural(path: str) -> tuple:
@@ -52,7 +59,7 @@ def check_model_weights(model: nnx.Module, targets: Iterable[str], caller: str =
     params = {"/".join(map(str, p)): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
     bad = []
     for path in sorted(params, key=_natural):
-        found = describe_nonfinite(np.asarray(params[path][...]))
+        found = describe_nonfinite(_host(params[path][...]))
         if found is not None:
             bad.append(f"{path}: {found}")
     if bad:
@@ -60,7 +67,7 @@ def check_model_weights(model: nnx.Module, targets: Iterable[str], caller: str =
                          f"(and, through a fused group's shared scale, poison its other members): "
                          + "; ".join(bad[:4]) + (f"; and {len(bad) - 4} more" if len(bad) > 4 else "")
                          + ". Nothing was changed")
-    zero = [p for p in targets if f"{p}/kernel" in params and not np.any(np.asarray(params[f"{p}/kernel"][...]))]
+    zero = [p for p in targets if f"{p}/kernel" in params and not np.any(_host(params[f"{p}/kernel"][...]))]
     if zero:
         raise ValueError(f"{caller}: the kernels of {', '.join(sorted(zero, key=_natural)[:4])} are all zero; a "
                          f"zero tensor has no scale to quantize it with (its NVFP4 global scale 6 * 448 / amax "
@@ -89,10 +96,10 @@ def check_calibration_inputs(stats: Mapping[str, Any], paths: Iterable[str],
 def check_packed_nvfp4(where: str, arr: Any, s_enc: Any) -> None:
     """A packed NVFP4 weight an export may write: finite block scales, a finite positive global (encode) scale,
     and not all zero (an all-zero tensor's global scale means nothing)."""
-    check_finite_tensor(np.asarray(arr.scales).astype(np.float32), f"{where}: the NVFP4 block scales")
+    check_finite_tensor(_host(arr.scales).astype(np.float32), f"{where}: the NVFP4 block scales")
     s = float(s_enc)
     if not (np.isfinite(s) and s > 0):
         raise ValueError(f"{where}: weight_global_scale is {s}; it must be finite and > 0; refusing to export")
-    if not np.any(np.asarray(arr.codes) & 0x77):  # every E2M1 magnitude code 0: the weight is all (+-)zero
+    if not np.any(_host(arr.codes) & 0x77):  # every E2M1 magnitude code 0: the weight is all (+-)zero
         raise ValueError(f"{where}: the quantized weight is all zero, so its global scale ({s}) means nothing; "
                          f"refusing to export (keep the layer in high precision: a Rule with scheme=None)")

@@ -48,7 +48,7 @@ from flax import nnx
 
 from jaxlowfp import mx
 from jaxlowfp._core.checks import optional_module
-from jaxlowfp.ptq import checks, known_gaps, serving
+from jaxlowfp.ptq import checks, known_gaps, serving, stream
 from jaxlowfp.ptq.api import PTQResult
 from jaxlowfp.ptq.layers import require_linear
 from jaxlowfp.ptq.protocol import require_exportable
@@ -147,6 +147,16 @@ class _Calls:
     def replay(self, writer: Any) -> None:
         for name, a, k in self.calls:
             getattr(writer, name)(*a, **k)
+
+
+class _Host:
+    """A parameter whose ``[...]`` is its host value (`jaxlowfp.ptq.stream.fetch`: one tensor's shards)."""
+
+    def __init__(self, var: Any) -> None:
+        self.var = var
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        return stream.fetch(self.var[...])[key]
 
 
 def _value_type(v: Any) -> Any:
@@ -411,7 +421,10 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
                                    f"{t.name} ({'parameter ' + t.path if t.path else 'constant'})")
 
     # every tensor in file layout, decided before the file is opened
-    planned: list[tuple[str, np.ndarray, Any, str]] = []  # (name, data, raw dtype or None, type name)
+    # (name, its bytes in the spool, raw dtype or None, type name): made tensor by tensor, one on the host at a time
+    # (ptq/stream.py); the spool is an unnamed temporary file, gone when closed (or collected, if a check refuses)
+    spool = stream.Spool(near=path)
+    planned: list[tuple[str, stream.SpoolEntry, Any, str]] = []
     shapes: dict[str, tuple] = {}
     bits = 0
     n_params = sum(int(np.prod(v.shape)) for v in params.values())
@@ -419,8 +432,9 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
     reader = gguf.GGUFReader(Path(source_gguf)) if source_gguf is not None else None
     src_tensors = {x.name: x for x in reader.tensors} if reader is not None else {}
     notes_pre: list[str] = []
+    host = {p: _Host(v) for p, v in params.items()}  # what t.array reads: a host copy per tensor, none cached
     for t in specs:
-        w = t.array(params)
+        w = t.array(host)
         shapes[t.name] = tuple(w.shape)
         mod = t.module
         sch = schemes.get(mod) if mod is not None else None
@@ -431,7 +445,7 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
             if not np.array_equal(np.asarray(serving.decode(arr, s_enc, conv)), w):
                 raise ValueError(f"{mod}: the model's kernel is not the packed NVFP4 weight (was the model changed "
                                  f"after quantize?)")
-            codes, scales = np.asarray(arr.codes), np.asarray(arr.scales)
+            codes, scales = stream.fetch(arr.codes), stream.fetch(arr.scales)
             if sch.weight.rows > 1:
                 scales = np.repeat(scales, sch.weight.rows, axis=0)
             if t.permute_heads is not None:
@@ -443,8 +457,8 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
                 raise ValueError(f"{t.name} ({mod}): {e}") from None
             scale = np.asarray([np.float32(arr.global_scale)], np.float32)
             checks.check_finite_tensor(scale, f"{t.name}: the NVFP4 decode scale")
-            planned += [(t.name, raw, gguf.GGMLQuantizationType.NVFP4, "NVFP4"),
-                        (t.name.replace(".weight", ".scale"), scale, None, "F32")]
+            planned += [(t.name, spool.put(raw), gguf.GGMLQuantizationType.NVFP4, "NVFP4"),
+                        (t.name.replace(".weight", ".scale"), spool.put(scale), None, "F32")]
             shapes[t.name.replace(".weight", ".scale")] = (1,)
             bits += raw.nbytes * 8 + 32
             continue
@@ -452,13 +466,13 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
             w = permute_rope_rows(w, t.permute_heads)
         if sch is not None and sch.weight.kind == "mxfp4" and w.ndim == 2 and w.shape[1] % MXFP4_BLOCK == 0:
             raw = mxfp4_bytes(w)
-            planned.append((t.name, raw, gguf.GGMLQuantizationType.MXFP4, "MXFP4"))
+            planned.append((t.name, spool.put(raw), gguf.GGMLQuantizationType.MXFP4, "MXFP4"))
             bits += raw.nbytes * 8
             continue
         src = src_tensors.get(t.name) if sch is None and not float32 else None
         if src is not None and src.tensor_type.name not in ("F32", "F16", "BF16") and _same_values(src, w):
             # the source file's own encoding of exactly these values (e.g. a Q4_1 embedding): copied, lossless
-            planned.append((t.name, np.asarray(src.data), src.tensor_type, src.tensor_type.name))
+            planned.append((t.name, spool.put(np.asarray(src.data)), src.tensor_type, src.tensor_type.name))
             bits += int(np.asarray(src.data).nbytes) * 8
             continue
         if sch is not None:  # a quantized layer GGUF has no block for (its rows are not whole blocks): exact
@@ -478,7 +492,7 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
                                               f"{'' if tname == 'BF16' else ' or bfloat16'})")
             rounded += int(np.sum(back != w))
             written_hp += w.size
-        planned.append((t.name, out, raw_dtype, tname))
+        planned.append((t.name, spool.put(out), raw_dtype, tname))
         bits += out.nbytes * 8
     types = {n: tn for n, _, _, tn in planned}
     notes = notes_pre + known_gaps.check("gguf", arch, types, {p: False for p in schemes},
@@ -506,11 +520,14 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
              if kinds == {"mxfp4"} else {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
                                          "BF16": gguf.LlamaFileType.MOSTLY_BF16}[hp_type])
     writer.add_file_type(int(ftype))
-    for n, data, raw_dtype, _ in planned:
-        writer.add_tensor(n, data, raw_dtype=raw_dtype)
+    for n, e, raw_dtype, _ in planned:  # what add_tensor records, without the data
+        writer.add_tensor_info(n, e.shape, e.dtype, e.nbytes, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    for _, e, _, _ in planned:  # in order, one tensor at a time (the bytes write_tensors_to_file writes)
+        writer.write_tensor_data(spool.get(e))
     writer.close()
+    spool.close()
     return GGUFReport(path=path, types=types, bits_per_parameter=bits / n_params, dtype=hp_type,
                       rounded=(rounded, written_hp), notes=tuple(notes))

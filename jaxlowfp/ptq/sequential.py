@@ -17,6 +17,10 @@ llm-compressor). ``propagate="quantized"`` runs the quantized block as it is dep
 activation quantization), ``"weights"`` with its activations in high precision (llm-compressor: its pipeline runs
 under ``DisableQuantization``, so only the weights are quantized while propagating).
 
+On a mesh (a model placed by `jaxlowfp.sharding`) every ``X_k`` has its rows over the mesh's data axes, so the
+statistics (``X^T X``, amax, computed by `jaxlowfp.ptq.calibrate`'s jitted step) are reduced over the devices by
+XLA's collectives and only the reduced ``[in, in]`` / ``[in]`` values reach the host.
+
 Memory: the calibration activations ``X_k`` (n_batches x [batch, seq, d_model]) plus one block's statistics
 (Hessians [in, in] of its layers), not the whole model's; `run` returns the largest number of bytes of statistics and
 activations it held at once.
@@ -89,6 +93,27 @@ def stats_bytes(stats: Mapping[str, calibrate.LayerStats]) -> int:
     return sum(_nbytes(dataclasses.astuple(s)) for s in stats.values())
 
 
+def _rows_on_mesh(state: Any) -> Callable[[Any], Any]:
+    """For a model on a mesh (`jaxlowfp.sharding`): place an activation with its rows over the mesh's data axes
+    (`sharding.rows_sharding`; XLA would otherwise keep the layout the embedding gives, the model dimension split),
+    so each device calibrates on its own rows and the statistics' sums over rows are XLA's collectives. Identity
+    without a mesh."""
+    from jaxlowfp import sharding
+
+    mesh = next((x.sharding.mesh for x in jax.tree.leaves(state)
+                 if isinstance(x, jax.Array) and isinstance(x.sharding, jax.sharding.NamedSharding)
+                 and len(x.sharding.device_set) > 1), None)
+    if not isinstance(mesh, jax.sharding.Mesh):
+        return lambda x: x
+
+    def place(x: Any) -> Any:
+        if not isinstance(x, jax.Array) or x.ndim == 0:
+            return x
+        return jax.device_put(x, sharding.rows_sharding(mesh, x.shape[0]))
+
+    return place
+
+
 @functools.partial(jax.jit, static_argnums=(0, 3))
 def _embed(graphdef, state, batch, fn):
     return fn(nnx.merge(graphdef, state), batch)
@@ -116,7 +141,8 @@ def run(model: nnx.Module, mods: Mapping[str, Any], blocks: Blocks, batches: Seq
     for t in targets:
         by_block.setdefault(owner(t, blocks), []).append(t)
     g, s = nnx.split(model)
-    xs = [_embed(g, s, b, blocks.embed) for b in batches]
+    rows = _rows_on_mesh(s)
+    xs = [rows(_embed(g, s, b, blocks.embed)) for b in batches]
     del g, s
     act_amax: dict[str, float] = {}
     peak = _nbytes(xs)
@@ -135,7 +161,7 @@ def run(model: nnx.Module, mods: Mapping[str, Any], blocks: Blocks, batches: Seq
             del stats
         if i + 1 < len(blocks.blocks) or None in by_block:
             g, s = nnx.split(block)
-            xs = [_propagate(g, s, x, call, propagate == "quantized") for x in xs]
+            xs = [rows(_propagate(g, s, x, call, propagate == "quantized")) for x in xs]
             del g, s
     rest = by_block.get(None, [])
     if rest:
