@@ -18,7 +18,7 @@ Either way every packed layer is checked: its weights dequantize to the fake-qua
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import MutableMapping, MutableSequence, Sequence
+from collections.abc import Mapping, MutableMapping, MutableSequence, Sequence
 from typing import Any
 
 import jax
@@ -30,7 +30,7 @@ from jaxlowfp import backends, formats, packed, qat
 from jaxlowfp.ptq.api import PTQResult
 from jaxlowfp.ptq.layers import ActQuant, quantizable_modules
 
-__all__ = ["PackedLinear", "PackReport", "pack", "packed_layers"]
+__all__ = ["PackedLinear", "PackReport", "pack", "packed_layers", "replace_modules", "report_of"]
 
 
 class PackedLinear(nnx.Module):
@@ -42,7 +42,18 @@ class PackedLinear(nnx.Module):
 
     def __init__(self, kernel: packed.PackedWeight, bias: nnx.Param | None, *, activation: packed.PackedFormat | None,
                  backend: str = "auto", dtype: Any = None, param_dtype: Any = jnp.float32, path: str = "",
-                 act_quant: Any = None) -> None:
+                 act_quant: Any = None, act_fn: Any = None) -> None:
+        # act_fn: a hashable callable x -> fake-quantized x, a foreign checkpoint's activation quantizer
+        # (`jaxlowfp.models.quantized.NVFP4Act.quantize`: compressed-tensors' NVFP4 with the static input global
+        # scale); like act_quant it runs before the product, which then takes the weights-only path
+        if act_fn is not None:
+            if act_quant is not None or activation is not None:
+                raise ValueError(f"{path}: give one activation quantizer (act_fn, act_quant or activation)")
+            if backend not in ("auto", "dequant"):
+                raise ValueError(f"{path}: backend={backend!r} quantizes the activations with our NVFP4 quantizer; "
+                                 f"this layer's activations are the checkpoint's (static input global scale, "
+                                 f"compressed-tensors arithmetic): use backend='dequant' or 'auto'")
+        self.act_fn = act_fn
         # act_quant: the PTQ'd layer's run-time activation quantizer (`jaxlowfp.ptq.ActQuant`); with per-token or
         # static scales the input is quantized by it (the one op layer's quantizer, as the fake-quant model does)
         # and the product runs on the weights-only path, since scaled_matmul's operands carry one tensor scale
@@ -75,6 +86,8 @@ class PackedLinear(nnx.Module):
         if self.act_quant is not None:  # per-token / static activation scales: the op layer's quantizer
             spec = self.act_quant.recipe.activation
             x = qat.fake_quant(x, spec.init(), spec)[0]
+        elif self.act_fn is not None:
+            x = self.act_fn(x)
         y = backends.packed_dot_general(x, self.kernel.get_value(), (((x.ndim - 1,), (0,)), ((), ())),
                                         backend=self.backend, activation=self.activation,
                                         weight_dtype=self.param_dtype, where=self.path)
@@ -184,6 +197,19 @@ def _parents(model: nnx.Module) -> dict[int, tuple[Any, Any]]:
     return out
 
 
+def replace_modules(model: nnx.Module, layers: Mapping[str, tuple[nnx.Module, nnx.Module]]) -> None:
+    """Put each new module where its old one was (``{path: (old, new)}``), by attribute or list index, in place."""
+    parents = _parents(model)
+    for path, (old, layer) in layers.items():
+        if id(old) not in parents:
+            raise ValueError(f"{path}: the module is not reachable by attribute or list index; cannot replace it")
+        parent, key = parents[id(old)]
+        if isinstance(parent, (MutableSequence, MutableMapping)):
+            parent[key] = layer
+        else:
+            setattr(parent, key, layer)
+
+
 def pack(model: nnx.Module, result: PTQResult, *, backend: str = "auto", paths: Sequence[str] | None = None,
          device: Any = None) -> PackReport:
     """Replace the quantized ``nnx.Linear`` layers of a PTQ'd `model` by :class:`PackedLinear` layers holding packed
@@ -233,11 +259,19 @@ def pack(model: nnx.Module, result: PTQResult, *, backend: str = "auto", paths: 
         params += w.k * w.n
         float_bytes += int(mod.kernel[...].nbytes)
         packed_bytes += w.nbytes
-    parents = _parents(model)
-    for path, layer in new.items():
-        parent, key = parents[id(mods[path])]
-        if isinstance(parent, (MutableSequence, MutableMapping)):
-            parent[key] = layer
-        else:
-            setattr(parent, key, layer)
+    replace_modules(model, {path: (mods[path], layer) for path, layer in new.items()})
+    return PackReport(layers=tuple(rows), params=params, float_bytes=float_bytes, packed_bytes=packed_bytes)
+
+
+def report_of(model: nnx.Module, device: Any = None) -> PackReport:
+    """The :class:`PackReport` of every :class:`PackedLinear` in `model` (e.g. a packed load): the backend each
+    runs on `device`, and the float bytes its kernel would take in its ``param_dtype``."""
+    rows, params, float_bytes, packed_bytes = [], 0, 0, 0
+    for path, layer in packed_layers(model).items():
+        w = layer.kernel.get_value()
+        p = layer.plan(device)
+        rows.append((path, w.format.name, p.backend, p.native))
+        params += w.k * w.n
+        float_bytes += w.k * w.n * layer.param_dtype.itemsize
+        packed_bytes += w.nbytes
     return PackReport(layers=tuple(rows), params=params, float_bytes=float_bytes, packed_bytes=packed_bytes)
