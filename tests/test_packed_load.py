@@ -106,6 +106,68 @@ def test_ptq_load_packed_matches_the_float_load(exports, name, monkeypatch):
     assert diff <= TOL
 
 
+@pytest.mark.parametrize("name", ["token", "static"])
+def test_ptq_load_packed_on_scaled_matmul_with_row_scales(exports, name):
+    """Per-token and static activation scales on scaled_matmul (`backends.scaled_matmul_rows`): the same quantized
+    values as the fake-quant load, the row / static global scale applied outside the GEMM."""
+    cfg, dirs = exports
+    ref = Llama(cfg, rngs=nnx.Rngs(5))
+    ptq.load(ref, dirs[name])
+    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    ptq.load(model, dirs[name], packed=True, backend="scaled_matmul")
+    pl = packed_layers(model)
+    assert all(layer.rows_gemm and layer.plan().backend == "scaled_matmul" for layer in pl.values())
+    tokens = _tokens(cfg.vocab)
+    diff = float(jnp.max(jnp.abs(_lp(model, tokens) - _lp(ref, tokens))))
+    print(f"ptq.load packed scaled_matmul ({name}) vs float load: max |d log p| = {diff}")
+    assert diff <= TOL
+
+
+EPS = float(np.finfo(np.float32).eps)
+
+
+@pytest.mark.parametrize("scale", ["token", "static"])
+@pytest.mark.parametrize("wfmt", ["nvfp4-mse", "nvfp4-static_6-16x16", "nvfp4-mse-16x16"])
+@pytest.mark.parametrize("rule", ["mse", "static_6"])
+def test_scaled_matmul_rows_equals_fake_quant_within_float32_summation_order(scale, wfmt, rule):
+    """``out[m, n] = g_x[m] g_w sum_k (s_x q_x)(s_w q_w)`` against the fake-quant product ``fake_quant(x) @
+    dequantize(W)`` (the one op layer's quantizer with per-token / static scales, `jaxlowfp.qat.fake_quant`), both
+    under ``jax.jit`` on CPU. The quantized values are the same (the codes and block scales of row m decode, times
+    g_x[m], to the fake-quantized row bit for bit, checked first), each product q*s is exact in float32, so the two
+    differ only in where the two global scales are multiplied and in the order of the K-term float32 sum: bounded by
+    ``(K + 4) eps (|x̂| @ |ŵ|)``."""
+    from jaxlowfp import backends, nvfp4, qat
+    from jaxlowfp.ptq.formats import TensorFormat
+
+    rng = np.random.default_rng(3)
+    m, k, n = 12, 128, 48
+    x = jnp.asarray(rng.standard_normal((m, k)) * np.exp(rng.uniform(-3, 3, (m, 1))), jnp.float32)
+    w = packed.pack(jnp.asarray(rng.standard_normal((k, n)), jnp.float32), wfmt)
+    static_amax = float(jnp.max(jnp.abs(x))) * 0.8  # calibrated below the run's max: some clipping
+    spec = TensorFormat(kind="nvfp4", rule=rule, block_shape=(1, 16)).quant_spec(
+        scale, static_amax if scale == "static" else None)
+    amax = jnp.float32(static_amax) if scale == "static" else jnp.max(jnp.abs(x), axis=-1)
+
+    @jax.jit
+    def fake(x):
+        xq = qat.fake_quant(x, spec.init(), spec)[0]
+        return xq, xq @ w.dequantize(jnp.float32)
+
+    @jax.jit
+    def real(x):
+        return backends.scaled_matmul_rows(x, w, rule, amax)
+
+    xq, want = fake(x)
+    rows = jax.vmap(lambda r, a: nvfp4.quantize(r[None], rule=rule, global_amax=a))(
+        x, jnp.broadcast_to(amax, (m,)))
+    np.testing.assert_array_equal(np.asarray(jax.vmap(lambda a: a.dequantize(jnp.float32))(rows)[:, 0]),
+                                  np.asarray(xq))
+    got = real(x)
+    bound = (k + 4) * EPS * np.asarray(jnp.abs(xq) @ jnp.abs(w.dequantize(jnp.float32)))
+    err = np.abs(np.asarray(got) - np.asarray(want))
+    assert (err <= bound).all(), float((err / np.maximum(bound, 1e-30)).max())
+
+
 def _load_pair(d, monkeypatch):
     ref, _ = models.load(d, tokenizer=None)
     with monkeypatch.context() as m:
@@ -191,8 +253,8 @@ def test_bad_input_is_a_clear_error(tmp_path, exports):
     with pytest.raises(ValueError, match="mesh= is not supported"):
         models.load(LLMC, packed=True, mesh=object())
     model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
-    with pytest.raises(ValueError, match="backend='scaled_matmul' quantizes the activations with one tensor scale"):
-        ptq.load(model, dirs["token"], packed=True, backend="scaled_matmul")
+    with pytest.raises(ValueError, match="backend='fp8'"):
+        ptq.load(model, dirs["token"], packed=True, backend="fp8")
     with pytest.raises(ValueError, match="activations are the checkpoint's"):
         models.load(LLMC, packed=True, backend="fp8", tokenizer=None)
     assert PackedLinear  # the layer type the loads build
@@ -234,3 +296,28 @@ def test_harness_runs_the_packed_export(tmp_path):
             if isinstance(v, float):
                 print(f"harness {task} {k}: fake {v!r} packed {b[k]!r}")
                 assert b[k] == pytest.approx(v, rel=1e-6, abs=1e-6), k
+
+
+class _General(nnx.Module):
+    def __init__(self, rngs):
+        self.up_proj = nnx.LinearGeneral(64, (2, 32), rngs=rngs)
+        self.mix_proj = nnx.Einsum("btk,kn->btn", (64, 64), rngs=rngs)
+        self.down_proj = nnx.Linear(64, 64, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down_proj(self.mix_proj(self.up_proj(x).reshape(*x.shape[:-1], 64)))
+
+
+def test_pack_refuses_linear_general_and_einsum_naming_the_layer():
+    """PTQ quantizes nnx.LinearGeneral and nnx.Einsum layers; pack does not pack them yet and says which layer."""
+    model = _General(nnx.Rngs(0))
+    res = ptq.quantize_model(model, [ptq.Rule(path=r".*_proj", scheme=ptq.scheme("nvfp4-mse", weights_only=True))],
+                             progress=False)
+    assert set(res.schemes) == {"up_proj", "mix_proj", "down_proj"}
+    with pytest.raises(ValueError, match=r"up_proj: pack replaces nnx.Linear .*layer is a LinearGeneral \(packed"):
+        ptq.pack(model, res)
+    with pytest.raises(ValueError, match=r"mix_proj: pack replaces nnx.Linear .*layer is a Einsum"):
+        ptq.pack(model, res, paths=["mix_proj"])
+    assert packed_layers(model) == {}  # nothing changed
+    ptq.pack(model, res, paths=["down_proj"])  # the Linear packs; the others stay fake-quantized
+    assert list(packed_layers(model)) == ["down_proj"]

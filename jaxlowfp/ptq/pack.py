@@ -57,14 +57,22 @@ class PackedLinear(nnx.Module):
         # act_quant: the PTQ'd layer's run-time activation quantizer (`jaxlowfp.ptq.ActQuant`); with per-token or
         # static scales the input is quantized by it (the one op layer's quantizer, as the fake-quant model does)
         # and the product runs on the weights-only path, since scaled_matmul's operands carry one tensor scale
+        self.rows_gemm = False  # per-token / static NVFP4 activations on scaled_matmul, the row scale outside
         if act_quant is not None and act_quant.activation_scale != "tensor":
-            if backend not in ("auto", "dequant"):
+            fmt = act_quant.fmt
+            if (backend == "scaled_matmul" and kernel.format.kind == "nvfp4" and kernel.format.convention == "jaxlowfp"
+                    and fmt.kind == "nvfp4" and tuple(fmt.block_shape) == (1, 16)
+                    and not isinstance(act_quant.amax, (tuple, list))):
+                backends.plan(kernel, packed.as_format(fmt), backend, where=path)  # the device's own refusals
+                self.rows_gemm = True
+            elif backend not in ("auto", "dequant"):
                 backends.plan(kernel, activation, backend, where=path)  # the format's and device's own refusals
                 raise ValueError(f"{path}: backend={backend!r} quantizes the activations with one tensor scale; this "
                                  f"layer's activations have {act_quant.activation_scale!r} scales (jaxlowfp.ptq."
                                  f"quantize_model activation_scale=): use backend='dequant' or 'auto', or quantize "
                                  f"with activation_scale='tensor'")
-            self.act_quant, activation = act_quant, None
+            self.act_quant = act_quant
+            activation = packed.as_format(fmt) if self.rows_gemm else None
         else:
             self.act_quant = None
         self.kernel = packed.PackedParam(kernel)
@@ -83,6 +91,16 @@ class PackedLinear(nnx.Module):
     def __call__(self, inputs: jax.Array) -> jax.Array:
         dtype = inputs.dtype if self.dtype is None else jnp.dtype(self.dtype)
         x = inputs.astype(dtype)
+        if self.rows_gemm:  # NVFP4 rows quantized by our quantizer with their own (or the static) amax
+            aq = self.act_quant
+            x2 = x.reshape(-1, x.shape[-1])
+            amax = (jnp.float32(aq.amax) if aq.activation_scale == "static"
+                    else jnp.max(jnp.abs(x2.astype(jnp.float32)), axis=-1))
+            out = backends.scaled_matmul_rows(x2, self.kernel.get_value(), aq.fmt.rule, amax)
+            out = out.reshape(*x.shape[:-1], -1).astype(dtype)
+            if self.bias is not None:
+                out = out + jnp.reshape(self.bias[...].astype(dtype), (1,) * (out.ndim - 1) + (-1,))  # type: ignore[operator, union-attr]
+            return out
         if self.act_quant is not None:  # per-token / static activation scales: the op layer's quantizer
             spec = self.act_quant.recipe.activation
             x = qat.fake_quant(x, spec.init(), spec)[0]
@@ -244,8 +262,9 @@ def pack(model: nnx.Module, result: PTQResult, *, backend: str = "auto", paths: 
             have = packed_layers(model)
             raise ValueError(f"{path}: " + ("already packed" if path in have else "no such layer in this model"))
         if type(mod) is not nnx.Linear:
-            raise ValueError(f"{path}: pack replaces nnx.Linear layers; this is a {type(mod).__name__} (keep it "
-                             f"fake-quantized: leave it out of `paths`)")
+            raise ValueError(f"{path}: pack replaces nnx.Linear layers; this layer is a {type(mod).__name__} (packed "
+                             f"nnx.LinearGeneral / nnx.Einsum layers are not implemented yet: keep it fake-quantized, "
+                             f"leave it out of `paths`)")
         w = _weight(path, mod, result)
         sch = result.schemes[path]
         act = None if sch.activation is None else packed.as_format(sch.activation, f"{path} activation")
