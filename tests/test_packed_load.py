@@ -29,7 +29,7 @@ from jaxlowfp import models, packed, ptq  # noqa: E402
 from jaxlowfp.models import quantized  # noqa: E402
 from jaxlowfp.models.llama import Llama, preset  # noqa: E402
 from jaxlowfp.ptq import serving  # noqa: E402
-from jaxlowfp.ptq.pack import PackedLinear, packed_layers, report_of  # noqa: E402
+from jaxlowfp.ptq.pack import PackedKernel, PackedLinear, packed_layers, report_of  # noqa: E402
 
 LLMC = FIX / "llmc_tiny_nvfp4"
 TOL = 1e-5  # log-probs of two XLA programs over the same quantized values (float32)
@@ -308,16 +308,29 @@ class _General(nnx.Module):
         return self.down_proj(self.mix_proj(self.up_proj(x).reshape(*x.shape[:-1], 64)))
 
 
-def test_pack_refuses_linear_general_and_einsum_naming_the_layer():
-    """PTQ quantizes nnx.LinearGeneral and nnx.Einsum layers; pack does not pack them yet and says which layer."""
+@pytest.mark.parametrize("scheme", ["nvfp4-mse", "hif8"])
+def test_pack_linear_general_and_einsum(scheme):
+    """PTQ quantizes nnx.LinearGeneral and nnx.Einsum layers; pack gives them a PackedKernel (the layer's own code
+    reads it decoded: the dequant backend, the PTQ activation quantizer as it was), and the model computes the
+    fake-quant model's output under jax.jit (the same program but for where the kernel is decoded: measured 0.0)."""
     model = _General(nnx.Rngs(0))
-    res = ptq.quantize_model(model, [ptq.Rule(path=r".*_proj", scheme=ptq.scheme("nvfp4-mse", weights_only=True))],
-                             progress=False)
+    res = ptq.quantize_model(model, [ptq.Rule(path=r".*_proj", scheme=ptq.scheme(scheme))], progress=False,
+                             activation_scale="token")
     assert set(res.schemes) == {"up_proj", "mix_proj", "down_proj"}
-    with pytest.raises(ValueError, match=r"up_proj: pack replaces nnx.Linear .*layer is a LinearGeneral \(packed"):
-        ptq.pack(model, res)
-    with pytest.raises(ValueError, match=r"mix_proj: pack replaces nnx.Linear .*layer is a Einsum"):
-        ptq.pack(model, res, paths=["mix_proj"])
+    x = jax.random.normal(jax.random.key(0), (2, 5, 64))
+    fwd = nnx.jit(lambda m, x: m(x))
+    want = fwd(model, x)
+    with pytest.raises(ValueError, match=r"up_proj: a packed LinearGeneral runs the 'dequant' backend"):
+        ptq.pack(model, res, backend="scaled_matmul", paths=["up_proj"])
     assert packed_layers(model) == {}  # nothing changed
-    ptq.pack(model, res, paths=["down_proj"])  # the Linear packs; the others stay fake-quantized
-    assert list(packed_layers(model)) == ["down_proj"]
+    rep = ptq.pack(model, res)
+    assert isinstance(model.up_proj, nnx.LinearGeneral) and isinstance(model.mix_proj, nnx.Einsum)
+    assert isinstance(model.up_proj.kernel, PackedKernel) and isinstance(model.mix_proj.kernel, PackedKernel)
+    assert not jax.tree.leaves(nnx.state(model, nnx.Param).filter(lambda p, v: p[-1] == "kernel"))  # no float kernel
+    assert {r[0]: r[2] for r in rep.layers}["mix_proj"] == "dequant" and rep.params == 3 * 64 * 64
+    assert report_of(model).packed_bytes == rep.packed_bytes
+    diff = float(jnp.max(jnp.abs(fwd(model, x) - want)))
+    print(f"packed LinearGeneral / Einsum ({scheme}) vs fake-quant: max |d out| = {diff}")
+    assert diff <= 1e-5 * float(jnp.max(jnp.abs(want)))
+    with pytest.raises(ValueError, match="mix_proj: already packed"):
+        ptq.pack(model, res, paths=["mix_proj"])

@@ -5,7 +5,9 @@ Each quantized ``nnx.Linear`` is replaced, in place, by a :class:`PackedLinear` 
 the float kernel is dropped, not kept alongside, so the model's memory is the format's. Its forward is
 `jaxlowfp.backends.packed_dot_general` (backend "auto" by default: the device's low-precision GEMM where there is
 one, else dequantize + dot), with the activations quantized at run time exactly as the PTQ'd layer's `ActQuant`
-does. Module paths and state paths stay as they were (``blocks/0/mlp/up_proj/kernel``).
+does. Module paths and state paths stay as they were (``blocks/0/mlp/up_proj/kernel``). A quantized
+``nnx.LinearGeneral`` or ``nnx.Einsum`` keeps its module and gets a :class:`PackedKernel` (its ``W'`` packed, read by
+the layer's own code as the decoded kernel: the "dequant" backend).
 
 Where the codes come from:
   - NVFP4: ``result.packed`` (the arrays PTQ made, in its convention); nothing is requantized.
@@ -28,9 +30,9 @@ from flax import nnx
 
 from jaxlowfp import backends, formats, packed, qat
 from jaxlowfp.ptq.api import PTQResult
-from jaxlowfp.ptq.layers import ActQuant, quantizable_modules
+from jaxlowfp.ptq.layers import ActQuant, layout, quantizable_modules
 
-__all__ = ["PackedLinear", "PackReport", "pack", "packed_layers", "replace_modules", "report_of"]
+__all__ = ["PackedLinear", "PackedKernel", "PackReport", "pack", "packed_layers", "replace_modules", "report_of"]
 
 
 class PackedLinear(nnx.Module):
@@ -183,9 +185,22 @@ def _requantized(kernel: jax.Array, fmt: Any, where: str) -> packed.PackedWeight
                      f"model changed after ptq.quantize, or is this another model's result?)")
 
 
-def _weight(path: str, mod: nnx.Linear, result: PTQResult) -> packed.PackedWeight:
+class PackedKernel(packed.PackedParam):
+    """The packed kernel of an ``nnx.LinearGeneral`` or ``nnx.Einsum`` (`pack`): a `PackedParam` of the GEMM matrix
+    ``W'`` (`jaxlowfp.ptq.layers.Layout`) that the layer's own code reads as its kernel: ``kernel[...]`` decodes the
+    codes to float32, rounds once to ``kernel_dtype`` (the dtype the float kernel was stored in) and lays ``W'`` out
+    as the kernel (``kernel_layout.from_matrix``), inside the forward. So these layers run the "dequant" backend
+    with their own hooks (the PTQ activation quantizer included); only the storage is packed."""
+
+    def __getitem__(self, key: Any) -> jax.Array:
+        w = self.get_value()
+        return self.kernel_layout.from_matrix(w.dequantize(jnp.float32).astype(self.kernel_dtype))[key]
+
+
+def _weight(path: str, mod: nnx.Module, result: PTQResult) -> packed.PackedWeight:
     fmt = result.schemes[path].weight
-    kernel = mod.kernel[...]
+    lay = layout(mod, path)
+    kernel = lay.to_matrix(mod.kernel[...])  # type: ignore[attr-defined]
     if fmt.kind == "nvfp4":
         if path not in result.packed:
             raise ValueError(f"{path}: the PTQ result has no packed NVFP4 arrays for this layer")
@@ -254,17 +269,31 @@ def pack(model: nnx.Module, result: PTQResult, *, backend: str = "auto", paths: 
                          f"{list(result.schemes)[:6]}{' ...' if len(result.schemes) > 6 else ''}")
     mods = quantizable_modules(model)
     new: dict[str, PackedLinear] = {}
+    general: dict[str, PackedKernel] = {}
     rows = []
     float_bytes = packed_bytes = params = 0
     for path in todo:
         mod = mods.get(path)
-        if mod is None:
-            have = packed_layers(model)
+        if mod is None or isinstance(getattr(mod, "kernel", None), PackedKernel):
+            have = set(packed_layers(model)) | ({path} if mod is not None else set())
             raise ValueError(f"{path}: " + ("already packed" if path in have else "no such layer in this model"))
+        if isinstance(mod, (nnx.LinearGeneral, nnx.Einsum)):
+            if backend not in ("auto", "dequant"):
+                raise ValueError(f"{path}: a packed {type(mod).__name__} runs the 'dequant' backend (its kernel is "
+                                 f"decoded inside the forward and the layer's own contraction runs; no low-precision "
+                                 f"GEMM path for it yet); got backend={backend!r}: use 'auto' or 'dequant'")
+            w = _weight(path, mod, result)
+            kernel = mod.kernel[...]
+            general[path] = PackedKernel(w, kernel_layout=layout(mod, path), kernel_dtype=jnp.dtype(kernel.dtype))
+            rows.append((path, w.format.name, "dequant", False))
+            params += w.k * w.n
+            float_bytes += int(kernel.nbytes)
+            packed_bytes += w.nbytes
+            continue
         if type(mod) is not nnx.Linear:
-            raise ValueError(f"{path}: pack replaces nnx.Linear layers; this layer is a {type(mod).__name__} (packed "
-                             f"nnx.LinearGeneral / nnx.Einsum layers are not implemented yet: keep it fake-quantized, "
-                             f"leave it out of `paths`)")
+            raise ValueError(f"{path}: pack replaces nnx.Linear, nnx.LinearGeneral and nnx.Einsum layers; this layer "
+                             f"is a {type(mod).__name__} (a subclass: keep it fake-quantized, leave it out of "
+                             f"`paths`)")
         w = _weight(path, mod, result)
         sch = result.schemes[path]
         act = None if sch.activation is None else packed.as_format(sch.activation, f"{path} activation")
@@ -279,6 +308,8 @@ def pack(model: nnx.Module, result: PTQResult, *, backend: str = "auto", paths: 
         float_bytes += int(mod.kernel[...].nbytes)
         packed_bytes += w.nbytes
     replace_modules(model, {path: (mods[path], layer) for path, layer in new.items()})
+    for path, kern in general.items():
+        setattr(mods[path], "kernel", kern)  # the float kernel is dropped; the layer reads the packed one
     return PackReport(layers=tuple(rows), params=params, float_bytes=float_bytes, packed_bytes=packed_bytes)
 
 
@@ -286,6 +317,14 @@ def report_of(model: nnx.Module, device: Any = None) -> PackReport:
     """The :class:`PackReport` of every :class:`PackedLinear` in `model` (e.g. a packed load): the backend each
     runs on `device`, and the float bytes its kernel would take in its ``param_dtype``."""
     rows, params, float_bytes, packed_bytes = [], 0, 0, 0
+    for path, mod in quantizable_modules(model).items():
+        kern = getattr(mod, "kernel", None)
+        if isinstance(kern, PackedKernel):
+            w = kern.get_value()
+            rows.append((path, w.format.name, "dequant", False))
+            params += w.k * w.n
+            float_bytes += w.k * w.n * kern.kernel_dtype.itemsize
+            packed_bytes += w.nbytes
     for path, layer in packed_layers(model).items():
         w = layer.kernel.get_value()
         p = layer.plan(device)
