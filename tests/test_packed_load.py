@@ -326,7 +326,7 @@ def test_pack_linear_general_and_einsum(scheme):
     rep = ptq.pack(model, res)
     assert isinstance(model.up_proj, nnx.LinearGeneral) and isinstance(model.mix_proj, nnx.Einsum)
     assert isinstance(model.up_proj.kernel, PackedKernel) and isinstance(model.mix_proj.kernel, PackedKernel)
-    assert not jax.tree.leaves(nnx.state(model, nnx.Param).filter(lambda p, v: p[-1] == "kernel"))  # no float kernel
+    assert not [p for p, v in nnx.iter_graph(model) if type(v) is nnx.Param and p[-1] == "kernel"]  # no float kernel
     assert {r[0]: r[2] for r in rep.layers}["mix_proj"] == "dequant" and rep.params == 3 * 64 * 64
     assert report_of(model).packed_bytes == rep.packed_bytes
     diff = float(jnp.max(jnp.abs(fwd(model, x) - want)))
