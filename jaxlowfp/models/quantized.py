@@ -273,7 +273,7 @@ def load_quantized(directory: str | Path, *, dtype: str = "float32", param_dtype
         if path not in packs:
             mods[path].dot_general = NVFP4Act(g)
     if packs:
-        from jaxlowfp.ptq.pack import PackedLinear, replace_modules
+        from jaxlowfp.packed_layer import PackedLinear, replace_modules
 
         layers = {}
         for path, w in packs.items():
