@@ -43,7 +43,7 @@ from jaxlowfp._core.pytree import pytree_dataclass
 from jaxlowfp.packed import PER_TENSOR, PackedFormat, PackedWeight, _per_tensor_scale, as_format, fake_quantize
 
 __all__ = ["BACKENDS", "BackendUnavailableError", "Plan", "plan", "packed_dot_general", "packed_matmul",
-           "SCALED_MATMUL_MIN_CC", "FP8_MIN_CC"]
+           "SCALED_MATMUL_MIN_CC", "FP8_MIN_CC", "scaled_matmul_rows"]
 
 BACKENDS = ("auto", "scaled_matmul", "fp8", "dequant")
 SCALED_MATMUL_MIN_CC = 100  # cuDNN's block-scaled GEMM: Blackwell (sm_100)
@@ -192,6 +192,22 @@ def _scaled_matmul(x2: jax.Array, w: PackedWeight, act: PackedFormat) -> jax.Arr
         gx = gw = None
     out = jax.nn.scaled_matmul(xq[None], wq[None], xs[None], ws[None], preferred_element_type=jnp.float32)[0]
     return out if gx is None else out * (gx * gw)
+
+
+def scaled_matmul_rows(x2: jax.Array, w: PackedWeight, rule: str, amax: Any) -> jax.Array:
+    """NVFP4 W4A4 on ``jax.nn.scaled_matmul`` with per-row (per-token) or static activation global scales: row m is
+    quantized by our quantizer (`jaxlowfp.nvfp4.quantize`, `rule`, 4/6 included) with its own amax ``amax[m]`` (a
+    scalar: one static amax for all rows), and since each row's decode scale g_x[m] is constant along K it factors
+    out of the contraction: ``out[m, n] = g_x[m] g_w sum_k (s_x q_x)(s_w q_w)``. float32 [M, N]."""
+    if w.format.kind != "nvfp4" or w.format.convention != "jaxlowfp":
+        raise ValueError(f"scaled_matmul with per-token / static activation scales takes NVFP4 weights in jaxlowfp's "
+                         f"convention; got {w.format.name}")
+    a = jnp.broadcast_to(jnp.asarray(amax, jnp.float32).reshape(-1), (x2.shape[0],))
+    rows = jax.vmap(lambda r, m: nvfp4.quantize(r[None], rule=rule, global_amax=m))(x2, a)  # type: ignore[arg-type]
+    xq, xs = _e2m1_operand(rows.codes[:, 0], w.k), rows.scales[:, 0]
+    wq, ws = _nvfp4_operand(w.array, w.k)
+    out = jax.nn.scaled_matmul(xq[None], wq[None], xs[None], ws[None], preferred_element_type=jnp.float32)[0]
+    return out * (rows.global_scale.reshape(-1, 1) * w.array.global_scale)
 
 
 def _fp8(x2: jax.Array, w: PackedWeight) -> jax.Array:

@@ -24,6 +24,11 @@ Model arguments (``--model_args k=v,...``; `ARGUMENTS` lists them):
   dtype            compute dtype ``float32`` (default) or ``bfloat16``; parameters stay float32
   ptq_export       a directory written by `jaxlowfp.ptq.export` (e.g. ``python -m train ptq --export``), loaded into
                    the ``pretrained`` architecture: the quantized weights and activation formats that were exported
+  packed           how NVFP4 checkpoint weights run: ``fake`` (default: decoded into float kernels, the fake-quant
+                   model) or a `jaxlowfp.backends` backend (``auto``, ``dequant``, ``scaled_matmul``, ``fp8``): the
+                   ``ptq_export`` layers, or a compressed-tensors / ModelOpt NVFP4 ``pretrained`` directory, load as
+                   packed layers holding the file's codes and scales (`jaxlowfp.ptq.load` / `jaxlowfp.models.load`
+                   with ``packed=True``); the backend each layer ran is in ``quantization``
   quantize         fake quantization (`jaxlowfp.qnnx.quantize`): ``none``, ``hif8`` (HiF8 W8A8, the Max-Window
                    recipe), ``nvfp4`` (NVFP4 W4A4 with Four Over Six, MSE rule), ``nvfp4-<rule>`` (static_6,
                    static_4, abs_max, mae, mse), ``fp8`` (E4M3/E5M2 delayed scaling)
@@ -184,7 +189,7 @@ def _bucket(n: int, cap: int) -> int:
 
 # every model argument and its default (the constructor's keyword arguments)
 ARGUMENTS: dict[str, Any] = {
-    "pretrained": None, "model": None, "tokenizer": None, "dtype": "float32", "ptq_export": None,
+    "pretrained": None, "model": None, "tokenizer": None, "dtype": "float32", "ptq_export": None, "packed": "fake",
     "quantize": "none", "layers": "paper", "keep_first": 3, "keep_last": 2, "act_scale": "auto",
     "ptq": "none", "ptq_scheme": "nvfp4-mse", "ptq_layers": PTQ_LAYERS, "weights_only": False, "calibration": None,
     "calib_seqs": 8, "calib_len": 256,
@@ -220,6 +225,11 @@ class JaxLowFPLM(TemplateLM):
             raise ValueError("give quantize (fake quantization) or ptq (post-training quantization), not both")
         if a["act_scale"] not in ACT_SCALES:
             raise ValueError(f"act_scale={a['act_scale']!r}; allowed: {', '.join(ACT_SCALES)}")
+        from jaxlowfp.backends import BACKENDS
+
+        if a["packed"] not in ("fake", *BACKENDS):
+            raise ValueError(f"packed={a['packed']!r}; allowed: fake, {', '.join(BACKENDS)}")
+        packed = a["packed"] != "fake"
         if a["dtype"] not in ("float32", "bfloat16"):
             raise ValueError(f"dtype={a['dtype']!r}; allowed: float32, bfloat16")
         if a["batch_size"] in ("auto", None) or str(a["batch_size"]).startswith("auto"):
@@ -252,7 +262,11 @@ class JaxLowFPLM(TemplateLM):
         else:
             from jaxlowfp.models import load
 
-            self.model, self.tokenizer = load(pretrained, dtype=a["dtype"], mesh=self.mesh)
+            direct = packed and a["ptq_export"] is None  # an NVFP4 checkpoint loaded packed
+            if packed and self.mesh is not None:
+                raise ValueError("packed= with mesh= is not supported yet (packed layers load on one device)")
+            self.model, self.tokenizer = load(pretrained, dtype=a["dtype"], mesh=self.mesh, packed=direct,
+                                              **({"backend": a["packed"]} if direct else {}))
             self.source = str(pretrained)
         cfg = self.model.config
         self._max_length = cfg.max_seq_len if a["max_length"] is None else _positive_int(a["max_length"],
@@ -275,9 +289,21 @@ class JaxLowFPLM(TemplateLM):
         if a["ptq_export"] is not None:
             from jaxlowfp import ptq
 
-            schemes = ptq.load(self.model, a["ptq_export"])
+            schemes = ptq.load(self.model, a["ptq_export"], packed=packed, backend=a["packed"] if packed else "auto")
             notes.append(f"PTQ export {a['ptq_export']}: {len(schemes)} quantized layers "
                          f"({', '.join(sorted({s.name for s in schemes.values()}))})")
+        elif packed and a["model"] is not None:
+            raise ValueError("packed= loads a checkpoint packed; with model= pack it first (jaxlowfp.ptq.pack)")
+        if packed:
+            from jaxlowfp.ptq.pack import report_of
+
+            rep = report_of(self.model)
+            ran = sorted({(b, n) for _, _, b, n in rep.layers})
+            notes.append(f"packed: {len(rep.layers)} layers at {rep.bits_per_param:.3f} bits per weight, backend "
+                         + ", ".join(f"{b}{' (native)' if n else ''}" for b, n in ran))
+            self.backends = {p: b for p, _, b, _ in rep.layers}
+        else:
+            self.backends = {}
         if a["quantize"] != "none":
             act = "token" if a["act_scale"] == "auto" else a["act_scale"]
             report = fake_quantize_model(self.model, a["quantize"], layers=a["layers"],

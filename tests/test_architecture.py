@@ -33,6 +33,7 @@ FLOORS = {
     "jaxlowfp.execution": 4,  # which quantized ops of a model ran (reads the record ops writes)
     "jaxlowfp.packed": 3,  # packed low-precision weights (codes + scales) and their nnx.Variable type
     "jaxlowfp.backends": 3,  # execution backends of packed products (scaled_matmul, fp8, dequant)
+    "jaxlowfp.packed_layer": 4,  # PackedLinear (an nnx layer holding packed weights), used by models and ptq
     "jaxlowfp.qnnx": 4,
     "jaxlowfp.qlinen": 4,
     "jaxlowfp.qwix_provider": 4,  # the Qwix provider (optional dependency qwix), beside the Flax integration

@@ -129,7 +129,8 @@ def test_requantizing_a_ptq_kernel_is_lossless(fmt):
 def test_per_token_activations_run_the_op_layer_quantizer():
     """The default per-token activation scales: the packed layer quantizes its input with the PTQ layer's own
     quantizer (the one op layer's), then the weights-only product; the log-probs are the fake-quant model's (the same
-    quantized values; equal to float32 rounding of the dot), and scaled_matmul, one tensor scale, is refused."""
+    quantized values; equal to float32 rounding of the dot). scaled_matmul runs them with each token's global scale
+    outside the GEMM (`backends.scaled_matmul_rows`); other formats with per-token scales are refused there."""
     model, res = _ptq("nvfp4-mse")
     assert res.activation_scale == "token"
     fake = _lp(model)
@@ -137,8 +138,13 @@ def test_per_token_activations_run_the_op_layer_quantizer():
     assert {b for _, _, b, _ in report.layers} == {"dequant"}
     np.testing.assert_allclose(np.asarray(_lp(model)), np.asarray(fake), rtol=0, atol=2e-5)
     model2, res2 = _ptq("nvfp4-mse")
-    with pytest.raises(ValueError, match="'token' scales"):
-        ptq.pack(model2, res2, backend="scaled_matmul")
+    report2 = ptq.pack(model2, res2, backend="scaled_matmul")
+    assert {b for _, _, b, _ in report2.layers} == {"scaled_matmul"}
+    assert all(layer.rows_gemm for layer in packed_layers(model2).values())
+    np.testing.assert_allclose(np.asarray(_lp(model2)), np.asarray(fake), rtol=0, atol=2e-5)
+    model3, res3 = _ptq("if4-mse")
+    with pytest.raises(ValueError, match="IF4's INT blocks have no hardware GEMM"):
+        ptq.pack(model3, res3, backend="scaled_matmul")
 
 
 def test_pack_refuses_bad_input_and_leaves_the_model_unchanged():

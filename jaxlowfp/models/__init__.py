@@ -56,13 +56,23 @@ def _no_mesh_for_moe(mesh: Any, where: Any) -> None:
                                   f"yet (load without mesh=, then jaxlowfp.sharding.shard_model)")
 
 
+def _not_packed(packed: bool, where: Any, what: str) -> None:
+    if packed:
+        raise ValueError(f"{where}: packed=True loads NVFP4 checkpoints (compressed-tensors / llm-compressor, "
+                         f"ModelOpt) as packed layers; this is {what}. Load it without packed=, then "
+                         f"jaxlowfp.ptq.quantize_model and jaxlowfp.ptq.pack")
+
+
 def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str = "float32", mesh: Any = None,
-            rules: Any = None, tokenizer: str | Path | None = "auto") -> tuple[Llama, Tokenizer | None]:
+            rules: Any = None, tokenizer: str | Path | None = "auto", packed: bool = False,
+            backend: str = "auto") -> tuple[Llama, Tokenizer | None]:
     """``(model, tokenizer)`` of a Hugging Face checkpoint directory (`jaxlowfp.models.hf_loader`; mixtures of
-    experts: `jaxlowfp.models.moe_loader`, unsharded, with their own tokenizer; `tokenizer`: see `load`)."""
+    experts: `jaxlowfp.models.moe_loader`, unsharded, with their own tokenizer; `tokenizer`, `packed`, `backend`:
+    see `load`)."""
     from jaxlowfp.models import hf_loader, moe_loader, quantized  # needs the jaxlowfp[models] extra
 
     if moe_loader.is_moe_hf(directory):  # Qwen3-MoE, Mixtral
+        _not_packed(packed, directory, "a mixture-of-experts checkpoint (packed experts are not implemented)")
         _no_mesh_for_moe(mesh, directory)
         if not (isinstance(tokenizer, str) and tokenizer == "auto"):
             raise NotImplementedError(f"{directory}: tokenizer= other than 'auto' is not implemented for "
@@ -70,7 +80,8 @@ def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str =
         return moe_loader.load_hf(directory, dtype=dtype, param_dtype=param_dtype)
     if quantized.detect(directory) is not None:  # NVFP4 of compressed-tensors (llm-compressor) or ModelOpt
         return quantized.load_quantized(directory, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules,
-                                        tokenizer=tokenizer)
+                                        tokenizer=tokenizer, packed=packed, backend=backend)
+    _not_packed(packed, directory, "a high-precision checkpoint (no quantization_config)")
     return hf_loader.load_hf(directory, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules,
                              tokenizer=tokenizer)
 
@@ -113,8 +124,13 @@ def resolve(name_or_path: str | Path) -> Path:
 
 
 def load(name_or_path: str | Path, *, dtype: str = "float32", param_dtype: str = "float32", mesh: Any = None,
-         rules: Any = None, tokenizer: str | Path | None = "auto") -> tuple[Llama, Tokenizer | None]:
+         rules: Any = None, tokenizer: str | Path | None = "auto", packed: bool = False,
+         backend: str = "auto") -> tuple[Llama, Tokenizer | None]:
     """``(model, tokenizer)`` of a registry name, a ``.gguf`` file or a Hugging Face directory.
+
+    ``packed=True`` (compressed-tensors / llm-compressor and ModelOpt NVFP4 directories): the NVFP4 layers are
+    `jaxlowfp.ptq.PackedLinear` layers holding the file's codes and scales as they are, never decoded to float, run
+    on `backend` (`jaxlowfp.backends`); other checkpoints raise.
 
     ``mesh`` (a `jax.sharding.Mesh`, `jaxlowfp.sharding.make_mesh`): every parameter is read tensor by tensor,
     slice by slice, straight into its shards (one device's slice on the host at a time) as ``rules`` place it (a
@@ -126,7 +142,9 @@ def load(name_or_path: str | Path, *, dtype: str = "float32", param_dtype: str =
     given no tokenizer) or None (no tokenizer; the second value is None)."""
     path = resolve(name_or_path)
     if path.is_dir():
-        return load_hf(path, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules, tokenizer=tokenizer)
+        return load_hf(path, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules, tokenizer=tokenizer,
+                       packed=packed, backend=backend)
+    _not_packed(packed, path, "a GGUF file (packed GGUF NVFP4 / MXFP4 loading is not implemented)")
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":

@@ -108,14 +108,16 @@ def _bounds(index: Any, shape: Sequence[int]) -> Index:
     return tuple(out)
 
 
-def build_model(config: ModelConfig, fetch: Callable[[TensorSpec], LazyTensor | tuple[np.ndarray, str]],
+def build_model(config: ModelConfig, fetch: Callable[[TensorSpec], LazyTensor | tuple[np.ndarray, str] | None],
                 source: str | Path, *, mesh: jax.sharding.Mesh | None = None, rules: Any = None,
                 model_class: type[Llama] = Llama, specs: Sequence[TensorSpec] | None = None) -> Llama:
     """``model_class(config)`` with every parameter taken from the checkpoint (``specs``: the tensor table,
     default `tensor_specs`).
 
     ``fetch(spec)`` returns the tensor in checkpoint layout as a `LazyTensor` (or an ``(array, where)`` pair; it
-    raises `CheckpointError` when the tensor is missing). Shapes are checked against the config and values must
+    raises `CheckpointError` when the tensor is missing), or None: the parameter is left abstract, for the caller
+    to replace its module (`jaxlowfp.models.quantized.load_quantized` with ``packed=True``). Shapes are checked
+    against the config and values must
     be finite; the model is built abstractly first, so a parameter the checkpoint does not provide is an error,
     never a random initialisation.
 
@@ -139,6 +141,8 @@ def build_model(config: ModelConfig, fetch: Callable[[TensorSpec], LazyTensor | 
     for path, var in variables.items():
         spec = by_path[path]
         tensor = fetch(spec)
+        if tensor is None:  # the caller replaces this parameter's module (a packed load): left abstract
+            continue
         if not isinstance(tensor, LazyTensor):
             tensor = LazyTensor.of(*tensor)
         # transposed tensors swap their last two axes (a [E, K, N] expert weight keeps its expert axis first)

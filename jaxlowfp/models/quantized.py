@@ -55,8 +55,12 @@ class NVFP4Act:
 
     g: float
 
+    def quantize_input(self, x):
+        """The input as the engine quantizes it (`jaxlowfp._core.ct_nvfp4.fake_quantize` with `g`)."""
+        return ct_nvfp4.fake_quantize(x, jnp.float32(self.g))
+
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kw):
-        x = ct_nvfp4.fake_quantize(lhs, jnp.float32(self.g))
+        x = self.quantize_input(lhs)
         return lax.dot_general(x, rhs, dimension_numbers, precision=precision,
                                preferred_element_type=preferred_element_type, **kw)
 
@@ -142,14 +146,46 @@ def _decode_modelopt(codes: np.ndarray, scales: np.ndarray, scale2: np.ndarray) 
     return (qs * np.float32(scale2.reshape(-1)[0])).reshape(out, half * 2)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Input:
+    """A packed W4A4 layer's input quantizer (`NVFP4Act.quantize_input`), hashable."""
+
+    act: NVFP4Act
+
+    def __call__(self, x):
+        return self.act.quantize_input(x)
+
+
+def _packed_weight(kind: str, codes: np.ndarray, scales: np.ndarray, g: float) -> Any:
+    """The `jaxlowfp.packed.PackedWeight` of W'^T = [out, in] from the file's arrays as they are (no decoding):
+    compressed-tensors decodes ``q * (s / g)`` (g the encode scale), ModelOpt ``(q * s) * weight_scale_2``."""
+    from jaxlowfp import nvfp4, packed
+
+    out, half = codes.shape
+    s_dec = np.float32(1.0) / np.float32(g) if kind == "compressed-tensors" else np.float32(g)
+    arr = nvfp4.NVFP4Array(codes=jnp.asarray(codes), scales=jnp.asarray(scales), global_scale=jnp.float32(s_dec),
+                           rule="static_6", block_shape=(1, 16), dtype=jnp.dtype(jnp.float32), shape=(out, 2 * half))
+    if kind == "compressed-tensors":
+        return packed.from_nvfp4(arr, jnp.float32(g), convention="compressed-tensors")
+    return packed.from_nvfp4(arr)
+
+
 def load_quantized(directory: str | Path, *, dtype: str = "float32", param_dtype: str = "float32",
-                   mesh: Any = None, rules: Any = None, tokenizer: str | Path | None = "auto"
-                   ) -> tuple[Llama, Tokenizer | None]:
+                   mesh: Any = None, rules: Any = None, tokenizer: str | Path | None = "auto",
+                   packed: bool = False, backend: str = "auto") -> tuple[Llama, Tokenizer | None]:
     """`Llama` (weights decoded exactly, W4A4 activation quantizers set) and `Tokenizer` of a compressed-tensors
     or ModelOpt NVFP4 directory (module docstring); ``mesh``, ``rules``: placed as `build_model` places them
-    (each tensor decoded whole on the host, then sharded)."""
+    (each tensor decoded whole on the host, then sharded).
+
+    ``packed=True``: each NVFP4 layer is a `jaxlowfp.ptq.PackedLinear` holding the file's uint8 codes, E4M3 block
+    scales and global scale as they are (nothing is decoded: no float copy of those kernels is ever made), run on
+    `backend` (`jaxlowfp.backends`; W4A4 inputs quantized as the float load's `NVFP4Act` does, then the weights-only
+    product, so "auto" / "dequant")."""
     from jaxlowfp.models import hf_loader  # needs the jaxlowfp[models] extra
 
+    if packed and mesh is not None:
+        raise ValueError("packed=True places packed arrays on one device; mesh= is not supported with it yet (load "
+                         "packed, then jax.device_put the state with shardings)")
     directory = Path(directory)
     kind = detect(directory)
     if kind is None:
@@ -179,6 +215,7 @@ def load_quantized(directory: str | Path, *, dtype: str = "float32", param_dtype
     files = hf_loader._weight_files(directory)
     handles: dict[Path, dict[str, np.ndarray]] = {}
     acts: dict[str, float] = {}
+    packs: dict[str, Any] = {}
     used: set[str] = set()
 
     def get(name: str) -> np.ndarray:
@@ -208,16 +245,16 @@ def load_quantized(directory: str | Path, *, dtype: str = "float32", param_dtype
         if gv.size != 1 or not np.isfinite(gv[0]) or gv[0] <= 0:
             raise CheckpointError(f"{where}: global scale {gv.tolist()} must be one finite value > 0")
         w4a4 = any(_matches(m, [t]) and a for t, a in targets.items())
-        if kind == "compressed-tensors":
-            w = _decode_ct(codes, scales, gv)
-            if w4a4:
-                acts[spec.path.rsplit("/", 1)[0]] = float(np.asarray(get(f"{m}.input_global_scale"),
-                                                                     np.float32).reshape(-1)[0])
-        else:
-            w = _decode_modelopt(codes, scales, gv)
-            if w4a4:
-                a = float(np.asarray(get(f"{m}.input_scale"), np.float32).reshape(-1)[0])
-                acts[spec.path.rsplit("/", 1)[0]] = float(np.float32(1.0) / np.float32(a))
+        mod_path = spec.path.rsplit("/", 1)[0]
+        if w4a4 and kind == "compressed-tensors":
+            acts[mod_path] = float(np.asarray(get(f"{m}.input_global_scale"), np.float32).reshape(-1)[0])
+        elif w4a4:
+            a = float(np.asarray(get(f"{m}.input_scale"), np.float32).reshape(-1)[0])
+            acts[mod_path] = float(np.float32(1.0) / np.float32(a))
+        if packed:
+            packs[mod_path] = _packed_weight(kind, codes, scales, float(gv[0]))
+            return None
+        w = _decode_ct(codes, scales, gv) if kind == "compressed-tensors" else _decode_modelopt(codes, scales, gv)
         return w, where
 
     model = build_model(config, fetch, directory / "config.json", mesh=mesh, rules=rules)
@@ -233,7 +270,21 @@ def load_quantized(directory: str | Path, *, dtype: str = "float32", param_dtype
         if not (np.isfinite(g) and g > 0):
             raise CheckpointError(f"{directory}: layer {path} has an activation global scale {g}; it must be "
                                   f"finite and > 0")
-        mods[path].dot_general = NVFP4Act(g)
+        if path not in packs:
+            mods[path].dot_general = NVFP4Act(g)
+    if packs:
+        from jaxlowfp.packed_layer import PackedLinear, replace_modules
+
+        layers = {}
+        for path, w in packs.items():
+            lin = mods[path]
+            if w.shape != tuple(lin.kernel.shape):
+                raise CheckpointError(f"{directory}: layer {path}: packed weight W' {w.shape} does not fit the "
+                                      f"model's kernel {tuple(lin.kernel.shape)}")
+            layers[path] = (lin, PackedLinear(w, lin.bias, activation=None, backend=backend, dtype=lin.dtype,
+                                              param_dtype=lin.param_dtype, path=path,
+                                              act_fn=_Input(NVFP4Act(acts[path])) if path in acts else None))
+        replace_modules(model, layers)
     return model, tok
 
 

@@ -359,10 +359,21 @@ def _write(model: nnx.Module, result: PTQResult, directory: Path, spool: stream.
                         rounded=(rounded, written_hp), notes=tuple(notes))
 
 
-def load(model: nnx.Module, directory: str | Path) -> dict[str, Scheme]:
+def load(model: nnx.Module, directory: str | Path, *, packed: bool = False, backend: str = "auto"
+         ) -> dict[str, Scheme]:
     """Load a directory written by `export` into `model` (same architecture), in place: every parameter, NVFP4
-    kernels decoded in the convention they were made in (``(q * s) * (1 / S_enc)`` or ``q * (s / S_enc)``), and the activation quantization of W4A4 layers. Returns
-    {path: Scheme} of the quantized layers."""
+    kernels decoded in the convention they were made in (``(q * s) * (1 / S_enc)`` or ``q * (s / S_enc)``), and the
+    activation quantization of W4A4 layers. Returns {path: Scheme} of the quantized layers.
+
+    ``packed=True``: each NVFP4 layer becomes a `jaxlowfp.ptq.PackedLinear` holding the file's codes, E4M3 block
+    scales and global scale as they are (`jaxlowfp.packed.from_nvfp4`; nothing is decoded), run on `backend`
+    (`jaxlowfp.backends`), with the activation quantizer the float load sets. `model` may be abstract
+    (``nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))``): then no float copy of the quantized kernels is ever
+    made, and the other parameters are filled from the file."""
+    from jaxlowfp import packed as packing
+    from jaxlowfp.ptq.pack import PackedLinear, replace_modules
+
+    replaced: dict[str, tuple[nnx.Module, nnx.Module]] = {}
     directory = Path(directory)
     meta_path = directory / META_FILE
     if not meta_path.is_file():
@@ -390,16 +401,27 @@ def load(model: nnx.Module, directory: str | Path) -> dict[str, Scheme]:
             arr = nvfp4.NVFP4Array(codes=jnp.asarray(codes), scales=jnp.asarray(scales), global_scale=1.0 / s_enc,
                                    rule=w_fmt.rule, block_shape=w_fmt.block_shape, dtype=jnp.dtype(jnp.float32),
                                    shape=(out, 2 * half))
+            lin = linears[mod_path]
+            aq = None if a_fmt is None else act_quant(lin, a_fmt, activation_scale=info.get("activation_scale",
+                                                                                             "tensor"),
+                                                      amax=info.get("input_amax"), path=mod_path)
+            schemes[mod_path] = Scheme(weight=w_fmt, activation=a_fmt)
+            if packed:
+                if (2 * half, out) != tuple(var.shape):
+                    raise ValueError(f"{m}: packed weight is {(out, 2 * half)} (PyTorch [out, in]); the model's "
+                                     f"kernel {path} is {tuple(var.shape)}")
+                w = packing.from_nvfp4(arr, s_enc, convention=meta.get("convention", "jaxlowfp"))
+                act = None if a_fmt is None else packing.as_format(a_fmt, f"{mod_path} activation")
+                replaced[mod_path] = (lin, PackedLinear(w, lin.bias, activation=act, backend=backend,
+                                                        dtype=lin.dtype, param_dtype=var.dtype, path=mod_path,
+                                                        act_quant=aq))
+                continue
             kernel = serving.decode(arr, s_enc, meta.get("convention", "jaxlowfp")).T
             if kernel.shape != var.shape:
                 raise ValueError(f"{m}: packed weight is {kernel.shape[::-1]} (PyTorch [out, in]); the model's "
                                  f"kernel {path} is {var.shape}")
-            var.set_value(kernel.astype(var[...].dtype))
-            lin = linears[mod_path]
-            lin.dot_general = lax.dot_general if a_fmt is None else act_quant(
-                lin, a_fmt, activation_scale=info.get("activation_scale", "tensor"), amax=info.get("input_amax"),
-                path=mod_path)
-            schemes[mod_path] = Scheme(weight=w_fmt, activation=a_fmt)
+            var.set_value(kernel.astype(var.dtype))
+            lin.dot_general = lax.dot_general if aq is None else aq
             continue
         name = names[path]
         if name not in tensors:
@@ -409,5 +431,6 @@ def load(model: nnx.Module, directory: str | Path) -> dict[str, Scheme]:
             value = value.T
         if tuple(value.shape) != tuple(var.shape):
             raise ValueError(f"{name}: shape {value.shape} does not fit {path} {var.shape}")
-        var.set_value(jnp.asarray(value, var[...].dtype))
+        var.set_value(jnp.asarray(value, var.dtype))
+    replace_modules(model, replaced)
     return schemes

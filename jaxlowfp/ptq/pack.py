@@ -5,7 +5,9 @@ Each quantized ``nnx.Linear`` is replaced, in place, by a :class:`PackedLinear` 
 the float kernel is dropped, not kept alongside, so the model's memory is the format's. Its forward is
 `jaxlowfp.backends.packed_dot_general` (backend "auto" by default: the device's low-precision GEMM where there is
 one, else dequantize + dot), with the activations quantized at run time exactly as the PTQ'd layer's `ActQuant`
-does. Module paths and state paths stay as they were (``blocks/0/mlp/up_proj/kernel``).
+does. Module paths and state paths stay as they were (``blocks/0/mlp/up_proj/kernel``). A quantized
+``nnx.LinearGeneral`` or ``nnx.Einsum`` keeps its module and gets a :class:`PackedKernel` (its ``W'`` packed, read by
+the layer's own code as the decoded kernel: the "dequant" backend).
 
 Where the codes come from:
   - NVFP4: ``result.packed`` (the arrays PTQ made, in its convention); nothing is requantized.
@@ -18,7 +20,7 @@ Either way every packed layer is checked: its weights dequantize to the fake-qua
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import MutableMapping, MutableSequence, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -26,61 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxlowfp import backends, formats, packed, qat
+from jaxlowfp import formats, packed
+from jaxlowfp.packed_layer import PackedLinear, replace_modules
 from jaxlowfp.ptq.api import PTQResult
-from jaxlowfp.ptq.layers import ActQuant, quantizable_modules
+from jaxlowfp.ptq.layers import ActQuant, layout, quantizable_modules
 
-__all__ = ["PackedLinear", "PackReport", "pack", "packed_layers"]
-
-
-class PackedLinear(nnx.Module):
-    """An ``nnx.Linear`` whose kernel is a `jaxlowfp.packed.PackedParam` (``kernel.get_value()`` is the
-    `PackedWeight` of ``W' = kernel [in, out]``): ``y = packed_dot_general(x, W') + bias`` on `backend`, with the
-    input quantized to `activation` at run time (None: weights only). The compute dtype is the Linear's (`dtype`;
-    None: the input's); "dequant" rounds the float32 dequantized weight to `param_dtype` first, as the float kernel
-    was stored."""
-
-    def __init__(self, kernel: packed.PackedWeight, bias: nnx.Param | None, *, activation: packed.PackedFormat | None,
-                 backend: str = "auto", dtype: Any = None, param_dtype: Any = jnp.float32, path: str = "",
-                 act_quant: Any = None) -> None:
-        # act_quant: the PTQ'd layer's run-time activation quantizer (`jaxlowfp.ptq.ActQuant`); with per-token or
-        # static scales the input is quantized by it (the one op layer's quantizer, as the fake-quant model does)
-        # and the product runs on the weights-only path, since scaled_matmul's operands carry one tensor scale
-        if act_quant is not None and act_quant.activation_scale != "tensor":
-            if backend not in ("auto", "dequant"):
-                backends.plan(kernel, activation, backend, where=path)  # the format's and device's own refusals
-                raise ValueError(f"{path}: backend={backend!r} quantizes the activations with one tensor scale; this "
-                                 f"layer's activations have {act_quant.activation_scale!r} scales (jaxlowfp.ptq."
-                                 f"quantize_model activation_scale=): use backend='dequant' or 'auto', or quantize "
-                                 f"with activation_scale='tensor'")
-            self.act_quant, activation = act_quant, None
-        else:
-            self.act_quant = None
-        self.kernel = packed.PackedParam(kernel)
-        self.bias = bias
-        self.in_features, self.out_features = kernel.k, kernel.n
-        self.activation = activation
-        self.backend = backend
-        self.dtype = dtype
-        self.param_dtype = jnp.dtype(param_dtype)
-        self.path = path
-
-    def plan(self, device: Any = None) -> backends.Plan:
-        """The backend this layer runs on `device` (default JAX's first device)."""
-        return backends.plan(self.kernel.get_value(), self.activation, self.backend, device=device, where=self.path)
-
-    def __call__(self, inputs: jax.Array) -> jax.Array:
-        dtype = inputs.dtype if self.dtype is None else jnp.dtype(self.dtype)
-        x = inputs.astype(dtype)
-        if self.act_quant is not None:  # per-token / static activation scales: the op layer's quantizer
-            spec = self.act_quant.recipe.activation
-            x = qat.fake_quant(x, spec.init(), spec)[0]
-        y = backends.packed_dot_general(x, self.kernel.get_value(), (((x.ndim - 1,), (0,)), ((), ())),
-                                        backend=self.backend, activation=self.activation,
-                                        weight_dtype=self.param_dtype, where=self.path)
-        if self.bias is not None:
-            y = y + jnp.reshape(self.bias[...].astype(dtype), (1,) * (y.ndim - 1) + (-1,))  # type: ignore[operator, union-attr]
-        return y  # type: ignore[return-value]
+__all__ = ["PackedLinear", "PackedKernel", "PackReport", "pack", "packed_layers", "replace_modules", "report_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,9 +105,22 @@ def _requantized(kernel: jax.Array, fmt: Any, where: str) -> packed.PackedWeight
                      f"model changed after ptq.quantize, or is this another model's result?)")
 
 
-def _weight(path: str, mod: nnx.Linear, result: PTQResult) -> packed.PackedWeight:
+class PackedKernel(packed.PackedParam):
+    """The packed kernel of an ``nnx.LinearGeneral`` or ``nnx.Einsum`` (`pack`): a `PackedParam` of the GEMM matrix
+    ``W'`` (`jaxlowfp.ptq.layers.Layout`) that the layer's own code reads as its kernel: ``kernel[...]`` decodes the
+    codes to float32, rounds once to ``kernel_dtype`` (the dtype the float kernel was stored in) and lays ``W'`` out
+    as the kernel (``kernel_layout.from_matrix``), inside the forward. So these layers run the "dequant" backend
+    with their own hooks (the PTQ activation quantizer included); only the storage is packed."""
+
+    def __getitem__(self, key: Any) -> jax.Array:
+        w = self.get_value()
+        return self.kernel_layout.from_matrix(w.dequantize(jnp.float32).astype(self.kernel_dtype))[key]
+
+
+def _weight(path: str, mod: nnx.Module, result: PTQResult) -> packed.PackedWeight:
     fmt = result.schemes[path].weight
-    kernel = mod.kernel[...]
+    lay = layout(mod, path)
+    kernel = lay.to_matrix(mod.kernel[...])  # type: ignore[attr-defined]
     if fmt.kind == "nvfp4":
         if path not in result.packed:
             raise ValueError(f"{path}: the PTQ result has no packed NVFP4 arrays for this layer")
@@ -169,19 +135,6 @@ def _weight(path: str, mod: nnx.Linear, result: PTQResult) -> packed.PackedWeigh
                          f"the model changed after ptq.quantize, or is this another model's result?); pack would "
                          f"change what the model computes")
     return w
-
-
-def _parents(model: nnx.Module) -> dict[int, tuple[Any, Any]]:
-    """id(child module) -> (parent, key) for every module reachable by attribute or list index."""
-    out: dict[int, tuple[Any, Any]] = {}
-    for _, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.Module) or isinstance(node, (MutableSequence, MutableMapping)):
-            items = (enumerate(node) if isinstance(node, MutableSequence) else node.items()
-                     if isinstance(node, MutableMapping) else vars(node).items())
-            for key, child in items:
-                if isinstance(child, nnx.Module):
-                    out.setdefault(id(child), (node, key))
-    return out
 
 
 def pack(model: nnx.Module, result: PTQResult, *, backend: str = "auto", paths: Sequence[str] | None = None,
@@ -210,16 +163,31 @@ def pack(model: nnx.Module, result: PTQResult, *, backend: str = "auto", paths: 
                          f"{list(result.schemes)[:6]}{' ...' if len(result.schemes) > 6 else ''}")
     mods = quantizable_modules(model)
     new: dict[str, PackedLinear] = {}
+    general: dict[str, PackedKernel] = {}
     rows = []
     float_bytes = packed_bytes = params = 0
     for path in todo:
         mod = mods.get(path)
-        if mod is None:
-            have = packed_layers(model)
+        if mod is None or isinstance(getattr(mod, "kernel", None), PackedKernel):
+            have = set(packed_layers(model)) | ({path} if mod is not None else set())
             raise ValueError(f"{path}: " + ("already packed" if path in have else "no such layer in this model"))
+        if isinstance(mod, (nnx.LinearGeneral, nnx.Einsum)):
+            if backend not in ("auto", "dequant"):
+                raise ValueError(f"{path}: a packed {type(mod).__name__} runs the 'dequant' backend (its kernel is "
+                                 f"decoded inside the forward and the layer's own contraction runs; no low-precision "
+                                 f"GEMM path for it yet); got backend={backend!r}: use 'auto' or 'dequant'")
+            w = _weight(path, mod, result)
+            kernel = mod.kernel[...]
+            general[path] = PackedKernel(w, kernel_layout=layout(mod, path), kernel_dtype=jnp.dtype(kernel.dtype))
+            rows.append((path, w.format.name, "dequant", False))
+            params += w.k * w.n
+            float_bytes += int(kernel.nbytes)
+            packed_bytes += w.nbytes
+            continue
         if type(mod) is not nnx.Linear:
-            raise ValueError(f"{path}: pack replaces nnx.Linear layers; this is a {type(mod).__name__} (keep it "
-                             f"fake-quantized: leave it out of `paths`)")
+            raise ValueError(f"{path}: pack replaces nnx.Linear, nnx.LinearGeneral and nnx.Einsum layers; this layer "
+                             f"is a {type(mod).__name__} (a subclass: keep it fake-quantized, leave it out of "
+                             f"`paths`)")
         w = _weight(path, mod, result)
         sch = result.schemes[path]
         act = None if sch.activation is None else packed.as_format(sch.activation, f"{path} activation")
@@ -233,11 +201,29 @@ def pack(model: nnx.Module, result: PTQResult, *, backend: str = "auto", paths: 
         params += w.k * w.n
         float_bytes += int(mod.kernel[...].nbytes)
         packed_bytes += w.nbytes
-    parents = _parents(model)
-    for path, layer in new.items():
-        parent, key = parents[id(mods[path])]
-        if isinstance(parent, (MutableSequence, MutableMapping)):
-            parent[key] = layer
-        else:
-            setattr(parent, key, layer)
+    replace_modules(model, {path: (mods[path], layer) for path, layer in new.items()})
+    for path, kern in general.items():
+        setattr(mods[path], "kernel", kern)  # the float kernel is dropped; the layer reads the packed one
+    return PackReport(layers=tuple(rows), params=params, float_bytes=float_bytes, packed_bytes=packed_bytes)
+
+
+def report_of(model: nnx.Module, device: Any = None) -> PackReport:
+    """The :class:`PackReport` of every :class:`PackedLinear` in `model` (e.g. a packed load): the backend each
+    runs on `device`, and the float bytes its kernel would take in its ``param_dtype``."""
+    rows, params, float_bytes, packed_bytes = [], 0, 0, 0
+    for path, mod in quantizable_modules(model).items():
+        kern = getattr(mod, "kernel", None)
+        if isinstance(kern, PackedKernel):
+            w = kern.get_value()
+            rows.append((path, w.format.name, "dequant", False))
+            params += w.k * w.n
+            float_bytes += w.k * w.n * kern.kernel_dtype.itemsize
+            packed_bytes += w.nbytes
+    for path, layer in packed_layers(model).items():
+        w = layer.kernel.get_value()
+        p = layer.plan(device)
+        rows.append((path, w.format.name, p.backend, p.native))
+        params += w.k * w.n
+        float_bytes += w.k * w.n * layer.param_dtype.itemsize
+        packed_bytes += w.nbytes
     return PackReport(layers=tuple(rows), params=params, float_bytes=float_bytes, packed_bytes=packed_bytes)
