@@ -217,6 +217,88 @@ def _hf_names(model: nnx.Module) -> dict[str, str] | None:
     return {t.path: t.name for t in tensors if t.path is not None}
 
 
+def _expert_names(model: nnx.Module) -> dict[str, list[str]]:
+    """{expert weight path: the per-expert checkpoint names, expert 0 first} as the model says them
+    (`jaxlowfp.ptq.protocol`, ``ExportTensor.expert``); empty for a model without grouped expert weights."""
+    if not isinstance(model, Exportable):
+        return {}
+    tensors, _ = require_exportable(model, "hf", "export", with_config=False)
+    out: dict[str, dict[int, str]] = {}
+    for t in tensors:
+        if t.expert is not None:
+            out.setdefault(t.path, {})[t.expert] = t.name
+    bad = [p for p, d in out.items() if sorted(d) != list(range(len(d)))]
+    if bad:
+        raise ValueError(f"export: {type(model).__name__}.export_tensors('hf') does not name experts 0..E-1 of {bad[0]}")
+    return {p: [d[e] for e in range(len(d))] for p, d in out.items()}
+
+
+def _write_experts(path: str, var: Any, names: list[str], result: PTQResult, tensors: dict, layers: dict,
+                   dtype: str) -> tuple[int, int, int, int]:
+    """One ``[out, in]`` tensor per expert of the grouped weight `path` [E, in, out]: NVFP4 (packed codes, block
+    scales, the expert's global scale, W4A4: its input_global_scale) if PTQ quantized it, else `dtype`. Returns
+    (quantized values, their bits, rounded values, high-precision values)."""
+    w = np.asarray(var[...], np.float32)
+    if len(names) != w.shape[0]:
+        raise ValueError(f"{path}: {w.shape[0]} experts, and the model names {len(names)} per-expert tensors")
+    res = result.experts.get(path)
+    if res is None or res.scheme is None:  # kept in high precision
+        rounded = 0
+        for e, name in enumerate(names):
+            value = np.ascontiguousarray(w[e].T)
+            if dtype != "float32":
+                low = value.astype(_DTYPES[dtype])
+                checks.check_finite_tensor(low.astype(np.float32), f"{name} ({path}[{e}]) rounded to {dtype}",
+                                           action="refusing to export (its values overflow it: use dtype='float32')")
+                rounded += int(np.sum(low.astype(np.float32) != value))
+                value = low
+            tensors[name] = value
+        return 0, 0, rounded, w.size
+    sch, conv = res.scheme, result.convention
+    if len(res.packed) != w.shape[0]:
+        raise ValueError(f"{path}: the result holds {len(res.packed)} packed experts for {w.shape[0]}")
+    pair = {"gate_proj": "up_proj", "up_proj": "gate_proj"}.get(path.rsplit("/", 1)[1])
+    other = result.experts.get(path.rsplit("/", 1)[0] + "/" + pair) if pair else None
+    bits, mods = 0, []
+    for e, name in enumerate(names):
+        arr, s_enc = res.packed[e]
+        where = f"{path}[expert {e}]"
+        checks.check_packed_nvfp4(where, arr, s_enc)
+        if not np.array_equal(np.asarray(serving.decode(arr, s_enc, conv)).T, w[e]):
+            raise ValueError(f"{where}: the model's weight is not the packed NVFP4 weight (was the model changed "
+                             f"after quantize?)")
+        if other is not None and other.packed and float(other.packed[e][1]) != float(s_enc):
+            raise ValueError(f"{where}: its weight_global_scale {float(s_enc)} differs from its {pair}'s "
+                             f"{float(other.packed[e][1])}; vLLM merges an expert's gate and up (w1/w3) into one "
+                             f"GEMM with one global scale")
+        if not name.endswith(".weight"):
+            raise ValueError(f"{where}: the checkpoint name {name!r} of a quantized expert must end in '.weight'")
+        m = name[: -len(".weight")]
+        scales = np.asarray(arr.scales)
+        if sch.weight.rows > 1:
+            scales = np.repeat(scales, sch.weight.rows, axis=0)
+        _check_scales(m, scales, float(s_enc))
+        tensors[f"{m}.weight_packed"] = np.asarray(arr.codes)
+        tensors[f"{m}.weight_scale"] = scales
+        tensors[f"{m}.weight_global_scale"] = np.asarray(s_enc, np.float32).reshape(1)
+        if sch.activation is not None:
+            amaxes = [r.calib_amax for r in (res, other) if r is not None]
+            if any(a is None for a in amaxes):
+                raise ValueError(f"{where}: W4A4 export needs the calibration input amax of every expert; run "
+                                 f"jaxlowfp.ptq.quantize with calibration data")
+            # gate and up read the same routed rows: one input_global_scale for the merged w13 GEMM
+            tensors[f"{m}.input_global_scale"] = _input_global_scale(m, max(a[e] for a in amaxes), conv)
+        bits += sum(tensors[f"{m}.{k}"].nbytes * 8 for k in ("weight_packed", "weight_scale", "weight_global_scale"))
+        mods.append(m)
+    layers[path] = {"name": mods[0], "names": mods, "weight": _fmt_json(sch.weight),
+                    "activation": _fmt_json(sch.activation), "experts": len(mods)}
+    if sch.activation is not None:
+        layers[path]["activation_scale"] = result.activation_scale
+        if res.input_amax is not None:
+            layers[path]["input_amax"] = list(res.input_amax)
+    return w.size, bits, 0, 0
+
+
 def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
            tensor_names: Mapping[str, str] | Callable[[str], str] | None = None,
            model_config: Mapping[str, Any] | None = None, tokenizer: Any = None,
@@ -233,14 +315,22 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
     """
     if not isinstance(result, PTQResult):
         raise TypeError(f"result must be the PTQResult of jaxlowfp.ptq.quantize; got {type(result).__name__}")
-    bad = [p for p, s in result.schemes.items() if s.weight.kind != "nvfp4"]
+    schemes = {**result.schemes, **{p: r.scheme for p, r in result.experts.items() if r.scheme is not None}}
+    bad = [p for p, s in schemes.items() if s.weight.kind != "nvfp4"]
     if bad:
         raise ValueError(f"export writes NVFP4 weights; layers {bad[:4]} use "
-                         f"{sorted({result.schemes[p].weight.name for p in bad})}")
-    require_linear(model, result.schemes, "export (compressed-tensors)")
+                         f"{sorted({schemes[p].weight.name for p in bad})}")
+    require_linear(model, {p: s for p, s in result.schemes.items() if p not in result.experts},
+                   "export (compressed-tensors)")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; allowed: {', '.join(map(repr, _DTYPES))}")
     said = _hf_names(model)  # the model's own names and config (jaxlowfp.ptq.protocol)
+    per_expert = _expert_names(model)  # {expert weight path: [name of expert 0, 1, ...]}
+    missing = sorted(set(result.experts) - set(per_expert))
+    if missing:
+        raise ValueError(f"export: the result quantized the expert weights {missing[:3]}, and "
+                         f"{type(model).__name__}.export_tensors('hf') names no per-expert tensor for them "
+                         f"(ExportTensor.expert); compressed-tensors stores one [out, in] matrix per expert")
     if tensor_names is None:
         tensor_names = said
     if model_config is None and said is not None:
@@ -262,6 +352,10 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
     rounded = written_hp = 0
     for path, var in params.items():
         mod_path, leaf = path.rsplit("/", 1) if "/" in path else ("", path)
+        if path in per_expert:
+            n_q, b_q, r_hp, n_hp = _write_experts(path, var, per_expert[path], result, tensors, layers, dtype)
+            n_quant, quant_bits, rounded, written_hp = n_quant + n_q, quant_bits + b_q, rounded + r_hp, written_hp + n_hp
+            continue
         name = name_of(path)
         if mod_path in result.schemes and leaf == "kernel":
             if mod_path not in result.packed:
@@ -308,7 +402,7 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
             value = low
         tensors[name] = np.ascontiguousarray(value)
 
-    notes = known_gaps.check("hf", "", {}, {p: result.schemes[p].activation is not None for p in layers},
+    notes = known_gaps.check("hf", "", {}, {p: schemes[p].activation is not None for p in layers},
                              allow_known_gaps=True, caller="export")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -317,7 +411,8 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
     save_file(tensors, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
     groups = {}
     for act in (True, False):
-        targets = sorted(v["name"] for p, v in layers.items() if (result.schemes[p].activation is not None) == act)
+        targets = sorted(n for p, v in layers.items() if (schemes[p].activation is not None) == act
+                         for n in v.get("names", [v["name"]]))
         if targets:
             groups[f"group_{len(groups)}"] = {
                 "targets": targets, "weights": _quant_args(False),
@@ -327,6 +422,7 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
             if p.rsplit("/", 1)[0] in linears and p.endswith("/kernel") and p.rsplit("/", 1)[0] not in result.schemes}
     kept |= {name_of(p)[: -len(".weight")] for p in params if p.endswith("/embedding")}  # embeddings
     kept.add("lm_head")  # a tied head is a module in Hugging Face models too
+    kept |= {n[: -len(".weight")] for p, ns in per_expert.items() if p not in result.experts for n in ns}
     qcfg = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
             "config_groups": groups, "kv_cache_scheme": None, "global_compression_ratio": None,
             "ignore": sorted(kept)}
@@ -342,7 +438,7 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
             "activation_scaling": f"ours: {result.activation_scale} (layers[].activation_scale; static: the "
                                   f"calibration amax); input_global_scale (static_6, what a serving engine "
                                   f"applies) is the calibration amax",
-            "tensor_names": {p: name_of(p) for p in params}}
+            "tensor_names": {p: (per_expert[p] if p in per_expert else name_of(p)) for p in params}}
     (directory / META_FILE).write_text(json.dumps(meta, indent=1))
     n_params = sum(int(np.prod(v.shape)) for v in params.values())
     total_bits = sum(t.nbytes * 8 for t in tensors.values())
