@@ -109,13 +109,12 @@ def test_an_expert_no_token_reaches_exports_finite_scales(tmp_path):
     """W4A4 experts, calibrated on one repeated token: the experts no token reaches fall back (warned), and every
     weight_global_scale / input_global_scale written is finite and > 0; gate and up share the input scale."""
     model, _ = load(FIX / "qwen3_moe")
-    rules = [ptq.Rule(path=r".*(router|lm_head).*", scheme=None), ptq.Rule(path=r".*", scheme=ptq.scheme("nvfp4-mse"))]
+    rules = [ptq.Rule(path=r"blocks/\d+/mlp/experts/.*", scheme=ptq.scheme("nvfp4-mse"))]
     with pytest.warns(RuntimeWarning, match=r"experts \[.*\] saw fewer than 1 calibration token"):
         res = ptq.quantize_model(model, rules, method="rtn", calibration=np.full((2, 8), 7, np.int32),
-                                 activation_scale="static")
+                                 activation_scale="token")  # the calibration amax is exported whatever the scaling
     assert any(r.fallback for r in res.experts.values())
-    with pytest.warns(UserWarning):  # known_gaps: compressed-tensors' model-free dequantizer and W4A4
-        checkpoint.export(model, res, tmp_path)
+    checkpoint.export(model, res, tmp_path)
     t = checkpoint.read_safetensors(tmp_path / checkpoint.WEIGHTS_FILE)
     gs = {n: float(v[0]) for n, v in t.items() if n.endswith("global_scale")}
     assert len([n for n in gs if ".experts." in n and n.endswith("input_global_scale")]) == 2 * 8 * 3
@@ -135,3 +134,38 @@ def test_kept_experts_are_ignored_and_written_per_expert(exported):
     if fam == "mixtral":  # down_proj (w2) has 24 inputs: kept in high precision
         assert "model.layers.0.block_sparse_moe.experts.2.w2" in ignore
         assert tensors["model.layers.0.block_sparse_moe.experts.2.w2.weight"].shape == (32, 24)
+
+
+def test_gguf_expert_tensors_read_back_by_gguf_to_our_weights(exported, tmp_path):
+    """GGUF: every ``blk.N.ffn_{gate,up,down}_exps.weight`` [E, out, in] and ``ffn_gate_inp`` as `gguf`'s own reader
+    and dequantizer (gguf.quants) read them equals our (quantized) weights; the per-expert global scales have no
+    GGUF NVFP4 encoding (one ``.scale`` per tensor), so the experts are F32, with a note saying so."""
+    import gguf
+
+    fam, model, res, _, _, _ = exported
+    rep = ptq.export_gguf(model, res, tmp_path / "m.gguf", tokenizer_json=FIX / fam / "tokenizer.json")
+    assert any("ffn_gate_exps" in n and "written as F32" in n for n in rep.notes)
+    params = {"/".join(map(str, p)): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
+    reader = gguf.GGUFReader(tmp_path / "m.gguf")
+    got = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+           for t in reader.tensors}
+    n_exps = 0
+    for i in range(2):
+        for ours, theirs in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
+            w = np.swapaxes(np.asarray(params[f"blocks/{i}/mlp/experts/{ours}"][...], np.float32), -1, -2)
+            if f"blocks/{i}/mlp/experts/{ours}" not in res.experts:  # kept (Mixtral's down_proj): F16
+                w = w.astype(np.float16).astype(np.float32)
+            np.testing.assert_array_equal(got[f"blk.{i}.ffn_{theirs}_exps.weight"], w)
+            n_exps += 1
+        router = np.asarray(params[f"blocks/{i}/mlp/router/kernel"][...], np.float32).T
+        np.testing.assert_allclose(got[f"blk.{i}.ffn_gate_inp.weight"], router, rtol=2.0 ** -11)  # F16
+    assert n_exps == 6
+    assert rep.types["blk.0.ffn_gate_exps.weight"] == "F32"  # (d_model 32: dense rows are not whole 64-blocks either)
+
+
+def test_gguf_refuses_w4a4_experts(tmp_path):
+    model, _ = load(FIX / "qwen3_moe")
+    res = ptq.quantize_model(model, [ptq.Rule(path=r"blocks/\d+/mlp/experts/.*", scheme=ptq.scheme("nvfp4-mse"))],
+                             method="rtn", calibration=np.full((2, 8), 7, np.int32), activation_scale="token")
+    with pytest.raises(ValueError, match="quantize their inputs"):
+        ptq.export_gguf(model, res, tmp_path / "m.gguf", tokenizer_json=FIX / "qwen3_moe" / "tokenizer.json")

@@ -340,7 +340,7 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
     linears = linear_modules(model)
     conv = result.convention
     check_export_inputs(params, result, name_of)
-    unfused = serving.vllm_fused_error(serving.name_groups(list(result.schemes)),
+    unfused = serving.vllm_fused_error(serving.name_groups([p for p in result.schemes if p not in result.experts]),
                                        {p: float(result.packed[p][1]) for p in result.schemes if p in result.packed})
     if unfused:
         raise ValueError("vLLM fuses these layers and decodes each group with its largest global scale, so their "
