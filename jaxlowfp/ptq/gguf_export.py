@@ -463,8 +463,8 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
             if esch.weight.kind not in ("nvfp4", "mxfp4"):
                 raise ValueError(f"GGUF has no type for the expert weight format {esch.weight.name} ({t.path}); "
                                  f"allowed: NVFP4, MXFP4 (or float32=True)")
-            notes_pre.append(f"{t.name}: {esch.weight.name} experts carry one global scale each, and GGUF NVFP4 has one "
-                             f"decode scale per tensor (<tensor>.scale [1]); written as F32 (the quantized values, "
+            notes_pre.append(f"{t.name}: {esch.weight.name} experts carry one global scale each, and GGUF NVFP4 has "
+                             f"one decode scale per tensor (<tensor>.scale [1]); written as F32 (the quantized values, "
                              f"exactly)")
             out = np.ascontiguousarray(w, np.float32)
             planned.append((t.name, out, None, "F32"))
