@@ -52,7 +52,8 @@ def test_packed_codes_and_scales_are_the_committed_export(exported):
 def test_every_expert_decodes_as_compressed_tensors_decodes_it(exported):
     """Our weights vs compressed-tensors' unpack + dequantize in float32: it computes q * (s / g), we (q * s) * (1 / g)
     (`jaxlowfp.ptq.checkpoint`): two float32 roundings on each side, at most 2 ulp apart; its
-    NVFP4PackedCompressor.decompress itself (bfloat16) is our weight rounded to bfloat16 (within one bfloat16 ulp: it rounds after its own float32 arithmetic)."""
+    NVFP4PackedCompressor.decompress itself (bfloat16) is our weight rounded to bfloat16 (within one bfloat16 ulp:
+    it rounds after its own float32 arithmetic)."""
     fam, model, res, _, _, _ = exported
     names = json.loads((FIX / f"{fam}_nvfp4" / checkpoint.META_FILE).read_text())["tensor_names"]
     params = {"/".join(map(str, p)): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
