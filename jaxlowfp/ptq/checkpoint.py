@@ -56,6 +56,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -448,6 +449,51 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
                         rounded=(rounded, written_hp), notes=tuple(notes))
 
 
+def _decode(m: str, tensors: Mapping[str, np.ndarray], w_fmt: TensorFormat, convention: str) -> jax.Array:
+    """The float32 [out, in] weight of packed module `m` (codes, block scales, global scale) as it was evaluated."""
+    codes, scales = tensors[f"{m}.weight_packed"], tensors[f"{m}.weight_scale"]
+    s_enc = jnp.asarray(tensors[f"{m}.weight_global_scale"][0], jnp.float32)
+    if w_fmt.rows > 1:
+        scales = scales[:: w_fmt.rows]
+    out, half = codes.shape
+    arr = nvfp4.NVFP4Array(codes=jnp.asarray(codes), scales=jnp.asarray(scales), global_scale=1.0 / s_enc,
+                           rule=w_fmt.rule, block_shape=w_fmt.block_shape, dtype=jnp.dtype(jnp.float32),
+                           shape=(out, 2 * half))
+    return serving.decode(arr, s_enc, convention)
+
+
+def _load_experts(model: nnx.Module, path: str, var: Any, names: list[str], meta: Mapping[str, Any],
+                  tensors: Mapping[str, np.ndarray]) -> Scheme | None:
+    """Stack the per-expert tensors of `path` into its [E, in, out] parameter; quantized experts decoded in their
+    convention, with the run-time activation quantizer of W4A4 experts (`jaxlowfp.ptq.experts.RaggedActQuant`)."""
+    from jaxlowfp import ops
+    from jaxlowfp.ptq.experts import RaggedActQuant, grouped_weights
+
+    info = meta["layers"].get(path)
+    if info is None:
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise ValueError(f"tensors {missing[:3]} ({path}) are missing")
+        value = np.stack([tensors[n].T for n in names])
+    else:
+        w_fmt = _fmt_from(info["weight"])
+        value = np.stack([np.asarray(_decode(m, tensors, w_fmt, meta.get("convention", "jaxlowfp"))).T
+                          for m in info["names"]])
+    if tuple(value.shape) != tuple(var.shape):
+        raise ValueError(f"{path}: the per-expert tensors stack to {value.shape}; the parameter is {var.shape}")
+    var.set_value(jnp.asarray(value, var[...].dtype))
+    if info is None:
+        return None
+    a_fmt = _fmt_from(info["activation"])
+    if a_fmt is not None:
+        mod, name = next((m, n) for p, m, n in grouped_weights(model) if p == path)
+        amax = info.get("input_amax")
+        setattr(mod, "quant_" + name, RaggedActQuant(a_fmt, info.get("activation_scale") or "token",
+                                                     None if amax is None else tuple(amax), path,
+                                                     ops.new_op_key(path)))
+    return Scheme(weight=_fmt_from(info["weight"]), activation=a_fmt)
+
+
 def load(model: nnx.Module, directory: str | Path) -> dict[str, Scheme]:
     """Load a directory written by `export` into `model` (same architecture), in place: every parameter, NVFP4
     kernels decoded in the convention they were made in (``(q * s) * (1 / S_enc)`` or ``q * (s / S_enc)``), and the activation quantization of W4A4 layers. Returns
@@ -467,6 +513,11 @@ def load(model: nnx.Module, directory: str | Path) -> dict[str, Scheme]:
     schemes = {}
     for path, var in params.items():
         mod_path, leaf = path.rsplit("/", 1) if "/" in path else ("", path)
+        if isinstance(names.get(path), list):  # a grouped expert weight [E, in, out], one tensor per expert
+            sch = _load_experts(model, path, var, names[path], meta, tensors)
+            if sch is not None:
+                schemes[path] = sch
+            continue
         if mod_path in meta["layers"] and leaf == "kernel":
             info = meta["layers"][mod_path]
             w_fmt, a_fmt = _fmt_from(info["weight"]), _fmt_from(info["activation"])
