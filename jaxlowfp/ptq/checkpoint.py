@@ -41,6 +41,12 @@ What a serving engine applies, and what `export` guarantees for it:
   input amax is zero or not finite (their ``input_global_scale`` would be meaningless: the prompt-dependent NaNs of
   served MoE models).
 
+Mixtures of experts: a grouped expert weight ``[E, in, out]`` is written as one ``[out, in]`` module per expert under
+the names the model says (``ExportTensor.expert``; Qwen3-MoE ``model.layers.N.mlp.experts.E.gate_proj``, Mixtral
+``...block_sparse_moe.experts.E.w1``), each with the four tensors above from `jaxlowfp.ptq.experts.ExpertResult`
+(``packed``; W4A4: ``input_global_scale`` from ``calib_amax``, one for an expert's gate and up, which read the same
+rows); an expert's gate and up must share their ``weight_global_scale`` (vLLM merges them). `load` stacks them back.
+
 `export` returns an `ExportReport` (bits per parameter of the whole checkpoint and of the NVFP4 layers).
 Tensors that are not quantized are written as ``dtype`` (float16 by default; bfloat16 or float32 on request),
 1-D ones (norm scales, biases) in float32; the report counts the values the rounding changed. The model says its
