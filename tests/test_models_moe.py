@@ -201,20 +201,26 @@ def test_ptq_blocks_and_smoothing_folds(models):
     assert {"blocks/1/mlp/router", "blocks/1/mlp/experts"} <= {p for p, _ in skipped}
 
 
-def test_exports_refuse_a_mixture_of_experts(tmp_path):
-    """The writers of dense checkpoints ask `tensor_specs` for the names, which refuses a MoE config: nothing is
-    written (without it, a MoEDecoder went out as a dense Qwen3 config.json with stray expert tensors)."""
+def test_dense_writers_refuse_and_exports_write_the_moe_layout(tmp_path):
+    """The dense `tensor_specs` still refuses a MoE config (a dense writer would put out a Qwen3 config.json with
+    stray expert tensors); the exporters ask the model (`MoEDecoder.export_tensors`) and write the MoE layout
+    (tests/test_moe_export.py checks it against the consumers)."""
+    import json
+
     from jaxlowfp import ptq
+    from jaxlowfp.models.tensor_names import tensor_specs
 
     model, _ = load(FIX / "qwen3_moe")
+    with pytest.raises(ValueError, match="MoEConfig is a mixture of experts"):
+        tensor_specs(model.config)
     result = ptq.quantize_model(model, [ptq.Rule(path="blocks/0/attn/q_proj",
                                            scheme=ptq.scheme("nvfp4-mse", weights_only=True))], method="rtn")
-    for write in (lambda: ptq.export(model, result, tmp_path / "hf"),
-                  lambda: ptq.export_gguf(model, result, tmp_path / "m.gguf",
-                                          tokenizer_json=FIX / "qwen3_moe" / "tokenizer.json")):
-        with pytest.raises(ValueError, match="MoEConfig is a mixture of experts"):
-            write()
-    assert not list(tmp_path.iterdir())
+    ptq.export(model, result, tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3_moe" and cfg["num_experts"] == 8 and cfg["moe_intermediate_size"] == 16
+    assert "model.layers.1.mlp.experts.7.down_proj" in cfg["quantization_config"]["ignore"]
+    rep = ptq.export_gguf(model, result, tmp_path / "m.gguf", tokenizer_json=FIX / "qwen3_moe" / "tokenizer.json")
+    assert "blk.1.ffn_down_exps.weight" in rep.types and "blk.1.ffn_gate_inp.weight" in rep.types
 
 
 def test_random_init_and_config_validation():

@@ -15,7 +15,10 @@ computed constant (``value``, e.g. llama.cpp's ``rope_freqs.weight``), written a
 (NNX kernels are ``[in, out]``, files ``[out, in]``) and, for GGUF's ``llama`` architecture, the q/k row
 permutation of llama.cpp's converter over ``permute_heads`` heads; ``transform`` (a function of the float32
 parameter, e.g. ``A = -exp(A_log)`` for a state-space model) is applied first, and not allowed on a quantized
-kernel. Tensors of one dimension are written in float32, the others in the exporter's ``dtype``.
+kernel. ``expert`` (an int) selects one expert of a grouped ``[E, K, N]`` weight (a mixture of experts'
+``blocks/<i>/mlp/experts/gate_proj``, written as one ``[out, in]`` tensor per expert in the Hugging Face layout);
+``transpose`` swaps the last two axes, so a 3-D expert weight written whole (GGUF's ``ffn_*_exps``) keeps its
+expert axis first. Tensors of one dimension are written in float32, the others in the exporter's ``dtype``.
 
 GGUF metadata values are Python ``str`` / ``bool`` / ``int`` (written as UINT32) / ``float`` (FLOAT32) or lists
 of them; keys as in llama.cpp (``llama.context_length``...). The tokenizer is not the model's: exporters take it
@@ -44,6 +47,7 @@ class ExportTensor:
     transpose: bool = False
     permute_heads: int | None = None
     transform: Callable[[np.ndarray], np.ndarray] | None = None
+    expert: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -57,6 +61,10 @@ class ExportTensor:
                                                or not isinstance(self.permute_heads, int) or self.permute_heads < 1):
             raise ValueError(f"ExportTensor {self.name!r}: permute_heads must be a positive int or None; got "
                              f"{self.permute_heads!r}")
+        if self.expert is not None and (isinstance(self.expert, bool) or not isinstance(self.expert, int)
+                                        or self.expert < 0 or self.path is None):
+            raise ValueError(f"ExportTensor {self.name!r}: expert must be a non-negative int selecting one expert "
+                             f"of a parameter (path); got expert={self.expert!r}, path={self.path!r}")
 
     @property
     def module(self) -> str | None:
@@ -68,9 +76,11 @@ class ExportTensor:
     def array(self, params: dict[str, Any]) -> np.ndarray:
         """The tensor's float32 values in the file's layout, before any quantization or permutation."""
         v = np.asarray(params[self.path][...] if self.path is not None else self.value, np.float32)
+        if self.expert is not None:
+            v = v[self.expert]
         if self.transform is not None:
             v = np.asarray(self.transform(v), np.float32)
-        return v.T if self.transpose else v
+        return np.swapaxes(v, -1, -2) if self.transpose else v
 
 
 @runtime_checkable

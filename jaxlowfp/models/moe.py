@@ -227,6 +227,26 @@ class MoEDecoder(Llama):
                              "experts is not implemented")]
         return kept, skipped
 
+    def fused_groups(self) -> list[tuple[str, ...]]:
+        """The dense model's q/k/v and dense-layer gate/up groups (an expert's gate and up weights share one global
+        scale in `jaxlowfp.ptq.experts`)."""
+        return [g for g in super().fused_groups() if not any(p.startswith(f"blocks/{i}/mlp/")
+                                                             for p in g for i in range(self.config.n_layers)
+                                                             if self.config.is_moe_layer(i))]
+
+    def export_tensors(self, target: str) -> list[Any]:
+        """Every tensor of an exported file, ``target`` "hf" (per-expert tensors) or "gguf" (``ffn_*_exps``)
+        (`jaxlowfp.models.moe_export`)."""
+        from jaxlowfp.models import moe_export
+
+        return moe_export.export_tensors(self.config, target)
+
+    def export_config(self, target: str) -> dict[str, Any]:
+        """``config.json`` ("hf") or GGUF architecture and metadata ("gguf") (`jaxlowfp.models.moe_export`)."""
+        from jaxlowfp.models import moe_export
+
+        return moe_export.export_config(self.config, target)
+
 
 def expert_paths(config: MoEConfig) -> list[str]:
     """Graph paths of every expert weight, ``blocks/<i>/mlp/experts/{gate,up,down}_proj`` (sparse layers only)."""

@@ -31,12 +31,12 @@ def tensor_specs(config: Any) -> list[TensorSpec]:
 
     A mixture-of-experts config is refused: its experts have other names and layouts
     (`jaxlowfp.models.moe_loader.moe_tensor_specs`), so a writer that asks here for a MoE model's names stops
-    instead of writing a dense checkpoint.
+    instead of writing a dense checkpoint (MoE exports: `jaxlowfp.models.moe_export`).
     """
     if getattr(config, "n_experts", None) is not None:  # a jaxlowfp.models.moe.MoEConfig (not imported: no cycle)
         raise ValueError(f"tensor_specs names the tensors of the dense Llama family; {type(config).__name__} is a "
-                         "mixture of experts (its tensors: jaxlowfp.models.moe_loader.moe_tensor_specs). Writing "
-                         "mixture-of-experts checkpoints (compressed-tensors, GGUF) is not implemented yet")
+                         "mixture of experts (its tensors: jaxlowfp.models.moe_loader.moe_tensor_specs; its exported "
+                         "names: MoEDecoder.export_tensors, jaxlowfp.models.moe_export)")
     specs = [TensorSpec("embed/embedding", "model.embed_tokens.weight", "token_embd.weight")]
     for i in range(config.n_layers):
         b, hb, gb = f"blocks/{i}/", f"model.layers.{i}.", f"blk.{i}."

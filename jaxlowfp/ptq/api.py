@@ -237,7 +237,7 @@ def quantize(
                                                   forward=forward or calibrate.default_forward,
                                                   activation_scale=act_scale, min_tokens=min_expert_tokens)
         for p, (mod, name, _) in grouped.items():
-            hook = getattr(mod, "quant_" + name)
+            hook = getattr(mod, "quant_" + name, None)  # none for weights-only schemes
             if isinstance(hook, experts.RaggedActQuant):
                 op_keys[p] = hook.op_key
         if not targets:
@@ -330,7 +330,9 @@ def quantize(
                      folds=tuple(folds), skipped=tuple(skipped), seconds=time.perf_counter() - t0,
                      fused=tuple(groups), convention=convention, pipeline=pipe, peak_stats_bytes=peak,
                      experts=expert_results,
-                     activation_scale=act_scale if any(s.activation is not None for s in targets.values()) else None)
+                     activation_scale=act_scale if any(s.activation is not None for s in
+                                                       [*targets.values(), *(g[2] for g in grouped.values())])
+                     else None)
 
 
 def _activation_scale(activation_scale: str, calibrated: bool) -> str:

@@ -41,6 +41,12 @@ What a serving engine applies, and what `export` guarantees for it:
   input amax is zero or not finite (their ``input_global_scale`` would be meaningless: the prompt-dependent NaNs of
   served MoE models).
 
+Mixtures of experts: a grouped expert weight ``[E, in, out]`` is written as one ``[out, in]`` module per expert under
+the names the model says (``ExportTensor.expert``; Qwen3-MoE ``model.layers.N.mlp.experts.E.gate_proj``, Mixtral
+``...block_sparse_moe.experts.E.w1``), each with the four tensors above from `jaxlowfp.ptq.experts.ExpertResult`
+(``packed``; W4A4: ``input_global_scale`` from ``calib_amax``, one for an expert's gate and up, which read the same
+rows); an expert's gate and up must share their ``weight_global_scale`` (vLLM merges them). `load` stacks them back.
+
 `export` returns an `ExportReport` (bits per parameter of the whole checkpoint and of the NVFP4 layers).
 Tensors that are not quantized are written as ``dtype`` (float16 by default; bfloat16 or float32 on request),
 1-D ones (norm scales, biases) in float32; the report counts the values the rounding changed. The model says its
@@ -56,6 +62,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -217,6 +224,88 @@ def _hf_names(model: nnx.Module) -> dict[str, str] | None:
     return {t.path: t.name for t in tensors if t.path is not None}
 
 
+def _expert_names(model: nnx.Module) -> dict[str, list[str]]:
+    """{expert weight path: the per-expert checkpoint names, expert 0 first} as the model says them
+    (`jaxlowfp.ptq.protocol`, ``ExportTensor.expert``); empty for a model without grouped expert weights."""
+    if not isinstance(model, Exportable):
+        return {}
+    tensors, _ = require_exportable(model, "hf", "export", with_config=False)
+    out: dict[str, dict[int, str]] = {}
+    for t in tensors:
+        if t.expert is not None:
+            out.setdefault(t.path, {})[t.expert] = t.name
+    bad = [p for p, d in out.items() if sorted(d) != list(range(len(d)))]
+    if bad:
+        raise ValueError(f"export: {type(model).__name__}.export_tensors('hf') does not name experts 0..E-1 of {bad[0]}")
+    return {p: [d[e] for e in range(len(d))] for p, d in out.items()}
+
+
+def _write_experts(path: str, var: Any, names: list[str], result: PTQResult, tensors: dict, layers: dict,
+                   dtype: str, spool: stream.Spool) -> tuple[int, int, int, int]:
+    """One ``[out, in]`` tensor per expert of the grouped weight `path` [E, in, out]: NVFP4 (packed codes, block
+    scales, the expert's global scale, W4A4: its input_global_scale) if PTQ quantized it, else `dtype`. Returns
+    (quantized values, their bits, rounded values, high-precision values)."""
+    w = np.asarray(stream.fetch(var[...]), np.float32)
+    if len(names) != w.shape[0]:
+        raise ValueError(f"{path}: {w.shape[0]} experts, and the model names {len(names)} per-expert tensors")
+    res = result.experts.get(path)
+    if res is None or res.scheme is None:  # kept in high precision
+        rounded = 0
+        for e, name in enumerate(names):
+            value = np.ascontiguousarray(w[e].T)
+            if dtype != "float32":
+                low = value.astype(_DTYPES[dtype])
+                checks.check_finite_tensor(low.astype(np.float32), f"{name} ({path}[{e}]) rounded to {dtype}",
+                                           action="refusing to export (its values overflow it: use dtype='float32')")
+                rounded += int(np.sum(low.astype(np.float32) != value))
+                value = low
+            tensors[name] = spool.put(value)
+        return 0, 0, rounded, w.size
+    sch, conv = res.scheme, result.convention
+    if len(res.packed) != w.shape[0]:
+        raise ValueError(f"{path}: the result holds {len(res.packed)} packed experts for {w.shape[0]}")
+    pair = {"gate_proj": "up_proj", "up_proj": "gate_proj"}.get(path.rsplit("/", 1)[1])
+    other = result.experts.get(path.rsplit("/", 1)[0] + "/" + pair) if pair else None
+    bits, mods = 0, []
+    for e, name in enumerate(names):
+        arr, s_enc = res.packed[e]
+        where = f"{path}[expert {e}]"
+        checks.check_packed_nvfp4(where, arr, s_enc)
+        if not np.array_equal(np.asarray(serving.decode(arr, s_enc, conv)).T, w[e]):
+            raise ValueError(f"{where}: the model's weight is not the packed NVFP4 weight (was the model changed "
+                             f"after quantize?)")
+        if other is not None and other.packed and float(other.packed[e][1]) != float(s_enc):
+            raise ValueError(f"{where}: its weight_global_scale {float(s_enc)} differs from its {pair}'s "
+                             f"{float(other.packed[e][1])}; vLLM merges an expert's gate and up (w1/w3) into one "
+                             f"GEMM with one global scale")
+        if not name.endswith(".weight"):
+            raise ValueError(f"{where}: the checkpoint name {name!r} of a quantized expert must end in '.weight'")
+        m = name[: -len(".weight")]
+        scales = stream.fetch(arr.scales)
+        if sch.weight.rows > 1:
+            scales = np.repeat(scales, sch.weight.rows, axis=0)
+        _check_scales(m, scales, float(s_enc))
+        tensors[f"{m}.weight_packed"] = spool.put(stream.fetch(arr.codes))
+        tensors[f"{m}.weight_scale"] = spool.put(scales)
+        tensors[f"{m}.weight_global_scale"] = spool.put(np.asarray(s_enc, np.float32).reshape(1))
+        if sch.activation is not None:
+            amaxes = [r.calib_amax for r in (res, other) if r is not None]
+            if any(a is None for a in amaxes):
+                raise ValueError(f"{where}: W4A4 export needs the calibration input amax of every expert; run "
+                                 f"jaxlowfp.ptq.quantize with calibration data")
+            # gate and up read the same routed rows: one input_global_scale for the merged w13 GEMM
+            tensors[f"{m}.input_global_scale"] = spool.put(_input_global_scale(m, max(a[e] for a in amaxes), conv))
+        bits += sum(tensors[f"{m}.{k}"].nbytes * 8 for k in ("weight_packed", "weight_scale", "weight_global_scale"))
+        mods.append(m)
+    layers[path] = {"name": mods[0], "names": mods, "weight": _fmt_json(sch.weight),
+                    "activation": _fmt_json(sch.activation), "experts": len(mods)}
+    if sch.activation is not None:
+        layers[path]["activation_scale"] = result.activation_scale
+        if res.input_amax is not None:
+            layers[path]["input_amax"] = list(res.input_amax)
+    return w.size, bits, 0, 0
+
+
 def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
            tensor_names: Mapping[str, str] | Callable[[str], str] | None = None,
            model_config: Mapping[str, Any] | None = None, tokenizer: Any = None,
@@ -233,14 +322,22 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
     """
     if not isinstance(result, PTQResult):
         raise TypeError(f"result must be the PTQResult of jaxlowfp.ptq.quantize; got {type(result).__name__}")
-    bad = [p for p, s in result.schemes.items() if s.weight.kind != "nvfp4"]
+    schemes = {**result.schemes, **{p: r.scheme for p, r in result.experts.items() if r.scheme is not None}}
+    bad = [p for p, s in schemes.items() if s.weight.kind != "nvfp4"]
     if bad:
         raise ValueError(f"export writes NVFP4 weights; layers {bad[:4]} use "
-                         f"{sorted({result.schemes[p].weight.name for p in bad})}")
-    require_linear(model, result.schemes, "export (compressed-tensors)")
+                         f"{sorted({schemes[p].weight.name for p in bad})}")
+    require_linear(model, {p: s for p, s in result.schemes.items() if p not in result.experts},
+                   "export (compressed-tensors)")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; allowed: {', '.join(map(repr, _DTYPES))}")
     said = _hf_names(model)  # the model's own names and config (jaxlowfp.ptq.protocol)
+    per_expert = _expert_names(model)  # {expert weight path: [name of expert 0, 1, ...]}
+    missing = sorted(set(result.experts) - set(per_expert))
+    if missing:
+        raise ValueError(f"export: the result quantized the expert weights {missing[:3]}, and "
+                         f"{type(model).__name__}.export_tensors('hf') names no per-expert tensor for them "
+                         f"(ExportTensor.expert); compressed-tensors stores one [out, in] matrix per expert")
     if tensor_names is None:
         tensor_names = said
     if model_config is None and said is not None:
@@ -249,19 +346,20 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
     params = _params(model)
     linears = linear_modules(model)
     check_export_inputs(params, result, name_of)
-    unfused = serving.vllm_fused_error(serving.name_groups(list(result.schemes)),
+    unfused = serving.vllm_fused_error(serving.name_groups([p for p in result.schemes if p not in result.experts]),
                                        {p: float(result.packed[p][1]) for p in result.schemes if p in result.packed})
     if unfused:
         raise ValueError("vLLM fuses these layers and decodes each group with its largest global scale, so their "
                          "global scales must be equal (quantize with fused='auto'): " + "; ".join(unfused[:3]))
     with stream.Spool(near=directory) as spool:  # tensor by tensor: one on the host at a time (ptq/stream.py)
         return _write(model, result, Path(directory), spool, params=params, linears=linears, name_of=name_of,
-                      model_config=model_config, tokenizer=tokenizer, dtype=dtype)
+                      model_config=model_config, tokenizer=tokenizer, dtype=dtype, schemes=schemes,
+                      per_expert=per_expert)
 
 
 def _write(model: nnx.Module, result: PTQResult, directory: Path, spool: stream.Spool, *, params: dict,
            linears: dict, name_of: Callable[[str], str], model_config: Mapping[str, Any] | None, tokenizer: Any,
-           dtype: str) -> ExportReport:
+           dtype: str, schemes: Mapping[str, Scheme], per_expert: Mapping[str, list[str]]) -> ExportReport:
     conv = result.convention
     tensors: dict[str, stream.SpoolEntry] = {}
     layers: dict[str, Any] = {}
@@ -270,6 +368,11 @@ def _write(model: nnx.Module, result: PTQResult, directory: Path, spool: stream.
     rounded = written_hp = 0
     for path, var in params.items():
         mod_path, leaf = path.rsplit("/", 1) if "/" in path else ("", path)
+        if path in per_expert:
+            n_q, b_q, r_hp, n_hp = _write_experts(path, var, per_expert[path], result, tensors, layers, dtype,
+                                                  spool)
+            n_quant, quant_bits, rounded, written_hp = n_quant + n_q, quant_bits + b_q, rounded + r_hp, written_hp + n_hp
+            continue
         name = name_of(path)
         if mod_path in result.schemes and leaf == "kernel":
             if mod_path not in result.packed:
@@ -318,13 +421,14 @@ def _write(model: nnx.Module, result: PTQResult, directory: Path, spool: stream.
         tensors[name] = spool.put(value)
         del value
 
-    notes = known_gaps.check("hf", "", {}, {p: result.schemes[p].activation is not None for p in layers},
+    notes = known_gaps.check("hf", "", {}, {p: schemes[p].activation is not None for p in layers},
                              allow_known_gaps=True, caller="export")
     directory.mkdir(parents=True, exist_ok=True)
     stream.write_safetensors(directory / WEIGHTS_FILE, spool, tensors, metadata={"format": "pt"})
     groups = {}
     for act in (True, False):
-        targets = sorted(v["name"] for p, v in layers.items() if (result.schemes[p].activation is not None) == act)
+        targets = sorted(n for p, v in layers.items() if (schemes[p].activation is not None) == act
+                         for n in v.get("names", [v["name"]]))
         if targets:
             groups[f"group_{len(groups)}"] = {
                 "targets": targets, "weights": _quant_args(False),
@@ -334,6 +438,7 @@ def _write(model: nnx.Module, result: PTQResult, directory: Path, spool: stream.
             if p.rsplit("/", 1)[0] in linears and p.endswith("/kernel") and p.rsplit("/", 1)[0] not in result.schemes}
     kept |= {name_of(p)[: -len(".weight")] for p in params if p.endswith("/embedding")}  # embeddings
     kept.add("lm_head")  # a tied head is a module in Hugging Face models too
+    kept |= {n[: -len(".weight")] for p, ns in per_expert.items() if p not in result.experts for n in ns}
     qcfg = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
             "config_groups": groups, "kv_cache_scheme": None, "global_compression_ratio": None,
             "ignore": sorted(kept)}
@@ -349,7 +454,7 @@ def _write(model: nnx.Module, result: PTQResult, directory: Path, spool: stream.
             "activation_scaling": f"ours: {result.activation_scale} (layers[].activation_scale; static: the "
                                   f"calibration amax); input_global_scale (static_6, what a serving engine "
                                   f"applies) is the calibration amax",
-            "tensor_names": {p: name_of(p) for p in params}}
+            "tensor_names": {p: (per_expert[p] if p in per_expert else name_of(p)) for p in params}}
     (directory / META_FILE).write_text(json.dumps(meta, indent=1))
     n_params = sum(int(np.prod(v.shape)) for v in params.values())
     total_bits = sum(t.nbytes * 8 for t in tensors.values())
@@ -357,6 +462,57 @@ def _write(model: nnx.Module, result: PTQResult, directory: Path, spool: stream.
                         quantized_bits=quant_bits / max(n_quant, 1), quantized_fraction=n_quant / n_params,
                         fused=tuple(result.fused), partial=partial, convention=conv, dtype=dtype,
                         rounded=(rounded, written_hp), notes=tuple(notes))
+
+
+def _nvfp4_array(m: str, tensors: Mapping[str, np.ndarray], w_fmt: TensorFormat) -> tuple[nvfp4.NVFP4Array, jax.Array]:
+    """The NVFP4 codes and scales of packed module `m` as written ([out, in]), and its encode scale S_enc."""
+    codes, scales = tensors[f"{m}.weight_packed"], tensors[f"{m}.weight_scale"]
+    s_enc = jnp.asarray(tensors[f"{m}.weight_global_scale"][0], jnp.float32)
+    if w_fmt.rows > 1:
+        scales = scales[:: w_fmt.rows]
+    out, half = codes.shape
+    arr = nvfp4.NVFP4Array(codes=jnp.asarray(codes), scales=jnp.asarray(scales), global_scale=1.0 / s_enc,
+                           rule=w_fmt.rule, block_shape=w_fmt.block_shape, dtype=jnp.dtype(jnp.float32),
+                           shape=(out, 2 * half))
+    return arr, s_enc
+
+
+def _decode(m: str, tensors: Mapping[str, np.ndarray], w_fmt: TensorFormat, convention: str) -> jax.Array:
+    """The float32 [out, in] weight of packed module `m` (codes, block scales, global scale) as it was evaluated."""
+    arr, s_enc = _nvfp4_array(m, tensors, w_fmt)
+    return serving.decode(arr, s_enc, convention)
+
+
+def _load_experts(model: nnx.Module, path: str, var: Any, names: list[str], meta: Mapping[str, Any],
+                  tensors: Mapping[str, np.ndarray]) -> Scheme | None:
+    """Stack the per-expert tensors of `path` into its [E, in, out] parameter; quantized experts decoded in their
+    convention, with the run-time activation quantizer of W4A4 experts (`jaxlowfp.ptq.experts.RaggedActQuant`)."""
+    from jaxlowfp import ops
+    from jaxlowfp.ptq.experts import RaggedActQuant, grouped_weights
+
+    info = meta["layers"].get(path)
+    if info is None:
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise ValueError(f"tensors {missing[:3]} ({path}) are missing")
+        value = np.stack([tensors[n].T for n in names])
+    else:
+        w_fmt = _fmt_from(info["weight"])
+        value = np.stack([np.asarray(_decode(m, tensors, w_fmt, meta.get("convention", "jaxlowfp"))).T
+                          for m in info["names"]])
+    if tuple(value.shape) != tuple(var.shape):
+        raise ValueError(f"{path}: the per-expert tensors stack to {value.shape}; the parameter is {var.shape}")
+    var.set_value(jnp.asarray(value, var[...].dtype))
+    if info is None:
+        return None
+    a_fmt = _fmt_from(info["activation"])
+    if a_fmt is not None:
+        mod, name = next((m, n) for p, m, n in grouped_weights(model) if p == path)
+        amax = info.get("input_amax")
+        setattr(mod, "quant_" + name, RaggedActQuant(a_fmt, info.get("activation_scale") or "token",
+                                                     None if amax is None else tuple(amax), path,
+                                                     ops.new_op_key(path)))
+    return Scheme(weight=_fmt_from(info["weight"]), activation=a_fmt)
 
 
 def load(model: nnx.Module, directory: str | Path, *, packed: bool = False, backend: str = "auto"
@@ -389,18 +545,20 @@ def load(model: nnx.Module, directory: str | Path, *, packed: bool = False, back
     schemes = {}
     for path, var in params.items():
         mod_path, leaf = path.rsplit("/", 1) if "/" in path else ("", path)
+        if isinstance(names.get(path), list):  # a grouped expert weight [E, in, out], one tensor per expert
+            if packed:
+                raise NotImplementedError(f"{directory}: packed=True for a mixture-of-experts export ({path}) is not "
+                                          f"implemented yet; load it with packed=False (experts decoded)")
+            sch = _load_experts(model, path, var, names[path], meta, tensors)
+            if sch is not None:
+                schemes[path] = sch
+            continue
         if mod_path in meta["layers"] and leaf == "kernel":
             info = meta["layers"][mod_path]
             w_fmt, a_fmt = _fmt_from(info["weight"]), _fmt_from(info["activation"])
             m = info["name"]
-            codes, scales = tensors[f"{m}.weight_packed"], tensors[f"{m}.weight_scale"]
-            s_enc = jnp.asarray(tensors[f"{m}.weight_global_scale"][0], jnp.float32)
-            if w_fmt.rows > 1:
-                scales = scales[:: w_fmt.rows]
-            out, half = codes.shape
-            arr = nvfp4.NVFP4Array(codes=jnp.asarray(codes), scales=jnp.asarray(scales), global_scale=1.0 / s_enc,
-                                   rule=w_fmt.rule, block_shape=w_fmt.block_shape, dtype=jnp.dtype(jnp.float32),
-                                   shape=(out, 2 * half))
+            arr, s_enc = _nvfp4_array(m, tensors, w_fmt)
+            out, half = arr.shape[0], arr.shape[1] // 2
             lin = linears[mod_path]
             aq = None if a_fmt is None else act_quant(lin, a_fmt, activation_scale=info.get("activation_scale",
                                                                                              "tensor"),

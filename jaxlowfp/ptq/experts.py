@@ -57,11 +57,17 @@ class ExpertStats:
 class ExpertResult:
     """What PTQ did to one expert weight: ``tokens`` per expert (the coverage), the experts that fell back
     (``fallback``: fewer than ``min_tokens``: RTN weights, input amax from the other experts), and the input amax per
-    expert the run-time quantizer uses (static scaling; None otherwise)."""
+    expert the run-time quantizer uses (static scaling; None otherwise). For NVFP4 weights, ``packed``: per expert
+    the `nvfp4.NVFP4Array` of ``W_e^T`` [out, in] and its encode scale S_enc (what `jaxlowfp.ptq.export` writes; a
+    gate/up pair's S_enc are equal), ``scheme``, the weight's `Scheme`, and ``calib_amax``, per expert the calibration
+    input amax with the same fallback whatever the run-time scaling (an export's ``input_global_scale``)."""
 
     tokens: tuple[int, ...]
     fallback: tuple[int, ...]
     input_amax: tuple[float, ...] | None
+    packed: tuple[tuple[Any, Any], ...] = ()
+    scheme: Scheme | None = None
+    calib_amax: tuple[float, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +216,7 @@ def quantize_experts(model: nnx.Module, tg: Mapping[str, tuple[nnx.Module, str, 
             warnings.warn(f"{path}: experts {list(low)} saw fewer than {min_tokens} calibration token(s) "
                           f"(tokens per expert: {tokens.tolist()}): their weights are quantized by RTN and their "
                           f"input scale is the max over the layer's other experts", RuntimeWarning, stacklevel=3)
-        new = []
+        new, packed = [], []
         for e in range(n_exp):
             ga = jnp.float32(shared[path][e])
             if gptq and e not in low:
@@ -219,20 +225,26 @@ def quantize_experts(model: nnx.Module, tg: Mapping[str, tuple[nnx.Module, str, 
             else:
                 qw = rtn_weight(w[e], sch.weight, ga if sch.weight.kind == "nvfp4" else None)
             new.append(qw.kernel)
+            if qw.packed is not None:
+                packed.append((qw.packed, qw.s_enc))
         param.set_value(jnp.stack(new).astype(param[...].dtype))
-        amax = None
+        amax = calib = None
+        if sch.activation is not None and st is not None:
+            calibrated = [float(st.amax[e]) for e in range(n_exp) if e not in low]
+            if calibrated:
+                fill = max(calibrated)
+                calib = tuple(fill if e in low else float(st.amax[e]) for e in range(n_exp))
         if sch.activation is not None:
             if activation_scale == "static":
-                calibrated = [float(st.amax[e]) for e in range(n_exp) if e not in low]
-                if not calibrated:
+                if calib is None:
                     raise ValueError(f"{path}: no expert saw a calibration token, so no input scale can be "
                                      f"calibrated; use more calibration data or activation_scale='token'")
-                fill = max(calibrated)
-                amax = tuple(fill if e in low else float(st.amax[e]) for e in range(n_exp))
+                amax = calib
                 if not all(np.isfinite(a) and a > 0 for a in amax):
                     raise ValueError(f"{path}: calibrated input amaxes {amax} are not all finite and > 0 "
                                      f"(non-finite activations, or all-zero inputs)")
             hook = RaggedActQuant(sch.activation, activation_scale, amax, path, ops.new_op_key(path))
             setattr(mod, "quant_" + name, hook)
-        out[path] = ExpertResult(tokens=tuple(int(t) for t in tokens), fallback=low, input_amax=amax)
+        out[path] = ExpertResult(tokens=tuple(int(t) for t in tokens), fallback=low, input_amax=amax,
+                                 packed=tuple(packed), scheme=sch, calib_amax=calib)
     return out

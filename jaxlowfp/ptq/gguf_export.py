@@ -386,13 +386,16 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
         raise ValueError(f"dtype={dtype!r} is not supported; allowed: {', '.join(map(repr, DTYPES))}")
     specs, config = require_exportable(model, "gguf", "export_gguf")
     arch, meta = config["architecture"], dict(config["metadata"])
-    w4a4 = [] if result is None else [p for p, s in result.schemes.items() if s.activation is not None]
+    expert_schemes = {} if result is None or float32 else {p: r.scheme for p, r in result.experts.items()
+                                                            if r.scheme is not None}
+    w4a4 = [] if result is None else [p for p, s in {**result.schemes, **expert_schemes}.items()
+                                      if s.activation is not None]
     if w4a4 and not weights_only:
         raise ValueError(f"export_gguf: layers {w4a4[:3]}{' ...' if len(w4a4) > 3 else ''} quantize their inputs "
                          f"(W4A4), which GGUF cannot say: llama.cpp would run them with high-precision activations, "
                          f"not the model you evaluated. Pass weights_only=True to write the weights alone (the file "
                          f"is then the W4A16 model), or quantize with weights_only schemes")
-    schemes = {} if result is None or float32 else result.schemes
+    schemes = {} if result is None or float32 else {p: s for p, s in result.schemes.items() if p not in expert_schemes}
     packed = {} if result is None else result.packed
     conv = "jaxlowfp" if result is None else result.convention
     if schemes and conv != "jaxlowfp" and not allow_reordered_decode:
@@ -468,6 +471,18 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
             raw = mxfp4_bytes(w)
             planned.append((t.name, spool.put(raw), gguf.GGMLQuantizationType.MXFP4, "MXFP4"))
             bits += raw.nbytes * 8
+            continue
+        if t.path in expert_schemes:  # [E, out, in], one NVFP4 global scale per expert
+            esch = expert_schemes[t.path]
+            if esch.weight.kind not in ("nvfp4", "mxfp4"):
+                raise ValueError(f"GGUF has no type for the expert weight format {esch.weight.name} ({t.path}); "
+                                 f"allowed: NVFP4, MXFP4 (or float32=True)")
+            notes_pre.append(f"{t.name}: {esch.weight.name} experts carry one global scale each, and GGUF NVFP4 has "
+                             f"one decode scale per tensor (<tensor>.scale [1]); written as F32 (the quantized values, "
+                             f"exactly)")
+            out = np.ascontiguousarray(w, np.float32)
+            planned.append((t.name, spool.put(out), None, "F32"))
+            bits += out.nbytes * 8
             continue
         src = src_tensors.get(t.name) if sch is None and not float32 else None
         if src is not None and src.tensor_type.name not in ("F32", "F16", "BF16") and _same_values(src, w):
