@@ -8,7 +8,8 @@ sums, then the all-reduce), and the sharded forward passes (tensor-parallel atte
 a float32 ulp or so away; every Hessian entry moves by ~1e-7 relative. GPTQ's column loop turns a few of those
 into another rounding where a value lies that close to the midpoint between two E2M1 codes (a near tie, not an
 exact one). Measured: 5 of 73728 codes (one layer, ``blocks/1/attn/v_proj``), no block or global scale. (On a wider
-model with fewer calibration rows than inputs many more differ: bench/RESULTS.md, *PTQ on a mesh*.)"""
+model many more differ under sequential calibration, because block 0's few differing codes give block 1 other
+inputs; with one-pass statistics only a few hundred in 2M do: bench/RESULTS.md, *PTQ on a mesh*.)"""
 from __future__ import annotations
 
 import jax
@@ -18,7 +19,7 @@ from flax import nnx
 
 from jaxlowfp import ptq, sharding
 from jaxlowfp.models import Llama, ModelConfig
-from jaxlowfp.ptq import calibrate, sequential
+from jaxlowfp.ptq import calibrate, gptq, sequential
 
 CFG = ModelConfig(vocab=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=32)
 RULES = [ptq.Rule(path=r"blocks/\d+/(attn|mlp)/\w+_proj", scheme=ptq.scheme("nvfp4-mse", weights_only=True))]
@@ -41,8 +42,18 @@ def test_gptq_on_a_mesh_calibrates_rows_per_device_and_gives_one_device_codes(mo
 
     monkeypatch.setattr(sequential.calibrate, "collect", spy)
     one = ptq.quantize_model(ref, RULES, method=ptq.GPTQ(), calibration=jnp.asarray(tokens))
+    loops: list = []
+    row_mesh = gptq._row_mesh
+
+    def spy_rows(kernel, out):
+        got = row_mesh(kernel, out)
+        loops.append(None if got is None else (got[0].size, got[1]))
+        return got
+
+    monkeypatch.setattr(gptq, "_row_mesh", spy_rows)
     got = ptq.quantize_model(model, RULES, method=ptq.GPTQ(), calibration=sharding.put_batch(tokens, mesh))
     assert got.pipeline == "sequential"
+    assert len(loops) == 14 and all(lp == (4, ("fsdp", "tensor")) for lp in loops), loops  # column loop row-sharded
     assert seen == [(sharding.P(("data", "fsdp")), True)]  # rows over the data axes; the sums are all-reduced
     assert sorted(one.packed) == sorted(got.packed) and len(one.packed) == 14
     differ, total = {}, 0

@@ -390,9 +390,9 @@ def _quantize_weights(mods: Mapping[str, Any], m: Method, targets: Mapping[str, 
         mod, sch = mods[path], targets[path]
         view = layout(mod, path)
         kernel = view.to_matrix(mod.kernel[...])  # [K, N]
-        if isinstance(m, GPTQ):  # on the host (float64 factorization); a kernel spanning processes: gathered first
+        if isinstance(m, GPTQ):  # factorized on the host (float64); the column loop where the kernel lives
             ga = shared.get(path)
-            qw = gptq_weight(_local(kernel), stats[path].gptq_hessian(), sch.weight, m, where=path,
+            qw = gptq_weight(kernel, stats[path].gptq_hessian(), sch.weight, m, where=path,
                              global_amax=None if ga is None else _local(ga))
         elif convention == "compressed-tensors":
             qw = serving.ct_weight(kernel, sch.weight, shared.get(path))

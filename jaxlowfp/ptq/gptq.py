@@ -26,19 +26,27 @@ llm-compressor falls back to round-to-nearest; here λ is raised instead.
 
 Only the chosen grid's error feeds back. With no correlation between inputs (H diagonal) nothing feeds back and the
 result is round-to-nearest, bit for bit.
+
+Rows never mix: every step above acts on each row of W alone, given U. So a kernel on a mesh (`jaxlowfp.sharding`)
+is quantized where it lives: its rows are split over the mesh's devices (`jax.shard_map`, U replicated), each
+device runs the loop on its own rows, and no device or host holds the whole kernel (`_row_mesh`).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import scipy.linalg
 from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxlowfp import nvfp4
+from jaxlowfp import nvfp4, sharding
 from jaxlowfp.ptq.formats import (TWO_LEVEL, QuantizedWeight, TensorFormat, block_global_scales, hif8_fake_quantize,
                                   hif8_scale, if4_column, if4_fix, mxfp4_column, mxfp4_fix, nvfp4_column, nvfp4_fix,
                                   pack_nvfp4)
@@ -93,15 +101,21 @@ def _inverse_cholesky(h: np.ndarray, damp: float) -> np.ndarray | None:
     return scipy.linalg.solve_triangular(r, np.eye(len(h)), lower=False).astype(np.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "chunk"))
-def _gptq(w: jax.Array, u: jax.Array, group_of: jax.Array, first: jax.Array, group_cols: jax.Array,
-          params0: jax.Array, amax: jax.Array, *, fmt: TensorFormat, chunk: int):
-    """The column loop in processing order. w [out, n] and u [n, n] are permuted; group_of [n] is each column's
-    scale group, first [n] whether it is the group's first column reached, group_cols [groups, g] the processing
-    positions of each group's columns; params0 [groups, out] the initial (HiF8: final) per-row scales."""
+def _column_loop(w: jax.Array, u: jax.Array, group_of: jax.Array, first: jax.Array, group_cols: jax.Array,
+                 amax: jax.Array, *, fmt: TensorFormat, chunk: int, original: bool):
+    """The column loop in processing order, on any subset of W's rows. w [out, n] and u [n, n] are permuted;
+    group_of [n] is each column's scale group, first [n] whether it is the group's first column reached, group_cols
+    [groups, g] the processing positions of each group's columns. `original`: every group's scale fixed from the
+    original rows before the loop (HiF8: always, one per-tensor scale)."""
     out, n = w.shape
     if fmt.kind in TWO_LEVEL:
         s_dec = block_global_scales(fmt, amax)[1]
+    if fmt.kind == "hif8":
+        params0 = jnp.full((1, out), hif8_scale(amax), jnp.float32)
+    elif original:
+        params0 = _original_scales(w[:, group_cols.reshape(-1)], amax, fmt=fmt, g=group_cols.shape[1])  # original order
+    else:
+        params0 = jnp.zeros((group_cols.shape[0], out), jnp.float32)
 
     def fix(cols):
         if fmt.kind == "nvfp4":
@@ -151,24 +165,47 @@ def _gptq(w: jax.Array, u: jax.Array, group_of: jax.Array, first: jax.Array, gro
     return qv, deq, params
 
 
+_STATIC = ("fmt", "chunk", "original")
+_gptq = jax.jit(_column_loop, static_argnames=_STATIC)
+
+
+@functools.lru_cache(maxsize=64)
+def _sharded_loop(mesh: Mesh, axes: tuple[str, ...], fmt: TensorFormat, chunk: int, original: bool):
+    """`_column_loop` with W's rows (and the scales' columns) over `axes` of `mesh`, everything else replicated."""
+    rows, rep = P(axes, None), P()
+    body = functools.partial(_column_loop, fmt=fmt, chunk=chunk, original=original)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(rows, rep, rep, rep, rep, rep),
+                                 out_specs=(rows, rows, P(None, axes)), check_vma=False))
+
+
+def _row_mesh(kernel: jax.Array, out: int) -> tuple[Mesh, tuple[str, ...]] | None:
+    """The mesh and axes over which the column loop splits the `out` rows of a kernel on a mesh: all of the kernel's
+    mesh axes when their device count divides `out`, else the axes that shard the kernel's output dimension, else
+    None (one device runs the loop)."""
+    s = getattr(kernel, "sharding", None)
+    if not isinstance(s, NamedSharding) or not isinstance(s.mesh, Mesh) or s.mesh.size == 1:
+        return None
+    spec = tuple(s.spec) + (None,) * (2 - len(s.spec))
+    for axes in (tuple(a for a in s.mesh.axis_names if s.mesh.shape[a] > 1), sharding._axes_of(spec[1])):
+        n = math.prod(s.mesh.shape[a] for a in axes)
+        if axes and out % n == 0:
+            return s.mesh, tuple(str(a) for a in axes)
+    return None
+
+
 def gptq_weight(kernel: jax.Array, hessian: jax.Array, fmt: TensorFormat, cfg: GPTQ = GPTQ(), *,
                 where: str = "layer", global_amax: jax.Array | None = None) -> QuantizedWeight:
     """GPTQ-quantize a kernel [in, out] given the Hessian H = 2/n X^T X [in, in] of its inputs (module docstring).
     `global_amax` (NVFP4): the amax the global scale is made from, default the kernel's own (a fused group's
     shared amax, `jaxlowfp.ptq.serving`)."""
-    kernel = jnp.asarray(kernel, jnp.float32)
     n_in, out = kernel.shape
     h = np.array(hessian, np.float32)
     if h.shape != (n_in, n_in):
         raise ValueError(f"{where}: the Hessian must be [in, in] = {(n_in, n_in)}; got {h.shape}")
     if not np.isfinite(h).all():
         raise ValueError(f"{where}: the Hessian has non-finite values (calibration activations overflowed?)")
-    w = np.array(kernel.T)  # [out, in]
     dead = np.diag(h) == 0
     h[dead, dead] = 1.0
-    w[:, dead] = 0.0
-    # the original weights' amax
-    amax = jnp.max(jnp.abs(kernel)) if global_amax is None else jnp.asarray(global_amax, jnp.float32)
     perm = np.argsort(-np.diag(h), kind="stable") if cfg.act_order else np.arange(n_in)
     pos = np.argsort(perm)  # processing position of each original column
     hp = h[perm][:, perm]
@@ -188,18 +225,34 @@ def gptq_weight(kernel: jax.Array, hessian: jax.Array, fmt: TensorFormat, cfg: G
     group_of = perm // g
     first = np.zeros(n_in, bool)
     first[group_cols.min(axis=1)] = True
-    if fmt.kind == "hif8":
-        params0 = jnp.full((1, out), hif8_scale(amax), jnp.float32)
-    elif cfg.scales == "original":  # every group fixed now, from the original weights; never again
-        params0 = _original_scales(jnp.asarray(w), amax, fmt=fmt, g=g)
+    original = fmt.kind == "hif8" or cfg.scales == "original"
+    if original:  # every group fixed before the loop, from the original weights; never again
         first[:] = False
-    else:
-        params0 = jnp.zeros((n_groups, out), jnp.float32)
     chunk = int(np.gcd(n_in, cfg.block_size))
-    qv, deq, params = _gptq(jnp.asarray(w[:, perm]), jnp.asarray(u), jnp.asarray(group_of, jnp.int32),
-                            jnp.asarray(first), jnp.asarray(group_cols, jnp.int32), params0, amax, fmt=fmt,
-                            chunk=chunk)
-    return QuantizedWeight(*_finish(qv, deq, params, jnp.asarray(pos, jnp.int32), amax, fmt=fmt))
+    on = _row_mesh(kernel, out)
+    if on is None:  # one device: a kernel spanning other processes is taken whole first
+        kernel = jnp.asarray(sharding.to_host(kernel) if sharding._is_global(kernel) else kernel, jnp.float32)
+        put = jnp.asarray
+        loop = functools.partial(_gptq, fmt=fmt, chunk=chunk, original=original)
+    else:  # the kernel's own devices, rows split over them; the small host arrays replicated on the mesh
+        mesh, axes = on
+        kernel = kernel.astype(jnp.float32)
+        rep = NamedSharding(mesh, P())
+        put = functools.partial(sharding.shard, shardings=rep)  # noqa: E731
+        loop = _sharded_loop(mesh, axes, fmt, chunk, original)
+    # the original weights' amax
+    amax = jnp.max(jnp.abs(kernel)) if global_amax is None else put(np.asarray(sharding.to_host(global_amax),
+                                                                                np.float32))
+    w = _prepare(kernel, put(dead), put(perm.astype(np.int32)))
+    qv, deq, params = loop(w, put(u), put(group_of.astype(np.int32)), put(first), put(group_cols.astype(np.int32)),
+                           amax)
+    return QuantizedWeight(*_finish(qv, deq, params, put(pos.astype(np.int32)), amax, fmt=fmt))
+
+
+@jax.jit
+def _prepare(kernel: jax.Array, dead: jax.Array, perm: jax.Array) -> jax.Array:
+    """W = kernel^T [out, in] with its dead input columns zeroed, columns in processing order."""
+    return jnp.where(dead[None, :], 0.0, kernel.T)[:, perm]
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "g"))
