@@ -376,11 +376,6 @@ def _pipeline(pipeline: str, propagate: str, model: nnx.Module, m: Method, forwa
     return pipeline
 
 
-def _local(x: Any) -> Any:
-    """`x` as it is, or, when it spans other processes' devices, its whole value on this host."""
-    return sharding.to_host(x) if isinstance(x, jax.Array) and not x.is_fully_addressable else x
-
-
 def _quantize_weights(mods: Mapping[str, Any], m: Method, targets: Mapping[str, Scheme],
                       stats: Mapping[str, calibrate.LayerStats], shared: Mapping[str, jax.Array], convention: str,
                       packed: dict, progress: bool, act_scale: str, op_keys: dict[str, str]) -> None:
@@ -391,9 +386,8 @@ def _quantize_weights(mods: Mapping[str, Any], m: Method, targets: Mapping[str, 
         view = layout(mod, path)
         kernel = view.to_matrix(mod.kernel[...])  # [K, N]
         if isinstance(m, GPTQ):  # factorized on the host (float64); the column loop where the kernel lives
-            ga = shared.get(path)
             qw = gptq_weight(kernel, stats[path].gptq_hessian(), sch.weight, m, where=path,
-                             global_amax=None if ga is None else _local(ga))
+                             global_amax=shared.get(path))
         elif convention == "compressed-tensors":
             qw = serving.ct_weight(kernel, sch.weight, shared.get(path))
         else:
