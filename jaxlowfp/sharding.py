@@ -65,6 +65,8 @@ __all__ = [
     "llama_rules",
     "make_mesh",
     "model_shardings",
+    "moe_rules",
+    "packed_shardings",
     "param_shardings",
     "param_spec",
     "parse_mesh",
@@ -291,19 +293,31 @@ def tensor_parallel_rules(axis: str = "tensor") -> tuple[ShardRule, ...]:
     return llama_rules(fsdp=None, tensor=axis)
 
 
-def expert_rules(path: str, *, expert: str = "expert", fsdp: str | None = "fsdp", tensor: str | None = "tensor",
+def expert_rules(path: str, *, expert: str | None = "expert", fsdp: str | None = "fsdp", tensor: str | None = "tensor",
                  row_parallel: bool = False) -> ShardRule:
-    """The hook for expert parallelism: a rule for stacked expert weights ``[n_experts, in, out]`` (what
-    `jax.lax.ragged_dot` takes), the expert dimension over ``expert`` and the rest as `llama_rules` shards a
-    kernel (``row_parallel``: the down projection, ``[n_experts, d_ff, d_model]``).
-
-    A mixture-of-experts model puts these before the dense rules, e.g.
-    ``(expert_rules(r"blocks/\\d+/moe/(gate|up)_proj"), expert_rules(r"blocks/\\d+/moe/down_proj",
-    row_parallel=True), *llama_rules())``; the router ``[d_model, n_experts]`` falls to the dense rules or is
-    replicated. (MaxText shards its MoE weights the same way: experts over the expert axis, then fsdp / tensor.)
+    """A rule for stacked expert weights ``[n_experts, in, out]`` (what `jax.lax.ragged_dot` takes): the expert
+    dimension over ``expert`` and the rest as `llama_rules` shards a kernel (``row_parallel``: the down projection,
+    ``[n_experts, d_ff, d_model]``). `moe_rules` puts them before the dense rules for `jaxlowfp.models.MoEDecoder`;
+    MaxText shards its MoE weights the same way (experts over the expert axis, then fsdp / tensor).
     """
     inner = (tensor, fsdp) if row_parallel else (fsdp, tensor)
     return ShardRule(path=path, spec=(expert, *inner))
+
+
+_EXPERTS_IN = r"blocks/\d+/mlp/experts/(gate|up)_proj"  # [E, d_model, d_expert]
+_EXPERTS_OUT = r"blocks/\d+/mlp/experts/down_proj"  # [E, d_expert, d_model]
+
+
+def moe_rules(*, expert: str | None = "expert", fsdp: str | None = "fsdp", tensor: str | None = "tensor"
+              ) -> tuple[ShardRule, ...]:
+    """The mixture-of-experts decoders (`jaxlowfp.models.MoEDecoder`: Qwen3-MoE, Mixtral, OLMoE): expert
+    parallelism plus `llama_rules`. The stacked experts ``blocks/N/mlp/experts/{gate,up}_proj`` ``[E, d_model,
+    d_expert]`` are ``P(expert, fsdp, tensor)``, ``down_proj`` ``[E, d_expert, d_model]`` ``P(expert, tensor,
+    fsdp)`` (`expert_rules`); the router ``[d_model, E]`` is replicated; attention, dense layers, embedding and
+    head as `llama_rules`. An axis set to None leaves its dimension unsharded."""
+    return (expert_rules(_EXPERTS_IN, expert=expert, fsdp=fsdp, tensor=tensor),
+            expert_rules(_EXPERTS_OUT, expert=expert, fsdp=fsdp, tensor=tensor, row_parallel=True),
+            ShardRule(path=r"blocks/\d+/mlp/router/kernel", spec=()), *llama_rules(fsdp=fsdp, tensor=tensor))
 
 
 def resolve(shapes: Mapping[str, Sequence[int]], rules: ShardRule | Sequence[ShardRule], mesh: Mesh
@@ -360,6 +374,40 @@ def model_shardings(model: Any, mesh: Mesh, rules: ShardRule | Sequence[ShardRul
     """``{path: NamedSharding}`` of every variable of an NNX `model` (built or abstract, `nnx.eval_shape`)."""
     shapes = {p: np.shape(v.get_value()) for p, v in variable_paths(model).items()}
     return {p: NamedSharding(mesh, s) for p, s in resolve(shapes, rules, mesh).items()}
+
+
+def packed_shardings(weight: Any, spec: Any, mesh: Mesh, *, where: str = "packed weight") -> Any:
+    """The shardings of a `jaxlowfp.packed.PackedWeight`'s leaves (a pytree of `NamedSharding`s of its structure,
+    for `jax.device_put`) when its GEMM matrix ``W' [K, N]`` is placed by ``spec`` (``P(k_axes, n_axes)``, the
+    kernel's rule): the arrays of ``W'^T`` (codes ``[N, K/2]``, block scales ``[N, K/16]`` or ``[N/16, K/16]``)
+    are ``P(n_axes, k_axes)``, the global scales replicated. So a device holds whole blocks with their scales;
+    a mesh axis that does not divide the packed dimension it shards is a `ShardingError` naming it."""
+    import jax.tree_util as jtu
+
+    entries = tuple(spec) + (None,) * (2 - len(tuple(spec)))
+    if len(entries) != 2:
+        raise ShardingError(f"{where}: a packed weight is 2-D (W' [K, N]); its spec {spec} has {len(entries)} "
+                            "entries")
+    k_axes, n_axes = entries
+
+    def leaf(path: Any, x: Any) -> NamedSharding:
+        shape = tuple(np.shape(x))
+        if len(shape) == 0:
+            return NamedSharding(mesh, P())
+        if len(shape) != 2:
+            raise ShardingError(f"{where}: packed leaf {jtu.keystr(path)} has shape {shape}; expected 2-D arrays of "
+                                "W'^T and scalar global scales")
+        for d, e in enumerate((n_axes, k_axes)):
+            size = math.prod(mesh.shape[a] for a in _axes_of(e))
+            if shape[d] % size:
+                raise ShardingError(
+                    f"{where}: packed leaf {jtu.keystr(path)} has shape {shape}; mesh axis {e!r} (size {size}) of "
+                    f"the kernel's rule {spec} does not divide its dimension {d} ({shape[d]}): a device must hold "
+                    f"whole blocks and their scales. Use a mesh axis size that divides it, or a rule that leaves "
+                    f"that dimension of the kernel unsharded")
+        return NamedSharding(mesh, P(n_axes, k_axes))
+
+    return jtu.tree_map_with_path(leaf, weight)
 
 
 def shard_model(model: Any, mesh: Mesh, rules: ShardRule | Sequence[ShardRule]) -> Any:

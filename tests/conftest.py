@@ -8,12 +8,21 @@ JAX_COMPILATION_CACHE_DIR, so a program compiled once is loaded, not compiled, b
 A loaded executable is the same compiled program, so results are unchanged, bit for bit. Fresh per run (deleted at
 the end): an executable made on one CPU is never loaded on another. Set JAX_COMPILATION_CACHE_DIR yourself to keep
 one, or to an empty string to run without.
+
+LLVM at -O0 (``--xla_backend_optimization_level=0``, added to XLA_FLAGS unless they set a level): the suite's
+programs are tiny and compiled once, so LLVM's optimisation passes cost more than they save (measured: the suite
+runs about a quarter faster). XLA's own HLO passes (the algebraic rewrites the bit-exactness tests are about:
+division into reciprocal multiply, fusion) and its vectorised reduction emitter are the same at every level, and
+XLA:CPU contracts no multiply-add without fast math at any level. ``XLA_FLAGS=--xla_backend_optimization_level=2``
+runs the suite as users' programs are compiled.
 """
 import os
 import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxlowfp-tests-xla-cache-")
@@ -28,6 +37,13 @@ if os.environ["JAX_COMPILATION_CACHE_DIR"]:
     jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
     jax.config.update("jax_persistent_cache_min_compile_time_secs",
                       float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+
+
+def child_xla_flags() -> str:
+    """XLA_FLAGS for a test's subprocess that sets its own device count: this run's flags without a forced host
+    device count."""
+    return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                    if not f.startswith("--xla_force_host_platform_device_count"))
 
 
 def pytest_unconfigure(config):

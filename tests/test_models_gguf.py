@@ -40,8 +40,9 @@ def gguf_name(hf: str) -> str:
 
 def write_gguf(path, weights: dict, cfg: dict = CFG, *, arch: str = "llama", qtype=T.F32, tokens=None,
                tokenizer_model: str = "gpt2", skip: tuple = (), reshape: dict | None = None, add_bos: bool = False,
-               extra: dict | None = None, truncate: int = 0) -> None:
-    """A GGUF file as llama.cpp's converter writes one (q/k rows permuted for ``arch == "llama"``)."""
+               extra: dict | None = None, truncate: int = 0, quantize=None) -> None:
+    """A GGUF file as llama.cpp's converter writes one (q/k rows permuted for ``arch == "llama"``); 2-D tensors in
+    `qtype` by ``quantize(array, qtype) -> bytes [rows, row bytes]`` (default ``gguf.quants.quantize``)."""
     toks, merges, types = tiny_bpe()
     toks = toks if tokens is None else tokens
     w = gguf.GGUFWriter(str(path), arch)
@@ -75,7 +76,7 @@ def write_gguf(path, weights: dict, cfg: dict = CFG, *, arch: str = "llama", qty
         if reshape and name in reshape:
             a = a[: reshape[name]]
         if qtype != T.F32 and a.ndim == 2:
-            q = gguf.quants.quantize(a, qtype)
+            q = (quantize or gguf.quants.quantize)(a, qtype)
             w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qtype)
         else:
             w.add_tensor(name, a)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import child_xla_flags
 
 WORKER = Path(__file__).with_name("_multiprocess_worker.py")
 ROOT = WORKER.parents[1]
@@ -43,6 +44,7 @@ def _launch(tmp: Path, name: str, *, n_proc: int, devices: int, steps: int, out:
             ) -> list[tuple[subprocess.Popen, Path, Path]]:
     """Start a `jax.distributed` job of `n_proc` workers; returns (process, result file, log file) for each."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS"))}
+    env["XLA_FLAGS"] = child_xla_flags()
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), JAX_COORDINATOR_ADDRESS=f"localhost:{_free_port()}",
                JAX_NUM_PROCESSES=str(n_proc))
     procs = []

@@ -19,6 +19,7 @@ from test_gguf_export import _tokenizer
 from jaxlowfp import ptq, sharding
 from jaxlowfp.models import Llama, ModelConfig
 from jaxlowfp.ptq import stream
+from conftest import child_xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(vocab=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=32)
@@ -77,7 +78,7 @@ def test_eight_devices_export_holds_a_few_tensors_not_the_model():
     tensor=2: the same bytes, and a host peak (tracemalloc) that hardly grows with the model (8 layers write a file
     about 3.5 times larger; the gathering writers held every tensor until the end)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_FLAGS")} | {
-        "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+        "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": child_xla_flags()}
     proc = subprocess.run([sys.executable, "bench/sharded_export.py", "--layers", "2,8", "--d-model", "128",
                            "--d-ff", "512", "--devices", "1,8"], capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=300)

@@ -25,11 +25,13 @@ WORKER = Path(__file__).with_name("_sharded_multiprocess_worker.py")
 ROOT = WORKER.parents[1]
 sys.path.insert(0, str(WORKER.parent))
 from _sharded_multiprocess_worker import DOCS, PROMPTS, PTQ_LAYERS, calibration_tokens  # noqa: E402
+from conftest import child_xla_flags
 
 
 def _pair(tmp_path: Path, path: Path, *flags: str) -> list[dict]:
     """Run the worker as two `jax.distributed` processes of two CPU devices each; their npz results."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS"))}
+    env["XLA_FLAGS"] = child_xla_flags()
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), JAX_COORDINATOR_ADDRESS=f"localhost:{_free_port()}",
                JAX_NUM_PROCESSES="2")
     procs = []

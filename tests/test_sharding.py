@@ -25,6 +25,7 @@ from test_models_oracle import forward, random_weights, read_gguf
 from jaxlowfp import sharding
 from jaxlowfp.models import Llama, gguf_loader, hf_loader, load, preset
 from jaxlowfp.sharding import P, ShardingError, ShardRule
+from conftest import child_xla_flags
 
 T = gguf.GGMLQuantizationType
 ROOT = Path(__file__).resolve().parents[1]
@@ -249,7 +250,7 @@ def test_eight_devices_per_device_bytes_fall_with_the_device_count(tmp_path):
     """A subprocess with 8 CPU devices (jax_num_cpu_devices): fsdp over 2, 4, 8 devices, and fsdp x tensor."""
     path = _write(tmp_path, "gguf-q8_0")
     env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_FLAGS")} | {
-        "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+        "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": child_xla_flags()}
     proc = subprocess.run([sys.executable, "-c", _EIGHT, str(path)], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -38,46 +38,40 @@ __all__ += ["MoEConfig", "MoEDecoder", "expert_paths", "with_experts_impl"]  # m
 
 
 def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "float32", mesh: Any = None,
-              rules: Any = None) -> tuple[Llama, Tokenizer]:
+              rules: Any = None, packed: bool = False, backend: str = "auto") -> tuple[Llama, Tokenizer]:
     """``(model, tokenizer)`` of a llama.cpp GGUF file (`jaxlowfp.models.gguf_loader`; mixtures of experts:
-    `jaxlowfp.models.moe_loader`, unsharded)."""
+    `jaxlowfp.models.moe_loader`; default rules `jaxlowfp.sharding.moe_rules`)."""
     from jaxlowfp.models import gguf_loader, moe_loader  # needs the jaxlowfp[models] extra
 
     path = Path(path)
     if path.is_file() and moe_loader.is_moe_gguf(gguf_loader._open(path), path):  # Qwen3-MoE, Mixtral
-        _no_mesh_for_moe(mesh, path)
-        return moe_loader.load_gguf(path, dtype=dtype, param_dtype=param_dtype)
-    return gguf_loader.load_gguf(path, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules)
-
-
-def _no_mesh_for_moe(mesh: Any, where: Any) -> None:
-    if mesh is not None:
-        raise NotImplementedError(f"{where}: sharded loading of mixture-of-experts checkpoints is not implemented "
-                                  f"yet (load without mesh=, then jaxlowfp.sharding.shard_model)")
+        _not_packed(packed, path, "a mixture-of-experts GGUF file (packed experts are not implemented)")
+        return moe_loader.load_gguf(path, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules)
+    return gguf_loader.load_gguf(path, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules, packed=packed,
+                                 backend=backend)
 
 
 def _not_packed(packed: bool, where: Any, what: str) -> None:
     if packed:
         raise ValueError(f"{where}: packed=True loads NVFP4 checkpoints (compressed-tensors / llm-compressor, "
-                         f"ModelOpt) as packed layers; this is {what}. Load it without packed=, then "
-                         f"jaxlowfp.ptq.quantize_model and jaxlowfp.ptq.pack")
+                         f"ModelOpt) and GGUF NVFP4 / MXFP4 files as packed layers; this is {what}. Load it without "
+                         f"packed=, then jaxlowfp.ptq.quantize_model and jaxlowfp.ptq.pack")
 
 
 def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str = "float32", mesh: Any = None,
             rules: Any = None, tokenizer: str | Path | None = "auto", packed: bool = False,
             backend: str = "auto") -> tuple[Llama, Tokenizer | None]:
     """``(model, tokenizer)`` of a Hugging Face checkpoint directory (`jaxlowfp.models.hf_loader`; mixtures of
-    experts: `jaxlowfp.models.moe_loader`, unsharded, with their own tokenizer; `tokenizer`, `packed`, `backend`:
+    experts: `jaxlowfp.models.moe_loader`, with their own tokenizer; `tokenizer`, `packed`, `backend`:
     see `load`)."""
     from jaxlowfp.models import hf_loader, moe_loader, quantized  # needs the jaxlowfp[models] extra
 
     if moe_loader.is_moe_hf(directory):  # Qwen3-MoE, Mixtral
         _not_packed(packed, directory, "a mixture-of-experts checkpoint (packed experts are not implemented)")
-        _no_mesh_for_moe(mesh, directory)
         if not (isinstance(tokenizer, str) and tokenizer == "auto"):
             raise NotImplementedError(f"{directory}: tokenizer= other than 'auto' is not implemented for "
                                       f"mixture-of-experts checkpoints yet")
-        return moe_loader.load_hf(directory, dtype=dtype, param_dtype=param_dtype)
+        return moe_loader.load_hf(directory, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules)
     if quantized.detect(directory) is not None:  # NVFP4 of compressed-tensors (llm-compressor) or ModelOpt
         return quantized.load_quantized(directory, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules,
                                         tokenizer=tokenizer, packed=packed, backend=backend)
@@ -128,14 +122,17 @@ def load(name_or_path: str | Path, *, dtype: str = "float32", param_dtype: str =
          backend: str = "auto") -> tuple[Llama, Tokenizer | None]:
     """``(model, tokenizer)`` of a registry name, a ``.gguf`` file or a Hugging Face directory.
 
-    ``packed=True`` (compressed-tensors / llm-compressor and ModelOpt NVFP4 directories): the NVFP4 layers are
-    `jaxlowfp.ptq.PackedLinear` layers holding the file's codes and scales as they are, never decoded to float, run
-    on `backend` (`jaxlowfp.backends`); other checkpoints raise.
+    ``packed=True`` (compressed-tensors / llm-compressor and ModelOpt NVFP4 directories, GGUF files with NVFP4 /
+    MXFP4 projections): those layers are `jaxlowfp.ptq.PackedLinear` layers holding the file's codes and scales,
+    never decoded to float, run on `backend` (`jaxlowfp.backends`); with ``mesh``, the packed arrays are sharded
+    as the kernel's rule shards ``W'`` (`jaxlowfp.sharding.packed_shardings`); other checkpoints raise.
 
     ``mesh`` (a `jax.sharding.Mesh`, `jaxlowfp.sharding.make_mesh`): every parameter is read tensor by tensor,
     slice by slice, straight into its shards (one device's slice on the host at a time) as ``rules`` place it (a
-    sequence of `jaxlowfp.sharding.ShardRule`; default `jaxlowfp.sharding.llama_rules`). The values equal the
-    unsharded load's bit for bit. (Packed NVFP4 checkpoints are decoded per tensor on the host, then sharded.)
+    sequence of `jaxlowfp.sharding.ShardRule`; default `jaxlowfp.sharding.llama_rules`, `moe_rules` for mixtures of
+    experts). The values equal the
+    unsharded load's bit for bit. (NVFP4 checkpoints loaded unpacked are decoded per tensor on the host, then
+    sharded.)
 
     `tokenizer`: "auto" (the checkpoint's own: ``tokenizer.json`` of a directory, the GGUF metadata), a path (a
     ``tokenizer.json`` or a directory holding one: for checkpoints saved without one, e.g. by llm-compressor
@@ -144,13 +141,13 @@ def load(name_or_path: str | Path, *, dtype: str = "float32", param_dtype: str =
     if path.is_dir():
         return load_hf(path, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules, tokenizer=tokenizer,
                        packed=packed, backend=backend)
-    _not_packed(packed, path, "a GGUF file (packed GGUF NVFP4 / MXFP4 loading is not implemented)")
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
         raise CheckpointError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF') and not a Hugging Face "
                               "directory")
-    model, own = load_gguf(path, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules)
+    model, own = load_gguf(path, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules, packed=packed,
+                           backend=backend)
     if isinstance(tokenizer, str) and tokenizer == "auto":
         return model, own
     from jaxlowfp.models import hf_loader

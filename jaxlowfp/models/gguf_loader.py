@@ -13,6 +13,18 @@ head (rotate-half), llama.cpp's rotates adjacent pairs ``(2i, 2i + 1)``, and ``c
 We undo it (`unpermute_rope_rows`). Qwen2 and Qwen3 use rotate-half in llama.cpp too (NEOX RoPE) and are not
 permuted.
 
+``packed=True``: the projections stored as NVFP4 (type 40) or MXFP4 (type 39) become `jaxlowfp.ptq.PackedLinear`
+layers holding the file's codes and scales re-laid out, never decoded (`packed_weight`; ggml-org/llama.cpp
+``ggml/src/ggml-common.h`` ``block_nvfp4`` / ``block_mxfp4``)::
+
+    NVFP4  36 bytes per 64 inputs: 4 UE4M3 scale bytes, then per 16-value group 8 bytes, byte j = code j | code
+           (j + 8) << 4;  w = E2M1(code) * s * S_dec (S_dec: the optional F32 tensor ``<name>.scale``, else 1)
+    MXFP4  17 bytes per 32 inputs: the E8M0 byte e, then byte j = code j | code (j + 16) << 4;  w = E2M1 * 2^(e-127)
+
+UE4M3 as ``gguf.quants.NVFP4`` decodes it: the sign bit is ignored and 0x7F reads as 0, so the packed E4M3 scale is
+the byte with its sign cleared and 0x7F replaced by 0 (the value llama.cpp computes with). An E8M0 byte 0xFF (NaN
+in the OCP MX specification; ``gguf`` reads 2^127) is refused.
+
 The tokenizer is rebuilt from the metadata (``tokenizer.ggml.tokens``, ``.merges``, ``.token_type``,
 ``.bos_token_id``, ``.add_bos_token``, ``.pre``) as a byte-level BPE in the ``tokenizers`` library, with the
 pre-tokenizer regexes llama.cpp uses for the ``pre`` type.
@@ -22,6 +34,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxlowfp._core.checks import optional_module
@@ -34,8 +47,8 @@ gguf = optional_module("gguf", extra="models", feature="loading a GGUF checkpoin
 Regex, decoders, models = tokenizers.Regex, tokenizers.decoders, tokenizers.models
 pre_tokenizers, processors = tokenizers.pre_tokenizers, tokenizers.processors
 
-__all__ = ["ARCHITECTURES", "PRE_TOKENIZERS", "config_fields", "load_gguf", "read_config", "read_tokenizer",
-           "unpermute_rope_rows"]
+__all__ = ["ARCHITECTURES", "PACKED_TYPES", "PRE_TOKENIZERS", "config_fields", "load_gguf", "packed_weight",
+           "read_config", "read_tokenizer", "unpermute_rope_rows"]
 
 # architecture -> whether the converter permuted the q/k rows (llama.cpp RoPE type NORM vs NEOX)
 ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
@@ -180,6 +193,55 @@ def _lazy(tensor: Any, path: Path, rope_heads: int | None) -> LazyTensor:
     return LazyTensor(shape, where, read)
 
 
+PACKED_TYPES = ("NVFP4", "MXFP4")  # GGUF types packed=True keeps as codes and scales
+
+
+def packed_weight(tensor: Any, path: Path, rope_heads: int | None = None, scale: Any = None) -> Any:
+    """The `jaxlowfp.packed.PackedWeight` of a GGUF NVFP4 / MXFP4 tensor ``[out, in]`` (the GEMM matrix ``W' [in,
+    out]``) from its bytes as stored (module docstring); ``rope_heads``: undo the converter's q/k row permutation of
+    that many heads (on codes and scales: whole rows move); ``scale``: NVFP4's ``<name>.scale`` tensor, or None."""
+    import ml_dtypes
+
+    from jaxlowfp import mx, nvfp4
+    from jaxlowfp import packed as packing
+
+    kind, (n, k) = tensor.tensor_type.name, _shape(tensor)
+    where = f"{path}: tensor {tensor.name}"
+    if kind not in PACKED_TYPES or len(_shape(tensor)) != 2:
+        raise CheckpointError(f"{where} is {len(_shape(tensor))}-D {kind}; packed=True keeps 2-D "
+                              f"{' / '.join(PACKED_TYPES)} tensors")
+    block, type_size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+    raw = np.asarray(tensor.data.view(np.uint8))
+    if k % block or raw.shape != (n, k // block * type_size):
+        raise CheckpointError(f"{where} holds {raw.size} bytes for shape {(n, k)} of type {kind} (truncated file?)")
+    blocks = raw.reshape(n, k // block, type_size)
+    if kind == "NVFP4":  # [4 scale bytes | 4 groups x 8 bytes]
+        d = blocks[..., :4] & np.uint8(0x7F)
+        d = np.where(d == 0x7F, np.uint8(0), d).reshape(n, k // 16)
+        qs = blocks[..., 4:].reshape(n, k // 16, 8)
+    else:  # [E8M0 byte | 16 bytes]
+        d = blocks[..., 0]
+        if (d == 0xFF).any():
+            raise CheckpointError(f"{where}: an E8M0 block scale is 0xFF (NaN in the OCP MX specification)")
+        qs = blocks[..., 1:]
+    nib = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(n, k)  # element j, then element j + half
+    codes = (nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8)  # element 2j in the low nibble
+    if rope_heads is not None:
+        codes, d = unpermute_rope_rows(codes, rope_heads), unpermute_rope_rows(d, rope_heads)
+    if kind == "MXFP4":
+        mxa = mx.MXArray(codes=jnp.asarray(codes), scales=jnp.asarray(d.view(ml_dtypes.float8_e8m0fnu)),
+                         format="e2m1", rule="floor", dtype=jnp.dtype(jnp.float32), shape=(n, k))
+        return packing.PackedWeight(array=mxa, s_enc=None, format=packing.PackedFormat(kind="mxfp4"), k=k, n=n)
+    s_dec = np.float32(1.0) if scale is None else np.float32(_dequantize(scale, path).reshape(-1)[0])
+    if not (np.isfinite(s_dec) and s_dec > 0):
+        raise CheckpointError(f"{path}: tensor {scale.name} is {float(s_dec)}; an NVFP4 decode scale must be finite "
+                              f"and > 0")
+    arr = nvfp4.NVFP4Array(codes=jnp.asarray(codes), scales=jnp.asarray(d.view(ml_dtypes.float8_e4m3fn)),
+                           global_scale=jnp.float32(s_dec), rule="static_6", block_shape=(1, 16),
+                           dtype=jnp.dtype(jnp.float32), shape=(n, k))
+    return packing.from_nvfp4(arr)
+
+
 def read_tokenizer(reader: Any, path: Path) -> Tokenizer:
     """The byte-level BPE tokenizer described by the ``tokenizer.ggml.*`` metadata."""
     kind = _field(reader, "tokenizer.ggml.model", path)
@@ -238,9 +300,14 @@ def read_tensor(names: dict[str, Any], spec: TensorSpec, path: Path, config: Mod
 
 
 def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "float32", mesh: Any = None,
-              rules: Any = None) -> tuple[Llama, Tokenizer]:
+              rules: Any = None, packed: bool = False, backend: str = "auto") -> tuple[Llama, Tokenizer]:
     """`Llama` (weights dequantized to ``param_dtype``) and `Tokenizer` of a GGUF file; with ``mesh``, every
-    parameter is read slice by slice into its shards (`jaxlowfp.models.common.build_model`, ``rules`` as there)."""
+    parameter is read slice by slice into its shards (`jaxlowfp.models.common.build_model`, ``rules`` as there).
+
+    ``packed=True``: the NVFP4 / MXFP4 projections are `jaxlowfp.ptq.PackedLinear` layers on `backend` (module
+    docstring; no float copy of them is made), the other tensors dequantized as without it; a file with no such
+    tensor raises. With ``mesh``, the packed arrays are placed as their kernel's rule places ``W'``
+    (`jaxlowfp.sharding.packed_shardings`)."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such GGUF file")
@@ -251,7 +318,9 @@ def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "f
     names = {t.name: t for t in reader.tensors}
     permuted = ARCHITECTURES[_field(reader, "general.architecture", path)]
 
-    def fetch(spec: TensorSpec) -> LazyTensor:
+    packs: dict[str, Any] = {}
+
+    def fetch(spec: TensorSpec) -> LazyTensor | None:
         where = f"{path}: tensor {spec.gguf}"
         if spec.gguf not in names:
             raise CheckpointError(f"{where} is missing")
@@ -261,8 +330,11 @@ def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "f
             if _shape(tensor)[0] != heads * config.head_dim:
                 raise CheckpointError(f"{where} has {_shape(tensor)[0]} rows; {heads} heads x {config.head_dim} "
                                       "expected")
-        lazy = _lazy(tensor, path, heads)
         scale = names.get(spec.gguf.replace(".weight", ".scale")) if spec.gguf.endswith(".weight") else None
+        if packed and spec.transpose and tensor.tensor_type.name in PACKED_TYPES:
+            packs[spec.path.rsplit("/", 1)[0]] = packed_weight(tensor, path, heads, scale)
+            return None  # the module is replaced by a PackedLinear: its float kernel is never made
+        lazy = _lazy(tensor, path, heads)
         if scale is None:
             return lazy
         # NVFP4's per-tensor decode scale (llama.cpp multiplies it into the matmul output): elementwise, so every
@@ -276,5 +348,15 @@ def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "f
     if extra:
         raise CheckpointError(f"{path}: tensors this model class does not have: {', '.join(extra[:5])}"
                               f"{' ...' if len(extra) > 5 else ''} (an unsupported architecture variant?)")
-    return build_model(config, fetch, path, mesh=mesh, rules=rules), tokenizer
+    model = build_model(config, fetch, path, mesh=mesh, rules=rules)
+    if packed:
+        if not packs:
+            types = sorted({t.tensor_type.name for t in reader.tensors})
+            raise CheckpointError(f"{path}: packed=True keeps {' / '.join(PACKED_TYPES)} projections as codes and "
+                                  f"scales; this file has none (tensor types {', '.join(types)}). Load it without "
+                                  f"packed=")
+        from jaxlowfp.packed_layer import install_packed
+
+        install_packed(model, packs, backend=backend, source=path, mesh=mesh, rules=rules)
+    return model, tokenizer
 

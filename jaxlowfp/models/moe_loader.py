@@ -154,9 +154,19 @@ def _canonical(name: str, model_type: str) -> str:
     return re.sub(r"(\.mlp\.experts\.(gate_up_proj|down_proj))\.weight$", r"\1", name)
 
 
-def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str = "float32"
-            ) -> tuple[MoEDecoder, Tokenizer]:
-    """`MoEDecoder` and `Tokenizer` of a Qwen3-MoE or Mixtral Hugging Face checkpoint directory."""
+def _rules(mesh: Any, rules: Any) -> Any:
+    if mesh is None or rules is not None:
+        return rules
+    from jaxlowfp import sharding
+
+    return sharding.moe_rules()
+
+
+def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str = "float32", mesh: Any = None,
+            rules: Any = None) -> tuple[MoEDecoder, Tokenizer]:
+    """`MoEDecoder` and `Tokenizer` of a Qwen3-MoE, Mixtral or OLMoE Hugging Face checkpoint directory; with
+    ``mesh``, each tensor (an expert stack: its experts read and stacked on the host) is placed by ``rules`` (default
+    `jaxlowfp.sharding.moe_rules`), one device's slice at a time (`jaxlowfp.models.common.build_model`)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a directory")
@@ -221,7 +231,7 @@ def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str =
 
     with contextlib.ExitStack() as stack:  # closes the shard files
         model = cast(MoEDecoder, build_model(config, fetch, directory / "config.json", model_class=MoEDecoder,
-                                             specs=moe_tensor_specs(config)))
+                                             specs=moe_tensor_specs(config), mesh=mesh, rules=_rules(mesh, rules)))
     extra = sorted(files[n][1] for n in set(files) - used if not n.endswith(hf_loader._IGNORED_SUFFIXES)
                    and not (config.tie_embeddings and n == "lm_head.weight"))
     if extra:
@@ -280,9 +290,10 @@ def read_gguf_config(reader: Any, path: Path, *, dtype: str = "float32", param_d
         raise CheckpointError(f"{path}: metadata gives an invalid model config: {e}") from e
 
 
-def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "float32"
-              ) -> tuple[MoEDecoder, Tokenizer]:
-    """`MoEDecoder` (weights dequantized to ``param_dtype``) and `Tokenizer` of a Qwen3-MoE / Mixtral GGUF file."""
+def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "float32", mesh: Any = None,
+              rules: Any = None) -> tuple[MoEDecoder, Tokenizer]:
+    """`MoEDecoder` (weights dequantized to ``param_dtype``) and `Tokenizer` of a Qwen3-MoE / Mixtral / OLMoE GGUF
+    file; ``mesh``, ``rules`` as `load_hf`."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such GGUF file")
@@ -301,4 +312,5 @@ def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "f
     if extra:
         raise CheckpointError(f"{path}: tensors this model class does not have: {', '.join(extra[:5])}"
                               f"{' ...' if len(extra) > 5 else ''} (an unsupported architecture variant?)")
-    return cast(MoEDecoder, build_model(config, fetch, path, model_class=MoEDecoder, specs=specs)), tokenizer
+    return cast(MoEDecoder, build_model(config, fetch, path, model_class=MoEDecoder, specs=specs, mesh=mesh,
+                                        rules=_rules(mesh, rules))), tokenizer

@@ -180,12 +180,10 @@ def load_quantized(directory: str | Path, *, dtype: str = "float32", param_dtype
     ``packed=True``: each NVFP4 layer is a `jaxlowfp.ptq.PackedLinear` holding the file's uint8 codes, E4M3 block
     scales and global scale as they are (nothing is decoded: no float copy of those kernels is ever made), run on
     `backend` (`jaxlowfp.backends`; W4A4 inputs quantized as the float load's `NVFP4Act` does, then the weights-only
-    product, so "auto" / "dequant")."""
+    product, so "auto" / "dequant"); with ``mesh``, placed as their kernel's rule places ``W'``
+    (`jaxlowfp.sharding.packed_shardings`)."""
     from jaxlowfp.models import hf_loader  # needs the jaxlowfp[models] extra
 
-    if packed and mesh is not None:
-        raise ValueError("packed=True places packed arrays on one device; mesh= is not supported with it yet (load "
-                         "packed, then jax.device_put the state with shardings)")
     directory = Path(directory)
     kind = detect(directory)
     if kind is None:
@@ -273,18 +271,10 @@ def load_quantized(directory: str | Path, *, dtype: str = "float32", param_dtype
         if path not in packs:
             mods[path].dot_general = NVFP4Act(g)
     if packs:
-        from jaxlowfp.packed_layer import PackedLinear, replace_modules
+        from jaxlowfp.packed_layer import install_packed
 
-        layers = {}
-        for path, w in packs.items():
-            lin = mods[path]
-            if w.shape != tuple(lin.kernel.shape):
-                raise CheckpointError(f"{directory}: layer {path}: packed weight W' {w.shape} does not fit the "
-                                      f"model's kernel {tuple(lin.kernel.shape)}")
-            layers[path] = (lin, PackedLinear(w, lin.bias, activation=None, backend=backend, dtype=lin.dtype,
-                                              param_dtype=lin.param_dtype, path=path,
-                                              act_fn=_Input(NVFP4Act(acts[path])) if path in acts else None))
-        replace_modules(model, layers)
+        install_packed(model, packs, backend=backend, source=directory, mesh=mesh, rules=rules,
+                       act_fns={p: _Input(NVFP4Act(g)) for p, g in acts.items() if p in packs})
     return model, tok
 
 

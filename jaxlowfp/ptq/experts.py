@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from jaxlowfp import ops
+from jaxlowfp import ops, sharding
 from jaxlowfp.ptq.formats import Scheme, rtn_weight
 from jaxlowfp.qat.spec import Recipe
 from jaxlowfp.qnnx.rules import grouped_weights
@@ -227,7 +227,10 @@ def quantize_experts(model: nnx.Module, tg: Mapping[str, tuple[nnx.Module, str, 
             new.append(qw.kernel)
             if qw.packed is not None:
                 packed.append((qw.packed, qw.s_enc))
-        param.set_value(jnp.stack(new).astype(param[...].dtype))
+        old = param[...]
+        stacked = jnp.stack(new).astype(old.dtype)
+        # experts on a mesh (jaxlowfp.sharding.moe_rules) keep their placement, as a dense kernel does
+        param.set_value(sharding.shard(stacked, old.sharding) if isinstance(old, jax.Array) else stacked)
         amax = calib = None
         if sch.activation is not None and st is not None:
             calibrated = [float(st.amax[e]) for e in range(n_exp) if e not in low]

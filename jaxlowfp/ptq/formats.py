@@ -228,10 +228,26 @@ def _rtn(kernel: jax.Array, fmt: TensorFormat, global_amax: jax.Array | None = N
     return arr.dequantize(jnp.float32).T, arr, s_enc
 
 
+def whole_blocks(kernel: jax.Array, group: int | None) -> jax.Array:
+    """`kernel` [K, N] as it is, or, when it lies on a mesh whose K shards would split blocks of `group` values
+    across devices (K / shards not a multiple of `group`), resharded with K whole and its N sharding kept: each
+    block's reduction then stays on one device (XLA:CPU cannot partition the NaN-keeping block max)."""
+    sh = getattr(kernel, "sharding", None)
+    if group is None or not isinstance(sh, jax.sharding.NamedSharding) or kernel.ndim != 2:
+        return kernel
+    spec = tuple(sh.spec) + (None,) * (2 - len(tuple(sh.spec)))
+    axes = spec[0] if isinstance(spec[0], tuple) else (() if spec[0] is None else (spec[0],))
+    shards = int(np.prod([sh.mesh.shape[a] for a in axes]))
+    if shards == 1 or (kernel.shape[0] // shards) % group == 0:
+        return kernel
+    return jax.device_put(kernel, jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(None, spec[1])))
+
+
 def rtn_weight(kernel: jax.Array, fmt: TensorFormat, global_amax: jax.Array | None = None) -> QuantizedWeight:
     """Round-to-nearest quantization of a kernel [in, out] (blocks along `in`), with its own amax or, for NVFP4,
-    `global_amax` (a fused group's shared amax: every block's scale and 4/6 choice made under that global scale)."""
-    kernel = jnp.asarray(kernel)
+    `global_amax` (a fused group's shared amax: every block's scale and 4/6 choice made under that global scale).
+    A kernel on a mesh is quantized where it lives (`whole_blocks`: K gathered only where shards split blocks)."""
+    kernel = whole_blocks(jnp.asarray(kernel), fmt.group)
     if fmt.kind != "nvfp4":
         return QuantizedWeight(*_rtn(kernel, fmt, None))
     # the amax passed in either way (the same value _rtn would take): one compiled function per shape
