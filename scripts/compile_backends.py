@@ -10,7 +10,9 @@ builds its kernel plan when the executable is loaded on a GPU, which is what ``m
 Cases (M = 256 tokens, a 1024 x 2048 projection), each with ``backend="auto"`` on the target's device, so the
 choice is asserted too:
   - ``nvfp4 W4A4 static_6`` and ``nvfp4 W4A4 4/6 (mse)`` (activations quantized by jaxlowfp's quantizer, Four Over
-    Six included, inside the program), ``nvfp4 16x16 weights``, ``mxfp8 W8A8``: sm_100a (B200);
+    Six included, inside the program), ``nvfp4 16x16 weights``, ``mxfp8 W8A8``, and ``nvfp4 W4A4 4/6, per-token
+    scales`` (`backends.scaled_matmul_rows`: each row quantized with its own global scale, factored out of the
+    product; what a packed layer with ``activation_scale="token"`` runs on "scaled_matmul"): sm_100a (B200);
   - ``fp8 W8A8``: sm_90a (H100), with XLA's default GEMM choice (deviceless: no autotuning, so its Triton GEMM
     emitter, which keeps the float8 operands) and with ``xla_gpu_enable_triton_gemm=False`` (cuBLASLt).
 
@@ -35,12 +37,14 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import compile_kernels as ck  # noqa: E402  (also puts the gpu-compile directory on sys.path)
 
 M, K, N = 256, 1024, 2048
+ROWS = "scaled_matmul_rows"  # the backend field of a case run by backends.scaled_matmul_rows
 # name -> (target, weight format, activation format, backend, compiler options)
 CASES: dict[str, tuple[str, str, str, str, dict]] = {
     "nvfp4 W4A4 static_6": ("sm_100 (B200)", "nvfp4-static_6", "nvfp4-static_6", "auto", {}),
     "nvfp4 W4A4 4/6 (mse)": ("sm_100 (B200)", "nvfp4-mse", "nvfp4-mse", "auto", {}),
     "nvfp4 16x16 weights, 4/6 activations": ("sm_100 (B200)", "nvfp4-mse-16x16", "nvfp4-mse", "auto", {}),
     "mxfp8 W8A8": ("sm_100 (B200)", "mxfp8", "mxfp8", "auto", {}),
+    "nvfp4 W4A4 4/6, per-token scales": ("sm_100 (B200)", "nvfp4-mse", "nvfp4-mse", ROWS, {}),
     "fp8 W8A8 (XLA's default GEMM)": ("sm_90 (H100)", "fp8", "fp8", "auto", {}),
     "fp8 W8A8 (cuBLASLt: no Triton GEMM)": ("sm_90 (H100)", "fp8", "fp8", "auto",
                                             {"xla_gpu_enable_triton_gemm": False}),
@@ -91,9 +95,12 @@ def compile_cases(names: list[str]) -> dict[str, dict]:
         w = packed.pack(jnp.zeros((K, N), jnp.float32), wf)  # only the shapes and static metadata are used
         abstract_w = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), w)
         x = jax.ShapeDtypeStruct((M, K), jnp.bfloat16, sharding=rep)
-        plan = backends.plan(w, af, backend, device=device)
+        plan = backends.plan(w, af, "scaled_matmul" if backend == ROWS else backend, device=device)
 
         def fn(x, w):
+            if backend == ROWS:  # per-token amax, as PackedLinear computes it
+                amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
+                return backends.scaled_matmul_rows(x, w, packed.as_format(af).rule, amax)
             return backends.packed_dot_general(x, w, (((1,), (0,)), ((), ())), backend=backend, activation=af,
                                                device=device)
 

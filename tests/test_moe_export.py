@@ -182,3 +182,31 @@ def test_load_rebuilds_the_exported_moe(exported):
     run = jax.jit(lambda m, x: m(x))
     x = jnp.asarray(TOKENS)
     np.testing.assert_array_equal(np.asarray(run(fresh, x)), np.asarray(run(model, x)))
+
+
+def test_gguf_mxfp4_experts_are_mxfp4_tensors_gguf_reads_back(tmp_path):
+    """MXFP4 has no global scale, so MXFP4 experts need none of NVFP4's per-expert scales: each
+    ``ffn_{gate,up}_exps`` is one type-39 tensor [E, out, in] (llama.cpp's MXFP4 MoE layout), which gguf's
+    dequantizer reads back to our quantized weights bit for bit (Qwen3-MoE's down_proj, 16 inputs, is not whole
+    32-value blocks and is kept)."""
+    import gguf
+
+    model, _ = load(FIX / "qwen3_moe")
+    res = ptq.quantize_model(model, [ptq.Rule(path=r"blocks/\d+/mlp/experts/(gate|up)_proj",
+                                              scheme=ptq.scheme("mxfp4", weights_only=True))],
+                             calibration=np.asarray(TOKENS), progress=False)
+    rep = ptq.export_gguf(model, res, tmp_path / "m.gguf", tokenizer_json=FIX / "qwen3_moe" / "tokenizer.json")
+    params = {"/".join(map(str, p)): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
+    checked = 0
+    for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors:
+        if "_exps" in t.name and "down" not in t.name:
+            assert t.tensor_type == gguf.GGMLQuantizationType.MXFP4 and rep.types[t.name] == "MXFP4"
+            got = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+            i, which = t.name.split(".")[1], t.name.split("_")[1]
+            ours = np.asarray(params[f"blocks/{i}/mlp/experts/{which}_proj"][...], np.float32)
+            np.testing.assert_array_equal(got, np.swapaxes(ours, -1, -2), err_msg=t.name)
+            checked += 1
+    assert checked == 4
+    back, _ = load(tmp_path / "m.gguf")  # our loader on the file: the quantized experts, F16 elsewhere
+    tokens = jnp.asarray(TOKENS)
+    assert float(jnp.max(jnp.abs(back(tokens) - model(tokens)))) < 1e-2

@@ -472,11 +472,18 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
             planned.append((t.name, spool.put(raw), gguf.GGMLQuantizationType.MXFP4, "MXFP4"))
             bits += raw.nbytes * 8
             continue
-        if t.path in expert_schemes:  # [E, out, in], one NVFP4 global scale per expert
+        if t.path in expert_schemes:  # [E, out, in]
             esch = expert_schemes[t.path]
             if esch.weight.kind not in ("nvfp4", "mxfp4"):
                 raise ValueError(f"GGUF has no type for the expert weight format {esch.weight.name} ({t.path}); "
                                  f"allowed: NVFP4, MXFP4 (or float32=True)")
+            if esch.weight.kind == "mxfp4" and w.ndim == 3 and w.shape[-1] % MXFP4_BLOCK == 0:
+                # MXFP4 has no global scale: each expert's rows are whole MXFP4 blocks, stacked as llama.cpp's
+                # MXFP4 expert tensors are (gpt-oss, LlamaFileType.MOSTLY_MXFP4_MOE)
+                raw = np.stack([mxfp4_bytes(np.asarray(w[e], np.float32)) for e in range(w.shape[0])])
+                planned.append((t.name, spool.put(raw), gguf.GGMLQuantizationType.MXFP4, "MXFP4"))
+                bits += raw.nbytes * 8
+                continue
             notes_pre.append(f"{t.name}: {esch.weight.name} experts carry one global scale each, and GGUF NVFP4 has "
                              f"one decode scale per tensor (<tensor>.scale [1]); written as F32 (the quantized values, "
                              f"exactly)")
