@@ -34,9 +34,12 @@ def calibration_tokens():
 PTQ_LAYERS = r"blocks/\d+/mlp/\w+_proj"
 
 
-def gptq(model, mesh) -> dict:
+def gptq(model, mesh, export: str | None = None, source: str | None = None) -> dict:
     """GPTQ NVFP4 4/6 (mse, W4A16) of the MLP projections, calibration rows over the data axes of the global mesh;
-    every packed code and scale array gathered (``codes:<layer>``, ``scales:<layer>``, ``s_enc:<layer>``)."""
+    every packed code and scale array gathered (``codes:<layer>``, ``scales:<layer>``, ``s_enc:<layer>``).
+    ``export``: then every process runs `ptq.export` and `ptq.export_gguf` (``source`` the GGUF the model came
+    from) of the sharded model into ``<export>/p<process index>/`` (the exporters' per-tensor gathers are collectives,
+    so every process takes part; each writes its own copy)."""
     import numpy as np
 
     from jaxlowfp import ptq, sharding
@@ -52,6 +55,10 @@ def gptq(model, mesh) -> dict:
     kernel = model.blocks[0].mlp.up_proj.kernel.get_value()
     out["kernel_local_shards"] = len(kernel.addressable_shards)
     out["kernel_spec"] = str(kernel.sharding.spec)
+    if export is not None:
+        d = Path(export) / f"p{jax.process_index()}"
+        ptq.export(model, res, d, dtype="float32")
+        ptq.export_gguf(model, res, d / "model.gguf", source_gguf=source)
     return out
 
 
@@ -61,6 +68,7 @@ def main() -> None:
     ap.add_argument("--gguf", required=True)
     ap.add_argument("--result", required=True)
     ap.add_argument("--ptq", action="store_true", help="GPTQ NVFP4 4/6 of the MLP instead of the evaluation")
+    ap.add_argument("--export", help="with --ptq: export the result into EXPORT/p<process index>/")
     a = ap.parse_args()
     jax.config.update("jax_num_cpu_devices", a.devices)
     jax.config.update("jax_numpy_dtype_promotion", "strict")
@@ -85,7 +93,7 @@ def main() -> None:
             equal &= np.array_equal(np.asarray(s.data).view(np.uint32), want[p][s.index].view(np.uint32))
             local += s.data.nbytes
     if a.ptq:
-        np.savez(a.result, processes=jax.process_count(), **gptq(model, mesh))
+        np.savez(a.result, processes=jax.process_count(), **gptq(model, mesh, a.export, a.gguf))
         return
     score = evaluation.perplexity(model, tok, DOCS, max_length=32, batch_size=4, mesh=mesh)
     tokens = generate(model, PROMPTS, max_new_tokens=6, mesh=mesh)

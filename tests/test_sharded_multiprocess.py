@@ -72,15 +72,32 @@ def test_two_processes_gptq_gives_the_one_device_codes(tmp_path):
     calibration rows split over the processes' devices, the Hessians X^T X and input amax reduced on the devices by
     XLA's collectives (gloo across the processes) and taken whole by each process, each process runs the same GPTQ
     column loop on its host and rebuilds its own shards of the kernel. The packed codes, block scales and global
-    scales equal one device's in this process bit for bit (on this model no Hessian summation order moved a code)."""
+    scales equal one device's in this process bit for bit (on this model no Hessian summation order moved a code).
+    Then both processes export the sharded result (`ptq.export`, `ptq.export_gguf`: each tensor gathered across
+    the processes, one copy written by each): both files are byte for byte the one-device export's."""
+    import hashlib
+
     from jaxlowfp import ptq
 
-    path = _write(tmp_path, "gguf-q8_0")
-    res = _pair(tmp_path, path, "--ptq")
+    from test_models_gguf import CFG, T, write_gguf
+    from test_models_oracle import random_weights, tiny_bpe
+
+    path = tmp_path / "m.gguf"  # test_sharding's Q8_0 file, its vocabulary padded to the embedding's rows (a GGUF
+    toks = tiny_bpe()[0]        # export checks what llama.cpp checks)
+    write_gguf(path, random_weights(CFG, seed=5), qtype=T.Q8_0,
+               tokens=toks + [f"<pad{i}>" for i in range(CFG["vocab"] - len(toks))])
+    res = _pair(tmp_path, path, "--ptq", "--export", str(tmp_path / "export"))
     ref, _ = load(path)
     rules = [ptq.Rule(path=PTQ_LAYERS, scheme=ptq.scheme("nvfp4-mse", weights_only=True))]
     one = ptq.quantize_model(ref, rules, method=ptq.GPTQ(), calibration=jax.numpy.asarray(calibration_tokens()))
     assert len(one.packed) == 6
+    ptq.export(ref, one, tmp_path / "one", dtype="float32")
+    ptq.export_gguf(ref, one, tmp_path / "one" / "model.gguf", source_gguf=path)
+    for name in ("model.safetensors", "model.gguf"):
+        want = hashlib.sha256((tmp_path / "one" / name).read_bytes()).hexdigest()
+        for i in range(2):
+            got = hashlib.sha256((tmp_path / "export" / f"p{i}" / name).read_bytes()).hexdigest()
+            assert got == want, (name, i)
     for r in res:
         assert int(r["processes"]) == 2
         assert int(r["kernel_local_shards"]) == 2 and str(r["kernel_spec"]) == "P('fsdp', 'tensor')"

@@ -43,6 +43,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -445,10 +446,13 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
                 and w.shape[1] % NVFP4_BLOCK == 0):
             arr, s_enc = packed[mod]
             checks.check_packed_nvfp4(mod, arr, s_enc)
+            # host copies of this layer's codes and scales (gathered when they span processes: a collective)
+            arr = jax.tree.map(stream.fetch, arr)
+            s_enc = None if s_enc is None else stream.fetch(s_enc)
             if not np.array_equal(np.asarray(serving.decode(arr, s_enc, conv)), w):
                 raise ValueError(f"{mod}: the model's kernel is not the packed NVFP4 weight (was the model changed "
                                  f"after quantize?)")
-            codes, scales = stream.fetch(arr.codes), stream.fetch(arr.scales)
+            codes, scales = np.asarray(arr.codes), np.asarray(arr.scales)
             if sch.weight.rows > 1:
                 scales = np.repeat(scales, sch.weight.rows, axis=0)
             if t.permute_heads is not None:
