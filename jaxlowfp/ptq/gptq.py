@@ -5,7 +5,8 @@ With ``W = kernel.T`` [out, in] (rows: outputs; columns: input channels, the NVF
 inputs X [n, in]::
 
     H     = 2/n X^T X + λ I,      λ = damp_percent/100 * mean(diag H)     (dead inputs: H_ii = 1, W[:, i] = 0)
-    U     = chol(H^-1)^T          (upper; in act-order, columns sorted by decreasing H_ii first)
+    U     = chol(H^-1)^T          (upper; in act-order, columns sorted by decreasing H_ii first; float64 on the host,
+                                   or float32 on the kernel's devices with ``factorization="device"``)
     for column j (in chunks of `block_size`, later chunks updated lazily, once per chunk):
         w_j   = the column as it stands (original minus the errors fed back so far)
         if j is the first column of its scale group reached: fix the group's scale from its columns as they stand
@@ -53,6 +54,7 @@ from jaxlowfp.ptq.formats import (TWO_LEVEL, QuantizedWeight, TensorFormat, bloc
 
 _HI = lax.Precision.HIGHEST
 SCALES = ("as-reached", "original")
+FACTORIZATIONS = ("host", "device")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -66,12 +68,16 @@ class GPTQ:
       act_order: process input channels in order of decreasing H_ii (llm-compressor's actorder="weight").
       scales: "as-reached" (each scale group fixed when its first column is reached, from all its columns as they
         stand) or "original" (every group fixed from the original weights before the loop, as llm-compressor).
+      factorization: where U = chol(H^-1)^T is computed: "host" (float64, LAPACK, one layer at a time) or "device"
+        (float32 on the kernel's devices, replicated on its mesh, as the GPTQ reference code and llm-compressor
+        factorize on the GPU: the n^3 flops leave the host; the codes can differ from "host" at near ties).
     """
 
     damp_percent: float = 1.0
     block_size: int = 128
     act_order: bool = False
     scales: str = "as-reached"
+    factorization: str = "host"
 
     def __post_init__(self) -> None:
         d = self.damp_percent
@@ -84,6 +90,9 @@ class GPTQ:
             raise TypeError(f"act_order must be a bool; got {self.act_order!r}")
         if self.scales not in SCALES:
             raise ValueError(f"scales={self.scales!r} is not supported; allowed: {', '.join(map(repr, SCALES))}")
+        if self.factorization not in FACTORIZATIONS:
+            raise ValueError(f"factorization={self.factorization!r} is not supported; allowed: "
+                             f"{', '.join(map(repr, FACTORIZATIONS))}")
 
     name = "gptq"
 
@@ -99,6 +108,18 @@ def _inverse_cholesky(h: np.ndarray, damp: float) -> np.ndarray | None:
         return None
     r = np.ascontiguousarray(m[::-1, ::-1])
     return scipy.linalg.solve_triangular(r, np.eye(len(h)), lower=False).astype(np.float32)
+
+
+@jax.jit
+def _device_inverse_cholesky(h: jax.Array, damp: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`_inverse_cholesky` in float32 where `h` lives: (U, whether every entry of U is finite; a damped H that is
+    not positive definite gives NaN)."""
+    n = h.shape[0]
+    eye = jnp.eye(n, dtype=jnp.float32)
+    h = h.astype(jnp.float32) + eye * (damp * jnp.mean(jnp.diag(h)))
+    r = jnp.linalg.cholesky(h[::-1, ::-1])[::-1, ::-1]
+    u = jax.scipy.linalg.solve_triangular(r, eye, lower=False)
+    return u, jnp.all(jnp.isfinite(u))
 
 
 def _column_loop(w: jax.Array, u: jax.Array, group_of: jax.Array, first: jax.Array, group_cols: jax.Array,
@@ -209,15 +230,27 @@ def gptq_weight(kernel: jax.Array, hessian: jax.Array, fmt: TensorFormat, cfg: G
     perm = np.argsort(-np.diag(h), kind="stable") if cfg.act_order else np.arange(n_in)
     pos = np.argsort(perm)  # processing position of each original column
     hp = h[perm][:, perm]
+    on = _row_mesh(kernel, out)
+    if on is None:
+        put = jnp.asarray
+    else:  # the kernel's own devices; the small host arrays replicated on the mesh
+        put = functools.partial(sharding.shard, shardings=NamedSharding(on[0], P()))  # noqa: E731
     damp = cfg.damp_percent / 100.0
+    hd = put(hp) if cfg.factorization == "device" else None
     for _ in range(4):
-        u = _inverse_cholesky(hp, damp)
-        if u is not None and np.isfinite(u).all():
+        if hd is not None:
+            ud, ok = _device_inverse_cholesky(hd, jnp.float32(damp))
+            u = ud if bool(ok) else None
+        else:
+            u = _inverse_cholesky(hp, damp)
+            u = u if u is not None and np.isfinite(u).all() else None
+        if u is not None:
             break
         damp *= 10.0
     else:
         raise ValueError(f"{where}: the damped Hessian is not positive definite even with damp_percent="
                          f"{100 * damp / 10:g}; use more calibration data")
+    del hd
 
     g = fmt.group or n_in
     n_groups = n_in // g
@@ -229,22 +262,18 @@ def gptq_weight(kernel: jax.Array, hessian: jax.Array, fmt: TensorFormat, cfg: G
     if original:  # every group fixed before the loop, from the original weights; never again
         first[:] = False
     chunk = int(np.gcd(n_in, cfg.block_size))
-    on = _row_mesh(kernel, out)
     if on is None:  # one device: a kernel spanning other processes is taken whole first
         kernel = jnp.asarray(sharding.to_host(kernel) if sharding._is_global(kernel) else kernel, jnp.float32)
-        put = jnp.asarray
         loop = functools.partial(_gptq, fmt=fmt, chunk=chunk, original=original)
-    else:  # the kernel's own devices, rows split over them; the small host arrays replicated on the mesh
+    else:  # the kernel's own devices, rows split over them
         mesh, axes = on
         kernel = kernel.astype(jnp.float32)
-        rep = NamedSharding(mesh, P())
-        put = functools.partial(sharding.shard, shardings=rep)  # noqa: E731
         loop = _sharded_loop(mesh, axes, fmt, chunk, original)
     # the original weights' amax
     amax = jnp.max(jnp.abs(kernel)) if global_amax is None else put(np.asarray(sharding.to_host(global_amax),
                                                                                 np.float32))
     w = _prepare(kernel, put(dead), put(perm.astype(np.int32)))
-    qv, deq, params = loop(w, put(u), put(group_of.astype(np.int32)), put(first), put(group_cols.astype(np.int32)),
+    qv, deq, params = loop(w, u if isinstance(u, jax.Array) else put(u), put(group_of.astype(np.int32)), put(first), put(group_cols.astype(np.int32)),
                            amax)
     return QuantizedWeight(*_finish(qv, deq, params, put(pos.astype(np.int32)), amax, fmt=fmt))
 
