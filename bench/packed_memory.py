@@ -8,7 +8,11 @@ Each configuration runs in a fresh interpreter (one run's allocations cannot hid
   - nvfp4: float32 load, ``ptq.quantize`` RTN of every ``*_proj`` layer to W4A4 NVFP4 4/6 (``scheme("nvfp4-mse")``),
     the fake-quant model's log-probs on a 128-token text, then ``ptq.pack`` (backend "auto": dequantize + dot on this
     CPU), the packed model's log-probs (max |difference| reported);
-  - hif8: the same with ``scheme("hif8")`` (W8A8, per-tensor scales).
+  - hif8: the same with ``scheme("hif8")`` (W8A8, per-tensor scales);
+  - nvfp4-load: the nvfp4 model exported (``ptq.export``, float32 high-precision tensors, by a process of its own)
+    and loaded packed into an abstract model (``ptq.load(nnx.eval_shape(...), export, packed=True)``): no float
+    kernel, no PTQ and no fake-quant program ever exist in that process, so its RSS and peaks are the packed
+    model's own.
 The packed models are saved with orbax and restored (size on disk, restored bit for bit). Then, with the model
 built and the float copies dropped (``gc.collect()`` and glibc's ``malloc_trim(0)``, so the resident set counts
 live memory and not freed heap pages): the parameter bytes (every leaf of ``nnx.state``), the
@@ -42,7 +46,7 @@ from flax import nnx
 from jaxlowfp import models, ptq
 from jaxlowfp.models.llama import generate
 
-name, config, text = sys.argv[1], sys.argv[2], sys.argv[3]
+name, config, text, export_dir = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 
 def status(key):
     with open("/proc/self/status") as f:
@@ -57,7 +61,17 @@ def trim():  # hand freed heap pages back to the OS, so VmRSS counts what is ali
     __import__("ctypes").CDLL("libc.so.6").malloc_trim(0)
 
 dtype = "bfloat16" if config == "bfloat16" else "float32"
-model, tok = models.load(name, dtype=dtype, param_dtype=dtype)
+if config == "nvfp4-load":  # the export's arrays straight into an abstract model: no float kernel is ever made
+    from jaxlowfp.models import Llama, gguf_loader, resolve
+    from jaxlowfp.ptq.pack import report_of
+    path = resolve(name)
+    reader = gguf_loader._open(path)
+    cfg, tok = gguf_loader.read_config(reader, path), gguf_loader.read_tokenizer(reader, path)
+    del reader
+    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    ptq.load(model, export_dir, packed=True)
+else:
+    model, tok = models.load(name, dtype=dtype, param_dtype=dtype)
 ids = tok.encode(text)[:128]
 tokens = jnp.asarray([ids], jnp.int32)
 
@@ -66,9 +80,17 @@ def logprobs(g, s, t):
     return jax.nn.log_softmax(nnx.merge(g, s)(t), axis=-1)
 
 out = {"config": config}
-if config in ("nvfp4", "hif8"):
-    scheme = ptq.scheme("nvfp4-mse" if config == "nvfp4" else "hif8")
+if config == "nvfp4-load":
+    rep = report_of(model)
+    out.update(bits=rep.bits_per_param, packed_layers=len(rep.layers), quantized_params=rep.params)
+if config in ("nvfp4", "hif8", "export"):
+    scheme = ptq.scheme("hif8" if config == "hif8" else "nvfp4-mse")
     res = ptq.quantize(model, [ptq.Rule(path=r".*_proj", scheme=scheme)], progress=False)
+    if config == "export":  # for nvfp4-load: the nvfp4 model's export, and its fake-quant log-probs
+        ptq.export(model, res, export_dir, dtype="float32")
+        np.save(f"{export_dir}/fake_logprobs.npy", np.asarray(logprobs(*nnx.split(model), tokens)))
+        print("RESULT " + json.dumps(out))
+        sys.exit(0)
     fake = logprobs(*nnx.split(model), tokens)
     rep = ptq.pack(model, res)
     packed_lp = logprobs(*nnx.split(model), tokens)
@@ -88,6 +110,9 @@ if config in ("nvfp4", "hif8"):
             a.dtype == b.dtype and bool(np.array_equal(np.atleast_1d(a).view(np.uint8), np.atleast_1d(b).view(np.uint8)))
             for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(back), strict=True))
         del st, back, ckpt
+if config == "nvfp4-load":  # the loaded packed model against the exporting process's fake-quant model
+    fake = np.load(f"{export_dir}/fake_logprobs.npy")
+    out["max_logprob_diff"] = float(np.max(np.abs(np.asarray(logprobs(*nnx.split(model), tokens)) - fake)))
 trim()
 graph, state = nnx.split(model)
 out["param_bytes"] = int(sum(a.nbytes for a in jax.tree.leaves(state)))
@@ -110,9 +135,9 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def run_child(name: str, config: str) -> dict:
-    proc = subprocess.run([sys.executable, "-c", CHILD, name, config, TEXT], capture_output=True, text=True,
-                          cwd=ROOT, check=False)
+def run_child(name: str, config: str, export_dir: str = "") -> dict:
+    proc = subprocess.run([sys.executable, "-c", CHILD, name, config, TEXT, export_dir], capture_output=True,
+                          text=True, cwd=ROOT, check=False)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
         raise RuntimeError(f"{config}: the child failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -171,9 +196,12 @@ def render(results: list[dict], tiny: dict[str, float], model: str, loads: tuple
     return (f"`.venv/bin/python bench/packed_memory.py` ({model}, jax {jax.__version__}, CPU; each row a fresh "
             "process). nvfp4 = RTN W4A4 NVFP4 4/6 (mse) of every projection, hif8 = RTN W8A8 HiF8, both "
             "`ptq.pack`ed (backend auto: dequantize + dot on a CPU); embeddings (tied with the head) and norms stay "
-            "float32. RSS is VmRSS with the model built (after gc and malloc_trim); the packed rows' processes "
-            "also ran PTQ and the fake-quant forward for the log-prob check and keep those compiled programs, so "
-            "their RSS and peaks are not the packed model's alone (param MiB is). Peaks are VmHWM (reset through "
+            "float32. RSS is VmRSS with the model built (after gc and malloc_trim); the nvfp4 and hif8 rows' "
+            "processes also ran PTQ and the fake-quant forward for the log-prob check and keep those compiled "
+            "programs, so their RSS and peaks are not the packed model's alone (param MiB is); nvfp4-load is the "
+            "nvfp4 model's export loaded packed (`ptq.load(abstract model, export, packed=True)`) in a process that "
+            "never held a float kernel, PTQ or a fake-quant program: its RSS and peaks are the packed model's "
+            "(log-prob difference against the exporting process's fake-quant model). Peaks are VmHWM (reset through "
             "/proc/self/clear_refs) of a warm call, 'incl. compile' of the first call (W4A4 compiles an NVFP4 4/6 "
             "activation quantizer into every projection, so its first generation, which compiles prefill and decode, "
             "has the largest peak); decode of "
@@ -185,18 +213,23 @@ def render(results: list[dict], tiny: dict[str, float], model: str, loads: tuple
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--configs", nargs="+", default=["float32", "bfloat16", "nvfp4", "hif8"])
+    ap.add_argument("--configs", nargs="+", default=["float32", "bfloat16", "nvfp4", "nvfp4-load", "hif8"])
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT / "bench"))
     from _results import write_section
 
+    import tempfile
+
     load0 = os.getloadavg()[0]
     results = []
-    for c in args.configs:
-        r = run_child(args.model, c)
-        print(json.dumps(r), flush=True)
-        results.append(r)
+    with tempfile.TemporaryDirectory() as export_dir:
+        if "nvfp4-load" in args.configs:
+            run_child(args.model, "export", export_dir)
+        for c in args.configs:
+            r = run_child(args.model, c, export_dir)
+            print(json.dumps(r), flush=True)
+            results.append(r)
     tiny = tiny_llama_diffs()
     print(json.dumps(tiny))
     text = render(results, tiny, args.model, (load0, os.getloadavg()[0]))

@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxlowfp import backends, packed, qat
 
-__all__ = ["PackedLinear", "install_packed", "replace_modules"]
+__all__ = ["PackedLinear", "replace_modules"]
 
 
 class PackedLinear(nnx.Module):
@@ -124,37 +124,3 @@ def replace_modules(model: nnx.Module, layers: Mapping[str, tuple[nnx.Module, nn
             parent[key] = layer
         else:
             setattr(parent, key, layer)
-
-
-def install_packed(model: nnx.Module, weights: Mapping[str, packed.PackedWeight], *, backend: str = "auto",
-                   act_fns: Mapping[str, Any] | None = None, source: Any = "", mesh: Any = None,
-                   rules: Any = None) -> None:
-    """Replace each ``nnx.Linear`` at a path of `weights` (``{path: PackedWeight of its W' [in, out]}``, read from a
-    checkpoint) by a `PackedLinear` holding that weight, in place: the loaders' ``packed=True``. The Linear may be
-    abstract (``nnx.eval_shape``: its kernel is never materialised); its bias, dtypes and shape are kept, and a
-    weight that does not fit its kernel is a `jaxlowfp.models.CheckpointError` naming `source` and the layer.
-    `act_fns`: ``{path: hashable x -> fake-quantized x}``, a checkpoint's own activation quantizer. ``mesh``: each
-    weight is placed as ``rules`` (default `jaxlowfp.sharding.llama_rules`) place its kernel
-    (`jaxlowfp.sharding.packed_shardings`)."""
-    from jaxlowfp import sharding
-    from jaxlowfp.models.common import CheckpointError
-
-    mods = {"/".join(map(str, p)): x for p, x in nnx.iter_graph(model) if isinstance(x, nnx.Linear)}
-    specs = (None if mesh is None else
-             sharding.model_shardings(model, mesh, sharding.llama_rules() if rules is None else rules))
-    layers = {}
-    for path, w in weights.items():
-        lin = mods.get(path)
-        if lin is None:
-            raise CheckpointError(f"{source}: packed weight for {path}, which is not an nnx.Linear of the model")
-        if w.shape != tuple(lin.kernel.shape):
-            raise CheckpointError(f"{source}: layer {path}: packed weight W' {w.shape} does not fit the model's "
-                                  f"kernel {tuple(lin.kernel.shape)}")
-        if specs is not None:
-            w = jax.device_put(w, sharding.packed_shardings(w, specs[f"{path}/kernel"].spec, mesh,
-                                                            where=f"{source}: layer {path}"))
-        fn = (act_fns or {}).get(path)
-        layers[path] = (lin, PackedLinear(w, lin.bias, activation=None, backend=backend, dtype=lin.dtype,
-                                          param_dtype=lin.param_dtype, path=path, act_fn=fn))
-    replace_modules(model, layers)
-

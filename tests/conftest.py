@@ -12,9 +12,10 @@ one, or to an empty string to run without.
 LLVM at -O0 (``--xla_backend_optimization_level=0``, added to XLA_FLAGS unless they set a level): the suite's
 programs are tiny and compiled once, so LLVM's optimisation passes cost more than they save (measured: the suite
 runs about a quarter faster). XLA's own HLO passes (the algebraic rewrites the bit-exactness tests are about:
-division into reciprocal multiply, fusion) and its vectorised reduction emitter are the same at every level, and
-XLA:CPU contracts no multiply-add without fast math at any level. ``XLA_FLAGS=--xla_backend_optimization_level=2``
-runs the suite as users' programs are compiled.
+division into reciprocal multiply, fusion) are the same at every level; LLVM's code generation is not, and can
+round a multiply-add of two different programs differently (seen once: an EMA 1 ulp apart at -O0), which is why
+two different programs are compared within float32 rounding, never bitwise, unless their result is integer-exact.
+``XLA_FLAGS=--xla_backend_optimization_level=2`` runs the suite as users' programs are compiled.
 """
 import os
 import shutil

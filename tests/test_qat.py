@@ -197,7 +197,11 @@ def test_vmap_over_tensors_and_no_retrace():
 
 
 def test_scan_over_microbatches_with_merge():
-    """Each microbatch quantizes with the step's state; merged, the history equals one step over the batch."""
+    """Each microbatch quantizes with the step's state; merged, the history equals one step over the batch.
+
+    The amax history and counters are maxima and integers: bitwise. The EMA leaf is float arithmetic (a * ema +
+    (1 - a) * amax) in two different XLA programs (a scan over vmapped microbatches, and single steps), whose
+    multiply-adds the compiler may contract differently (it did at LLVM -O0: 1 ulp): within float32 rounding."""
     spec = qat.hif8_w8a8(history_len=4).activation
     micro = heavy_tailed(4, (5, 3, 32))  # 5 steps x 3 microbatches
 
@@ -209,7 +213,8 @@ def test_scan_over_microbatches_with_merge():
     big, one = spec.init(), jax.jit(qat.fake_quant, static_argnums=2)
     for t in range(5):
         _, big, _ = one(micro[t].reshape(-1), big, spec)
-    chex.assert_trees_all_equal(merged, big)
+    chex.assert_trees_all_equal(merged._replace(ema=big.ema), big)
+    np.testing.assert_allclose(np.asarray(merged.ema), np.asarray(big.ema), rtol=2e-7)
 
 
 def test_most_recent_saturates_where_max_window_does_not():

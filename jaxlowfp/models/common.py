@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,8 @@ from jaxlowfp.models.tensor_names import TensorSpec, tensor_specs
 if TYPE_CHECKING:
     import tokenizers
 
-__all__ = ["CheckpointError", "LazyTensor", "TensorSpec", "Tokenizer", "build_model", "tensor_specs"]
+__all__ = ["CheckpointError", "LazyTensor", "TensorSpec", "Tokenizer", "build_model", "install_packed",
+           "tensor_specs"]
 
 
 class CheckpointError(ValueError):
@@ -183,3 +184,36 @@ def _put_shards(shape: tuple[int, ...], sharding: jax.sharding.Sharding, read: C
             last = (key, read(index))
         arrays.append(jax.device_put(last[1], device))
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def install_packed(model: nnx.Module, weights: Mapping[str, Any], *, backend: str = "auto",
+                   act_fns: Mapping[str, Any] | None = None, source: Any = "", mesh: Any = None,
+                   rules: Any = None) -> None:
+    """Replace each ``nnx.Linear`` at a path of `weights` (``{path: PackedWeight of its W' [in, out]}``, read from a
+    checkpoint) by a `PackedLinear` holding that weight, in place: the loaders' ``packed=True``. The Linear may be
+    abstract (``nnx.eval_shape``: its kernel is never materialised); its bias, dtypes and shape are kept, and a
+    weight that does not fit its kernel is a `CheckpointError` naming `source` and the layer.
+    `act_fns`: ``{path: hashable x -> fake-quantized x}``, a checkpoint's own activation quantizer. ``mesh``: each
+    weight is placed as ``rules`` (default `jaxlowfp.sharding.llama_rules`) place its kernel
+    (`jaxlowfp.sharding.packed_shardings`)."""
+    from jaxlowfp import sharding
+    from jaxlowfp.packed_layer import PackedLinear, replace_modules
+
+    mods = {"/".join(map(str, p)): x for p, x in nnx.iter_graph(model) if isinstance(x, nnx.Linear)}
+    specs = (None if mesh is None else
+             sharding.model_shardings(model, mesh, sharding.llama_rules() if rules is None else rules))
+    layers = {}
+    for path, w in weights.items():
+        lin = mods.get(path)
+        if lin is None:
+            raise CheckpointError(f"{source}: packed weight for {path}, which is not an nnx.Linear of the model")
+        if w.shape != tuple(lin.kernel.shape):
+            raise CheckpointError(f"{source}: layer {path}: packed weight W' {w.shape} does not fit the model's "
+                                  f"kernel {tuple(lin.kernel.shape)}")
+        if specs is not None:
+            w = jax.device_put(w, sharding.packed_shardings(w, specs[f"{path}/kernel"].spec, mesh,
+                                                            where=f"{source}: layer {path}"))
+        fn = (act_fns or {}).get(path)
+        layers[path] = (lin, PackedLinear(w, lin.bias, activation=None, backend=backend, dtype=lin.dtype,
+                                          param_dtype=lin.param_dtype, path=path, act_fn=fn))
+    replace_modules(model, layers)

@@ -39,7 +39,7 @@ import numpy as np
 
 from jaxlowfp._core.checks import optional_module
 from jaxlowfp.models.common import (CheckpointError, LazyTensor, TensorSpec, Tokenizer, build_model,
-                                    tensor_specs)
+                                    install_packed, tensor_specs)
 from jaxlowfp.models.llama import Llama, ModelConfig
 
 tokenizers = optional_module("tokenizers", extra="models", feature="loading a GGUF checkpoint")
@@ -355,8 +355,6 @@ def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "f
             raise CheckpointError(f"{path}: packed=True keeps {' / '.join(PACKED_TYPES)} projections as codes and "
                                   f"scales; this file has none (tensor types {', '.join(types)}). Load it without "
                                   f"packed=")
-        from jaxlowfp.packed_layer import install_packed
-
         install_packed(model, packs, backend=backend, source=path, mesh=mesh, rules=rules)
     return model, tokenizer
 

@@ -38,7 +38,7 @@ from jax import lax
 
 from jaxlowfp._core import ct_nvfp4
 from jaxlowfp._core.minifloat import E2M1
-from jaxlowfp.models.common import CheckpointError, TensorSpec, Tokenizer, build_model
+from jaxlowfp.models.common import CheckpointError, TensorSpec, Tokenizer, build_model, install_packed
 from jaxlowfp.models.llama import Llama
 
 __all__ = ["FORMATS", "NVFP4Act", "detect", "load_quantized", "read_safetensors"]
@@ -271,8 +271,6 @@ def load_quantized(directory: str | Path, *, dtype: str = "float32", param_dtype
         if path not in packs:
             mods[path].dot_general = NVFP4Act(g)
     if packs:
-        from jaxlowfp.packed_layer import install_packed
-
         install_packed(model, packs, backend=backend, source=directory, mesh=mesh, rules=rules,
                        act_fns={p: _Input(NVFP4Act(g)) for p, g in acts.items() if p in packs})
     return model, tok

@@ -273,8 +273,8 @@ def gptq_weight(kernel: jax.Array, hessian: jax.Array, fmt: TensorFormat, cfg: G
     amax = jnp.max(jnp.abs(kernel)) if global_amax is None else put(np.asarray(sharding.to_host(global_amax),
                                                                                 np.float32))
     w = _prepare(kernel, put(dead), put(perm.astype(np.int32)))
-    qv, deq, params = loop(w, u if isinstance(u, jax.Array) else put(u), put(group_of.astype(np.int32)), put(first), put(group_cols.astype(np.int32)),
-                           amax)
+    u = u if isinstance(u, jax.Array) else put(u)  # the device factorization's U is already in place
+    qv, deq, params = loop(w, u, put(group_of.astype(np.int32)), put(first), put(group_cols.astype(np.int32)), amax)
     return QuantizedWeight(*_finish(qv, deq, params, put(pos.astype(np.int32)), amax, fmt=fmt))
 
 
