@@ -11,8 +11,13 @@ setup:
 demo: setup
 	$(PY) -m train
 
-test: setup docs lint
-	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+# docs and lint run next to the tests (the two pytest workers leave a core partly idle), their output after the
+# tests'; any of the three failing fails the target
+test: setup
+	@$(MAKE) --no-print-directory docs lint > .make-test-checks.log 2>&1 & checks=$$!; \
+	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS); rc=$$?; \
+	wait $$checks; crc=$$?; cat .make-test-checks.log; rm -f .make-test-checks.log; \
+	if [ $$crc -ne 0 ]; then echo "make test: docs or lint failed (above)"; exit 1; fi; exit $$rc
 
 # ruff (pyflakes, pycodestyle) and mypy on the library ([tool.ruff] / [tool.mypy] in pyproject.toml); `make test`
 # runs it first
