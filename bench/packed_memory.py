@@ -85,7 +85,10 @@ if config == "nvfp4-load":
     out.update(bits=rep.bits_per_param, packed_layers=len(rep.layers), quantized_params=rep.params)
 if config in ("nvfp4", "hif8", "export"):
     scheme = ptq.scheme("hif8" if config == "hif8" else "nvfp4-mse")
-    res = ptq.quantize(model, [ptq.Rule(path=r".*_proj", scheme=scheme)], progress=False)
+    # (the export needs each layer's calibration input amax for its input_global_scale; RTN weights and per-token
+    # activation scales do not depend on it, so the exported model is the nvfp4 row's)
+    calib = np.asarray([ids], np.int32) if config == "export" else None
+    res = ptq.quantize(model, [ptq.Rule(path=r".*_proj", scheme=scheme)], progress=False, calibration=calib)
     if config == "export":  # for nvfp4-load: the nvfp4 model's export, and its fake-quant log-probs
         ptq.export(model, res, export_dir, dtype="float32")
         np.save(f"{export_dir}/fake_logprobs.npy", np.asarray(logprobs(*nnx.split(model), tokens)))

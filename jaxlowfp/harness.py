@@ -49,7 +49,9 @@ Model arguments (``--model_args k=v,...``; `ARGUMENTS` lists them):
   gives every later window ``max_length - stride`` tokens of extra context, which lm-eval's own backends do not)
   mesh             a device mesh, e.g. ``fsdp=4,tensor=2`` (`jaxlowfp.sharding.make_mesh`; in process also a
                    `jax.sharding.Mesh` the model= is on): ``pretrained`` loads straight into its shards
-                   (`jaxlowfp.sharding.llama_rules`), batches and the KV cache are sharded; not with ``ptq``
+                   (`jaxlowfp.sharding.llama_rules`, `moe_rules`), batches and the KV cache are sharded;
+                   ``ptq`` runs on the mesh (calibration rows over its data axes), ``packed`` loads shard the
+                   packed arrays (not with ``ptq_export``)
   device, max_batch_size, trust_remote_code: accepted from lm-eval's command line and unused (JAX places the
   computation on its default backend).
 
@@ -155,9 +157,10 @@ def fake_quantize_model(model: Any, quantize: str, *, layers: str = "paper", kee
 
 
 def _ptq(model: Any, tokenizer: Any, method: str, *, scheme: str, layers: str, weights_only: bool,
-         calibration: str | None, calib_seqs: int, calib_len: int, act_scale: str = "auto") -> Any:
-    """Post-training quantization of ``model`` in place (module docstring); the `jaxlowfp.ptq.PTQResult`."""
-    from jaxlowfp import ptq
+         calibration: str | None, calib_seqs: int, calib_len: int, act_scale: str = "auto", mesh: Any = None) -> Any:
+    """Post-training quantization of ``model`` in place (module docstring); the `jaxlowfp.ptq.PTQResult`. With
+    ``mesh`` (the model on it) the calibration rows are split over its data axes, as `jaxlowfp.ptq` runs on a mesh."""
+    from jaxlowfp import ptq, sharding
 
     m = ptq.method_from_name(method)
     tokens = None
@@ -171,6 +174,8 @@ def _ptq(model: Any, tokenizer: Any, method: str, *, scheme: str, layers: str, w
     elif method != "rtn":
         raise ValueError(f"ptq={method!r} needs calibration=<a UTF-8 text file> (only rtn needs no calibration)")
     rules = [ptq.Rule(path=layers, scheme=ptq.scheme(scheme, weights_only=weights_only))]
+    if tokens is not None and mesh is not None:
+        tokens = sharding.put_batch(tokens, mesh)
     return ptq.quantize_model(model, rules, method=m, calibration=tokens, activation_scale=act_scale)
 
 
@@ -242,9 +247,9 @@ class JaxLowFPLM(TemplateLM):
         from jaxlowfp import sharding
 
         self.mesh = sharding.make_mesh(a["mesh"]) if isinstance(a["mesh"], str) else a["mesh"]
-        if self.mesh is not None and a["ptq"] != "none":
-            raise ValueError("mesh= with ptq= is not supported yet (PTQ runs on one device); quantize, export, then "
-                             "evaluate the export with ptq_export= on the mesh")
+        if self.mesh is not None and packed and a["ptq_export"] is not None:
+            raise ValueError("packed= with ptq_export= and mesh= is not supported yet (ptq.load places packed layers on "
+                             "one device); evaluate the export packed without mesh=, or unpacked on the mesh")
 
         if a["model"] is not None:
             if isinstance(a["model"], str):
@@ -262,9 +267,7 @@ class JaxLowFPLM(TemplateLM):
         else:
             from jaxlowfp.models import load
 
-            direct = packed and a["ptq_export"] is None  # an NVFP4 checkpoint loaded packed
-            if packed and self.mesh is not None:
-                raise ValueError("packed= with mesh= is not supported yet (packed layers load on one device)")
+            direct = packed and a["ptq_export"] is None  # an NVFP4 checkpoint loaded packed (sharded with mesh=)
             self.model, self.tokenizer = load(pretrained, dtype=a["dtype"], mesh=self.mesh, packed=direct,
                                               **({"backend": a["packed"]} if direct else {}))
             self.source = str(pretrained)
@@ -316,11 +319,15 @@ class JaxLowFPLM(TemplateLM):
             res = _ptq(self.model, self.tokenizer, a["ptq"], scheme=a["ptq_scheme"], layers=a["ptq_layers"],
                        weights_only=bool(a["weights_only"]), calibration=a["calibration"],
                        calib_seqs=_positive_int(a["calib_seqs"], "calib_seqs"),
-                       calib_len=_positive_int(a["calib_len"], "calib_len"), act_scale=a["act_scale"])
+                       calib_len=_positive_int(a["calib_len"], "calib_len"), act_scale=a["act_scale"],
+                       mesh=self.mesh)
             notes.append(f"PTQ {res.method} to {a['ptq_scheme']} of {len(res.schemes)} layers, activation scale: "
                          f"{res.activation_scale or 'none (weights only)'}")
-        if self.mesh is not None and notes:  # the quantized layers' new variables: onto the mesh (replicated)
-            sharding.shard_model(self.model, self.mesh, sharding.llama_rules())
+        if self.mesh is not None and notes and not packed:  # the quantized layers' new variables: onto the mesh
+            from jaxlowfp.models import MoEDecoder  # (a packed load placed its packed arrays itself)
+
+            moe = isinstance(self.model, MoEDecoder)
+            sharding.shard_model(self.model, self.mesh, sharding.moe_rules() if moe else sharding.llama_rules())
         self.quantization = "; ".join(notes) or "none"
         self._warned_truncation = False
         self.calls: list[dict[str, Any]] = []

@@ -111,8 +111,19 @@ def test_harness_mesh_argument(models, tmp_path):
     assert inproc.mesh is mesh and inproc.model is model
     gen = [Req("hello world", {"until": ["\n\n"], "max_gen_toks": 6})]
     assert lm.generate_until(gen) == plain.generate_until(gen)
-    with pytest.raises(ValueError, match="mesh="):
-        JaxLowFPLM(pretrained=str(path), mesh="fsdp=2,tensor=2", ptq="rtn")
+    # PTQ inside the harness on the mesh (RTN NVFP4 4/6 W4A16 of the MLP: elementwise, the one-device weights bit
+    # for bit), scored as the one-device harness scores it, within float32 rounding
+    kw = dict(ptq="rtn", ptq_layers=r"blocks/\d+/mlp/\w+_proj", weights_only=True, batch_size=4, max_length=32)
+    q_mesh = JaxLowFPLM(pretrained=str(path), mesh="fsdp=2,tensor=2", **kw)
+    q_one = JaxLowFPLM(pretrained=str(path), **kw)
+    assert q_mesh.quantization == q_one.quantization and "PTQ rtn" in q_mesh.quantization
+    up = "blocks/0/mlp/up_proj/kernel"
+    wm, wo = (sharding.variable_paths(x.model)[up].get_value() for x in (q_mesh, q_one))
+    assert wm.sharding.spec == sharding.P("fsdp", "tensor") and np.array_equal(np.asarray(wm), np.asarray(wo))
+    np.testing.assert_allclose(q_mesh.loglikelihood_rolling(texts), q_one.loglikelihood_rolling(texts), rtol=0,
+                               atol=_ATOL_PER_TOKEN * n)
+    with pytest.raises(ValueError, match="packed= with ptq_export= and mesh="):
+        JaxLowFPLM(pretrained=str(path), mesh="fsdp=2,tensor=2", ptq_export=str(tmp_path), packed="auto")
 
 
 @pytest.mark.slow
