@@ -248,8 +248,8 @@ class JaxLowFPLM(TemplateLM):
 
         self.mesh = sharding.make_mesh(a["mesh"]) if isinstance(a["mesh"], str) else a["mesh"]
         if self.mesh is not None and packed and a["ptq_export"] is not None:
-            raise ValueError("packed= with ptq_export= and mesh= is not supported yet (ptq.load places packed layers on "
-                             "one device); evaluate the export packed without mesh=, or unpacked on the mesh")
+            raise ValueError("packed= with ptq_export= and mesh= is not supported yet (ptq.load places packed layers "
+                             "on one device); evaluate the export packed without mesh=, or unpacked on the mesh")
 
         if a["model"] is not None:
             if isinstance(a["model"], str):

@@ -7,7 +7,7 @@ it, and each packed kernel must dequantize to those values bit for bit (E2M1 x E
 the NVFP4 ``.scale`` multiply rounds once in both). The MXFP4 files are written by gguf-py's own quantizer. gguf-py
 has no NVFP4 quantizer, so the NVFP4 tensors are random bytes in the block layout, scale bytes drawn from a
 realistic range plus the edge cases gguf-py decodes specially (a sign bit set, which it ignores; 0x7F, which it
-reads as 0). Log-probs of the packed and float models are two XLA programs over the same values (the float one's
+reads as 0; 0xFF, 480 to gguf-py and no E4M3 value, is refused). Log-probs of the packed and float models are two XLA programs over the same values (the float one's
 kernels are constants, the packed one decodes them inside): compared relative to the largest log-prob, within float32
 rounding (measured 1.5e-6 NVFP4, 7e-7 MXFP4).
 """
@@ -149,3 +149,13 @@ def test_bad_input_is_a_clear_error(files, tmp_path):
 
     with pytest.raises(CheckpointError, match="E8M0 block scale is 0xFF"):
         gguf_loader.packed_weight(NaNScale, files["MXFP4"])
+    t = next(t for t in gguf.GGUFReader(files["NVFP4"]).tensors if t.name == "blk.0.ffn_up.weight")
+
+    class BigScale:  # UE4M3 0xFF: gguf-py reads 480, which no E4M3 scale is
+        name, tensor_type, shape = t.name, t.tensor_type, t.shape
+        data = np.array(t.data).copy()
+        data[0, 0] = 0xFF
+
+    assert gguf.quants.dequantize(BigScale.data[:1, :36], T.NVFP4).max() > 0  # what gguf-py makes of it
+    with pytest.raises(CheckpointError, match="UE4M3 block scale byte is 0xFF"):
+        gguf_loader.packed_weight(BigScale, files["NVFP4"])

@@ -21,9 +21,10 @@ layers holding the file's codes and scales re-laid out, never decoded (`packed_w
            (j + 8) << 4;  w = E2M1(code) * s * S_dec (S_dec: the optional F32 tensor ``<name>.scale``, else 1)
     MXFP4  17 bytes per 32 inputs: the E8M0 byte e, then byte j = code j | code (j + 16) << 4;  w = E2M1 * 2^(e-127)
 
-UE4M3 as ``gguf.quants.NVFP4`` decodes it: the sign bit is ignored and 0x7F reads as 0, so the packed E4M3 scale is
-the byte with its sign cleared and 0x7F replaced by 0 (the value llama.cpp computes with). An E8M0 byte 0xFF (NaN
-in the OCP MX specification; ``gguf`` reads 2^127) is refused.
+UE4M3 as ``gguf.quants.NVFP4`` decodes it: the sign bit is ignored and the byte 0x7F reads as 0, so the packed
+E4M3 scale is the byte with its sign cleared and 0x7F replaced by 0 (the value llama.cpp computes with). The byte
+0xFF (gguf-py: 480, more than E4M3 holds) and an E8M0 byte 0xFF (NaN in the OCP MX specification; gguf-py reads
+2^127) are refused.
 
 The tokenizer is rebuilt from the metadata (``tokenizer.ggml.tokens``, ``.merges``, ``.token_type``,
 ``.bos_token_id``, ``.add_bos_token``, ``.pre``) as a byte-level BPE in the ``tokenizers`` library, with the
@@ -216,8 +217,11 @@ def packed_weight(tensor: Any, path: Path, rope_heads: int | None = None, scale:
         raise CheckpointError(f"{where} holds {raw.size} bytes for shape {(n, k)} of type {kind} (truncated file?)")
     blocks = raw.reshape(n, k // block, type_size)
     if kind == "NVFP4":  # [4 scale bytes | 4 groups x 8 bytes]
-        d = blocks[..., :4] & np.uint8(0x7F)
-        d = np.where(d == 0x7F, np.uint8(0), d).reshape(n, k // 16)
+        raw_d = blocks[..., :4]
+        if (raw_d == 0xFF).any():  # gguf-py: exponent 15, mantissa 7 = 480, which E4M3 cannot hold
+            raise CheckpointError(f"{where}: a UE4M3 block scale byte is 0xFF (gguf-py decodes it as 480, above "
+                                  f"E4M3's 448)")
+        d = np.where(raw_d == 0x7F, np.uint8(0), raw_d & np.uint8(0x7F)).reshape(n, k // 16)
         qs = blocks[..., 4:].reshape(n, k // 16, 8)
     else:  # [E8M0 byte | 16 bytes]
         d = blocks[..., 0]
