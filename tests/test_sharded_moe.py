@@ -73,7 +73,9 @@ def test_gptq_on_a_mesh_rebuilds_the_committed_export(tmp_path):
     differ = {n: int((got[n].view(np.uint8) != committed[n].view(np.uint8)).sum()) for n in names}
     print(f"qwen3_moe GPTQ on {MESH}: differing code / scale bytes {sum(differ.values())} of "
           f"{sum(got[n].size for n in names)}")
-    assert not any(differ.values()), {n: d for n, d in differ.items() if d}
+    # measured 0 here; the mesh sums each Hessian in another order than one device, which may flip a code at a
+    # near tie on another CPU (tests/test_sharded_ptq.py counts 5 of 73,728 on the dense tiny Llama)
+    assert sum(differ.values()) <= 1e-3 * sum(got[n].size for n in names), {n: d for n, d in differ.items() if d}
 
 
 def test_a_mesh_axis_that_divides_no_expert_count_is_a_clear_error():
