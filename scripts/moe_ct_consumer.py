@@ -4,7 +4,8 @@
 
 The venv: Python 3.11, ``pip install torch==2.13.0`` (the CPU build), then ``compressed-tensors transformers
 safetensors numpy`` (made with transformers 5.24.0, compressed-tensors 0.20.1). The exports
-``tests/fixtures/moe/{qwen3_moe,mixtral}_nvfp4`` are written by ``jaxlowfp.ptq.export`` (tests/moe_export_common.py).
+``tests/fixtures/moe/{qwen3_moe,mixtral}_nvfp4`` are written by ``jaxlowfp.ptq.export``
+(``PYTHONPATH=. .venv/bin/python tests/moe_export_common.py``); rerun this script after rewriting them.
 
 1. transformers' own load (``AutoModelForCausalLM.from_pretrained`` of the export, its compressed-tensors
    integration): recorded, not trusted. transformers 5 keeps experts fused (``mlp.experts.gate_up_proj`` [E, 2I, H],

@@ -26,3 +26,23 @@ def quantized(family):
     calib = np.random.default_rng(0).integers(0, 280, (4, 16)).astype(np.int32)
     res = ptq.quantize_model(model, rules(family), method="gptq", calibration=calib)
     return model, res, tok
+
+
+def write_fixtures() -> None:
+    """Rewrite tests/fixtures/moe/{qwen3_moe,mixtral}_nvfp4 (then rerun scripts/moe_ct_consumer.py in its torch
+    venv for ct_consumer.npz):
+
+        PYTHONPATH=. .venv/bin/python tests/moe_export_common.py
+    """
+    import shutil
+
+    for fam in FAMILIES:
+        model, res, tok = quantized(fam)
+        out = FIX / f"{fam}_nvfp4"
+        shutil.rmtree(out, ignore_errors=True)
+        ptq.checkpoint.export(model, res, out, tokenizer=tok, dtype="float32")
+        print(f"wrote {out} ({res.pipeline} pipeline)")
+
+
+if __name__ == "__main__":
+    write_fixtures()

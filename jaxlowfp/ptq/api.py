@@ -4,6 +4,7 @@ weight quantized as the GEMM matrix of `jaxlowfp.ptq.layers`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -228,31 +229,25 @@ def quantize(
     act_scale = _activation_scale(activation_scale, calibration is not None or stats is not None)
     expert_results: dict[str, experts.ExpertResult] = {}
     op_keys: dict[str, str] = {}
-    if grouped:  # one calibration pass over the model as it is, before its linear layers change (ptq.experts)
-        if stats is not None and calibration is None:
-            raise ValueError(f"the expert weights {list(grouped)[:3]} are calibrated from `calibration` (stats from "
-                             f"ptq.collect cover linear layers only)")
+    pipe = _pipeline(pipeline, propagate, model, m, forward, calibration, stats)
+    mods = {"/".join(map(str, p)): x for p, x in nnx.iter_graph(model) if isinstance(x, nnx.Module)}
+    expert_hooks: dict[str, Any] = {}
+    if grouped and stats is not None and calibration is None:
+        raise ValueError(f"the expert weights {list(grouped)[:3]} are calibrated from `calibration` (stats from "
+                         f"ptq.collect cover linear layers only)")
+    if grouped and pipe == "sequential":  # each block's experts on that block's inputs (jaxlowfp.ptq.experts)
+        expert_hooks = _expert_hooks(model, mods, grouped, m, act_scale, min_expert_tokens, expert_results)
+    elif grouped:  # one calibration pass over the model as it is, before its linear layers change
         eb = None if calibration is None else _batches(calibration, batch_size, forward is None)
         expert_results = experts.quantize_experts(model, grouped, m, batches=eb,
                                                   forward=forward or calibrate.default_forward,
                                                   activation_scale=act_scale, min_tokens=min_expert_tokens)
-        for p, (mod, name, _) in grouped.items():
-            hook = getattr(mod, "quant_" + name, None)  # none for weights-only schemes
-            if isinstance(hook, experts.RaggedActQuant):
-                op_keys[p] = hook.op_key
         if not targets:
-            report = QuantizeReport(
-                quantized=tuple((p, g[2].name) for p, g in grouped.items()), kept=tuple(kept),
-                unmatched=tuple(unmatched), already_quantized=tuple(already), unused_rules=unused,
-                quantized_fraction=float(done / total) if total else 0.0,
-                op_keys=tuple((p, op_keys[p]) for p in grouped if p in op_keys))
-            return PTQResult(report=report, method=m.name, schemes={p: g[2] for p, g in grouped.items()},
-                             packed={}, act_amax={}, seconds=time.perf_counter() - t0, convention=convention,
-                             pipeline="one-pass" if calibration is not None else "none",
-                             activation_scale=act_scale, experts=expert_results)
+            return _result(m, grouped, kept, unmatched, already, unused, done, total, {}, {}, {}, (), (), (),
+                           convention, "one-pass" if calibration is not None else "none", 0, act_scale,
+                           expert_results, op_keys, t0)
     groups = serving.fused_groups(model, targets, fused)
 
-    mods = {"/".join(map(str, p)): x for p, x in nnx.iter_graph(model) if isinstance(x, nnx.Module)}
     folds, skipped = [], []
     if isinstance(m, (SmoothQuant, AWQ)):
         general = [p for p in targets if not isinstance(mods[p], nnx.Linear)]
@@ -262,7 +257,6 @@ def quantize(
                              f"or gptq for them (or keep them with scheme=None)")
         folds, skipped = _folds(model, mods, m, targets)
 
-    pipe = _pipeline(pipeline, propagate, model, m, forward, calibration, stats)
     if stats is not None:
         stats = dict(stats)
         need = [p for p in targets if p not in stats or not isinstance(stats[p], calibrate.LayerStats)]
@@ -310,7 +304,7 @@ def quantize(
                 raise ValueError(f"sequential calibration: {f} folds across blocks; use pipeline='one-pass'")
         act_amax, peak = sequential.run(model, mods, blocks, batches, list(targets), process,
                                         hessian=isinstance(m, GPTQ), samples_per_batch=samples,
-                                        propagate=propagate, progress=progress)
+                                        propagate=propagate, progress=progress, block_hooks=expert_hooks)
     else:
         if batches is not None:
             stats = calibrate.collect(model, list(targets), batches, forward=forward or calibrate.default_forward,
@@ -319,6 +313,21 @@ def quantize(
         act_amax = {p: float(np.max(stats[p].amax)) for p in targets if p in stats}
         process(list(targets), stats)
 
+    return _result(m, grouped, kept, unmatched, already, unused, done, total, targets, packed, act_amax, folds,
+                   skipped, groups, convention, pipe, peak, act_scale, expert_results, op_keys, t0)
+
+
+def _result(m: Method, grouped: Mapping[str, Any], kept: Any, unmatched: Any, already: Any, unused: Any, done: int,
+            total: int, targets: Mapping[str, Scheme], packed: Any, act_amax: Any, folds: Any, skipped: Any,
+            groups: Any, convention: str, pipe: str, peak: int, act_scale: str,
+            expert_results: Mapping[str, experts.ExpertResult], op_keys: Mapping[str, str], t0: float
+            ) -> PTQResult:
+    """The `PTQResult` of `quantize`, its report included."""
+    op_keys = dict(op_keys)
+    for p, (mod, name, _) in grouped.items():
+        hook = getattr(mod, "quant_" + name, None)  # none for weights-only schemes
+        if isinstance(hook, experts.RaggedActQuant):
+            op_keys[p] = hook.op_key
     report = QuantizeReport(
         quantized=tuple((p, s.name) for p, s in targets.items()) + tuple((p, g[2].name) for p, g in grouped.items()),
         kept=tuple(kept), unmatched=tuple(unmatched), already_quantized=tuple(already),
@@ -329,10 +338,39 @@ def quantize(
     return PTQResult(report=report, method=m.name, schemes=dict(targets), packed=packed, act_amax=act_amax,
                      folds=tuple(folds), skipped=tuple(skipped), seconds=time.perf_counter() - t0,
                      fused=tuple(groups), convention=convention, pipeline=pipe, peak_stats_bytes=peak,
-                     experts=expert_results,
+                     experts=dict(expert_results),
                      activation_scale=act_scale if any(s.activation is not None for s in
                                                        [*targets.values(), *(g[2] for g in grouped.values())])
                      else None)
+
+
+def _expert_hooks(model: nnx.Module, mods: Mapping[str, Any], grouped: Mapping[str, Any], m: Method,
+                  act_scale: str, min_tokens: int, results: dict[str, experts.ExpertResult]) -> dict[str, Any]:
+    """`jaxlowfp.ptq.sequential.run`'s ``block_hooks`` that calibrate and quantize each block's expert weights on
+    that block's inputs (their `ExpertResult` into `results`), checked before any block changes."""
+    experts.check(grouped, m)
+    blocks = sequential.model_blocks(model, mods)
+    outside = [p for p in grouped if sequential.owner(p, blocks) is None]
+    if outside:
+        raise ValueError(f"sequential calibration: the expert weights {outside[:3]} are outside every block of "
+                         f"ptq_blocks(); use pipeline='one-pass'")
+    hooks = {}
+    for path, _ in blocks.blocks:
+        mine = {p: g for p, g in grouped.items() if sequential.owner(p, blocks) == path}
+        if mine:
+            hooks[path] = functools.partial(_quantize_block_experts, prefix=path + "/", tg=mine, m=m,
+                                            act_scale=act_scale, min_tokens=min_tokens, results=results)
+    return hooks
+
+
+def _quantize_block_experts(block: nnx.Module, xs: Any, call: Any, *, prefix: str, tg: Mapping[str, Any], m: Method,
+                            act_scale: str, min_tokens: int, results: dict[str, experts.ExpertResult]) -> int:
+    """One block's experts from the block's inputs `xs` (`_expert_hooks`); returns the bytes of their statistics."""
+    st = experts.collect(block, [p[len(prefix):] for p in tg], xs, forward=call, hessian=isinstance(m, GPTQ))
+    stats = {prefix + p: v for p, v in st.items()}
+    results.update(experts.quantize_experts(block, tg, m, batches=None, forward=call, activation_scale=act_scale,
+                                            min_tokens=min_tokens, stats=stats))
+    return sum(x.nbytes for v in stats.values() for x in (v.tokens, v.amax, v.hessian) if x is not None)
 
 
 def _activation_scale(activation_scale: str, calibrated: bool) -> str:

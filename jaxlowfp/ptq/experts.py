@@ -15,8 +15,14 @@ Weights: RTN, or GPTQ with the expert's own Hessian; an expert's gate and up wei
 (vLLM merges them and reconciles their global scales). Experts that fewer than ``min_tokens`` calibration tokens
 reached (``coverage``) are the MoE failure mode: their weights fall back to RTN and their input amax to the max over
 the layer's other experts, with a warning that names them, so no 0, NaN or Inf scale is ever produced. A layer whose
-experts no token reached at all is an error under static scaling. Calibration of the experts is one pass over the
-model before its linear layers are quantized. SmoothQuant and AWQ fold scales into ``nnx.Linear`` layers: refused.
+experts no token reached at all is an error under static scaling. SmoothQuant and AWQ fold scales into
+``nnx.Linear`` layers: refused.
+
+Calibration follows the PTQ pipeline (`jaxlowfp.ptq.quantize_model`). Sequential (GPTQ's default,
+`jaxlowfp.ptq.sequential`): block k's experts are calibrated on block k's inputs from the already quantized blocks
+0..k-1 (so the router of block k sends them the tokens it sends in the quantized model), with block k's other
+layers still unquantized, and quantized before them. One-pass: one pass over the model before any of its layers
+is quantized.
 """
 from __future__ import annotations
 
@@ -37,7 +43,7 @@ from jaxlowfp.ptq.formats import Scheme, rtn_weight
 from jaxlowfp.qat.spec import Recipe
 from jaxlowfp.qnnx.rules import grouped_weights
 
-__all__ = ["ExpertStats", "ExpertResult", "RaggedActQuant", "grouped_weights", "targets", "collect",
+__all__ = ["ExpertStats", "ExpertResult", "RaggedActQuant", "grouped_weights", "targets", "collect", "check",
            "quantize_experts"]
 
 _HI = lax.Precision.HIGHEST
@@ -183,26 +189,35 @@ def _shared_amax(tg: Mapping[str, tuple[nnx.Module, str, Scheme]]) -> dict[str, 
     return out
 
 
+def check(tg: Mapping[str, tuple[nnx.Module, str, Scheme]], method: Any) -> None:
+    """ValueError unless `method` can quantize the expert weights `tg` (RTN or GPTQ) and they are finite."""
+    if method.name not in ("rtn", "gptq"):
+        raise ValueError(f"method {method.name!r} folds per-channel scales into nnx.Linear layers; the expert "
+                         f"weights {list(tg)[:3]} are grouped GEMMs: quantize them with rtn or gptq (or keep them "
+                         f"with scheme=None)")
+    from jaxlowfp.ptq.stream import fetch
+
+    for path, (mod, name, _) in tg.items():
+        w = fetch(getattr(mod, name)[...])  # no host copy left cached on a sharded weight
+        if not np.isfinite(w).all():
+            bad = sorted({int(i) for i in np.nonzero(~np.isfinite(w))[0]})
+            raise ValueError(f"{path}: experts {bad[:8]} hold NaN/Inf weights; refusing to quantize them")
+
+
 def quantize_experts(model: nnx.Module, tg: Mapping[str, tuple[nnx.Module, str, Scheme]], method: Any, *,
-                     batches: Sequence[Any] | None, forward: Callable, activation_scale: str, min_tokens: int = 1
-                     ) -> dict[str, ExpertResult]:
+                     batches: Sequence[Any] | None, forward: Callable, activation_scale: str, min_tokens: int = 1,
+                     stats: Mapping[str, ExpertStats] | None = None) -> dict[str, ExpertResult]:
     """Quantize the expert weights `tg` in place (`method`: RTN or GPTQ; module docstring) and install their
-    run-time activation quantizers; returns the per-weight `ExpertResult` (coverage and fallbacks)."""
+    run-time activation quantizers; returns the per-weight `ExpertResult` (coverage and fallbacks). `stats`
+    (keyed as `tg`): statistics already collected, instead of a pass of `forward` over `batches`."""
     from jaxlowfp.ptq.gptq import GPTQ, gptq_weight
 
     if not tg:
         return {}
     gptq = isinstance(method, GPTQ)
-    if method.name not in ("rtn", "gptq"):
-        raise ValueError(f"method {method.name!r} folds per-channel scales into nnx.Linear layers; the expert "
-                         f"weights {list(tg)[:3]} are grouped GEMMs: quantize them with rtn or gptq (or keep them "
-                         f"with scheme=None)")
-    for path, (mod, name, _) in tg.items():
-        w = np.asarray(getattr(mod, name)[...])
-        if not np.isfinite(w).all():
-            bad = sorted({int(i) for i in np.nonzero(~np.isfinite(w))[0]})
-            raise ValueError(f"{path}: experts {bad[:8]} hold NaN/Inf weights; refusing to quantize them")
-    stats = collect(model, list(tg), batches, forward=forward, hessian=gptq) if batches is not None else {}
+    check(tg, method)
+    if stats is None:
+        stats = collect(model, list(tg), batches, forward=forward, hessian=gptq) if batches is not None else {}
     shared = _shared_amax(tg)
     out = {}
     for path, (mod, name, sch) in tg.items():

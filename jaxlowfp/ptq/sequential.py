@@ -43,6 +43,7 @@ from flax import nnx
 
 from jaxlowfp._core.progress import progress_bar
 from jaxlowfp.ptq import calibrate
+from jaxlowfp.ptq.experts import RaggedActQuant, grouped_weights
 from jaxlowfp.ptq.layers import default_hook, hook_name
 
 PROPAGATE = ("quantized", "weights")
@@ -125,18 +126,30 @@ def _propagate(graphdef, state, x, fn, act_quant: bool):
     if not act_quant:  # llm-compressor's DisableQuantization: only the (already quantized) weights act
         for mod in calibrate.quantizable_modules(block).values():
             setattr(mod, hook_name(mod), default_hook(mod))
+        for _, mod, name in grouped_weights(block):  # quantized experts: their routed rows in high precision too
+            if isinstance(getattr(mod, "quant_" + name, None), RaggedActQuant):
+                setattr(mod, "quant_" + name, None)
     return fn(block, x)
 
 
 def run(model: nnx.Module, mods: Mapping[str, Any], blocks: Blocks, batches: Sequence[Any], targets: Sequence[str],
         process: Callable[[list[str], dict[str, calibrate.LayerStats]], None], *, hessian: bool,
-        samples_per_batch: int, propagate: str = "quantized", progress: bool = False
+        samples_per_batch: int, propagate: str = "quantized", progress: bool = False,
+        block_hooks: Mapping[str, Callable[[nnx.Module, Sequence[Any], Callable], int]] | None = None
         ) -> tuple[dict[str, float], int]:
     """Calibrate and quantize `targets` block by block (module docstring). ``process(paths, stats)`` quantizes
-    the layers at `paths` (full paths) with their statistics `stats` in place. Returns ({path: activation amax},
-    the peak bytes of statistics and calibration activations held at once)."""
+    the layers at `paths` (full paths) with their statistics `stats` in place. ``block_hooks[path](block, X_k,
+    call)`` calibrates and quantizes what else block `path` holds (its experts, `jaxlowfp.ptq.experts`) on the same
+    inputs, after the block's layer statistics are taken and before `process` (so both see the block unquantized),
+    and returns the bytes of statistics it held. Returns ({path: activation amax}, the peak bytes of statistics and
+    calibration activations held at once)."""
     if propagate not in PROPAGATE:
         raise ValueError(f"propagate={propagate!r} is not supported; allowed: {', '.join(map(repr, PROPAGATE))}")
+    hooks = dict(block_hooks or {})
+    unknown = sorted(set(hooks) - {p for p, _ in blocks.blocks})
+    if unknown:
+        raise ValueError(f"sequential calibration: block_hooks name {unknown[:3]}, which are not blocks of "
+                         f"ptq_blocks() ({[p for p, _ in blocks.blocks][:3]} ...)")
     by_block: dict[str | None, list[str]] = {}
     for t in targets:
         by_block.setdefault(owner(t, blocks), []).append(t)
@@ -150,14 +163,19 @@ def run(model: nnx.Module, mods: Mapping[str, Any], blocks: Blocks, batches: Seq
     for i, (path, call) in enumerate(bar):
         block = mods[path]
         mine = by_block.get(path, [])
-        if mine:
-            rel = [t[len(path) + 1:] for t in mine]
-            st = calibrate.collect(block, rel, xs, forward=call, hessian=hessian, samples_per_batch=samples_per_batch)
-            stats = {f"{path}/{r}": v for r, v in st.items()}
-            del st
-            peak = max(peak, _nbytes(xs) + stats_bytes(stats))
+        if mine or path in hooks:
+            stats: dict[str, calibrate.LayerStats] = {}
+            if mine:
+                rel = [t[len(path) + 1:] for t in mine]
+                st = calibrate.collect(block, rel, xs, forward=call, hessian=hessian,
+                                       samples_per_batch=samples_per_batch)
+                stats = {f"{path}/{r}": v for r, v in st.items()}
+                del st
+            held = hooks[path](block, xs, call) if path in hooks else 0
+            peak = max(peak, _nbytes(xs) + stats_bytes(stats) + held)
             act_amax.update({p: float(np.max(v.amax)) for p, v in stats.items()})
-            process(mine, stats)
+            if mine:
+                process(mine, stats)
             del stats
         if i + 1 < len(blocks.blocks) or None in by_block:
             g, s = nnx.split(block)
