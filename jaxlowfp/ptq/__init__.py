@@ -48,7 +48,7 @@ from jaxlowfp.ptq.calibrate import LayerStats, collect
 from jaxlowfp.ptq.checkpoint import ExportReport, export, load
 from jaxlowfp.ptq.formats import SCHEMES, QuantizedWeight, Scheme, TensorFormat, rtn_weight, scheme
 from jaxlowfp.ptq.gguf_export import GGUFReport, export_gguf
-from jaxlowfp.ptq.pack import PackedLinear, PackReport, pack
+from jaxlowfp.ptq.pack import PackedExperts, PackedLinear, PackReport, pack
 from jaxlowfp.ptq.gptq import GPTQ, gptq_weight
 from jaxlowfp.ptq.protocol import ExportTensor
 from jaxlowfp.ptq.smooth import AWQ, Fold, SmoothQuant
@@ -59,7 +59,7 @@ __all__ = [
     "method_from_name",
     "rtn_weight", "gptq_weight", "smooth_model", "collect", "export", "load", "ExportReport", "export_gguf",
     "GGUFReport", "ExportTensor",
-    "pack", "PackedLinear", "PackReport",
+    "pack", "PackedLinear", "PackedExperts", "PackReport",
 ]
 
 # old names (one release): `quantize` means x -> codes in the format modules; this one quantizes a model

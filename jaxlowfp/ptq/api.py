@@ -178,8 +178,9 @@ def quantize(
       fused: layers that share one NVFP4 global scale, as serving engines fuse them (q/k/v, gate/up): "auto"
         (`jaxlowfp.ptq.serving.fused_groups`), None, or a list of path tuples.
       convention: NVFP4 weight arithmetic, "jaxlowfp" or "compressed-tensors" (llm-compressor's RTN; static_6).
-      pipeline: "sequential" (block by block through the quantized prefix, one block's statistics at a time; needs
-        the model's ``ptq_blocks()``, `jaxlowfp.ptq.sequential`), "one-pass" (every layer's statistics from one
+      pipeline: "sequential" (block by block through the quantized prefix, one block's statistics at a time, a
+        mixture-of-experts block's experts included; needs the model's ``ptq_blocks()``,
+        `jaxlowfp.ptq.sequential`), "one-pass" (every layer's statistics from one
         pass over the unquantized model), or "auto": sequential for GPTQ, SmoothQuant and AWQ when the model has
         ``ptq_blocks()`` and neither `forward` nor `stats` is given, else one-pass.
       propagate: sequential only: "quantized" (the quantized prefix runs as deployed, activation quantization
@@ -205,7 +206,8 @@ def quantize(
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
     targets, kept, unmatched, already, unused, total, done = _select(model, rules)
-    grouped, g_kept, g_unmatched, g_used = experts.targets(model, rules)
+    grouped, g_kept, g_unmatched, g_used, g_before = experts.targets(model, rules)
+    already = (*already, *g_before)
     if grouped or g_kept:  # rules that decided an expert weight are used
         unused = tuple(r for i, r in enumerate(rules) if r.path in unused and i not in g_used)
         unused = tuple(r.path for r in unused)
@@ -217,9 +219,10 @@ def quantize(
                  if p in g_unmatched or p in dict(g_kept))
     if not targets and not grouped:
         names = list(calibrate.quantizable_modules(model))
+        before = f"; quantized before (left alone): {list(already)[:4]}" if already else ""
         raise ValueError(f"no nnx.Linear layer matches a rule with a scheme (nor an nnx.LinearGeneral or "
                          f"nnx.Einsum; rules: {[r.path for r in rules]}); the model's layers: "
-                         f"{names[:12]}{' ...' if len(names) > 12 else ''}")
+                         f"{names[:12]}{' ...' if len(names) > 12 else ''}{before}")
     checks.check_model_weights(model, targets)
     if calibration is not None and stats is not None:
         raise ValueError("pass calibration or stats, not both")

@@ -484,30 +484,46 @@ def _decode(m: str, tensors: Mapping[str, np.ndarray], w_fmt: TensorFormat, conv
 
 
 def _load_experts(model: nnx.Module, path: str, var: Any, names: list[str], meta: Mapping[str, Any],
-                  tensors: Mapping[str, np.ndarray]) -> Scheme | None:
+                  tensors: Mapping[str, np.ndarray], packed: bool = False) -> Scheme | None:
     """Stack the per-expert tensors of `path` into its [E, in, out] parameter; quantized experts decoded in their
-    convention, with the run-time activation quantizer of W4A4 experts (`jaxlowfp.ptq.experts.RaggedActQuant`)."""
+    convention (``packed``: kept as codes and scales, a `jaxlowfp.ptq.PackedExperts`), with the run-time
+    activation quantizer of W4A4 experts (`jaxlowfp.ptq.experts.RaggedActQuant`)."""
     from jaxlowfp import ops
+    from jaxlowfp import packed as packing
     from jaxlowfp.ptq.experts import RaggedActQuant, grouped_weights
 
     info = meta["layers"].get(path)
+    mod, name = next((m, n) for p, m, n in grouped_weights(model) if p == path)
+    convention = meta.get("convention", "jaxlowfp")
     if info is None:
         missing = [n for n in names if n not in tensors]
         if missing:
             raise ValueError(f"tensors {missing[:3]} ({path}) are missing")
         value = np.stack([tensors[n].T for n in names])
+    elif packed:
+        from jaxlowfp.ptq.pack import PackedExperts
+
+        w_fmt = _fmt_from(info["weight"])
+        if w_fmt.kind != "nvfp4":
+            raise NotImplementedError(f"{path}: packed=True loads NVFP4 experts; these are {w_fmt.name}")
+        ws = [packing.from_nvfp4(*_nvfp4_array(m, tensors, w_fmt), convention=convention) for m in info["names"]]
+        shape = (len(ws), ws[0].k, ws[0].n)
+        if shape != tuple(var.shape):
+            raise ValueError(f"{path}: the per-expert packed tensors stack to {shape}; the parameter is "
+                             f"{tuple(var.shape)}")
+        setattr(mod, name, PackedExperts(jax.tree.map(lambda *xs: jnp.stack(xs), *ws),
+                                         kernel_dtype=jnp.dtype(var.dtype)))
     else:
         w_fmt = _fmt_from(info["weight"])
-        value = np.stack([np.asarray(_decode(m, tensors, w_fmt, meta.get("convention", "jaxlowfp"))).T
-                          for m in info["names"]])
-    if tuple(value.shape) != tuple(var.shape):
-        raise ValueError(f"{path}: the per-expert tensors stack to {value.shape}; the parameter is {var.shape}")
-    var.set_value(jnp.asarray(value, var[...].dtype))
+        value = np.stack([np.asarray(_decode(m, tensors, w_fmt, convention)).T for m in info["names"]])
+    if info is None or not packed:
+        if tuple(value.shape) != tuple(var.shape):
+            raise ValueError(f"{path}: the per-expert tensors stack to {value.shape}; the parameter is {var.shape}")
+        var.set_value(jnp.asarray(value, var.dtype))
     if info is None:
         return None
     a_fmt = _fmt_from(info["activation"])
     if a_fmt is not None:
-        mod, name = next((m, n) for p, m, n in grouped_weights(model) if p == path)
         amax = info.get("input_amax")
         setattr(mod, "quant_" + name, RaggedActQuant(a_fmt, info.get("activation_scale") or "token",
                                                      None if amax is None else tuple(amax), path,
@@ -546,10 +562,7 @@ def load(model: nnx.Module, directory: str | Path, *, packed: bool = False, back
     for path, var in params.items():
         mod_path, leaf = path.rsplit("/", 1) if "/" in path else ("", path)
         if isinstance(names.get(path), list):  # a grouped expert weight [E, in, out], one tensor per expert
-            if packed:
-                raise NotImplementedError(f"{directory}: packed=True for a mixture-of-experts export ({path}) is not "
-                                          f"implemented yet; load it with packed=False (experts decoded)")
-            sch = _load_experts(model, path, var, names[path], meta, tensors)
+            sch = _load_experts(model, path, var, names[path], meta, tensors, packed)
             if sch is not None:
                 schemes[path] = sch
             continue

@@ -111,13 +111,17 @@ class _Recorder:
 
 
 def targets(model: nnx.Module, rules: Sequence[Any]) -> tuple[dict[str, tuple[nnx.Module, str, Scheme]], list, list,
-                                                               set[int]]:
+                                                               set[int], list[str]]:
     """The expert weights `rules` quantize: ({path: (module, weight name, scheme)}, kept [(path, rule regex)],
-    unmatched [path], indices of the rules that decided one)."""
-    out, kept, unmatched, used = {}, [], [], set()
+    unmatched [path], indices of the rules that decided one, the paths quantized before)."""
+    out, kept, unmatched, used, before = {}, [], [], set(), []
+    from jaxlowfp.packed import PackedParam
+
     for path, module, name in grouped_weights(model):
-        if isinstance(getattr(module, "quant_" + name, None), RaggedActQuant):
-            continue  # quantized before
+        if isinstance(getattr(module, "quant_" + name, None), RaggedActQuant) or isinstance(
+                getattr(module, name), PackedParam):
+            before.append(path)  # quantized before (a packed weight: jaxlowfp.ptq.pack)
+            continue
         idx = next((i for i, r in enumerate(rules) if r.matches(path)), None)
         if idx is None:
             unmatched.append(path)
@@ -131,7 +135,7 @@ def targets(model: nnx.Module, rules: Sequence[Any]) -> tuple[dict[str, tuple[nn
             raise ValueError(f"{path}: an expert weight must be [E, K, N]; got shape {tuple(w.shape)}")
         rules[idx].scheme.check_layer(int(w.shape[1]), int(w.shape[2]), path)
         out[path] = (module, name, rules[idx].scheme)
-    return out, kept, unmatched, used
+    return out, kept, unmatched, used, before
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))

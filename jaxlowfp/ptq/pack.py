@@ -7,7 +7,10 @@ the float kernel is dropped, not kept alongside, so the model's memory is the fo
 one, else dequantize + dot), with the activations quantized at run time exactly as the PTQ'd layer's `ActQuant`
 does. Module paths and state paths stay as they were (``blocks/0/mlp/up_proj/kernel``). A quantized
 ``nnx.LinearGeneral`` or ``nnx.Einsum`` keeps its module and gets a :class:`PackedKernel` (its ``W'`` packed, read by
-the layer's own code as the decoded kernel: the "dequant" backend).
+the layer's own code as the decoded kernel: the "dequant" backend). A quantized mixture-of-experts weight
+(``blocks/<i>/mlp/experts/gate_proj``, [E, K, N]) becomes a :class:`PackedExperts`: every expert's ``W'_e`` packed,
+stacked along a leading expert axis, decoded inside the forward for the experts module's own grouped GEMM
+(``jax.lax.ragged_dot`` through its activation quantizer, as PTQ left it): the "dequant" backend too.
 
 Where the codes come from:
   - NVFP4: ``result.packed`` (the arrays PTQ made, in its convention); nothing is requantized.
@@ -32,8 +35,10 @@ from jaxlowfp import formats, packed
 from jaxlowfp.packed_layer import PackedLinear, replace_modules
 from jaxlowfp.ptq.api import PTQResult
 from jaxlowfp.ptq.layers import ActQuant, layout, quantizable_modules
+from jaxlowfp.qnnx.rules import grouped_weights
 
-__all__ = ["PackedLinear", "PackedKernel", "PackReport", "pack", "packed_layers", "replace_modules", "report_of"]
+__all__ = ["PackedLinear", "PackedKernel", "PackedExperts", "PackReport", "pack", "packed_layers", "replace_modules",
+           "report_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +122,48 @@ class PackedKernel(packed.PackedParam):
         return self.kernel_layout.from_matrix(w.dequantize(jnp.float32).astype(self.kernel_dtype))[key]
 
 
+class PackedExperts(packed.PackedParam):
+    """The packed weight ``[E, K, N]`` of a mixture-of-experts module (`pack`): a `PackedParam` whose value is the
+    E experts' `PackedWeight` of ``W'_e [K, N]`` stacked along a leading expert axis (every leaf ``[E, ...]``).
+    ``weight[...]`` decodes each expert to float32 (``jax.vmap`` of `PackedWeight.dequantize`), rounds once to
+    ``kernel_dtype`` and gives ``[E, K, N]``, inside the forward, so the experts module's grouped GEMM and its
+    activation quantizer run as before; only the storage is packed (the "dequant" backend)."""
+
+    def __getitem__(self, key: Any) -> jax.Array:
+        w = self.get_value()
+        return jax.vmap(lambda x: x.dequantize(jnp.float32))(w).astype(self.kernel_dtype)[key]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        w = self.get_value()
+        return (int(jax.tree.leaves(w)[0].shape[0]), w.k, w.n)
+
+
+def _expert_weights(path: str, kernel: jax.Array, result: PTQResult) -> packed.PackedWeight:
+    """The stacked packed arrays of expert weight `path` (`PackedExperts`), each expert checked to decode to the
+    PTQ'd `kernel` [E, K, N] bit for bit."""
+    res = result.experts[path]
+    fmt = res.scheme.weight if res.scheme is not None else None
+    if fmt is None:
+        raise ValueError(f"{path}: the PTQ result records no scheme for this expert weight")
+    out = []
+    for e in range(int(kernel.shape[0])):
+        where = f"{path}[expert {e}]"
+        if fmt.kind == "nvfp4":
+            if e >= len(res.packed):
+                raise ValueError(f"{where}: the PTQ result has no packed NVFP4 arrays for this expert")
+            arr, s_enc = res.packed[e]
+            w = packed.from_nvfp4(arr, s_enc)  # experts are quantized in jaxlowfp's arithmetic (ptq.experts)
+        else:
+            w = _requantized(kernel[e], fmt, where)
+        if w.shape != tuple(kernel.shape[1:]) or not bool(jnp.all(w.dequantize(jnp.float32).astype(kernel.dtype)
+                                                                  == kernel[e])):
+            raise ValueError(f"{where}: the {w.format.name} arrays do not decode to the model's expert weight bit for "
+                             f"bit (was the model changed after ptq.quantize, or is this another model's result?)")
+        out.append(w)
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *out)
+
+
 def _weight(path: str, mod: nnx.Module, result: PTQResult) -> packed.PackedWeight:
     fmt = result.schemes[path].weight
     lay = layout(mod, path)
@@ -147,7 +194,7 @@ def pack(model: nnx.Module, result: PTQResult, *, backend: str = "auto", paths: 
       result: its `PTQResult`.
       backend: "auto", "scaled_matmul", "fp8" or "dequant" (`jaxlowfp.backends`); an explicit one is checked for
         every layer on `device` before anything changes.
-      paths: the layers to pack (default: every layer `result` quantized).
+      paths: the layers to pack (default: every layer `result` quantized, mixture-of-experts weights included).
       device: what `backend` is checked against and the report describes (default JAX's first device).
 
     Returns a :class:`PackReport`. Every check runs before the model changes, so an error leaves it as it was.
@@ -156,17 +203,37 @@ def pack(model: nnx.Module, result: PTQResult, *, backend: str = "auto", paths: 
         raise TypeError(f"model must be an nnx.Module; got {type(model).__name__}")
     if not isinstance(result, PTQResult):
         raise TypeError(f"result must be the PTQResult of jaxlowfp.ptq.quantize; got {type(result).__name__}")
-    todo = list(result.schemes) if paths is None else list(paths)
-    unknown = [p for p in todo if p not in result.schemes]
+    done = [*result.schemes, *result.experts]
+    todo = list(done) if paths is None else list(paths)
+    unknown = [p for p in todo if p not in done]
     if unknown:
         raise ValueError(f"paths {unknown[:4]} were not quantized by this PTQ result; it quantized "
-                         f"{list(result.schemes)[:6]}{' ...' if len(result.schemes) > 6 else ''}")
+                         f"{done[:6]}{' ...' if len(done) > 6 else ''}")
+    grouped = {p: (mod, name) for p, mod, name in grouped_weights(model)}
+    experts: dict[str, tuple[nnx.Module, str, PackedExperts]] = {}
     mods = quantizable_modules(model)
     new: dict[str, PackedLinear] = {}
     general: dict[str, PackedKernel] = {}
     rows = []
     float_bytes = packed_bytes = params = 0
     for path in todo:
+        if path in result.experts:
+            if path not in grouped or isinstance(getattr(*grouped[path]), packed.PackedParam):
+                raise ValueError(f"{path}: " + ("already packed" if path in grouped else "no such expert weight in "
+                                                                                       "this model"))
+            if backend not in ("auto", "dequant"):
+                raise ValueError(f"{path}: packed experts run the 'dequant' backend (each expert's weight decoded "
+                                 f"inside the forward, then the experts' grouped GEMM; no block-scaled grouped GEMM "
+                                 f"path yet); got backend={backend!r}: use 'auto' or 'dequant'")
+            mod, name = grouped[path]
+            kernel = getattr(mod, name)[...]
+            w = _expert_weights(path, kernel, result)
+            experts[path] = (mod, name, PackedExperts(w, kernel_dtype=jnp.dtype(kernel.dtype)))
+            rows.append((path, w.format.name, "dequant", False))
+            params += int(np.prod(kernel.shape))
+            float_bytes += int(kernel.nbytes)
+            packed_bytes += w.nbytes
+            continue
         mod = mods.get(path)
         if mod is None or isinstance(getattr(mod, "kernel", None), PackedKernel):
             have = set(packed_layers(model)) | ({path} if mod is not None else set())
@@ -204,6 +271,8 @@ def pack(model: nnx.Module, result: PTQResult, *, backend: str = "auto", paths: 
     replace_modules(model, {path: (mods[path], layer) for path, layer in new.items()})
     for path, kern in general.items():
         setattr(mods[path], "kernel", kern)  # the float kernel is dropped; the layer reads the packed one
+    for path, (mod, name, var) in experts.items():
+        setattr(mod, name, var)
     return PackReport(layers=tuple(rows), params=params, float_bytes=float_bytes, packed_bytes=packed_bytes)
 
 
@@ -218,6 +287,14 @@ def report_of(model: nnx.Module, device: Any = None) -> PackReport:
             rows.append((path, w.format.name, "dequant", False))
             params += w.k * w.n
             float_bytes += w.k * w.n * kern.kernel_dtype.itemsize
+            packed_bytes += w.nbytes
+    for path, mod, name in grouped_weights(model):
+        var = getattr(mod, name)
+        if isinstance(var, PackedExperts):
+            w = var.get_value()
+            rows.append((path, w.format.name, "dequant", False))
+            params += int(np.prod(var.shape))
+            float_bytes += int(np.prod(var.shape)) * var.kernel_dtype.itemsize
             packed_bytes += w.nbytes
     for path, layer in packed_layers(model).items():
         w = layer.kernel.get_value()
