@@ -9,9 +9,10 @@ order than one device's. A code whose GPTQ-updated weight lies near a rounding b
 4/6 candidates have nearly equal error) can then go either way, and that change feeds the rest of the row's column
 loop. The child measures how many codes the order alone moves: one device, the same rows permuted. Measured at
 LLVM -O0 on this VM (SmolLM2, block 0's MLP, 8 x 32 rows): 5,749 of 2,654,208 codes (0.22 %) differ on the mesh,
-6,426 in the control (scales: 424 and 482); on the tiny Llama none in either. The test allows the mesh twice the control plus 0.05 % of
-the codes (another CPU, another LLVM level, another order). The export must differ from the one-device export
-exactly there: in those layers' ``weight_packed`` (the same count of codes) and ``weight_scale``, nowhere else."""
+6,426 in the control (scales: 424 and 482); on the tiny Llama none in either. The test allows the mesh twice the
+control plus 0.05 % of the codes (another CPU, another LLVM level, another order). The export must differ from the
+one-device export exactly there: in those layers' ``weight_packed`` (the same count of codes) and
+``weight_scale``, nowhere else."""
 from __future__ import annotations
 
 import json

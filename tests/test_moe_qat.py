@@ -1,6 +1,8 @@
-"""QAT of mixture-of-experts models (issue 29 item 2): the expert weights of a tiny Qwen3-MoE written by transformers
-quantized through `jaxlowfp.qnnx` rules, their grouped GEMMs run as `jaxlowfp.ops.ragged_dot`, a short training run
-with HiF8 and NVFP4 4/6."""
+"""QAT of mixture-of-experts models (issue 29 item 2): the expert weights of a tiny Qwen3-MoE and a tiny Mixtral
+written by transformers quantized through `jaxlowfp.qnnx` rules and through the Qwix provider (interception of
+`jax.lax.ragged_dot`), their grouped GEMMs run as `jaxlowfp.ops.ragged_dot`, a short training run with HiF8 and
+NVFP4 4/6. Mixtral's experts have 24 inputs to down_proj (not whole 16-value NVFP4 blocks): NVFP4 quantizes its
+gate / up weights only."""
 from pathlib import Path
 
 import jax
@@ -18,13 +20,17 @@ FIX = Path(__file__).parent / "fixtures" / "moe"
 EXPERTS = r"blocks/\d+/mlp/experts/(gate|up|down)_proj"
 
 
-@pytest.mark.parametrize("recipe", [qat.hif8_w8a8(history_len=8), qat.nvfp4_w4a4("mse")], ids=lambda r: r.name)
-def test_short_qat_run_on_a_tiny_qwen3_moe(recipe):
-    model, _ = load(FIX / "qwen3_moe")
+@pytest.mark.parametrize("family,recipe,path", [
+    ("qwen3_moe", qat.hif8_w8a8(history_len=8), EXPERTS), ("qwen3_moe", qat.nvfp4_w4a4("mse"), EXPERTS),
+    ("mixtral", qat.nvfp4_w4a4("mse"), r"blocks/\d+/mlp/experts/(gate|up)_proj")],
+    ids=lambda v: getattr(v, "name", v if isinstance(v, str) and "/" not in v else ""))
+def test_short_qat_run_on_a_tiny_moe(family, recipe, path):
+    model, _ = load(FIX / family)
     ref = np.asarray(jax.jit(lambda m, x: m(x))(model, jnp.arange(12, dtype=jnp.int32)[None] % 100))
-    report = qnnx.quantize_model(model, [qnnx.Rule(path=EXPERTS, recipe=recipe)])
+    report = qnnx.quantize_model(model, [qnnx.Rule(path=path, recipe=recipe)])
     n_sparse = sum(1 for p, _ in report.quantized)
-    assert n_sparse >= 3 and all(p.rsplit("/", 1)[1] in ("gate_proj", "up_proj", "down_proj") for p, _ in report.quantized)
+    assert n_sparse >= 3 and all(p.rsplit("/", 1)[1] in ("gate_proj", "up_proj", "down_proj")
+                                 for p, _ in report.quantized)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 100, (4, 17)), jnp.int32)
     tx = optax.adam(1e-4)
     graphdef, state = training.init(model, tx)
@@ -55,3 +61,40 @@ def test_dense_reference_refuses_quantized_experts():
     qnnx.quantize_model(model, [qnnx.Rule(path=EXPERTS, recipe=qat.hif8_w8a8())])
     with pytest.raises(ValueError, match="dense per-expert reference computes no quantized product"):
         with_experts_impl(model, "dense")(jnp.zeros((1, 4), jnp.int32))
+
+
+@pytest.mark.parametrize("family,recipe", [("qwen3_moe", qat.nvfp4_w4a4("mse")),
+                                           ("mixtral", qat.hif8_w8a8(history_len=8))],
+                         ids=["qwen3_moe-nvfp4", "mixtral-hif8"])
+def test_qwix_provider_trains_a_tiny_moe(family, recipe):
+    """`qwix.quantize_model` with a `jaxlowfp.qwix_provider` rule on the experts modules: each block's three
+    `jax.lax.ragged_dot` calls are intercepted (a `QuantRaggedOp` child each, per-expert state), the quantized
+    forward equals the `qnnx` rules' quantization of the same weights (the same op layer reached by another module
+    structure: within float32 rounding), and two training steps update every expert's history."""
+    import qwix
+
+    from jaxlowfp import qwix_provider
+
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 100, (4, 17)), jnp.int32)
+    model, _ = load(FIX / family)
+    provider = qwix_provider.RecipeProvider([qwix_provider.RecipeRule(
+        module_path=r"blocks/\d+/mlp/experts", op_names=("ragged_dot",), recipe=recipe)])
+    qm = qwix.quantize_model(model, provider, tokens[:, :-1])
+    assert provider.executed() == tuple((f"blocks/{b}/mlp/experts", f"ragged_dot{i}", recipe.name)
+                                        for b in range(2) for i in range(3))
+    by_rules, _ = load(FIX / family)
+    qnnx.quantize_model(by_rules, [qnnx.Rule(path=EXPERTS, recipe=recipe)])
+    by_rules(tokens[:, :-1])  # the example call qwix made, so delayed scaling has the same one-entry history
+    fwd = jax.jit(lambda m, x: m(x))
+    np.testing.assert_allclose(np.asarray(fwd(qm, tokens)), np.asarray(fwd(by_rules, tokens)), atol=1e-4, rtol=0)
+    tx = optax.adam(1e-4)
+    graphdef, state = training.init(qm, tx)
+    step = jax.jit(training.make_step(graphdef, tx, loss_fn, microbatches=2))
+    for _ in range(2):
+        state, metrics = step(state, tokens)
+        assert np.isfinite(float(metrics["loss"]))
+    trained = nnx.merge(graphdef, state.params, state.qstate, state.rest)
+    ops = [op for _, op in qnnx.iter_quant_ops(trained) if isinstance(op, qnnx.QuantRaggedOp)]
+    assert len(ops) == 6
+    for op in ops:  # the interception's example call, then two steps
+        assert np.all(np.asarray(op.amax.get_value().weight.count) == 3)

@@ -12,7 +12,6 @@ compared within float32 rounding (measured 0.0 on these checkpoints; the bound k
 from __future__ import annotations
 
 import os
-import tracemalloc
 import warnings
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -211,7 +210,17 @@ def _module(model, path):
     return m
 
 
-def _peak(fn):
+_PEAK_CHILD = """
+import json, sys, tracemalloc
+import jax
+import numpy as np
+from flax import nnx
+from jaxlowfp import models
+from jaxlowfp.ptq.pack import report_of
+path = sys.argv[1]
+
+
+def peak(fn):
     tracemalloc.start()
     try:
         out = fn()
@@ -220,25 +229,48 @@ def _peak(fn):
         tracemalloc.stop()
 
 
+def state_bytes(model):
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(nnx.state(model)))
+
+
+for packed_ in (False, True):  # warm: jax's first-use allocations (tracing caches) are counted in neither
+    models.load(path, tokenizer=None, packed=packed_)
+(ref, _), float_peak = peak(lambda: models.load(path, tokenizer=None))
+(model, _), packed_peak = peak(lambda: models.load(path, tokenizer=None, packed=True))
+rep = report_of(model)
+print(json.dumps({"float_peak": float_peak, "packed_peak": packed_peak, "float_state": state_bytes(ref),
+                  "packed_state": state_bytes(model), "float_bytes": rep.float_bytes,
+                  "packed_bytes": rep.packed_bytes}))
+"""
+
+
 def test_packed_load_peak_host_bytes_are_below_the_float_load():
     """tracemalloc sees the host (numpy) allocations of a load; the model's resident state is counted leaf by
-    leaf (on CPU the device buffers are host memory that tracemalloc does not trace)."""
-    for packed_ in (False, True):  # warm: jax's first-use allocations (tracing caches) are counted in neither
-        models.load(LLMC, tokenizer=None, packed=packed_)
-    (ref, _), float_peak = _peak(lambda: models.load(LLMC, tokenizer=None))
-    (model, _), packed_peak = _peak(lambda: models.load(LLMC, tokenizer=None, packed=True))
-    rep = report_of(model)
+    leaf (on CPU the device buffers are host memory that tracemalloc does not trace). In a fresh interpreter: in a
+    long-lived test worker, caches that other tests filled are refilled during one load or the other (seen: the
+    packed load 8.7 % above the float one in a full run, 0.2 % when the file ran alone)."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import child_xla_flags
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_FLAGS")} | {
+        "JAX_PLATFORMS": "cpu", "XLA_FLAGS": child_xla_flags()}
+    proc = subprocess.run([sys.executable, "-c", _PEAK_CHILD, str(LLMC)], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
     size = (LLMC / "model.safetensors").stat().st_size
-    fb, pb = _state_bytes(ref), _state_bytes(model)
-    print(f"llm-compressor fixture: peak host bytes of the load: float {float_peak}, packed {packed_peak} (file "
-          f"{size} B; float32 kernels {rep.float_bytes} B, packed {rep.packed_bytes} B); model state bytes: float "
-          f"{fb}, packed {pb}")
+    print(f"llm-compressor fixture: peak host bytes of the load: float {r['float_peak']}, packed {r['packed_peak']} "
+          f"(file {size} B; float32 kernels {r['float_bytes']} B, packed {r['packed_bytes']} B); model state bytes: "
+          f"float {r['float_state']}, packed {r['packed_state']}")
     # On this fixture the host peak is the file and the high-precision embedding (the float loader decodes one kernel
-    # at a time and moves it to the device, where tracemalloc does not look), so the two peaks are within 0.1 %
-    # (measured); the saving is in the model's resident state, checked exactly below. That no kernel is ever
-    # decoded is `_no_decode`'s proof.
-    assert packed_peak <= 1.01 * float_peak
-    assert fb - pb == rep.float_bytes - rep.packed_bytes  # exactly the kernels' bytes are saved
+    # at a time and moves it to the device, where tracemalloc does not look), so the two peaks are close (measured
+    # in the child, three runs: float 513.8 kB, packed 481.7 kB, each within 0.1 kB); the saving is in the model's
+    # resident state, checked exactly below. That no kernel is ever decoded is `_no_decode`'s proof.
+    assert r["packed_peak"] <= 1.01 * r["float_peak"]
+    assert r["float_state"] - r["packed_state"] == r["float_bytes"] - r["packed_bytes"]  # the kernels' bytes saved
 
 
 def _state_bytes(model):
