@@ -103,8 +103,14 @@ def _format_problem(backend: str, w: PackedFormat, act: PackedFormat | None) -> 
     return None
 
 
-def _device_problem(backend: str, device: Any) -> tuple[str | None, bool, str]:
-    """(problem or None, native, description) of `backend` on `device`."""
+# Block-scaled formats XLA's GPU compiler hands to cuDNN's block-scaled GEMM. MXFP4 is not among them in jax 0.12:
+# deviceless compilation for sm_100a (scripts/compile_backends.py, case "mxfp4 W4A4") expands its scaled_matmul
+# into convert, multiply and a float32 dot, so it is not reported native there.
+CUDNN_BLOCK_SCALED = ("nvfp4", "mxfp8")
+
+
+def _device_problem(backend: str, device: Any, kind: str | None = None) -> tuple[str | None, bool, str]:
+    """(problem or None, native, description) of `backend` on `device` for weights of format `kind`."""
     where = _describe(device)
     if backend == "dequant":
         return None, False, f"dequantize + dot in high precision on {where}"
@@ -118,6 +124,9 @@ def _device_problem(backend: str, device: Any) -> tuple[str | None, bool, str]:
         if cc < need:
             return (f"{what} needs compute capability >= {need / 10:.1f}; the device is {where}. Use "
                     f"backend='dequant' or 'auto'"), False, where
+        if backend == "scaled_matmul" and kind is not None and kind not in CUDNN_BLOCK_SCALED:
+            return None, False, (f"jax.nn.scaled_matmul of {kind} on {where}: XLA expands it into convert, multiply "
+                                 f"and a float32 dot (no cuDNN block-scaled GEMM for {kind} in jax 0.12)")
         return None, True, f"{what} on {where}"
     return (f"{what} is built and checked for NVIDIA GPUs (compute capability >= {need / 10:.1f}), CPU and TPU "
             f"(emulated); the device is {where}. Use backend='dequant' or 'auto'"), False, where
@@ -137,14 +146,14 @@ def plan(w: PackedWeight | PackedFormat, activation: Any = None, backend: str = 
         problem = _format_problem(backend, fmt, act)
         if problem:
             raise ValueError(f"{at}backend={backend!r}: {problem}")
-        problem, native, reason = _device_problem(backend, dev)
+        problem, native, reason = _device_problem(backend, dev, fmt.kind)
         if problem:
             raise BackendUnavailableError(f"{at}backend={backend!r}: {problem}")
         return Plan(backend=backend, native=native, reason=reason)
     chosen = None
     for cand in ("scaled_matmul", "fp8"):
         if _format_problem(cand, fmt, act) is None:
-            problem, native, reason = _device_problem(cand, dev)
+            problem, native, reason = _device_problem(cand, dev, fmt.kind)
             if problem is None and native:
                 chosen = Plan(backend=cand, native=True, reason=reason)
             break

@@ -13,6 +13,8 @@ choice is asserted too:
     Six included, inside the program), ``nvfp4 16x16 weights``, ``mxfp8 W8A8``, and ``nvfp4 W4A4 4/6, per-token
     scales`` (`backends.scaled_matmul_rows`: each row quantized with its own global scale, factored out of the
     product; what a packed layer with ``activation_scale="token"`` runs on "scaled_matmul"): sm_100a (B200);
+  - ``mxfp4 W4A4`` with ``backend="scaled_matmul"`` asked for: XLA expands it into a float32 dot on sm_100a (no
+    cuDNN call), which is why "auto" takes "dequant" for MXFP4 and the plan does not call it native;
   - ``fp8 W8A8``: sm_90a (H100), with XLA's default GEMM choice (deviceless: no autotuning, so its Triton GEMM
     emitter, which keeps the float8 operands) and with ``xla_gpu_enable_triton_gemm=False`` (cuBLASLt).
 
@@ -44,6 +46,7 @@ CASES: dict[str, tuple[str, str, str, str, dict]] = {
     "nvfp4 W4A4 4/6 (mse)": ("sm_100 (B200)", "nvfp4-mse", "nvfp4-mse", "auto", {}),
     "nvfp4 16x16 weights, 4/6 activations": ("sm_100 (B200)", "nvfp4-mse-16x16", "nvfp4-mse", "auto", {}),
     "mxfp8 W8A8": ("sm_100 (B200)", "mxfp8", "mxfp8", "auto", {}),
+    "mxfp4 W4A4 (scaled_matmul asked for)": ("sm_100 (B200)", "mxfp4", "mxfp4", "scaled_matmul", {}),
     "nvfp4 W4A4 4/6, per-token scales": ("sm_100 (B200)", "nvfp4-mse", "nvfp4-mse", ROWS, {}),
     "fp8 W8A8 (XLA's default GEMM)": ("sm_90 (H100)", "fp8", "fp8", "auto", {}),
     "fp8 W8A8 (cuBLASLt: no Triton GEMM)": ("sm_90 (H100)", "fp8", "fp8", "auto",

@@ -269,6 +269,12 @@ def test_backend_availability_per_device():
     assert backends.plan(fp8, "fp8", "auto", device=h100).backend == "fp8"
     assert backends.plan(fp8, "fp8", "auto", device=a100).backend == "dequant"
     assert backends.plan(packed.PackedFormat(kind="hif8"), "hif8", "auto", device=b200).backend == "dequant"
+    # MXFP4: XLA expands its scaled_matmul into a float32 dot even on sm_100a (tests/test_gpu_compile_backends.py),
+    # so auto does not pick it and an explicit request is not reported native
+    mx4 = packed.PackedFormat(kind="mxfp4")
+    assert backends.plan(mx4, "mxfp4", "auto", device=b200).backend == "dequant"
+    explicit = backends.plan(mx4, "mxfp4", "scaled_matmul", device=b200)
+    assert not explicit.native and "float32 dot" in explicit.reason
     cpu = backends.plan(nv, "nvfp4-mse", "auto")
     assert cpu.backend == "dequant" and "cpu" in cpu.reason
     emulated = backends.plan(nv, "nvfp4-mse", "scaled_matmul")
@@ -276,11 +282,11 @@ def test_backend_availability_per_device():
 
 
 def test_auto_logs_its_choice_once(caplog):
-    fmt = packed.PackedFormat(kind="mxfp4")
-    backends._LOGGED.discard((fmt.name, "mxfp4", "NVIDIA B200"))
+    fmt = packed.PackedFormat(kind="mxfp8")
+    backends._LOGGED.discard((fmt.name, "mxfp8", "NVIDIA B200"))
     with caplog.at_level("INFO", logger="jaxlowfp.backends"):
         for _ in range(3):
-            backends.plan(fmt, "mxfp4", device=_gpu("NVIDIA B200", "10.0"))
+            backends.plan(fmt, "mxfp8", device=_gpu("NVIDIA B200", "10.0"))
     msgs = [r.getMessage() for r in caplog.records if "backend=" in r.getMessage()]
     assert len(msgs) == 1 and "'scaled_matmul'" in msgs[0] and "B200" in msgs[0]
 

@@ -167,3 +167,26 @@ def test_pack_refuses_bad_input_and_leaves_the_model_unchanged():
         ptq.pack(model, res, paths=["up_proj"])
     with pytest.raises(TypeError, match="PTQResult"):
         ptq.pack(model, {})
+
+
+def test_pack_for_a_device_without_the_backend_is_refused_before_any_change():
+    """`pack(device=)` plans every layer for that device first: NVFP4 on scaled_matmul needs sm_100 (cuDNN's
+    block-scaled GEMM), so an H100 (a stand-in device object, as tests/test_packed.py's) is refused by name and the
+    model keeps its float kernels; a B200 is accepted (the report says native), and on this CPU the same layers
+    run (jax's emulation of scaled_matmul)."""
+    import types
+
+    from jaxlowfp import backends
+
+    def gpu(kind, cc):
+        return types.SimpleNamespace(platform="gpu", device_kind=kind, compute_capability=cc)
+
+    model = _MLP(nnx.Rngs(0))
+    res = ptq.quantize_model(model, [ptq.Rule(path=r".*_proj", scheme=ptq.scheme("nvfp4-mse"))],
+                             activation_scale="tensor", progress=False)
+    with pytest.raises(backends.BackendUnavailableError, match=r"_proj: backend=.scaled_matmul.: .*compute capability >= 10.0.*H100"):
+        ptq.pack(model, res, backend="scaled_matmul", device=gpu("NVIDIA H100 80GB HBM3", "9.0"))
+    assert packed_layers(model) == {} and isinstance(model.up_proj.kernel, nnx.Param)
+    rep = ptq.pack(model, res, backend="scaled_matmul", device=gpu("NVIDIA B200", "10.0"))
+    assert {r[2:] for r in rep.layers} == {("scaled_matmul", True)}
+    assert np.isfinite(np.asarray(model(jnp.ones((2, 64), jnp.float32)))).all()

@@ -13,7 +13,9 @@ With ``X_0 = embed(tokens)`` for every calibration batch::
     layers outside every block (e.g. a head): statistics on head(X_N), then process
 
 Within a block every layer sees the block's unquantized earlier layers during its calibration pass (as in
-llm-compressor). ``propagate="quantized"`` runs the quantized block as it is deployed (weights and run-time
+llm-compressor). A mixture-of-experts block's expert weights are calibrated on the same ``X_k`` (`run`'s
+``block_hooks``, `jaxlowfp.ptq.experts`: each expert on the rows block k's router sends it) and quantized before
+the block's linear layers. ``propagate="quantized"`` runs the quantized block as it is deployed (weights and run-time
 activation quantization), ``"weights"`` with its activations in high precision (llm-compressor: its pipeline runs
 under ``DisableQuantization``, so only the weights are quantized while propagating).
 
