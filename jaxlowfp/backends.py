@@ -7,15 +7,17 @@ only). Backends, chosen like ``impl=``::
     "scaled_matmul"  jax.nn.scaled_matmul on our codes and scales: NVFP4 (E2M1 x E4M3 block scales, the two float32
                      global scales multiplied into the output), MXFP8 (E4M3 x E8M0), MXFP4 (E2M1 x E8M0). The
                      activations are quantized by OUR quantizer (`jaxlowfp.nvfp4.quantize`, Four Over Six included;
-                     `jaxlowfp.mx.quantize`), then the GEMM. On sm_100+ this lowers to cuDNN's block-scaled GEMM
-                     (``__cudnn$blockScaledDot``); on CPU and TPU jax emulates it (convert, multiply, float32 dot).
+                     `jaxlowfp.mx.quantize`), then the GEMM. On sm_100+ NVFP4 and MXFP8 lower to cuDNN's
+                     block-scaled GEMM (``__cudnn$blockScaledDot``), MXFP4 to a float32 dot (XLA expands it, jax
+                     0.12); on CPU and TPU jax emulates it (convert, multiply, float32 dot).
     "fp8"            lax.dot_general on float8_e4m3fn operands, the per-tensor scales applied to the float32 output:
                      the pattern XLA's GEMM rewriter turns into cuBLASLt's FP8 GEMM on sm_89+
                      (``__cublas$lt$matmul$f8``).
     "dequant"        dequantize the weight and dot in the compute dtype (XLA fuses the dequantization into the
                      GEMM's operand): every format, every device. HiF8 and IF4 have no hardware GEMM and always take it.
-    "auto"           scaled_matmul on a CUDA GPU of compute capability >= 10.0 for NVFP4 / MX W4A4 / W8A8; fp8 on >= 8.9
-                     for FP8 W8A8; else dequant. What it picked is logged once per (format, activation, device kind).
+    "auto"           scaled_matmul on a CUDA GPU of compute capability >= 10.0 for NVFP4 W4A4 / MXFP8 W8A8; fp8 on
+                     >= 8.9 for FP8 W8A8; else dequant. What it picked is logged once per (format, activation,
+                     device kind).
 
 An explicit backend that cannot run raises :class:`BackendUnavailableError` (the device) or ``ValueError`` (the
 format), never falls back. :func:`plan` says what would run and why; ``return_backend=True`` returns it with the
