@@ -12,6 +12,7 @@ import optax
 import pytest
 from flax import nnx
 
+import jaxlowfp
 from jaxlowfp import qat, qnnx, training
 from jaxlowfp.models import load
 from jaxlowfp.models.llama import loss_fn
@@ -70,7 +71,7 @@ def test_qwix_provider_trains_a_tiny_moe(family, recipe):
     """`qwix.quantize_model` with a `jaxlowfp.qwix_provider` rule on the experts modules: each block's three
     `jax.lax.ragged_dot` calls are intercepted (a `QuantRaggedOp` child each, per-expert state), the quantized
     forward equals the `qnnx` rules' quantization of the same weights (the same op layer reached by another module
-    structure: within float32 rounding), and two training steps update every expert's history."""
+    structure: within float32 rounding), and a training step updates every expert's history."""
     import qwix
 
     from jaxlowfp import qwix_provider
@@ -84,17 +85,19 @@ def test_qwix_provider_trains_a_tiny_moe(family, recipe):
                                         for b in range(2) for i in range(3))
     by_rules, _ = load(FIX / family)
     qnnx.quantize_model(by_rules, [qnnx.Rule(path=EXPERTS, recipe=recipe)])
-    by_rules(tokens[:, :-1])  # the example call qwix made, so delayed scaling has the same one-entry history
+    if isinstance(recipe.activation.scaling, jaxlowfp.DelayedScaling):  # qwix's example call recorded one amax
+        nnx.jit(lambda m, x: m(x))(by_rules, tokens[:, :-1])  # the same one-entry history here
     fwd = jax.jit(lambda m, x: m(x))
     np.testing.assert_allclose(np.asarray(fwd(qm, tokens)), np.asarray(fwd(by_rules, tokens)), atol=1e-4, rtol=0)
     tx = optax.adam(1e-4)
     graphdef, state = training.init(qm, tx)
-    step = jax.jit(training.make_step(graphdef, tx, loss_fn, microbatches=2))
-    for _ in range(2):
-        state, metrics = step(state, tokens)
-        assert np.isfinite(float(metrics["loss"]))
+    step = jax.jit(training.make_step(graphdef, tx, loss_fn))
+    state, metrics = step(state, tokens)
+    assert np.isfinite(float(metrics["loss"]))
     trained = nnx.merge(graphdef, state.params, state.qstate, state.rest)
     ops = [op for _, op in qnnx.iter_quant_ops(trained) if isinstance(op, qnnx.QuantRaggedOp)]
     assert len(ops) == 6
-    for op in ops:  # the interception's example call, then two steps
-        assert np.all(np.asarray(op.amax.get_value().weight.count) == 3)
+    for op in ops:  # the interception's example call, then the training step
+        assert np.all(np.asarray(op.amax.get_value().weight.count) == 2)
+    assert any(not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
+        jax.tree.leaves(nnx.state(qm, nnx.Param)), jax.tree.leaves(state.params)))  # the step trained the model

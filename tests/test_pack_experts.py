@@ -34,8 +34,8 @@ def _experts(model):
     return {p: (m, n) for p, m, n in ptq.experts.grouped_weights(model)}
 
 
-@pytest.mark.parametrize("scheme,method,weights_only", [("nvfp4-mse", "gptq", False), ("mxfp4", "rtn", True),
-                                                        ("hif8", "rtn", True)])
+@pytest.mark.parametrize("scheme,method,weights_only", [("nvfp4-mse", "rtn", False), ("mxfp4", "rtn", True),
+                                                        ("hif8", "rtn", True)])  # GPTQ's experts: the load test
 def test_pack_experts_holds_codes_and_computes_the_fake_quant_model(scheme, method, weights_only):
     model, _ = load(FIX / "qwen3_moe")
     keep = r".*(router|lm_head).*" + (r"|.*down_proj" if scheme == "mxfp4" else "")  # K = 16: not 32-value blocks
