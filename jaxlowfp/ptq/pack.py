@@ -224,7 +224,8 @@ def pack(model: nnx.Module, result: PTQResult, *, backend: str = "auto", paths: 
             if backend not in ("auto", "dequant"):
                 raise ValueError(f"{path}: packed experts run the 'dequant' backend (each expert's weight decoded "
                                  f"inside the forward, then the experts' grouped GEMM; no block-scaled grouped GEMM "
-                                 f"path yet); got backend={backend!r}: use 'auto' or 'dequant'")
+                                 f"path yet); got backend={backend!r}: use 'auto' or 'dequant' (pack the other "
+                                 f"layers on {backend!r} with paths=)")
             mod, name = grouped[path]
             kernel = getattr(mod, name)[...]
             w = _expert_weights(path, kernel, result)
