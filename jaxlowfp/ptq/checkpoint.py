@@ -511,8 +511,7 @@ def _load_experts(model: nnx.Module, path: str, var: Any, names: list[str], meta
         if shape != tuple(var.shape):
             raise ValueError(f"{path}: the per-expert packed tensors stack to {shape}; the parameter is "
                              f"{tuple(var.shape)}")
-        setattr(mod, name, PackedExperts(jax.tree.map(lambda *xs: jnp.stack(xs), *ws),
-                                         kernel_dtype=jnp.dtype(var.dtype)))
+        setattr(mod, name, PackedExperts.stack(ws, kernel_dtype=var.dtype))
     else:
         w_fmt = _fmt_from(info["weight"])
         value = np.stack([np.asarray(_decode(m, tensors, w_fmt, convention)).T for m in info["names"]])

@@ -138,10 +138,15 @@ class PackedExperts(packed.PackedParam):
         w = self.get_value()
         return (int(jax.tree.leaves(w)[0].shape[0]), w.k, w.n)
 
+    @classmethod
+    def stack(cls, weights: Sequence[packed.PackedWeight], *, kernel_dtype: Any) -> PackedExperts:
+        """The experts' `PackedWeight`s (one format and shape) stacked along a leading expert axis."""
+        return cls(jax.tree.map(lambda *xs: jnp.stack(xs), *weights), kernel_dtype=jnp.dtype(kernel_dtype))
 
-def _expert_weights(path: str, kernel: jax.Array, result: PTQResult) -> packed.PackedWeight:
-    """The stacked packed arrays of expert weight `path` (`PackedExperts`), each expert checked to decode to the
-    PTQ'd `kernel` [E, K, N] bit for bit."""
+
+def _expert_weights(path: str, kernel: jax.Array, result: PTQResult) -> list[packed.PackedWeight]:
+    """The packed arrays of each expert of weight `path`, each checked to decode to the PTQ'd `kernel` [E, K, N]
+    bit for bit."""
     res = result.experts[path]
     fmt = res.scheme.weight if res.scheme is not None else None
     if fmt is None:
@@ -161,7 +166,7 @@ def _expert_weights(path: str, kernel: jax.Array, result: PTQResult) -> packed.P
             raise ValueError(f"{where}: the {w.format.name} arrays do not decode to the model's expert weight bit for "
                              f"bit (was the model changed after ptq.quantize, or is this another model's result?)")
         out.append(w)
-    return jax.tree.map(lambda *xs: jnp.stack(xs), *out)
+    return out
 
 
 def _weight(path: str, mod: nnx.Module, result: PTQResult) -> packed.PackedWeight:
@@ -228,12 +233,12 @@ def pack(model: nnx.Module, result: PTQResult, *, backend: str = "auto", paths: 
                                  f"layers on {backend!r} with paths=)")
             mod, name = grouped[path]
             kernel = getattr(mod, name)[...]
-            w = _expert_weights(path, kernel, result)
-            experts[path] = (mod, name, PackedExperts(w, kernel_dtype=jnp.dtype(kernel.dtype)))
-            rows.append((path, w.format.name, "dequant", False))
+            var = PackedExperts.stack(_expert_weights(path, kernel, result), kernel_dtype=kernel.dtype)
+            experts[path] = (mod, name, var)
+            rows.append((path, var.get_value().format.name, "dequant", False))
             params += int(np.prod(kernel.shape))
             float_bytes += int(kernel.nbytes)
-            packed_bytes += w.nbytes
+            packed_bytes += var.get_value().nbytes
             continue
         mod = mods.get(path)
         if mod is None or isinstance(getattr(mod, "kernel", None), PackedKernel):
