@@ -45,7 +45,8 @@ from jaxlowfp._core.pytree import pytree_dataclass
 from jaxlowfp.packed import PER_TENSOR, PackedFormat, PackedWeight, _per_tensor_scale, as_format, fake_quantize
 
 __all__ = ["BACKENDS", "BackendUnavailableError", "Plan", "plan", "packed_dot_general", "packed_matmul",
-           "SCALED_MATMUL_MIN_CC", "FP8_MIN_CC", "scaled_matmul_rows"]
+           "SCALED_MATMUL_MIN_CC", "FP8_MIN_CC", "scaled_matmul_rows",
+           "block_scaled_product", "fp8_product"]
 
 BACKENDS = ("auto", "scaled_matmul", "fp8", "dequant")
 SCALED_MATMUL_MIN_CC = 100  # cuDNN's block-scaled GEMM: Blackwell (sm_100)
@@ -191,18 +192,27 @@ def _mx_operand(arr: mx.MXArray, k: int) -> tuple[jax.Array, jax.Array]:
     return lax.bitcast_convert_type(arr.codes, dt), arr.scales
 
 
+def block_scaled_product(xa: nvfp4.NVFP4Array | mx.MXArray, wa: nvfp4.NVFP4Array | mx.MXArray) -> jax.Array:
+    """``jax.nn.scaled_matmul`` of two quantized arrays of one format with blocks along K: ``xa`` of ``x [M, K]``
+    (NVFP4 1x16 blocks, or MX) and ``wa`` of ``W'^T [N, K]`` (NVFP4 1x16 or 16x16, or MX) -> float32 [M, N]. NVFP4's
+    two float32 decode scales multiply the output (``g_x g_w sum_k (s_x q_x)(s_w q_w)``)."""
+    k = xa.shape[-1]
+    if isinstance(xa, nvfp4.NVFP4Array):
+        (xq, xs), (wq, ws) = _nvfp4_operand(xa, k), _nvfp4_operand(wa, k)  # type: ignore[arg-type]
+        g = xa.global_scale * wa.global_scale  # type: ignore[union-attr]
+    else:
+        (xq, xs), (wq, ws) = _mx_operand(xa, k), _mx_operand(wa, k)  # type: ignore[arg-type]
+        g = None
+    out = jax.nn.scaled_matmul(xq[None], wq[None], xs[None], ws[None], preferred_element_type=jnp.float32)[0]
+    return out if g is None else out * g
+
+
 def _scaled_matmul(x2: jax.Array, w: PackedWeight, act: PackedFormat) -> jax.Array:
-    k = w.k
     if w.format.kind == "nvfp4":
         xa = nvfp4.quantize(x2, rule=act.rule)  # type: ignore[arg-type]  # ours: Four Over Six included
-        (xq, xs), (wq, ws) = _nvfp4_operand(xa, k), _nvfp4_operand(w.array, k)
-        gx, gw = xa.global_scale, w.array.global_scale
     else:
         xa = mx.quantize(x2, format=w.array.format)  # type: ignore[assignment]
-        (xq, xs), (wq, ws) = _mx_operand(xa, k), _mx_operand(w.array, k)  # type: ignore[arg-type]
-        gx = gw = None
-    out = jax.nn.scaled_matmul(xq[None], wq[None], xs[None], ws[None], preferred_element_type=jnp.float32)[0]
-    return out if gx is None else out * (gx * gw)
+    return block_scaled_product(xa, w.array)
 
 
 def scaled_matmul_rows(x2: jax.Array, w: PackedWeight, rule: str, amax: Any) -> jax.Array:
@@ -221,13 +231,19 @@ def scaled_matmul_rows(x2: jax.Array, w: PackedWeight, rule: str, amax: Any) -> 
     return out * (rows.global_scale.reshape(-1, 1) * w.array.global_scale)
 
 
+def fp8_product(xq: jax.Array, sx: jax.Array, wq: jax.Array, sw: jax.Array, dimension_numbers: Any) -> jax.Array:
+    """``dot_general(xq, wq) * (sx sw)`` on float8_e4m3fn operands with float32 per-tensor scales, accumulated in
+    float32: the pattern XLA's GEMM rewriter hands to cuBLASLt's FP8 GEMM on sm_89+."""
+    out = lax.dot_general(xq, wq, dimension_numbers, preferred_element_type=jnp.float32)
+    return out * (sx * sw)
+
+
 def _fp8(x2: jax.Array, w: PackedWeight) -> jax.Array:
     elem, target = PER_TENSOR["fp8"]
     sx = _per_tensor_scale(x2, target)
     xq = formats.get(elem).round(jnp.clip(x2.astype(jnp.float32) * (1.0 / sx), -target, target))
     xq = xq.astype(jnp.float8_e4m3fn)  # exact: xq is an E4M3 value
-    out = lax.dot_general(xq, w.array.codes, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return out * (sx * w.array.scale)
+    return fp8_product(xq, sx, w.array.codes, w.array.scale, (((1,), (1,)), ((), ())))
 
 
 def _dequant(x2: jax.Array, w: PackedWeight, act: PackedFormat | None, weight_dtype: Any) -> jax.Array:

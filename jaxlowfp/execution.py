@@ -41,12 +41,14 @@ _WARNED: set[frozenset[str]] = set()
 
 class QuantizedOp(NamedTuple):
     """One quantized op of a model: its path, what it was configured to (recipe or format name), its
-    execution-record key and whether it has executed."""
+    execution-record key, whether it has executed and on which backend its forward product ran ("dequant",
+    "fp8", "scaled_matmul"; None where it has not run or the op records none, e.g. PTQ's activation quantizers)."""
 
     path: str
     configured: str
     op_key: str
     executed: bool
+    backend: str | None = None
 
 
 def _describe(op: Any) -> str:
@@ -69,7 +71,8 @@ def _linen_ops(variables: Mapping[str, Any]) -> list[QuantizedOp]:
                 continue
             names = [str(getattr(k, "key", k)) for k in keys]
             path, key = "/".join(names[:-1]), linen_op_key("/".join(names[:-1]), names[-1])
-            out.append(QuantizedOp(path, f"Linen quantized op {names[-1]!r}", key, _record.executed(key)))
+            out.append(QuantizedOp(path, f"Linen quantized op {names[-1]!r}", key, _record.executed(key),
+                                  _record.backend(key)))
     return out
 
 
@@ -90,7 +93,7 @@ def quantized_ops(model: Any) -> list[QuantizedOp]:
         for p, op in candidates:
             key = getattr(op, "op_key", None)
             if isinstance(key, str) and getattr(op, "recipe", None) is not None:
-                out.append(QuantizedOp(p, _describe(op), key, _record.executed(key)))
+                out.append(QuantizedOp(p, _describe(op), key, _record.executed(key), _record.backend(key)))
     return out
 
 

@@ -39,6 +39,7 @@ from jax import lax
 from jaxlowfp._core.checks import float_input
 from jaxlowfp._core.executed import executed, mark as _mark, new_op_key
 from jaxlowfp._core.executed import forget as forget_executed
+from jaxlowfp.qat import gemm
 from jaxlowfp.qat.matmul import _normalize_dn, linear
 from jaxlowfp.qat.matmul import dot_general as _batched_dot_general
 from jaxlowfp.qat.spec import Recipe, RecipeState, RecipeStats
@@ -198,7 +199,7 @@ def dot_general(
             nb = len(xb)
             nx, nw = len(x_free), len(w_free)
             y = jnp.transpose(y, (*range(nb), *range(nb + nx, nb + nx + nw), *range(nb, nb + nx)))
-        _mark(op_key)
+        _mark(op_key, gemm.plan(recipe, where=where).backend)
         return y, new_state, stats
     k, m = contraction_sizes(w.shape, wc, ())
     check_blocks(recipe, k, m, where, k_name=f"the contraction size K (weight {_axes_name(wc)} of "
@@ -219,7 +220,7 @@ def dot_general(
     if weight == 0:
         nx, nw = len(x_free), len(w_free)
         y = jnp.transpose(y, (*range(nx, nx + nw), *range(nx)))
-    _mark(op_key)
+    _mark(op_key, gemm.plan(recipe, where=where).backend)
     return y, new_state, stats
 
 
@@ -332,6 +333,10 @@ def ragged_dot(
     if recipe.grad is not None:
         raise NotImplementedError(f"{where}: recipe {recipe.name!r} quantizes the output gradient; the quantized "
                                   f"grouped GEMM has a straight-through backward only (use a recipe with grad=None)")
+    if recipe.gemm not in ("dequant", "auto"):
+        raise NotImplementedError(f"{where}: recipe {recipe.name!r} asks for gemm={recipe.gemm!r}; the experts' "
+                                  f"grouped GEMM (lax.ragged_dot) runs on the dequantized operands only: use "
+                                  f"gemm='dequant' or 'auto' for the experts")
     lhs, rhs = float_input(lhs, "lhs"), float_input(rhs, "rhs")
     group_sizes = jnp.asarray(group_sizes)
     if lhs.ndim != 2 or rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1] or group_sizes.shape != (rhs.shape[0],):
@@ -412,5 +417,5 @@ def ragged_dot(
 
     out = lax.ragged_dot(straight_through(lhs, x_q, keep_x), straight_through(rhs, w_q, keep_w), group_sizes,
                          precision=precision, preferred_element_type=preferred_element_type)
-    _mark(op_key)
+    _mark(op_key, "dequant")
     return out, state._replace(weight=new_w, activation=new_a), RecipeStats(weight=st_w, activation=st_a)

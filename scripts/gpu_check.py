@@ -33,6 +33,7 @@ import concurrent.futures
 import dataclasses
 import datetime
 import json
+import re
 import statistics
 import sys
 import time
@@ -327,11 +328,31 @@ def throughput(shape: tuple[int, int], dtype: Any, backends: tuple[str, ...], *,
 # ---- (c) QAT train step ------------------------------------------------------------------------------------------
 
 
+def gemm_variants(device: Any) -> tuple[dict[str, qat.Recipe], dict[str, str]]:
+    """The QAT steps of the GEMM backends (`Recipe(gemm=...)`): FP8 delayed scaling and NVFP4 4/6 W4A4, each on the
+    dequant backend and on its low-precision GEMM where `device` runs it: ({variant: recipe}, {variant: why not})."""
+    from jaxlowfp import backends
+
+    out, skipped = {}, {}
+    for label, recipe, gemm in (("fp8_delayed", qat.fp8_delayed(), "fp8"),
+                                ("NVFP4 4/6 W4A4", qat.nvfp4_w4a4("mse"), "scaled_matmul")):
+        out[f"{label} (dequant)"] = recipe
+        real = dataclasses.replace(recipe, gemm=gemm)
+        try:
+            qat.gemm.plan(real, device=device)
+        except backends.BackendUnavailableError as e:
+            skipped[f"{label} ({gemm})"] = str(e)
+            continue
+        out[f"{label} ({gemm})"] = real
+    return out, skipped
+
+
 def build_train_steps(preset: str, *, batch: int, seq: int, backends: tuple[str, ...] = (),
-                      overrides: dict | None = None) -> tuple[dict[str, tuple[Callable, Any]], jax.Array]:
+                      overrides: dict | None = None, recipes: dict[str, qat.Recipe] | None = None,
+                      ) -> tuple[dict[str, tuple[Callable, Any]], jax.Array]:
     """({variant: (jitted step, state)}, token batch): the high-precision step and the HiF8 W8A8 QAT step with the
-    jnp quantizers and with the Pallas kernel of each of `backends`, bfloat16 compute, for the `jaxlowfp.models.llama` preset
-    (with ModelConfig `overrides`)."""
+    jnp quantizers and with the Pallas kernel of each of `backends`, plus one QAT step per entry of `recipes`,
+    bfloat16 compute, for the `jaxlowfp.models.llama` preset (with ModelConfig `overrides`)."""
     import optax
     from flax import nnx
 
@@ -345,13 +366,17 @@ def build_train_steps(preset: str, *, batch: int, seq: int, backends: tuple[str,
     tx = optax.adamw(schedule)
     variants = {"hp": None, "qat (jnp)": {"impl": "xla"}}
     variants.update({f"qat (pallas, {b})": {"impl": "pallas", "backend": b} for b in backends})
+    variants.update(recipes or {})
     steps = {}
     for name, how in variants.items():
         model = Llama(cfg, rngs=nnx.Rngs(0))
         if how is not None:
-            r = qat.hif8_w8a8()
-            recipe = dataclasses.replace(r, weight=dataclasses.replace(r.weight, **how),
-                                         activation=dataclasses.replace(r.activation, **how))
+            if isinstance(how, qat.Recipe):
+                recipe = how
+            else:
+                r = qat.hif8_w8a8()
+                recipe = dataclasses.replace(r, weight=dataclasses.replace(r.weight, **how),
+                                             activation=dataclasses.replace(r.activation, **how))
             quantize_model(model, paper_rules(cfg.n_layers, keep_first=1, keep_last=1, recipe=recipe))
         graphdef, state = init_state(model, tx)
         steps[name] = (jax.jit(make_train_step(graphdef, tx, loss_fn=loss_fn, schedule=schedule)), state)
@@ -359,13 +384,39 @@ def build_train_steps(preset: str, *, batch: int, seq: int, backends: tuple[str,
     return steps, tokens
 
 
+FP8_GEMM_CALL = "__cublas$lt$matmul$f8"  # XLA's custom call for cuBLASLt's FP8 GEMM
+BLOCK_SCALED_CALL = "__cudnn$blockScaledDot"  # cuDNN's block-scaled GEMM
+_DEF = re.compile(r"^\s*(?:ROOT )?(%[\w.\-]+) = ([a-z0-9]+)\[", re.M)
+_DOT = re.compile(r"\bdot\((%[\w.\-]+), (%[\w.\-]+)\)")
+
+
+def f8_dots(hlo: str) -> int:
+    """Dots in an optimized HLO text that read both operands as float8 (on a GPU: XLA's Triton GEMM on FP8 tensor
+    cores, the other way XLA runs an FP8 GEMM besides the cuBLASLt call). Names are scoped per computation."""
+    n = 0
+    for comp in re.split(r"\n(?=\S)", hlo):  # a computation starts at column 0
+        types = dict(_DEF.findall(comp))
+        n += sum(all(types.get(o, "").startswith("f8") for o in ops) for ops in _DOT.findall(comp))
+    return n
+
+
 def train_step_times(preset: str, *, batch: int, seq: int, reps: int, backends: tuple[str, ...] = (),
-                     overrides: dict | None = None) -> dict[str, float]:
-    """Median ms per step of each :func:`build_train_steps` variant, the variants interleaved (load hits all)."""
-    steps, tokens = build_train_steps(preset, batch=batch, seq=seq, backends=backends, overrides=overrides)
-    for fn, state in steps.values():  # compile and warm up
-        for _ in range(2):
-            jax.block_until_ready(fn(state, tokens))
+                     overrides: dict | None = None, recipes: dict[str, qat.Recipe] | None = None,
+                     info: dict | None = None) -> dict[str, float]:
+    """Median ms per step of each :func:`build_train_steps` variant, the variants interleaved (load hits all).
+    `info`, if given, receives per variant the first step's loss and the low-precision GEMM calls in its optimized
+    HLO (cuBLASLt FP8, cuDNN block-scaled)."""
+    steps, tokens = build_train_steps(preset, batch=batch, seq=seq, backends=backends, overrides=overrides,
+                                      recipes=recipes)
+    for name, (fn, state) in list(steps.items()):  # compile (ahead of time, once) and warm up
+        compiled = fn.lower(state, tokens).compile()
+        steps[name] = (compiled, state)
+        _, metrics = compiled(state, tokens)
+        if info is not None:
+            hlo = compiled.as_text()
+            info[name] = {"loss": float(metrics["loss"]), "fp8 GEMMs": hlo.count(FP8_GEMM_CALL),
+                          "f8 dots": f8_dots(hlo), "block-scaled GEMMs": hlo.count(BLOCK_SCALED_CALL)}
+        jax.block_until_ready(compiled(state, tokens))
     times: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(reps):
         for name, (fn, state) in steps.items():
@@ -399,54 +450,66 @@ def _median_ms(fn: Callable, *args, reps: int) -> float:
     return statistics.median(times)
 
 
+PACKED_FORMATS = (("nvfp4-mse", "scaled_matmul", "NVFP4 4/6 W4A4"), ("fp8", "fp8", "FP8 E4M3 W8A8"))
+NATIVE_CALLS = {"scaled_matmul": "__cudnn$blockScaledDot", "fp8": "__cublas$lt$matmul$f8"}
+
+
 def packed_gemm_check(projections: tuple = LLAMA8B_PROJECTIONS, *, tokens: int = PACKED_TOKENS, reps: int = 10,
-                      device: Any = None) -> list[dict]:
-    """Per projection: W4A4 NVFP4 4/6 (mse) packed weights and activations quantized by jaxlowfp, through the
-    `scaled_matmul` backend (cuDNN's block-scaled GEMM where the device has it, a row saying why not elsewhere) and
-    the `dequant` backend, against the fake-quant product (``fake_quantize(x) @ fake_quantize(W)``, float32) and
-    the plain bfloat16 GEMM: median ms each, and whether each packed product is within float32 summation order of
-    the fake-quant one (``|y - ref| <= (K + 4) eps (|x̂| @ |ŵ|)``, tests/test_packed.py's bound), with the largest
-    ratio to that bound. The error of the bf16 GEMM against fake-quant is reported for scale."""
+                      device: Any = None, formats: tuple = PACKED_FORMATS) -> list[dict]:
+    """Per format and projection: packed weights and activations quantized by jaxlowfp in the program (NVFP4 4/6
+    ``mse``; FP8 E4M3 per tensor), through the format's low-precision backend (`scaled_matmul`: cuDNN's block-scaled
+    GEMM, sm_100+; `fp8`: cuBLASLt's FP8 GEMM, sm_89+; a row saying why not where the device lacks it) and the
+    `dequant` backend, against the fake-quant product (``fake_quantize(x) @ dequantize(W)``, float32) and the plain
+    bfloat16 GEMM: median ms each, whether each packed product is within float32 summation order of the fake-quant
+    one (``|y - ref| <= (K + 4) eps (|x̂| @ |ŵ|)``, tests/test_packed.py's bound) with the largest ratio to that
+    bound, and whether the backend's custom call is in the optimized HLO. The bf16 GEMM's error against fake-quant
+    is reported for scale."""
     from jaxlowfp import backends, packed
 
     eps = float(np.finfo(np.float32).eps)
     dn = (((1,), (0,)), ((), ()))
     out = []
-    for name, k, n in projections:
-        kx, kw = jax.random.split(jax.random.key(k + n))
-        x = jax.random.normal(kx, (tokens, k), jnp.float32).astype(jnp.bfloat16)
-        w = jax.random.normal(kw, (k, n), jnp.float32) * np.float32(1 / np.sqrt(k))
-        pw = packed.pack(w, "nvfp4-mse")
-        xq = packed.fake_quantize(x.astype(jnp.float32), "nvfp4-mse")
-        wq = pw.dequantize(jnp.float32)
-        dot = jax.jit(lambda a, b: jnp.dot(a, b, precision="highest"))
-        ref = dot(xq, wq)
-        bound = (k + 4) * eps * dot(jnp.abs(xq), jnp.abs(wq))
-        fake = jax.jit(lambda a, b: jnp.dot(packed.fake_quantize(a.astype(jnp.float32), "nvfp4-mse"), b,
-                                            precision="highest"))  # what the fake-quant model runs
-        row = {"projection": f"{name} {k}x{n}", "M": tokens,
-               "fake-quant ms": _median_ms(fake, x, wq, reps=reps)}
-        w_bf16 = w.astype(jnp.bfloat16)
-        bf16 = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
-        row["bf16 ms"] = _median_ms(bf16, x, w_bf16, reps=reps)
-        row["bf16 max |err| / bound"] = float(jnp.max(jnp.abs(bf16(x, w_bf16) - ref) / bound))
-        for b in ("scaled_matmul", "dequant"):
-            try:
-                plan = backends.plan(pw, "nvfp4-mse", b, device=device)
-            except backends.BackendUnavailableError as e:
-                row[f"{b} ms"], row[f"{b} exact"] = None, f"not run: {e}"
-                continue
-            f = jax.jit(lambda a, p, b=b: backends.packed_dot_general(a.astype(jnp.float32), p, dn, backend=b,
-                                                                      activation="nvfp4-mse", device=device))
-            with jax.default_matmul_precision("highest"):  # dequant's float32 dot in float32, not TF32
-                y = f(x, pw)
-            ratio = float(jnp.max(jnp.abs(y - ref) / jnp.maximum(bound, np.float32(np.finfo(np.float32).tiny))))
-            with jax.default_matmul_precision("highest"):
-                row[f"{b} ms"] = _median_ms(f, x, pw, reps=reps)
-            row[f"{b} exact"] = ratio <= 1.0
-            row[f"{b} max |err| / bound"] = ratio
-            row[f"{b} native"] = plan.native
-        out.append(row)
+    for fmt, real, label in formats:
+        for name, k, n in projections:
+            kx, kw = jax.random.split(jax.random.key(k + n))
+            x = jax.random.normal(kx, (tokens, k), jnp.float32).astype(jnp.bfloat16)
+            w = jax.random.normal(kw, (k, n), jnp.float32) * np.float32(1 / np.sqrt(k))
+            pw = packed.pack(w, fmt)
+            xq = packed.fake_quantize(x.astype(jnp.float32), fmt)
+            wq = pw.dequantize(jnp.float32)
+            dot = jax.jit(lambda a, b: jnp.dot(a, b, precision="highest"))
+            ref = dot(xq, wq)
+            bound = (k + 4) * eps * dot(jnp.abs(xq), jnp.abs(wq))
+            fake = jax.jit(lambda a, b, fmt=fmt: jnp.dot(packed.fake_quantize(a.astype(jnp.float32), fmt), b,
+                                                         precision="highest"))  # what the fake-quant model runs
+            row: dict[str, Any] = {"format": label, "projection": f"{name} {k}x{n}", "M": tokens, "real": real,
+                                   "fake-quant ms": _median_ms(fake, x, wq, reps=reps)}
+            w_bf16 = w.astype(jnp.bfloat16)
+            bf16 = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+            row["bf16 ms"] = _median_ms(bf16, x, w_bf16, reps=reps)
+            row["bf16 max |err| / bound"] = float(jnp.max(jnp.abs(bf16(x, w_bf16) - ref) / bound))
+            for b in (real, "dequant"):
+                key = "real" if b == real else "dequant"
+                try:
+                    plan = backends.plan(pw, fmt, b, device=device)
+                except backends.BackendUnavailableError as e:
+                    row[f"{key} ms"], row[f"{key} exact"] = None, f"not run: {e}"
+                    continue
+                f = jax.jit(lambda a, p, b=b, fmt=fmt: backends.packed_dot_general(
+                    a.astype(jnp.float32), p, dn, backend=b, activation=fmt, device=device))
+                with jax.default_matmul_precision("highest"):  # dequant's float32 dot in float32, not TF32
+                    compiled = f.lower(x, pw).compile()
+                    y = compiled(x, pw)
+                    row[f"{key} ms"] = _median_ms(compiled, x, pw, reps=reps)
+                tiny = np.float32(np.finfo(np.float32).tiny)
+                ratio = float(jnp.max(jnp.abs(y - ref) / jnp.maximum(bound, tiny)))
+                row[f"{key} exact"] = ratio <= 1.0
+                row[f"{key} max |err| / bound"] = ratio
+                row[f"{key} native"] = plan.native
+                hlo = compiled.as_text()
+                row[f"{key} calls"] = hlo.count(NATIVE_CALLS[real]) if b == real else 0
+                row[f"{key} f8 dots"] = f8_dots(hlo)
+            out.append(row)
     return out
 
 
@@ -456,16 +519,18 @@ def packed_gemm_table(rows: list[dict]) -> str:
     def ms(v):
         return "-" if v is None else f"{v:.3f}"
 
-    body = [[r["projection"], r["M"], ms(r["bf16 ms"]), ms(r["fake-quant ms"]),
-             ms(r["scaled_matmul ms"]) + (" (cuDNN)" if r.get("scaled_matmul native") else ""),
-             ms(r["dequant ms"]),
-             r["scaled_matmul exact"] if isinstance(r["scaled_matmul exact"], str) else
-             f"{r['scaled_matmul exact']} ({r['scaled_matmul max |err| / bound']:.2f})",
-             f"{r['dequant exact']} ({r['dequant max |err| / bound']:.2f})", f"{r['bf16 max |err| / bound']:.0f}"]
-            for r in rows]
-    return markdown_table(["projection", "M", "bf16 GEMM ms", "fake-quant ms", "NVFP4 4/6 scaled_matmul ms",
-                           "dequant ms", "scaled_matmul within bound (max ratio)", "dequant within bound",
-                           "bf16 err / bound"], body)
+    def exact(r, key):
+        v = r[f"{key} exact"]
+        return v if isinstance(v, str) else f"{v} ({r[f'{key} max |err| / bound']:.2f})"
+
+    body = [[r["format"], r["projection"], r["M"], ms(r["bf16 ms"]), ms(r["fake-quant ms"]),
+             f"{r['real']}: " + ms(r["real ms"]) + (" (native)" if r.get("real native") else ""),
+             f"{r.get('real calls', '-')} / {r.get('real f8 dots', '-')}", ms(r["dequant ms"]), exact(r, "real"),
+             exact(r, "dequant"),
+             f"{r['bf16 max |err| / bound']:.0f}"] for r in rows]
+    return markdown_table(["format", "projection", "M", "bf16 GEMM ms", "fake-quant ms", "low-precision backend ms",
+                           "its GEMM calls / float8 dots in HLO", "dequant ms", "backend within bound (max ratio)",
+                           "dequant within bound", "bf16 err / bound"], body)
 
 
 def _key(entry: dict) -> tuple:
@@ -526,6 +591,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--skip-train", action="store_true")
     ap.add_argument("--skip-packed", action="store_true")
+    ap.add_argument("--packed-formats", nargs="+", choices=[f for f, _, _ in PACKED_FORMATS], default=None,
+                    help="(f): the packed formats to check (default all)")
     ap.add_argument("--no-write", action="store_true", help="leave verified_kernels.json and RESULTS.md alone")
     ap.add_argument("--verified-path", type=Path, default=VERIFIED, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -581,7 +648,10 @@ def main(argv: list[str] | None = None) -> int:
         print("(c) QAT train step", flush=True)
         t = time.perf_counter()
         preset, batch, seq, reps = ("tiny", 2, 16, 1) if args.interpret else (TRAIN_PRESET, 16, 512, 10)
-        ms = train_step_times(preset, batch=batch, seq=seq, reps=reps, backends=() if args.interpret else runnable)
+        recipes, gemm_skipped = gemm_variants(dev)
+        info: dict[str, dict] = {}
+        ms = train_step_times(preset, batch=batch, seq=seq, reps=reps, backends=() if args.interpret else runnable,
+                              recipes=recipes, info=info)
         timing["(c) train step"] = time.perf_counter() - t
         hp = ms["hp"]
         from _results import markdown_table
@@ -589,26 +659,35 @@ def main(argv: list[str] | None = None) -> int:
         parts.append(
             f"**(c) Train step**, `jaxlowfp.models.llama` preset \"{preset}\", bfloat16 compute, batch {batch} x {seq}, HiF8 "
             "W8A8 QAT (delayed scaling, MLP projections of the middle blocks as `paper_rules` selects them) "
-            f"against high precision; median of {reps} interleaved steps:\n\n"
-            + markdown_table(["variant", "ms / step", "vs HP"],
-                             [[k, f"{v:.2f}", f"{v / hp:.2f}x"] for k, v in ms.items()]))
+            "against high precision, and the same layers under FP8 delayed scaling and NVFP4 4/6 W4A4 with the "
+            "forward product on each GEMM backend (`Recipe(gemm=...)`; the backward is the same). \"first loss\" "
+            "is the first step's; the GEMM columns count cuBLASLt FP8 / cuDNN block-scaled custom calls in the "
+            f"optimized HLO; median of {reps} interleaved steps:\n\n"
+            + markdown_table(["variant", "ms / step", "vs HP", "first loss", "cuBLASLt FP8 calls",
+                              "float8 dots (Triton)", "block-scaled calls"],
+                             [[k, f"{v:.2f}", f"{v / hp:.2f}x", f"{info[k]['loss']:.6f}", info[k]["fp8 GEMMs"],
+                               info[k]["f8 dots"], info[k]["block-scaled GEMMs"]] for k, v in ms.items()])
+            + "".join(f"\n\nNot run: {k}: {why}" for k, why in gemm_skipped.items()))
     packed_failed = []
     if not args.skip_packed:
-        print("(f) packed NVFP4 GEMMs", flush=True)
+        print("(f) packed GEMMs", flush=True)
         t = time.perf_counter()
         proj, tokens, reps = ((SMALL_PROJECTIONS, 16, 1) if args.interpret else (LLAMA8B_PROJECTIONS, PACKED_TOKENS,
                                                                                   10))
-        rows = packed_gemm_check(proj, tokens=tokens, reps=reps, device=dev)
+        fmts = tuple(f for f in PACKED_FORMATS if args.packed_formats is None or f[0] in args.packed_formats)
+        rows = packed_gemm_check(proj, tokens=tokens, reps=reps, device=dev, formats=fmts)
         timing["(f) packed GEMMs"] = time.perf_counter() - t
-        packed_failed = [r["projection"] for r in rows
-                         if r["dequant exact"] is False or r["scaled_matmul exact"] is False]
+        packed_failed = [f"{r['format']} {r['projection']}" for r in rows
+                         if r["dequant exact"] is False or r["real exact"] is False]
         parts.append(
-            f"**(f) Packed NVFP4 GEMMs** (jaxlowfp.backends), Llama-8B projections, M = {tokens} bfloat16 tokens: "
-            "W4A4 NVFP4 with Four Over Six (mse) codes, activations quantized by jaxlowfp in the program, through "
-            "`scaled_matmul` (cuDNN's block-scaled GEMM on sm_100+) and `dequant`, against the fake-quant product "
-            "(float32, precision highest) and the bf16 GEMM. \"within bound\": every output within float32 "
-            "summation order of fake-quant, (K + 4) eps (|x̂| @ |ŵ|); the ratio is the largest |err| / bound. "
-            f"Median of {reps} calls.\n\n" + packed_gemm_table(rows))
+            f"**(f) Packed GEMMs** (jaxlowfp.backends), Llama-8B projections, M = {tokens} bfloat16 tokens: "
+            "W4A4 NVFP4 with Four Over Six (mse) codes and W8A8 FP8 E4M3 (per-tensor scales), activations quantized "
+            "by jaxlowfp in the program, through the format's low-precision backend (`scaled_matmul`: cuDNN's "
+            "block-scaled GEMM on sm_100+; `fp8`: cuBLASLt's FP8 GEMM on sm_89+) and `dequant`, against the "
+            "fake-quant product (float32, precision highest) and the bf16 GEMM. \"within bound\": every output "
+            "within float32 summation order of fake-quant, (K + 4) eps (|x̂| @ |ŵ|); the ratio is the largest "
+            "|err| / bound. \"GEMM calls\" counts the backend's custom call (`__cudnn$blockScaledDot`, "
+            f"`__cublas$lt$matmul$f8`) in the optimized HLO. Median of {reps} calls.\n\n" + packed_gemm_table(rows))
     total = time.perf_counter() - t_start
     print("\n\n".join(parts))
     print("phases: " + ", ".join(f"{k} {v:.0f} s" for k, v in timing.items()) + f"; total {total:.0f} s")

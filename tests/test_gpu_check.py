@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import types
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -162,19 +164,54 @@ def test_merge_verified(tmp_path):
 
 def test_train_steps_build(monkeypatch):
     """(c) builds its steps from the public step builder (running them is for the GPU: compiling takes ~30 s here;
-    the Pallas variant is built under interpret mode, the only Pallas a CPU has)."""
+    the Pallas variant is built under interpret mode, the only Pallas a CPU has), with the GEMM-backend variants
+    the device runs: on this CPU both low-precision backends (jax's emulation); on a stand-in A100 neither."""
     monkeypatch.setenv(gc.dispatch.INTERPRET_ENV, "1")
+    recipes, skipped = gc.gemm_variants(jax.devices()[0])
+    assert set(recipes) == {"fp8_delayed (dequant)", "fp8_delayed (fp8)", "NVFP4 4/6 W4A4 (dequant)",
+                            "NVFP4 4/6 W4A4 (scaled_matmul)"} and not skipped
+    assert recipes["fp8_delayed (fp8)"].gemm == "fp8"
+    a100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA A100", compute_capability="8.0")
+    on_a100, skipped = gc.gemm_variants(a100)
+    assert set(on_a100) == {"fp8_delayed (dequant)", "NVFP4 4/6 W4A4 (dequant)"}
+    assert "8.9" in skipped["fp8_delayed (fp8)"] and "10.0" in skipped["NVFP4 4/6 W4A4 (scaled_matmul)"]
     steps, tokens = gc.build_train_steps("tiny", batch=1, seq=8, backends=("triton",),
-                                         overrides=dict(d_model=32, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=64))
-    assert set(steps) == {"hp", "qat (jnp)", "qat (pallas, triton)"}
+                                         overrides=dict(d_model=32, n_layers=3, n_heads=2, n_kv_heads=1, d_ff=64),
+                                         recipes={"fp8_delayed (fp8)": recipes["fp8_delayed (fp8)"]})
+    assert set(steps) == {"hp", "qat (jnp)", "qat (pallas, triton)", "fp8_delayed (fp8)"}
     assert tokens.shape == (1, 9) and tokens.dtype == jnp.int32
 
 
 def test_packed_gemm_check_runs_on_cpu():
-    """(f)'s logic at a small shape: both packed backends within float32 summation order of fake-quant (on this CPU
-    scaled_matmul is jax's emulation, so it runs and is not native), and the table renders."""
+    """(f)'s logic at a small shape: NVFP4 and FP8, both packed backends within float32 summation order of
+    fake-quant (on this CPU scaled_matmul and the float8 dot are jax's emulation, so they run, are not native and
+    put no cuDNN / cuBLASLt call in the HLO), and the table renders."""
     assert all(k % 16 == 0 and n % 16 == 0 for _, k, n in gc.LLAMA8B_PROJECTIONS)
-    (row,) = gc.packed_gemm_check(gc.SMALL_PROJECTIONS, tokens=16, reps=1)
-    assert row["scaled_matmul exact"] is True and row["dequant exact"] is True
-    assert row["scaled_matmul native"] is False and row["bf16 max |err| / bound"] > 1
-    assert "small 64x32" in gc.packed_gemm_table([row])
+    rows = gc.packed_gemm_check(gc.SMALL_PROJECTIONS, tokens=16, reps=1)
+    assert [(r["format"], r["real"]) for r in rows] == [("NVFP4 4/6 W4A4", "scaled_matmul"), ("FP8 E4M3 W8A8", "fp8")]
+    for row in rows:
+        assert row["real exact"] is True and row["dequant exact"] is True
+        assert row["real native"] is False and row["real calls"] == 0 and row["bf16 max |err| / bound"] > 1
+    table = gc.packed_gemm_table(rows)
+    assert "small 64x32" in table and "fp8: " in table
+
+
+def test_f8_dots_reads_operand_types_per_computation():
+    """(c) and (f) count the dots that read float8 operands as they are (XLA's Triton FP8 GEMM); the names in an
+    optimized HLO text repeat across computations, so the types are looked up in the dot's own computation."""
+    hlo = """HloModule m
+
+%triton_gemm (param_0: f8e4m3fn[32,64], param_1: f8e4m3fn[64,16]) -> f32[32,16] {
+  %param_0 = f8e4m3fn[32,64]{1,0} parameter(0)
+  %param_1 = f8e4m3fn[64,16]{1,0} parameter(1)
+  ROOT %dot.1 = f32[32,16]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_computation (param_0: f32[32,64], param_1: f32[64,16]) -> f32[32,16] {
+  %param_0 = f32[32,64]{1,0} parameter(0)
+  %param_1 = f32[64,16]{1,0} parameter(1)
+  ROOT %dot.2 = f32[32,16]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+    assert gc.f8_dots(hlo) == 1
+    assert gc.f8_dots(hlo.replace("%triton_gemm", "%other").split("\n%fused")[1]) == 0

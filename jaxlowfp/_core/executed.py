@@ -12,6 +12,7 @@ import itertools
 from collections.abc import Iterable
 
 _EXECUTED: set[str] = set()
+_BACKEND: dict[str, str] = {}  # op key -> the backend its forward product was traced on (jaxlowfp.qat.gemm)
 _KEYS = itertools.count()
 
 
@@ -20,10 +21,13 @@ def new_op_key(path: str) -> str:
     return f"{path}#{next(_KEYS)}"
 
 
-def mark(op_key: str | None) -> None:
-    """Record that the op with this key executed (called by `jaxlowfp.ops` at trace time)."""
+def mark(op_key: str | None, backend: str | None = None) -> None:
+    """Record that the op with this key executed (called by `jaxlowfp.ops` at trace time), and on which backend
+    its forward product ran."""
     if op_key is not None:
         _EXECUTED.add(op_key)
+        if backend is not None:
+            _BACKEND[op_key] = backend
 
 
 def executed(op_key: str) -> bool:
@@ -31,6 +35,14 @@ def executed(op_key: str) -> bool:
     return op_key in _EXECUTED
 
 
+def backend(op_key: str) -> str | None:
+    """The backend the op's forward product last ran on ("dequant", "fp8", "scaled_matmul"; None: not run)."""
+    return _BACKEND.get(op_key)
+
+
 def forget(op_keys: Iterable[str]) -> None:
     """Drop `op_keys` from the record."""
-    _EXECUTED.difference_update(op_keys)
+    keys = list(op_keys)
+    _EXECUTED.difference_update(keys)
+    for k in keys:
+        _BACKEND.pop(k, None)

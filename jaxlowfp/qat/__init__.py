@@ -14,6 +14,10 @@ One quantized tensor, per step (``spec`` a :class:`QuantSpec`, ``state`` its :cl
 ``observe_only`` (the high-precision warmup) returns ``y = x`` bit for bit and still updates the state and the
 statistics, so the amax history is warm when quantization starts.
 
+``Recipe(gemm=...)`` chooses where the forward product runs (:mod:`jaxlowfp.qat.gemm`): "dequant" (default: the
+dequantized operands in high precision), "fp8" (cuBLASLt's FP8 GEMM on the E4M3 codes), "scaled_matmul"
+(``jax.nn.scaled_matmul`` on the NVFP4 / MX codes and block scales) or "auto"; the backward pass is the same.
+
 A matmul (:func:`dot_general`, :func:`linear`) fake-quantizes its activation (lhs) and weight (rhs) operands per a
 :class:`Recipe`. If the recipe quantizes gradients, the backward pass quantizes the output gradient, optionally with
 stochastic rounding and a 16-point Hadamard transform on both weight-gradient operands; block-scaled (NVFP4) operands
@@ -47,6 +51,7 @@ anyway. The int32 counters are exact: tensors of 2**31 elements or more are refu
 ([1.0, -2.0, 3.0], 3.0, 0.333)
 """
 from jaxlowfp.qat.scaled_quant import fake_quant, scaled_round
+from jaxlowfp.qat import gemm
 from jaxlowfp.qat.matmul import dot_general, linear
 from jaxlowfp.qat.spec import (
     CLIPS,
@@ -69,6 +74,7 @@ from jaxlowfp.qat.spec import (
 from jaxlowfp.qat.warmup import Warmup
 
 __all__ = [
+    "gemm",
     "QuantSpec",
     "QuantStats",
     "Recipe",

@@ -18,6 +18,7 @@ from jax.typing import ArrayLike, DTypeLike
 from jaxlowfp._core.checks import bool_flag, float_input
 from jaxlowfp._core.reduce import abs_max
 from jaxlowfp.hadamard import hadamard16
+from jaxlowfp.qat import gemm
 from jaxlowfp.qat.scaled_quant import (fixed_estimate, keep_mask, need_key, nvfp4_fake_quant, quantize,
                                        reverse_mode_only, round_with,
                                      select, straight_through)
@@ -51,6 +52,7 @@ class _DotConfig:
     recipe: Recipe
     observe: bool | None  # a static observe_only flag; None: traced, passed as an argument
     where: str = "qat.dot_general"  # the layer, for errors
+    gemm: str = "dequant"  # the forward product's backend (jaxlowfp.qat.gemm), resolved
 
 
 def _dot(cfg: _DotConfig, a: jax.Array, b: jax.Array) -> jax.Array:
@@ -78,6 +80,8 @@ class _Ctx(NamedTuple):
     key_g: jax.Array | None  # the backward's
     observe: jax.Array | None  # a traced observe-only flag (None: static, in the config)
     grad_hist: AmaxHistory | None  # delayed gradient scaling: the output gradient's history
+    scale_l: jax.Array | None = None  # the forward's per-tensor dequant scales (the fp8 backend's)
+    scale_r: jax.Array | None = None
 
 
 def _requantize(x: jax.Array, spec: QuantSpec | None, est: jax.Array | None, key: jax.Array | None, axis: int,
@@ -90,9 +94,23 @@ def _requantize(x: jax.Array, spec: QuantSpec | None, est: jax.Array | None, key
     return select(observe, x, r.y), keep
 
 
+def _on_backend(cfg: _DotConfig, observe: bool | jax.Array | None, hp: Any, real: Any) -> jax.Array:
+    """The forward product on ``cfg.gemm`` (`real`), or `hp` (the fake-quant product, which is the high-precision
+    one while observing) for "dequant" and a static warmup; a traced warmup flag selects with ``lax.cond``."""
+    if cfg.gemm == "dequant" or observe is True:
+        return hp()
+    if observe is None or observe is False:
+        return real()
+    return lax.cond(observe, hp, real)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _qdot(cfg: _DotConfig, lhs, rhs, lhs_q, rhs_q, ctx: _Ctx, pending):
-    out = _dot(cfg, lhs_q, rhs_q)
+    ops = gemm.Operands(lhs, rhs, lhs_q, rhs_q, ctx.est_l, ctx.est_r, ctx.scale_l, ctx.scale_r)
+    out = _on_backend(cfg, cfg.observe if cfg.observe is not None else ctx.observe,
+                      lambda: _dot(cfg, lhs_q, rhs_q),
+                      lambda: gemm.forward(cfg.gemm, cfg.recipe, cfg.dn, ops,
+                                           jax.eval_shape(lambda: _dot(cfg, lhs_q, rhs_q)).dtype))
     return out if pending is None else (out, PendingAmax.none())
 
 
@@ -276,7 +294,10 @@ def dot_general(
     else:
         rhs_q, keep_r, st_w, stats_w, est_r = lax.stop_gradient(rhs), None, state.weight, None, None
     static_obs = observe if isinstance(observe, bool) else None
-    cfg = _DotConfig(dn, precision, preferred_element_type, recipe, static_obs, where)
+    backend = gemm.plan(recipe, where=where).backend
+    cfg = _DotConfig(dn, precision, preferred_element_type, recipe, static_obs, where, backend)
+    scale_l = None if stats_a is None else stats_a.scale
+    scale_r = None if stats_w is None else stats_w.scale
     grad_hist, pending = state.grad, state.grad_pending
     what = f"recipe {recipe.name!r}"
     if static_obs is True and not recipe.delayed_grad:
@@ -284,12 +305,18 @@ def dot_general(
         # backward selects the high-precision operands), so the plain op is the same function, forward mode included
         out = _dot(cfg, lhs, rhs)
     elif recipe.grad is None:
-        out = _dot(cfg, reverse_mode_only(straight_through, lhs, lhs_q, keep_l, where=where, what=what),
-                   reverse_mode_only(straight_through, rhs, rhs_q, keep_r, where=where, what=what))
+        a = reverse_mode_only(straight_through, lhs, lhs_q, keep_l, where=where, what=what)
+        b = reverse_mode_only(straight_through, rhs, rhs_q, keep_r, where=where, what=what)
+        ops = gemm.Operands(lax.stop_gradient(lhs), lax.stop_gradient(rhs), lhs_q, rhs_q, est_l, est_r, scale_l,
+                            scale_r)
+        dot = functools.partial(_dot, cfg)
+        out = _on_backend(cfg, observe, lambda: dot(a, b),
+                          lambda: gemm.product(backend, recipe, dn, dot, ops, a, b))
     else:
         check_size(jax.eval_shape(lambda a, b: _dot(cfg, a, b), lhs_q, rhs_q).shape, "the output gradient")
         traced_obs = None if static_obs is not None else observe
-        ctx = _Ctx(est_l, est_r, keys[0], keys[1], keys[2], cast(jax.Array | None, traced_obs), None)
+        ctx = _Ctx(est_l, est_r, keys[0], keys[1], keys[2], cast(jax.Array | None, traced_obs), None, scale_l,
+                   scale_r)
         if recipe.delayed_grad:  # record the amax the last backward pass reported, then hand the history over
             grad_hist = record_pending(recipe.grad.scaling, state.grad, lax.stop_gradient(pending))
             out, pending = reverse_mode_only(

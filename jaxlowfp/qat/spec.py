@@ -17,6 +17,7 @@ from jaxlowfp.scaling import (Algorithm, AmaxHistory, Convention, CurrentScaling
                               Scaling, StaticScaling)
 
 FORMATS = registry.QAT_FORMATS
+GEMMS = ("dequant", "auto", "scaled_matmul", "fp8")  # jaxlowfp.backends.BACKENDS
 MX_ELEMENTS = {"mxfp4": "e2m1", "mxfp8": "e4m3"}  # OCP MX: E8M0 scale per 32 values along K
 CLIPS = ("target", "format")
 STES = ("identity", "masked")
@@ -270,12 +271,17 @@ class Recipe:
         ``RecipeState.grad_pending``. ``grad.hadamard`` applies the 16-point Hadamard transform to both
         weight-gradient operands.
       name: a label for reports.
+      gemm: where the forward product runs (`jaxlowfp.qat.gemm`): "dequant" (default: the dequantized operands in
+        high precision), "fp8" (cuBLASLt's FP8 GEMM on the E4M3 codes), "scaled_matmul" (``jax.nn.scaled_matmul``
+        on the NVFP4 / MX codes and block scales) or "auto" (the device's native GEMM, else dequant). The backward
+        pass is the same for all.
     """
 
     weight: QuantSpec | None = None
     activation: QuantSpec | None = None
     grad: QuantSpec | None = None
     name: str = "custom"
+    gemm: Literal["dequant", "auto", "scaled_matmul", "fp8"] = "dequant"
 
     def __post_init__(self) -> None:
         for role in ("weight", "activation", "grad"):
@@ -305,6 +311,7 @@ class Recipe:
                              f"{self.grad.hadamard} (use CurrentScaling for grad)")
         if not isinstance(self.name, str):
             raise TypeError(f"name must be a str; got {self.name!r}")
+        one_of(self.gemm, GEMMS, "gemm")
 
     @property
     def delayed_grad(self) -> bool:
