@@ -16,7 +16,11 @@ choice is asserted too:
   - ``mxfp4 W4A4`` with ``backend="scaled_matmul"`` asked for: XLA expands it into a float32 dot on sm_100a (no
     cuDNN call), which is why "auto" takes "dequant" for MXFP4 and the plan does not call it native;
   - ``fp8 W8A8``: sm_90a (H100), with XLA's default GEMM choice (deviceless: no autotuning, so its Triton GEMM
-    emitter, which keeps the float8 operands) and with ``xla_gpu_enable_triton_gemm=False`` (cuBLASLt).
+    emitter, which keeps the float8 operands) and with ``xla_gpu_enable_triton_gemm=False`` (cuBLASLt);
+  - QAT: the gradient of ``sum(qat.linear(x, w))`` (forward and backward) for ``fp8_delayed`` with
+    ``Recipe(gemm="fp8")`` on sm_90a and NVFP4 4/6 W4A4 with ``gemm="scaled_matmul"`` on sm_100a: the forward
+    product becomes the FP8 / block-scaled GEMM, the backward's GEMMs stay in bfloat16 (the straight-through
+    backward is the fake-quant product's).
 
 For each: the custom-call targets of the lowered StableHLO and of the optimized HLO, the GEMM fusions' kinds and
 whether their operands are float8, and the number of plain ``dot`` instructions left outside them.
@@ -33,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -51,6 +56,9 @@ CASES: dict[str, tuple[str, str, str, str, dict]] = {
     "fp8 W8A8 (XLA's default GEMM)": ("sm_90 (H100)", "fp8", "fp8", "auto", {}),
     "fp8 W8A8 (cuBLASLt: no Triton GEMM)": ("sm_90 (H100)", "fp8", "fp8", "auto",
                                             {"xla_gpu_enable_triton_gemm": False}),
+    # a QAT training step's gradient (qat.linear under jax.value_and_grad) with the forward product on a backend
+    "QAT fp8_delayed step, gemm='fp8'": ("sm_90 (H100)", "fp8", "", "qat:fp8", {"xla_gpu_enable_triton_gemm": False}),
+    "QAT NVFP4 4/6 W4A4 step, gemm='scaled_matmul'": ("sm_100 (B200)", "nvfp4", "", "qat:scaled_matmul", {}),
 }
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _STABLEHLO_CALL = re.compile(r"stablehlo\.custom_call @([\w$.]+)\(.*?:\s*\(([^)]*)\)")
@@ -83,7 +91,7 @@ def compile_cases(names: list[str]) -> dict[str, dict]:
     from jax.experimental import topologies
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from jaxlowfp import backends, packed
+    from jaxlowfp import backends, packed, qat
 
     jax.config.update("jax_enable_compilation_cache", False)
     ck.check_toolchain()
@@ -95,6 +103,9 @@ def compile_cases(names: list[str]) -> dict[str, dict]:
         mesh = topologies.make_mesh(topo, (1,), ("x",))
         device = topo.devices[0]
         rep = NamedSharding(mesh, PartitionSpec())
+        if backend.startswith("qat:"):
+            out[name] = _compile_qat(name, qat, jax, jnp, mesh, rep, device)
+            continue
         w = packed.pack(jnp.zeros((K, N), jnp.float32), wf)  # only the shapes and static metadata are used
         abstract_w = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), w)
         x = jax.ShapeDtypeStruct((M, K), jnp.bfloat16, sharding=rep)
@@ -115,6 +126,30 @@ def compile_cases(names: list[str]) -> dict[str, dict]:
         res.update(target=target, backend=plan.backend, native=plan.native, options=options)
         out[name] = res
     return out
+
+
+def _compile_qat(name: str, qat: Any, jax: Any, jnp: Any, mesh: Any, rep: Any, device: Any) -> dict:
+    import dataclasses
+
+    target, fmt, _, backend, options = CASES[name]
+    recipe = dataclasses.replace(qat.named_recipe(fmt), gemm=backend.split(":", 1)[1])
+    plan = qat.gemm.plan(recipe, device=device)
+
+    def step(x, w):
+        def loss(x, w):
+            y, _, _ = qat.linear(x, w, recipe=recipe, state=recipe.init())
+            return jnp.sum(y.astype(jnp.float32))
+        return jax.value_and_grad(loss, argnums=(0, 1))(x, w)
+
+    x = jax.ShapeDtypeStruct((M, K), jnp.bfloat16, sharding=rep)
+    w = jax.ShapeDtypeStruct((K, N), jnp.bfloat16, sharding=rep)
+    with tempfile.TemporaryDirectory() as tmp, jax.set_mesh(mesh):
+        lowered = jax.jit(step, in_shardings=(rep, rep)).lower(x, w)
+        compiled = lowered.compile(compiler_options={"xla_gpu_cuda_data_dir": str(
+            ck._cuda_dir(Path(tmp) / "cuda", ck.check_toolchain())), **options})
+        res = analyse(lowered.as_text(), compiled.as_text())
+    res.update(target=target, backend=plan.backend, native=plan.native, options=options)
+    return res
 
 
 def run(names: list[str] | None = None, timeout: float = 1200.0) -> dict[str, dict]:

@@ -36,7 +36,7 @@ def compiled():
     return cb.run()
 
 
-BLOCK_SCALED = [n for n, c in cb.CASES.items() if c[0] == "sm_100 (B200)" and not n.startswith("mxfp4")]
+BLOCK_SCALED = [n for n, c in cb.CASES.items() if c[0] == "sm_100 (B200)" and not n.startswith(("mxfp4", "QAT"))]
 
 
 @pytest.mark.parametrize("name", BLOCK_SCALED)
@@ -69,3 +69,17 @@ def test_mxfp4_is_not_sent_to_cudnn_and_auto_does_not_claim_it(compiled):
     assert r["backend"] == "scaled_matmul" and not r["native"]  # what the plan says of it on a B200
     assert r["lowered_custom_calls"] == ["__op$block_scaled_dot"]
     assert "__cudnn$blockScaledDot" not in r["optimized_custom_calls"] and r["gemm_fusions"] == []
+
+
+def test_qat_steps_run_their_forward_on_the_low_precision_gemm(compiled):
+    """A QAT step (forward and backward of qat.linear) with ``Recipe(gemm=...)``: the forward product is the FP8 /
+    block-scaled GEMM on the quantizers' codes; the backward keeps its bfloat16 GEMMs (the fake-quant VJP)."""
+    fp8 = compiled["QAT fp8_delayed step, gemm='fp8'"]
+    assert fp8["backend"] == "fp8" and fp8["native"]
+    assert "__cublas$lt$matmul$f8" in fp8["optimized_custom_calls"]
+    assert "__cublas$lt$matmul" in fp8["optimized_custom_calls"]  # the backward's bfloat16 GEMMs
+    nv = compiled["QAT NVFP4 4/6 W4A4 step, gemm='scaled_matmul'"]
+    assert nv["backend"] == "scaled_matmul" and nv["native"]
+    assert "__op$block_scaled_dot" in nv["lowered_custom_calls"]
+    assert "__cudnn$blockScaledDot" in nv["optimized_custom_calls"]
+    assert nv["gemm_fusions"]  # the backward's bfloat16 GEMMs (XLA's Triton GEMM)
