@@ -177,22 +177,22 @@ def _per_tensor_scale(x: jax.Array, target: float) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("kind",))
-def _scaled_codes(x: jax.Array, kind: str):
+def _scaled_codes(x: jax.Array, kind: str, scale: Any = None):
     elem, target = PER_TENSOR[kind]
-    scale = _per_tensor_scale(x, target)
+    scale = _per_tensor_scale(x, target) if scale is None else jnp.asarray(scale, jnp.float32)
     fmt = formats.get(elem)
     v = fmt.round(jnp.clip(x.astype(jnp.float32) * (1.0 / scale), -target, target))  # scaled_round_mask's values
     codes = fmt.encode(v) if elem == "hif8" else v.astype(jnp.float8_e4m3fn)  # exact: v is representable
     return codes, scale
 
 
-def scaled_quantize(x: Any, kind: str) -> ScaledArray:
-    """FP8 E4M3 (``kind="fp8"``) or HiF8 (``"hif8"``) codes of `x` with the current per-tensor scale
-    ``s = amax / target``: ``q = round(clip(x * (1 / s), +-target))``, exactly the values `qat.scaled_round` rounds
-    to (``dequantize`` is its output bit for bit)."""
+def scaled_quantize(x: Any, kind: str, *, scale: Any = None) -> ScaledArray:
+    """FP8 E4M3 (``kind="fp8"``) or HiF8 (``"hif8"``) codes of `x` with the per-tensor scale `scale` (default the
+    current one, ``s = amax / target``): ``q = round(clip(x * (1 / s), +-target))``, exactly the values
+    `qat.scaled_round` rounds to (``dequantize`` is its output bit for bit)."""
     one_of(kind, tuple(PER_TENSOR), "kind")
     x = float_input(x, "x")
-    codes, scale = _scaled_codes(x, kind)
+    codes, scale = _scaled_codes(x, kind, scale)
     return ScaledArray(codes=codes, scale=scale, elem=PER_TENSOR[kind][0], dtype=x.dtype, shape=x.shape)
 
 

@@ -42,10 +42,10 @@ MX_FORMATS = _names.MX_FORMATS  # jaxlowfp.mx element formats: MXFP4, MXFP8 (E4M
 MX_RULES = _names.MX_RULES  # the shared exponent: OCP's floor rule, or round-up (RCEIL)
 
 QAT_FORMATS = ("hif8", "e4m3", "e5m2", "nvfp4", "if4", "mxfp4", "mxfp8")  # jaxlowfp.qat.QuantSpec(format=...)
-PTQ_KINDS = ("nvfp4", "mxfp4", "hif8", "if4")  # jaxlowfp.ptq.TensorFormat(kind=...)
+PTQ_KINDS = ("nvfp4", "mxfp4", "mxfp8", "hif8", "fp8", "if4")  # jaxlowfp.ptq.TensorFormat(kind=...)
 
 # jaxlowfp.ptq.scheme(name) and `python -m train ptq --formats`: one name per weight + activation format
-PTQ_FORMATS = (*(f"nvfp4-{r}" for r in NVFP4_RULES), "mxfp4", "hif8", *(f"if4-{r}" for r in IF_RULES))
+PTQ_FORMATS = (*(f"nvfp4-{r}" for r in NVFP4_RULES), "mxfp4", "mxfp8", "hif8", "fp8", *(f"if4-{r}" for r in IF_RULES))
 
 # the lm-eval backend's quantize= (jaxlowfp.harness) and `python -m train eval --quantize`: a QAT recipe each
 # ("nvfp4" is nvfp4-mse, "fp8" the delayed E4M3 / E5M2 recipe)

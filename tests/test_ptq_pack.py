@@ -101,7 +101,7 @@ def test_orbax_restores_the_packed_model_bit_for_bit(w4a4, tmp_path):
 
 
 @pytest.mark.parametrize("name,kw", [("hif8", {}), ("nvfp4-static_6", {"convention": "compressed-tensors"}),
-                                     ("mxfp4", {})])
+                                     ("mxfp4", {}), ("fp8", {}), ("mxfp8", {})])
 def test_other_formats_and_conventions(name, kw):
     model = _MLP(nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (4, 64), jnp.float32)
@@ -110,10 +110,11 @@ def test_other_formats_and_conventions(name, kw):
     report = ptq.pack(model, res)  # auto: dequant on CPU
     assert {b for _, _, b, _ in report.layers} == {"dequant"} and len(packed_layers(model)) == 2
     np.testing.assert_allclose(model(x), fake, rtol=1e-5, atol=1e-5)
-    assert report.bits_per_param == pytest.approx({"hif8": 8.0, "mxfp4": 4.25}.get(name, 4.5), abs=0.01)
+    bits = {"hif8": 8.0, "fp8": 8.0, "mxfp4": 4.25, "mxfp8": 8.25}.get(name, 4.5)
+    assert report.bits_per_param == pytest.approx(bits, abs=0.01)
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "if4-mse", "hif8"])
+@pytest.mark.parametrize("fmt", ["mxfp4", "if4-mse", "hif8", "fp8", "mxfp8"])
 def test_requantizing_a_ptq_kernel_is_lossless(fmt):
     """The formats whose PTQ result keeps no codes: their packed arrays are found again from the dequantized
     kernel (the float32 scale searched among its neighbours) and decode to it bit for bit."""

@@ -22,8 +22,8 @@ Calibration is sequential by default for a model that says its blocks (``ptq_blo
 calibrated on the outputs of the blocks already quantized, one block's statistics held at a time;
 ``pipeline="one-pass"`` takes every layer's statistics from one pass over the unquantized model.
 Schemes (`formats`): ``"nvfp4-static_6"``, ``"nvfp4-static_4"``, ``"nvfp4-abs_max"``, ``"nvfp4-mae"``,
-``"nvfp4-mse"``, ``"mxfp4"``, ``"hif8"``; ``weights_only=True`` for W4A16; ``weight_block=(16, 16)`` for NVFP4
-16x16 weight tiles.
+``"nvfp4-mse"``, ``"mxfp4"``, ``"mxfp8"``, ``"hif8"``, ``"fp8"`` (E4M3, scale amax / 448 per tensor);
+``weights_only=True`` for W4A16; ``weight_block=(16, 16)`` for NVFP4 16x16 weight tiles.
 
 >>> import jax.numpy as jnp, numpy as np
 >>> from flax import nnx

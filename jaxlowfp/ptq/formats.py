@@ -10,7 +10,9 @@ the last axis, the GEMM reduction axis. A ``nnx.Linear`` kernel is ``[in, out]``
     if4    x̂ = (q * s_b) * S_dec, or ((q * s_b) * 6/7) * S_dec   E2M1 or INT4 q per block of 16 (rule: mse, mae,
                                      abs_max; jaxlowfp.if4)
     mxfp4  x̂ = q * 2^e_b              E2M1 q, E8M0 2^e_b per 32 values (OCP floor rule)
+    mxfp8  x̂ = q * 2^e_b              E4M3 q, E8M0 2^e_b per 32 values (OCP floor rule)
     hif8   x̂ = HiF8(clip(x / s, +-15)) * s,   s = amax / 15   (per tensor; the Max-Window paper's target)
+    fp8    x̂ = E4M3(clip(x / s, +-448)) * s,  s = amax / 448  (per tensor, as FP8 W8A8 checkpoints store it)
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlowfp import formats, if4, mx, nvfp4, qat, registry
+from jaxlowfp.packed import PER_TENSOR
 from jaxlowfp.scaling import CurrentScaling, StaticScaling
 
 KINDS = registry.PTQ_KINDS
@@ -34,7 +37,8 @@ NVFP4_RULES = registry.NVFP4_RULES
 IF4_RULES = registry.IF_RULES
 TWO_LEVEL = ("nvfp4", "if4")  # E4M3 scales per 16 values and an FP32 tensor scale
 NVFP4_BLOCK_SHAPES = tuple(nvfp4.BLOCK_SHAPES)
-HIF8_TARGET = 15.0
+HIF8_TARGET = PER_TENSOR["hif8"][1]
+MX_ELEMENTS = {"mxfp4": "e2m1", "mxfp8": "e4m3"}
 _FLT_MAX = float(np.finfo(np.float32).max)
 
 
@@ -48,8 +52,9 @@ class TensorFormat:
     """How one tensor is quantized.
 
     Attributes:
-      kind: "nvfp4", "mxfp4" (OCP MX, E2M1 elements, 32 per E8M0 scale), "hif8" (per-tensor scale) or "if4"
-        (NVFP4's scales, each block on the E2M1 or the INT4 grid).
+      kind: "nvfp4", "mxfp4" / "mxfp8" (OCP MX, E2M1 / E4M3 elements, 32 per E8M0 scale), "hif8" / "fp8" (one
+        scale per tensor: amax / 15, amax / 448 with E4M3) or "if4" (NVFP4's scales, each block on the E2M1 or the
+        INT4 grid).
       rule: NVFP4: "static_6" (standard), "static_4", the Four Over Six rules "abs_max", "mae", "mse", or "search"
         (per-block E4M3 scale search); IF4: the grid choice "mse", "mae" or "abs_max".
       block_shape: NVFP4 / IF4 only: (1, 16), or (16, 16) tiles (weights only).
@@ -77,7 +82,12 @@ class TensorFormat:
     @property
     def group(self) -> int | None:
         """Elements per scale along the reduction axis (None: one scale per tensor)."""
-        return {"nvfp4": 16, "if4": 16, "mxfp4": mx.BLOCK}.get(self.kind)
+        return {"nvfp4": 16, "if4": 16, "mxfp4": mx.BLOCK, "mxfp8": mx.BLOCK}.get(self.kind)
+
+    @property
+    def per_tensor(self) -> bool:
+        """One scale for the whole tensor (HiF8, FP8)."""
+        return self.kind in PER_TENSOR
 
     @property
     def rows(self) -> int:
@@ -96,9 +106,9 @@ class TensorFormat:
             return nvfp4.fake_quantize(x, rule=self.rule, block_shape=self.block_shape)
         if self.kind == "if4":
             return if4.fake_quantize(x, rule=cast(if4.IFRule, self.rule), block_shape=self.block_shape)
-        if self.kind == "mxfp4":
-            return mx.fake_quantize(x, format="e2m1")
-        return hif8_fake_quantize(x)
+        if self.kind in MX_ELEMENTS:
+            return mx.fake_quantize(x, format=MX_ELEMENTS[self.kind])  # type: ignore[arg-type]
+        return per_tensor_fake_quantize(x, self.kind)
 
 
     def quant_spec(self, activation_scale: str = "tensor", amax: float | tuple[float, ...] | None = None
@@ -109,29 +119,41 @@ class TensorFormat:
         _one_of(activation_scale, ACTIVATION_SCALES, "activation_scale")
         if activation_scale == "static" and amax is None:
             raise ValueError(f"activation_scale='static' needs the calibrated amax of the layer's input ({self.name})")
-        if self.kind == "mxfp4":
-            return qat.QuantSpec(format="mxfp4")
-        target = HIF8_TARGET if self.kind == "hif8" else 6.0
+        if self.kind in MX_ELEMENTS:
+            return qat.QuantSpec(format=self.kind)  # type: ignore[arg-type]
+        target = PER_TENSOR[self.kind][1] if self.per_tensor else 6.0
         if activation_scale == "static":
             scaling: Any = StaticScaling(amax=tuple(map(float, amax)) if isinstance(amax, (tuple, list)) else
                                          float(amax), target_max=target)
         else:
             scaling = CurrentScaling(target_max=target, granularity=activation_scale)  # type: ignore[arg-type]
-        if self.kind == "hif8":
-            return qat.QuantSpec(format="hif8", scaling=scaling, clip="target")
+        if self.per_tensor:
+            return qat.QuantSpec(format=PER_TENSOR[self.kind][0], scaling=scaling, clip="target")  # type: ignore[arg-type]
         return qat.QuantSpec(format=self.kind, rule=self.rule, block_shape=self.block_shape, scaling=scaling)  # type: ignore[arg-type]
 
 
+def per_tensor_scale(amax: jax.Array, kind: str = "hif8") -> jax.Array:
+    """Per-tensor dequant multiplier ``amax / target`` (HiF8 15, FP8 448; 1 when amax is 0 or not finite)."""
+    return CurrentScaling(target_max=PER_TENSOR[kind][1]).scale(amax)
+
+
+def per_tensor_fake_quantize(x: jax.Array, kind: str = "hif8", scale: jax.Array | None = None) -> jax.Array:
+    """``F(clip(x / s, +-target)) * s`` (`qat.scaled_round`) for F = HiF8 (target 15) or E4M3 (448), s =
+    `per_tensor_scale(max|x|)` unless given."""
+    elem, target = PER_TENSOR[kind]
+    if scale is None:
+        scale = per_tensor_scale(jnp.max(jnp.abs(x.astype(jnp.float32))), kind)
+    return qat.scaled_round(x, scale, target, elem)[0]
+
+
 def hif8_scale(amax: jax.Array) -> jax.Array:
-    """Per-tensor HiF8 dequant multiplier ``amax / 15`` (1 when amax is 0 or not finite)."""
-    return CurrentScaling(target_max=HIF8_TARGET).scale(amax)
+    """`per_tensor_scale` of HiF8: ``amax / 15``."""
+    return per_tensor_scale(amax, "hif8")
 
 
 def hif8_fake_quantize(x: jax.Array, scale: jax.Array | None = None) -> jax.Array:
-    """``HiF8(clip(x / s, +-15)) * s`` (`qat.scaled_round`), s = `hif8_scale(max|x|)` unless given."""
-    if scale is None:
-        scale = hif8_scale(jnp.max(jnp.abs(x.astype(jnp.float32))))
-    return qat.scaled_round(x, scale, HIF8_TARGET, "hif8")[0]
+    """`per_tensor_fake_quantize` of HiF8: ``HiF8(clip(x / s, +-15)) * s``."""
+    return per_tensor_fake_quantize(x, "hif8", scale)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -185,8 +207,8 @@ def scheme(name: str, *, weights_only: bool = False, weight_block: tuple[int, in
     """A named scheme: ``"nvfp4-<rule>"`` (W4A4 NVFP4, weights and activations with the same rule, except
     ``"nvfp4-search"``: the per-block scale search calibrates the weights, and the activations, quantized at run
     time, use 4/6 ``mse``, the search being a weight calibration as llm-compressor's observer), ``"if4-<rule>"``
-    (W4A4 IF4), ``"mxfp4"`` (W4A4 MXFP4) or ``"hif8"`` (W8A8
-    HiF8, per-tensor scales). ``weights_only``: no activation quantization (W4A16 / W8A16). ``weight_block``:
+    (W4A4 IF4), ``"mxfp4"`` / ``"mxfp8"`` (W4A4 MXFP4, W8A8 MXFP8), ``"hif8"`` or ``"fp8"`` (W8A8 HiF8 / FP8 E4M3,
+    per-tensor scales). ``weights_only``: no activation quantization (W4A16 / W8A16). ``weight_block``:
     NVFP4 / IF4 weight blocks, (1, 16) or (16, 16)."""
     _one_of(name, SCHEMES, "scheme")
     kind = name.split("-", 1)[0]
@@ -305,14 +327,15 @@ def if4_column(col: jax.Array, p: jax.Array, s_dec: jax.Array) -> tuple[jax.Arra
     return q, jnp.where(is_int, ((q * s) * np.float32(g.step)) * s_dec, (q * s) * s_dec)
 
 
-def mxfp4_fix(cols: jax.Array) -> jax.Array:
+def mx_fix(cols: jax.Array, kind: str = "mxfp4") -> jax.Array:
     """The E8M0 block scale 2^e (float32, per row [out]) of 32 columns `cols` [out, 32] as they stand."""
-    return mx.quantize(cols, format="e2m1").scales.astype(jnp.float32).reshape(-1)
+    return mx.quantize(cols, format=MX_ELEMENTS[kind]).scales.astype(jnp.float32).reshape(-1)  # type: ignore[arg-type]
 
 
-def mxfp4_column(col: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(E2M1 value q, q * 2^e) of a column with fixed power-of-two scales `x` = 2^e (1 / x is exact)."""
-    q = formats.E2M1.round(col * (1.0 / x), saturate=True)
+def mx_column(col: jax.Array, x: jax.Array, kind: str = "mxfp4") -> tuple[jax.Array, jax.Array]:
+    """(element value q, q * 2^e) of a column with fixed power-of-two scales `x` = 2^e (1 / x is exact); E2M1
+    (MXFP4) or E4M3 (MXFP8), round to nearest even, saturating, as `jaxlowfp.mx`."""
+    q = formats.get(MX_ELEMENTS[kind]).round(col * (1.0 / x), saturate=True)
     return q, q * x
 
 

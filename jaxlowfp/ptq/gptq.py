@@ -48,9 +48,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxlowfp import nvfp4, sharding
-from jaxlowfp.ptq.formats import (TWO_LEVEL, QuantizedWeight, TensorFormat, block_global_scales, hif8_fake_quantize,
-                                  hif8_scale, if4_column, if4_fix, mxfp4_column, mxfp4_fix, nvfp4_column, nvfp4_fix,
-                                  pack_nvfp4)
+from jaxlowfp.ptq.formats import (MX_ELEMENTS, TWO_LEVEL, QuantizedWeight, TensorFormat, block_global_scales,
+                                  if4_column, if4_fix, mx_column, mx_fix, nvfp4_column, nvfp4_fix, pack_nvfp4,
+                                  per_tensor_fake_quantize, per_tensor_scale)
 
 _HI = lax.Precision.HIGHEST
 SCALES = ("as-reached", "original")
@@ -131,8 +131,8 @@ def _column_loop(w: jax.Array, u: jax.Array, group_of: jax.Array, first: jax.Arr
     out, n = w.shape
     if fmt.kind in TWO_LEVEL:
         s_dec = block_global_scales(fmt, amax)[1]
-    if fmt.kind == "hif8":
-        params0 = jnp.full((1, out), hif8_scale(amax), jnp.float32)
+    if fmt.per_tensor:
+        params0 = jnp.full((1, out), per_tensor_scale(amax, fmt.kind), jnp.float32)
     elif original:
         params0 = _original_scales(w[:, group_cols.reshape(-1)], amax, fmt=fmt, g=group_cols.shape[1])  # original order
     else:
@@ -143,16 +143,16 @@ def _column_loop(w: jax.Array, u: jax.Array, group_of: jax.Array, first: jax.Arr
             return nvfp4_fix(cols, fmt, amax)
         if fmt.kind == "if4":  # the scale, negated for an INT4 block
             return if4_fix(cols, fmt, amax)
-        return mxfp4_fix(cols)
+        return mx_fix(cols, fmt.kind)
 
     def column(col, p):
         if fmt.kind == "nvfp4":
             return nvfp4_column(col, p, s_dec)
         if fmt.kind == "if4":
             return if4_column(col, p, s_dec)
-        if fmt.kind == "mxfp4":
-            return mxfp4_column(col, p)
-        deq = hif8_fake_quantize(col, p[0])
+        if fmt.kind in MX_ELEMENTS:
+            return mx_column(col, p, fmt.kind)
+        deq = per_tensor_fake_quantize(col, fmt.kind, p[0])
         return deq, deq
 
     def chunk_body(c, carry):
@@ -169,7 +169,7 @@ def _column_loop(w: jax.Array, u: jax.Array, group_of: jax.Array, first: jax.Arr
             j = c1 + i
             wj = current(j[None], err)[:, 0]
             g = group_of[j]
-            if fmt.kind != "hif8":
+            if not fmt.per_tensor:
                 params = lax.cond(first[j], lambda p: p.at[g].set(fix(current(group_cols[g], err))),
                                   lambda p: p, params)
             q, d = column(wj, params[g])
@@ -258,7 +258,7 @@ def gptq_weight(kernel: jax.Array, hessian: jax.Array, fmt: TensorFormat, cfg: G
     group_of = perm // g
     first = np.zeros(n_in, bool)
     first[group_cols.min(axis=1)] = True
-    original = fmt.kind == "hif8" or cfg.scales == "original"
+    original = fmt.per_tensor or cfg.scales == "original"
     if original:  # every group fixed before the loop, from the original weights; never again
         first[:] = False
     chunk = int(np.gcd(n_in, cfg.block_size))
@@ -290,9 +290,10 @@ def _original_scales(w: jax.Array, amax: jax.Array, *, fmt: TensorFormat, g: int
     cols = jnp.swapaxes(w.reshape(w.shape[0], -1, g), 0, 1)  # [groups, out, g]
     if fmt.kind == "nvfp4":
         return jax.vmap(lambda c: nvfp4_fix(c, fmt, amax))(cols)
-    if fmt.kind == "mxfp4":
-        return jax.vmap(mxfp4_fix)(cols)
-    raise ValueError(f"GPTQ(scales='original') supports nvfp4, mxfp4 and hif8 weights; got {fmt.kind!r}")
+    if fmt.kind in MX_ELEMENTS:
+        return jax.vmap(lambda c: mx_fix(c, fmt.kind))(cols)
+    raise ValueError(f"GPTQ(scales='original') supports nvfp4, mxfp4, mxfp8, hif8 and fp8 weights; got "
+                     f"{fmt.kind!r}")
 
 
 @functools.partial(jax.jit, static_argnames=("fmt",))

@@ -23,6 +23,7 @@ Either way every packed layer is checked: its weights dequantize to the fake-qua
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxlowfp import formats, packed
+from jaxlowfp import packed
 from jaxlowfp.packed_layer import PackedLinear, replace_modules
 from jaxlowfp.ptq.api import PTQResult
 from jaxlowfp.ptq.layers import ActQuant, layout, quantizable_modules
@@ -77,29 +78,27 @@ def _near(v: np.float32, ulps: int = 4) -> list[np.float32]:
     return out
 
 
-@jax.jit
-def _hif8_try(wt: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(HiF8 codes of wt / scale, whether ``HiF8(q) * scale == wt`` everywhere)."""
-    codes = formats.HIF8.encode(jnp.clip(wt * (1.0 / scale), -15.0, 15.0))
-    return codes, jnp.all(formats.HIF8.decode(codes, jnp.float32) * scale == wt)
+@functools.partial(jax.jit, static_argnames=("kind",))
+def _per_tensor_try(wt: jax.Array, scale: jax.Array, kind: str) -> tuple[packed.ScaledArray, jax.Array]:
+    """(the codes of wt with the per-tensor `scale`, whether they decode to wt everywhere)."""
+    arr = packed.scaled_quantize(wt, kind, scale=scale)
+    return arr, jnp.all(arr.dequantize(jnp.float32) == wt)
 
 
 def _requantized(kernel: jax.Array, fmt: Any, where: str) -> packed.PackedWeight:
     """The packed arrays that decode to a PTQ'd `kernel` [K, N] bit for bit (its values are already on the format's
     grid; what is not kept is the float32 scale they were made with, so it is searched among its float32
-    neighbours: HiF8's s near ``max|w| / 15``, IF4's tensor amax near ``max|w|``; MXFP4's E8M0 scales come back
-    exactly)."""
+    neighbours: HiF8's s near ``max|w| / 15``, FP8's near ``max|w| / 448``, IF4's tensor amax near ``max|w|``;
+    MX's E8M0 scales come back exactly)."""
     w = jnp.asarray(kernel, jnp.float32)
     top = np.float32(jnp.max(jnp.abs(w)))
     if not np.isfinite(top) or top == 0:
         raise ValueError(f"{where}: a {fmt.name} kernel with max |w| = {top} cannot be packed")
-    if fmt.kind == "hif8":
-        for s in _near(np.float32(top / np.float32(15.0))):
-            codes, ok = _hif8_try(w.T, jnp.float32(s))
+    if fmt.kind in packed.PER_TENSOR:  # x̂ = q s with q = target at the max: s within ulps of max|x̂| / target
+        for s in _near(np.float32(top / np.float32(packed.PER_TENSOR[fmt.kind][1]))):
+            arr, ok = _per_tensor_try(w.T, jnp.float32(s), fmt.kind)
             if bool(ok):
-                arr = packed.ScaledArray(codes=codes, scale=jnp.float32(s), elem="hif8", dtype=jnp.dtype(jnp.float32),
-                                         shape=(w.shape[1], w.shape[0]))
-                return packed.PackedWeight(array=arr, s_enc=None, format=packed.PackedFormat(kind="hif8"),
+                return packed.PackedWeight(array=arr, s_enc=None, format=packed.PackedFormat(kind=fmt.kind),
                                            k=int(w.shape[0]), n=int(w.shape[1]))
     else:
         for amax in _near(top) if fmt.kind == "if4" else [None]:
