@@ -114,3 +114,27 @@ def test_ptq_load_packed_moe_export(monkeypatch):
         np.testing.assert_array_equal(np.asarray(var.get_value().array.codes[e]),
                                       tensors[f"model.layers.1.mlp.experts.{e}.down_proj.weight_packed"])
     np.testing.assert_allclose(_logp(model), _logp(ref), atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_models_load_of_a_moe_export_packed_and_decoded(family, monkeypatch):
+    """`models.load(<jaxlowfp MoE export>)`, decoded and ``packed=True`` (nothing decoded during the load): the
+    log-probs of transformers' float32 model on compressed-tensors' own decoding of the same directory
+    (tests/fixtures/moe/ct_consumer.npz, scripts/moe_ct_consumer.py), within 2e-5 (tests/test_moe_export.py's bound:
+    two programs' float32 rounding and a 1-ulp decode difference on some weights)."""
+    from moe_export_common import TOKENS as SEQ
+
+    want = np.load(FIX / "ct_consumer.npz")[f"{family}_logprobs"]
+    with monkeypatch.context() as m:
+        _no_decode(m)
+        packed_model, _ = load(FIX / f"{family}_nvfp4", packed=True)
+    decoded, tok = load(FIX / f"{family}_nvfp4")
+    gate = "gate_proj"
+    assert isinstance(getattr(packed_model.blocks[1].mlp.experts, gate), PackedExperts)
+    assert not isinstance(getattr(decoded.blocks[1].mlp.experts, gate), PackedExperts)
+    for model in (decoded, packed_model):
+        lp = jax.nn.log_softmax(jax.jit(lambda m, x: m(x))(model, jnp.asarray(SEQ))[0], -1)
+        np.testing.assert_allclose(np.asarray(lp), want, atol=2e-5, rtol=0)
+    with pytest.raises(NotImplementedError, match="mesh="):
+        from jaxlowfp.models import moe_loader
+        moe_loader.load_export(FIX / f"{family}_nvfp4", mesh=object())

@@ -66,8 +66,15 @@ def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str =
     see `load`)."""
     from jaxlowfp.models import hf_loader, moe_loader, quantized  # needs the jaxlowfp[models] extra
 
+    if moe_loader.is_export(directory):  # a jaxlowfp.ptq.export of Qwen3-MoE / Mixtral (NVFP4 experts)
+        if not (isinstance(tokenizer, str) and tokenizer == "auto"):
+            raise NotImplementedError(f"{directory}: tokenizer= other than 'auto' is not implemented for "
+                                      f"mixture-of-experts checkpoints yet")
+        return moe_loader.load_export(directory, dtype=dtype, param_dtype=param_dtype, mesh=mesh, packed=packed,
+                                      backend=backend)
     if moe_loader.is_moe_hf(directory):  # Qwen3-MoE, Mixtral
-        _not_packed(packed, directory, "a mixture-of-experts checkpoint (packed experts are not implemented)")
+        _not_packed(packed, directory, "a float mixture-of-experts checkpoint (packed=True loads quantized ones: "
+                    "jaxlowfp.ptq.export directories)")
         if not (isinstance(tokenizer, str) and tokenizer == "auto"):
             raise NotImplementedError(f"{directory}: tokenizer= other than 'auto' is not implemented for "
                                       f"mixture-of-experts checkpoints yet")
