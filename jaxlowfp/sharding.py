@@ -381,23 +381,27 @@ def packed_shardings(weight: Any, spec: Any, mesh: Mesh, *, where: str = "packed
     for `jax.device_put`) when its GEMM matrix ``W' [K, N]`` is placed by ``spec`` (``P(k_axes, n_axes)``, the
     kernel's rule): the arrays of ``W'^T`` (codes ``[N, K/2]``, block scales ``[N, K/16]`` or ``[N/16, K/16]``)
     are ``P(n_axes, k_axes)``, the global scales replicated. So a device holds whole blocks with their scales;
-    a mesh axis that does not divide the packed dimension it shards is a `ShardingError` naming it."""
+    a mesh axis that does not divide the packed dimension it shards is a `ShardingError` naming it.
+
+    Stacked experts (`jaxlowfp.ptq.PackedExperts`: every leaf with a leading expert axis, ``W [E, K, N]`` placed by
+    ``P(e_axes, k_axes, n_axes)``): the same, each leaf's expert axis on ``e_axes`` (global scales ``[E]``)."""
     import jax.tree_util as jtu
 
     entries = tuple(spec) + (None,) * (2 - len(tuple(spec)))
-    if len(entries) != 2:
-        raise ShardingError(f"{where}: a packed weight is 2-D (W' [K, N]); its spec {spec} has {len(entries)} "
-                            "entries")
-    k_axes, n_axes = entries
+    if len(entries) not in (2, 3):
+        raise ShardingError(f"{where}: a packed weight is W' [K, N] (or stacked experts [E, K, N]); its spec {spec} "
+                            f"has {len(entries)} entries")
+    lead = entries[:-2]  # () or (e_axes,)
+    k_axes, n_axes = entries[-2:]
 
     def leaf(path: Any, x: Any) -> NamedSharding:
         shape = tuple(np.shape(x))
-        if len(shape) == 0:
-            return NamedSharding(mesh, P())
-        if len(shape) != 2:
-            raise ShardingError(f"{where}: packed leaf {jtu.keystr(path)} has shape {shape}; expected 2-D arrays of "
-                                "W'^T and scalar global scales")
-        for d, e in enumerate((n_axes, k_axes)):
+        if len(shape) == len(lead):
+            return NamedSharding(mesh, P(*lead))
+        if len(shape) != len(lead) + 2:
+            raise ShardingError(f"{where}: packed leaf {jtu.keystr(path)} has shape {shape}; expected "
+                                f"{len(lead) + 2}-D arrays of W'^T and {len(lead)}-D global scales")
+        for d, e in enumerate((*lead, n_axes, k_axes)):
             size = math.prod(mesh.shape[a] for a in _axes_of(e))
             if shape[d] % size:
                 raise ShardingError(
@@ -405,7 +409,7 @@ def packed_shardings(weight: Any, spec: Any, mesh: Mesh, *, where: str = "packed
                     f"the kernel's rule {spec} does not divide its dimension {d} ({shape[d]}): a device must hold "
                     f"whole blocks and their scales. Use a mesh axis size that divides it, or a rule that leaves "
                     f"that dimension of the kernel unsharded")
-        return NamedSharding(mesh, P(n_axes, k_axes))
+        return NamedSharding(mesh, P(*lead, n_axes, k_axes))
 
     return jtu.tree_map_with_path(leaf, weight)
 

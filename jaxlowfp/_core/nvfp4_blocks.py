@@ -25,6 +25,7 @@ from jax import lax
 
 from jaxlowfp._core import names as _names
 from jaxlowfp._core.bits import FLT_MAX, SIGN, div_const, from_bits, ieee_div, materialize, no_contract, u32
+from jaxlowfp._core.reduce import abs_max
 from jaxlowfp._core.checks import float_dtype, float_input, one_of
 from jaxlowfp._core.minifloat import _E2M1_THRESHOLDS, E2M1, E4M3
 from jaxlowfp._core.pytree import pytree_dataclass
@@ -189,13 +190,15 @@ def block_amax(xb: jax.Array, axes: tuple[int, ...] = (-3, -1)) -> jax.Array:
     """float32 ``max |x|`` per block, NaN wherever a NaN is reduced: over the last axis (``axes=(-1,)``) or over the
     block axes (-3, -1) of the [..., R, nb, 16] layout (the default).
 
-    One pass over `x` in its own dtype: a reduction over the contiguous last axis with the reducer written out
-    (NaN kept explicitly: XLA:CPU's library max reduction drops NaN), then, for 16x16 tiles, the 16 row
-    maxima folded element-wise (a reduction over axes (-3, -1) at once is ten times slower on XLA:CPU).
+    A max and an any-NaN reduction over the contiguous last axis (`jaxlowfp._core.reduce.abs_max`: XLA:CPU's
+    library max reduction drops NaN, so the NaN is put back explicitly; two standard reductions, which XLA fuses
+    into one pass and can partition when the block axis lies across devices, where a reducer written out as a
+    computation is "Unsupported reduction computation" on XLA:CPU), then, for 16x16 tiles, the 16 row maxima folded
+    element-wise (a reduction over axes (-3, -1) at once is ten times slower on XLA:CPU).
     """
     if axes not in ((-1,), (-3, -1)):
         raise ValueError(f"axes must be (-1,) or (-3, -1); got {axes!r}")
-    m = lax.reduce(jnp.abs(xb.astype(jnp.float32)), np.float32(0), _max_keep_nan, (xb.ndim - 1,))
+    m = abs_max(xb.astype(jnp.float32), axis=xb.ndim - 1)
     if axes == (-1,):
         return m
     out = m[..., 0, :]

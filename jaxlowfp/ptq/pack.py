@@ -25,14 +25,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxlowfp import packed
+from jaxlowfp import packed, sharding
 from jaxlowfp.packed_layer import PackedLinear, replace_modules
 from jaxlowfp.ptq.api import PTQResult
 from jaxlowfp.ptq.layers import ActQuant, layout, quantizable_modules
@@ -83,6 +83,26 @@ def _per_tensor_try(wt: jax.Array, scale: jax.Array, kind: str) -> tuple[packed.
     """(the codes of wt with the per-tensor `scale`, whether they decode to wt everywhere)."""
     arr = packed.scaled_quantize(wt, kind, scale=scale)
     return arr, jnp.all(arr.dequantize(jnp.float32) == wt)
+
+
+def _placed(w: packed.PackedWeight, kernel: jax.Array, where: str) -> packed.PackedWeight:
+    """`w` (packed from `kernel`, an nnx.Linear's ``W' [K, N]`` or experts' ``[E, K, N]``) placed as `kernel` is
+    on its mesh (`jaxlowfp.sharding.packed_shardings`: whole blocks with their scales on each device, a K or N axis
+    that would split them dropped); as it is when `kernel` is not on a mesh."""
+    sh = getattr(kernel, "sharding", None)
+    if not isinstance(sh, jax.sharding.NamedSharding) or sh.mesh.size == 1:
+        return w
+    spec = tuple(sh.spec) + (None,) * (kernel.ndim - len(tuple(sh.spec)))
+    mesh = cast(jax.sharding.Mesh, sh.mesh)
+    lead, (k_ax, n_ax) = spec[:-2], spec[-2:]
+    # an axis that would split a block from its scale (K / 16 scales over 2 devices with K = 16) is dropped from
+    # the packed placement: that dimension is replicated instead (placement only; the values are the same)
+    for cand in ((k_ax, n_ax), (None, n_ax), (k_ax, None), (None, None)):
+        try:
+            return jax.device_put(w, sharding.packed_shardings(w, (*lead, *cand), mesh, where=where))
+        except sharding.ShardingError:
+            continue
+    return w
 
 
 def _requantized(kernel: jax.Array, fmt: Any, where: str) -> packed.PackedWeight:
@@ -233,6 +253,7 @@ def pack(model: nnx.Module, result: PTQResult, *, backend: str = "auto", paths: 
             mod, name = grouped[path]
             kernel = getattr(mod, name)[...]
             var = PackedExperts.stack(_expert_weights(path, kernel, result), kernel_dtype=kernel.dtype)
+            var.set_value(_placed(var.get_value(), kernel, path))
             experts[path] = (mod, name, var)
             rows.append((path, var.get_value().format.name, "dequant", False))
             params += int(np.prod(kernel.shape))
@@ -260,7 +281,7 @@ def pack(model: nnx.Module, result: PTQResult, *, backend: str = "auto", paths: 
             raise ValueError(f"{path}: pack replaces nnx.Linear, nnx.LinearGeneral and nnx.Einsum layers; this layer "
                              f"is a {type(mod).__name__} (a subclass: keep it fake-quantized, leave it out of "
                              f"`paths`)")
-        w = _weight(path, mod, result)
+        w = _placed(_weight(path, mod, result), mod.kernel[...], path)
         sch = result.schemes[path]
         act = None if sch.activation is None else packed.as_format(sch.activation, f"{path} activation")
         hook = getattr(mod, "dot_general", None)
