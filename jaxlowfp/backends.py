@@ -46,7 +46,7 @@ from jaxlowfp.packed import PER_TENSOR, PackedFormat, PackedWeight, _per_tensor_
 
 __all__ = ["BACKENDS", "BackendUnavailableError", "Plan", "plan", "packed_dot_general", "packed_matmul",
            "SCALED_MATMUL_MIN_CC", "FP8_MIN_CC", "scaled_matmul_rows",
-           "block_scaled_product", "fp8_product"]
+           "block_scaled_product", "fp8_product", "fp8_rows"]
 
 BACKENDS = ("auto", "scaled_matmul", "fp8", "dequant")
 SCALED_MATMUL_MIN_CC = 100  # cuDNN's block-scaled GEMM: Blackwell (sm_100)
@@ -229,6 +229,22 @@ def scaled_matmul_rows(x2: jax.Array, w: PackedWeight, rule: str, amax: Any) -> 
     wq, ws = _nvfp4_operand(w.array, w.k)
     out = jax.nn.scaled_matmul(xq[None], wq[None], xs[None], ws[None], preferred_element_type=jnp.float32)[0]
     return out * (rows.global_scale.reshape(-1, 1) * w.array.global_scale)
+
+
+def fp8_rows(x2: jax.Array, w: PackedWeight, scaling: Any, amax: Any) -> jax.Array:
+    """FP8 W8A8 with per-token (per-row) or static activation scales: row m quantized to E4M3 with its own scale
+    ``s_x[m] = scaling.scale(amax[m])`` (`amax` a scalar: one static amax for all rows), exactly as the op layer's
+    quantizer rounds it (``E4M3(clip(x * (1 / s), +-448))``), then the float8 dot and both scales on the output:
+    ``out[m, n] = s_x[m] s_w sum_k q_x q_w``. float32 [M, N]."""
+    if w.format.kind != "fp8":
+        raise ValueError(f"fp8_rows takes FP8 weights; got {w.format.name}")
+    elem, target = PER_TENSOR["fp8"]
+    a = jnp.broadcast_to(jnp.asarray(amax, jnp.float32).reshape(-1), (x2.shape[0],))
+    s = jax.vmap(scaling.scale)(a)[:, None]  # [M, 1]
+    xq = formats.get(elem).round(jnp.clip(x2.astype(jnp.float32) * (1.0 / s), -target, target))
+    out = lax.dot_general(xq.astype(jnp.float8_e4m3fn), w.array.codes, (((1,), (1,)), ((), ())),
+                          preferred_element_type=jnp.float32)
+    return out * (s * w.array.scale)
 
 
 def fp8_product(xq: jax.Array, sx: jax.Array, wq: jax.Array, sw: jax.Array, dimension_numbers: Any) -> jax.Array:

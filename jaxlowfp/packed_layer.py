@@ -41,12 +41,17 @@ class PackedLinear(nnx.Module):
         # act_quant: the PTQ'd layer's run-time activation quantizer (`jaxlowfp.ptq.ActQuant`); with per-token or
         # static scales the input is quantized by it (the one op layer's quantizer, as the fake-quant model does)
         # and the product runs on the weights-only path, since scaled_matmul's operands carry one tensor scale
-        self.rows_gemm = False  # per-token / static NVFP4 activations on scaled_matmul, the row scale outside
+        # per-token / static activations on the low-precision GEMM, each row's scale applied to the output: NVFP4 on
+        # scaled_matmul, FP8 on the fp8 backend
+        self.rows_gemm = False
         if act_quant is not None and act_quant.activation_scale != "tensor":
             fmt = act_quant.fmt
-            if (backend == "scaled_matmul" and kernel.format.kind == "nvfp4" and kernel.format.convention == "jaxlowfp"
-                    and fmt.kind == "nvfp4" and tuple(fmt.block_shape) == (1, 16)
-                    and not isinstance(act_quant.amax, (tuple, list))):
+            scalar = not isinstance(act_quant.amax, (tuple, list))
+            nv_rows = (backend == "scaled_matmul" and kernel.format.kind == "nvfp4"
+                       and kernel.format.convention == "jaxlowfp" and fmt.kind == "nvfp4"
+                       and tuple(fmt.block_shape) == (1, 16))
+            fp8_rows = backend == "fp8" and kernel.format.kind == "fp8" and fmt.kind == "fp8"
+            if scalar and (nv_rows or fp8_rows):
                 backends.plan(kernel, packed.as_format(fmt), backend, where=path)  # the device's own refusals
                 self.rows_gemm = True
             elif backend not in ("auto", "dequant"):
@@ -80,7 +85,11 @@ class PackedLinear(nnx.Module):
             x2 = x.reshape(-1, x.shape[-1])
             amax = (jnp.float32(aq.amax) if aq.activation_scale == "static"
                     else jnp.max(jnp.abs(x2.astype(jnp.float32)), axis=-1))
-            out = backends.scaled_matmul_rows(x2, self.kernel.get_value(), aq.fmt.rule, amax)
+            w = self.kernel.get_value()
+            if w.format.kind == "fp8":
+                out = backends.fp8_rows(x2, w, aq.recipe.activation.scaling, amax)
+            else:
+                out = backends.scaled_matmul_rows(x2, w, aq.fmt.rule, amax)
             out = out.reshape(*x.shape[:-1], -1).astype(dtype)
             if self.bias is not None:
                 out = out + jnp.reshape(self.bias[...].astype(dtype), (1,) * (out.ndim - 1) + (-1,))  # type: ignore[operator, union-attr]

@@ -17,6 +17,8 @@ choice is asserted too:
     cuDNN call), which is why "auto" takes "dequant" for MXFP4 and the plan does not call it native;
   - ``fp8 W8A8``: sm_90a (H100), with XLA's default GEMM choice (deviceless: no autotuning, so its Triton GEMM
     emitter, which keeps the float8 operands) and with ``xla_gpu_enable_triton_gemm=False`` (cuBLASLt);
+  - ``fp8 W8A8, per-token scales`` (`backends.fp8_rows`: each row's E4M3 codes with its own scale, applied to the
+    output; what a packed FP8 layer with ``activation_scale="token"`` or ``"static"`` runs on "fp8"): sm_90a;
   - QAT: the gradient of ``sum(qat.linear(x, w))`` (forward and backward) for ``fp8_delayed`` with
     ``Recipe(gemm="fp8")`` on sm_90a and NVFP4 4/6 W4A4 with ``gemm="scaled_matmul"`` on sm_100a: the forward
     product becomes the FP8 / block-scaled GEMM, the backward's GEMMs stay in bfloat16 (the straight-through
@@ -45,6 +47,7 @@ import compile_kernels as ck  # noqa: E402  (also puts the gpu-compile directory
 
 M, K, N = 256, 1024, 2048
 ROWS = "scaled_matmul_rows"  # the backend field of a case run by backends.scaled_matmul_rows
+FP8_ROWS = "fp8_rows"  # ... by backends.fp8_rows (per-token activation scales on the float8 GEMM)
 # name -> (target, weight format, activation format, backend, compiler options)
 CASES: dict[str, tuple[str, str, str, str, dict]] = {
     "nvfp4 W4A4 static_6": ("sm_100 (B200)", "nvfp4-static_6", "nvfp4-static_6", "auto", {}),
@@ -56,6 +59,8 @@ CASES: dict[str, tuple[str, str, str, str, dict]] = {
     "fp8 W8A8 (XLA's default GEMM)": ("sm_90 (H100)", "fp8", "fp8", "auto", {}),
     "fp8 W8A8 (cuBLASLt: no Triton GEMM)": ("sm_90 (H100)", "fp8", "fp8", "auto",
                                             {"xla_gpu_enable_triton_gemm": False}),
+    "fp8 W8A8, per-token scales (cuBLASLt)": ("sm_90 (H100)", "fp8", "fp8", FP8_ROWS,
+                                              {"xla_gpu_enable_triton_gemm": False}),
     # a QAT training step's gradient (qat.linear under jax.value_and_grad) with the forward product on a backend
     "QAT fp8_delayed step, gemm='fp8'": ("sm_90 (H100)", "fp8", "", "qat:fp8", {"xla_gpu_enable_triton_gemm": False}),
     "QAT NVFP4 4/6 W4A4 step, gemm='scaled_matmul'": ("sm_100 (B200)", "nvfp4", "", "qat:scaled_matmul", {}),
@@ -92,6 +97,7 @@ def compile_cases(names: list[str]) -> dict[str, dict]:
     from jax.sharding import NamedSharding, PartitionSpec
 
     from jaxlowfp import backends, packed, qat
+    from jaxlowfp.scaling import CurrentScaling
 
     jax.config.update("jax_enable_compilation_cache", False)
     ck.check_toolchain()
@@ -109,11 +115,13 @@ def compile_cases(names: list[str]) -> dict[str, dict]:
         w = packed.pack(jnp.zeros((K, N), jnp.float32), wf)  # only the shapes and static metadata are used
         abstract_w = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), w)
         x = jax.ShapeDtypeStruct((M, K), jnp.bfloat16, sharding=rep)
-        plan = backends.plan(w, af, "scaled_matmul" if backend == ROWS else backend, device=device)
+        plan = backends.plan(w, af, {ROWS: "scaled_matmul", FP8_ROWS: "fp8"}.get(backend, backend), device=device)
 
         def fn(x, w):
-            if backend == ROWS:  # per-token amax, as PackedLinear computes it
+            if backend in (ROWS, FP8_ROWS):  # per-token amax, as PackedLinear computes it
                 amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
+                if backend == FP8_ROWS:
+                    return backends.fp8_rows(x, w, CurrentScaling(target_max=448.0, granularity="token"), amax)
                 return backends.scaled_matmul_rows(x, w, packed.as_format(af).rule, amax)
             return backends.packed_dot_general(x, w, (((1,), (0,)), ((), ())), backend=backend, activation=af,
                                                device=device)

@@ -56,6 +56,9 @@ def test_fp8_products_become_fp8_gemms_on_sm90(compiled):
     lt = compiled["fp8 W8A8 (cuBLASLt: no Triton GEMM)"]
     assert lt["backend"] == "fp8" and lt["native"]
     assert "__cublas$lt$matmul$f8" in lt["optimized_custom_calls"] and lt["entry_dots"] == 0
+    rows = compiled["fp8 W8A8, per-token scales (cuBLASLt)"]  # each row's scale outside the GEMM
+    assert rows["backend"] == "fp8" and "__cublas$lt$matmul$f8" in rows["optimized_custom_calls"]
+    assert rows["entry_dots"] == 0
     default = compiled["fp8 W8A8 (XLA's default GEMM)"]
     assert default["gemm_fusions"] and default["fused_dot_float8"] and default["entry_dots"] == 0
     assert not any("cublas" in t and "f8" not in t for t in default["optimized_custom_calls"])

@@ -101,3 +101,19 @@ def test_gptq_of_fp8_beats_rtn_on_the_calibration_output():
         model, _ = _quantized("fp8", method)
         errs[method] = float(jnp.mean((CAL @ model.up_proj.kernel[...] + model.up_proj.bias[...][None] - y_ref) ** 2))
     assert errs["gptq"] < errs["rtn"]
+
+
+@pytest.mark.parametrize("activation_scale", ["token", "static"])
+def test_fp8_per_token_and_static_activations_on_the_fp8_gemm(activation_scale):
+    """Per-token / static activation scales on the float8 GEMM (`backends.fp8_rows`): each row's codes are those the
+    op layer's quantizer rounds to, its scale applied to the output; equal to the fake-quant model within float32
+    rounding."""
+    model = _MLP(nnx.Rngs(0))
+    res = ptq.quantize_model(model, [ptq.Rule(path=r".*_proj", scheme=ptq.scheme("fp8"))], progress=False,
+                             calibration=[CAL], forward=lambda m, b: m(b), activation_scale=activation_scale)
+    fake = model(X)
+    report = ptq.pack(model, res, backend="fp8")
+    assert {b for _, _, b, _ in report.layers} == {"fp8"}
+    assert all(layer.rows_gemm for layer in packed_layers(model).values())
+    y = jax.jit(lambda m, x: m(x))(model, X)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(fake), rtol=0, atol=2e-5 * float(jnp.max(jnp.abs(fake))))

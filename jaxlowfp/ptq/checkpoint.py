@@ -70,6 +70,7 @@ from flax import nnx
 from jax import lax
 
 from jaxlowfp import nvfp4
+from jaxlowfp import packed as packing
 from jaxlowfp._core import ct_nvfp4
 from jaxlowfp.ptq import checks, known_gaps, serving, stream
 from jaxlowfp.ptq.protocol import Exportable, require_exportable
@@ -77,6 +78,7 @@ from jaxlowfp.ptq.api import PTQResult
 from jaxlowfp.ptq.layers import act_quant, require_linear
 from jaxlowfp.ptq.calibrate import linear_modules
 from jaxlowfp.ptq.formats import Scheme, TensorFormat
+from jaxlowfp.scaling import CurrentScaling
 
 WEIGHTS_FILE = "model.safetensors"
 _DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
@@ -190,6 +192,31 @@ def _check_scales(m: str, scales: np.ndarray, s_enc: float) -> None:
                          f"non-finite values); refusing to export")
     if not (np.isfinite(s_enc) and s_enc > 0):
         raise ValueError(f"{m}: weight_global_scale is {s_enc}; it must be finite and > 0; refusing to export")
+
+
+WRITTEN_KINDS = ("nvfp4", "fp8")
+
+
+def _fp8_quant_args(activation: str | None) -> dict:
+    """compressed-tensors' FP8 preset (``quantization/quant_scheme.py``: ``FP8``; ``FP8_DYNAMIC``'s per-token
+    activations) as its ``QuantizationArgs`` serialise: E4M3 weights with one static scale per tensor;
+    activations (`activation`: our activation_scale) static per tensor (the calibrated ``input_scale``), dynamic
+    per token, or dynamic per tensor (the batch's amax); None: the weights' args."""
+    args: dict[str, Any] = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None,
+                            "strategy": "tensor", "dynamic": False}
+    if activation is None:
+        return args
+    if activation == "static":
+        return {**args, "observer": "static_minmax"}
+    return {**args, "strategy": "token" if activation == "token" else "tensor", "dynamic": True, "observer": None}
+
+
+def _fp8_input_scale(m: str, amax: float) -> np.ndarray:
+    """``input_scale`` of a static FP8 layer: the calibrated amax / 448, the scale our static quantizer uses."""
+    if not (np.isfinite(amax) and amax > 0):
+        raise ValueError(f"{m}: the calibration amax of this layer's input is {amax}; refusing to export an FP8 "
+                         f"layer a served model would run with a meaningless input_scale")
+    return np.asarray(CurrentScaling(target_max=448.0).scale(jnp.float32(amax)), np.float32).reshape(1)
 
 
 def _input_global_scale(m: str, amax: float, convention: str) -> np.ndarray:
@@ -323,10 +350,22 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
     if not isinstance(result, PTQResult):
         raise TypeError(f"result must be the PTQResult of jaxlowfp.ptq.quantize; got {type(result).__name__}")
     schemes = {**result.schemes, **{p: r.scheme for p, r in result.experts.items() if r.scheme is not None}}
-    bad = [p for p, s in schemes.items() if s.weight.kind != "nvfp4"]
+    bad = [p for p, s in schemes.items() if s.weight.kind not in WRITTEN_KINDS]
     if bad:
-        raise ValueError(f"export writes NVFP4 weights; layers {bad[:4]} use "
+        raise ValueError(f"export writes NVFP4 and FP8 E4M3 weights; layers {bad[:4]} use "
                          f"{sorted({schemes[p].weight.name for p in bad})}")
+    kinds = {s.weight.kind for s in schemes.values()}
+    if len(kinds) > 1:
+        raise ValueError(f"export writes one format per checkpoint (compressed-tensors' nvfp4-pack-quantized or "
+                         f"float-quantized); this result mixes {sorted(kinds)}")
+    fp8_experts = [p for p in result.experts if p in schemes and schemes[p].weight.kind == "fp8"]
+    if fp8_experts:
+        raise NotImplementedError(f"export: FP8 mixture-of-experts weights ({fp8_experts[:3]}) are not written yet; "
+                                  f"NVFP4 experts are")
+    fp8_acts = [p for p, s in schemes.items() if s.weight.kind == "fp8" and s.activation is not None
+                and s.activation.kind != "fp8"]
+    if fp8_acts:
+        raise ValueError(f"export: FP8 weights take FP8 activations or none (W8A8, W8A16); layers {fp8_acts[:3]}")
     require_linear(model, {p: s for p, s in result.schemes.items() if p not in result.experts},
                    "export (compressed-tensors)")
     if dtype not in _DTYPES:
@@ -346,7 +385,10 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
     params = _params(model)
     linears = linear_modules(model)
     check_export_inputs(params, result, name_of)
-    unfused = serving.vllm_fused_error(serving.name_groups([p for p in result.schemes if p not in result.experts]),
+    # (FP8 needs no equal scales: vLLM requantizes a fused group's weights to its largest scale, and the group's
+    # layers read one input, so their calibrated input amax is one value)
+    unfused = serving.vllm_fused_error(serving.name_groups([p for p in result.schemes if p not in result.experts
+                                                            and p in result.packed]),
                                        {p: float(result.packed[p][1]) for p in result.schemes if p in result.packed})
     if unfused:
         raise ValueError("vLLM fuses these layers and decodes each group with its largest global scale, so their "
@@ -374,6 +416,30 @@ def _write(model: nnx.Module, result: PTQResult, directory: Path, spool: stream.
             n_quant, quant_bits, rounded, written_hp = n_quant + n_q, quant_bits + b_q, rounded + r_hp, written_hp + n_hp
             continue
         name = name_of(path)
+        if mod_path in result.schemes and leaf == "kernel" and result.schemes[mod_path].weight.kind == "fp8":
+            if not name.endswith(".weight"):
+                raise ValueError(f"{path}: the checkpoint name {name!r} of a quantized kernel must end in '.weight'")
+            from jaxlowfp.ptq.pack import _requantized
+
+            m = name[: -len(".weight")]
+            sch = result.schemes[mod_path]
+            arr = _requantized(var[...], packing.as_format(sch.weight), mod_path).array  # E4M3 codes [out, in]
+            if not (np.isfinite(float(arr.scale)) and float(arr.scale) > 0):
+                raise ValueError(f"{m}: weight_scale is {float(arr.scale)}; refusing to export")
+            tensors[f"{m}.weight"] = spool.put(np.asarray(stream.fetch(arr.codes)))
+            tensors[f"{m}.weight_scale"] = spool.put(np.asarray(arr.scale, np.float32).reshape(1))
+            layers[mod_path] = {"name": m, "weight": _fmt_json(sch.weight), "activation": _fmt_json(sch.activation)}
+            if sch.activation is not None:
+                layers[mod_path]["activation_scale"] = result.activation_scale
+                if result.activation_scale == "static":
+                    if mod_path not in result.act_amax:
+                        raise ValueError(f"{mod_path}: a static FP8 W8A8 export needs the calibration activation "
+                                         f"amax; run jaxlowfp.ptq.quantize with calibration data")
+                    layers[mod_path]["input_amax"] = float(result.act_amax[mod_path])
+                    tensors[f"{m}.input_scale"] = spool.put(_fp8_input_scale(m, result.act_amax[mod_path]))
+            n_quant += int(np.prod(var.shape))
+            quant_bits += sum(tensors[f"{m}.{k}"].nbytes * 8 for k in ("weight", "weight_scale"))
+            continue
         if mod_path in result.schemes and leaf == "kernel":
             if mod_path not in result.packed:
                 raise ValueError(f"{mod_path}: no packed NVFP4 weights in the result")
@@ -421,25 +487,29 @@ def _write(model: nnx.Module, result: PTQResult, directory: Path, spool: stream.
         tensors[name] = spool.put(value)
         del value
 
-    notes = known_gaps.check("hf", "", {}, {p: schemes[p].activation is not None for p in layers},
+    notes = known_gaps.check("hf", "", {}, {p: schemes[p].activation is not None for p in layers
+                                            if schemes[p].weight.kind == "nvfp4"},
                              allow_known_gaps=True, caller="export")
     directory.mkdir(parents=True, exist_ok=True)
     stream.write_safetensors(directory / WEIGHTS_FILE, spool, tensors, metadata={"format": "pt"})
     groups = {}
+    fp8 = any(schemes[p].weight.kind == "fp8" for p in layers)
+    fmt = "float-quantized" if fp8 else "nvfp4-pack-quantized"
     for act in (True, False):
         targets = sorted(n for p, v in layers.items() if (schemes[p].activation is not None) == act
                          for n in v.get("names", [v["name"]]))
         if targets:
+            w_args = _fp8_quant_args(None) if fp8 else _quant_args(False)
+            a_args = (_fp8_quant_args(result.activation_scale) if fp8 else _quant_args(True)) if act else None
             groups[f"group_{len(groups)}"] = {
-                "targets": targets, "weights": _quant_args(False),
-                "input_activations": _quant_args(True) if act else None, "output_activations": None,
-                "format": "nvfp4-pack-quantized"}
+                "targets": targets, "weights": w_args, "input_activations": a_args, "output_activations": None,
+                "format": fmt}
     kept = {name_of(p)[: -len(".weight")] for p in params
             if p.rsplit("/", 1)[0] in linears and p.endswith("/kernel") and p.rsplit("/", 1)[0] not in result.schemes}
     kept |= {name_of(p)[: -len(".weight")] for p in params if p.endswith("/embedding")}  # embeddings
     kept.add("lm_head")  # a tied head is a module in Hugging Face models too
     kept |= {n[: -len(".weight")] for p, ns in per_expert.items() if p not in result.experts for n in ns}
-    qcfg = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
+    qcfg = {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
             "config_groups": groups, "kv_cache_scheme": None, "global_compression_ratio": None,
             "ignore": sorted(kept)}
     config = dict(model_config or {})
@@ -462,6 +532,21 @@ def _write(model: nnx.Module, result: PTQResult, directory: Path, spool: stream.
                         quantized_bits=quant_bits / max(n_quant, 1), quantized_fraction=n_quant / n_params,
                         fused=tuple(result.fused), partial=partial, convention=conv, dtype=dtype,
                         rounded=(rounded, written_hp), notes=tuple(notes))
+
+
+def _fp8_weight(m: str, tensors: Mapping[str, np.ndarray]) -> Any:
+    """The `PackedWeight` of FP8 module `m` as written: E4M3 codes ``{m}.weight`` [out, in] and the per-tensor
+    ``{m}.weight_scale``; it decodes as compressed-tensors does, ``f32(q) * s``."""
+    codes, scale = tensors[f"{m}.weight"], np.asarray(tensors[f"{m}.weight_scale"], np.float32).reshape(-1)
+    if codes.dtype != ml_dtypes.float8_e4m3fn or codes.ndim != 2:
+        raise ValueError(f"{m}.weight: an FP8 weight is a 2-D float8_e4m3fn tensor; got {codes.dtype} "
+                         f"{codes.shape}")
+    if scale.size != 1 or not (np.isfinite(scale[0]) and scale[0] > 0):
+        raise ValueError(f"{m}.weight_scale: one finite value > 0 per tensor; got {scale.tolist()[:4]}")
+    arr = packing.ScaledArray(codes=jnp.asarray(codes), scale=jnp.float32(scale[0]), elem="e4m3",
+                              dtype=jnp.dtype(jnp.float32), shape=tuple(codes.shape))
+    return packing.PackedWeight(array=arr, s_enc=None, format=packing.PackedFormat(kind="fp8"),
+                                k=int(codes.shape[1]), n=int(codes.shape[0]))
 
 
 def _nvfp4_array(m: str, tensors: Mapping[str, np.ndarray], w_fmt: TensorFormat) -> tuple[nvfp4.NVFP4Array, jax.Array]:
@@ -569,13 +654,27 @@ def load(model: nnx.Module, directory: str | Path, *, packed: bool = False, back
             info = meta["layers"][mod_path]
             w_fmt, a_fmt = _fmt_from(info["weight"]), _fmt_from(info["activation"])
             m = info["name"]
-            arr, s_enc = _nvfp4_array(m, tensors, w_fmt)
-            out, half = arr.shape[0], arr.shape[1] // 2
             lin = linears[mod_path]
             aq = None if a_fmt is None else act_quant(lin, a_fmt, activation_scale=info.get("activation_scale",
                                                                                              "tensor"),
                                                       amax=info.get("input_amax"), path=mod_path)
             schemes[mod_path] = Scheme(weight=w_fmt, activation=a_fmt)
+            if w_fmt.kind == "fp8":
+                w8 = _fp8_weight(m, tensors)
+                if (w8.k, w8.n) != tuple(var.shape):
+                    raise ValueError(f"{m}: FP8 weight is {(w8.n, w8.k)} (PyTorch [out, in]); the model's kernel "
+                                     f"{path} is {tuple(var.shape)}")
+                if packed:
+                    act = None if a_fmt is None else packing.as_format(a_fmt, f"{mod_path} activation")
+                    replaced[mod_path] = (lin, PackedLinear(w8, lin.bias, activation=act, backend=backend,
+                                                            dtype=lin.dtype, param_dtype=var.dtype, path=mod_path,
+                                                            act_quant=aq))
+                else:
+                    var.set_value(w8.dequantize(jnp.float32).astype(var.dtype))
+                    lin.dot_general = lax.dot_general if aq is None else aq
+                continue
+            arr, s_enc = _nvfp4_array(m, tensors, w_fmt)
+            out, half = arr.shape[0], arr.shape[1] // 2
             if packed:
                 if (2 * half, out) != tuple(var.shape):
                     raise ValueError(f"{m}: packed weight is {(out, 2 * half)} (PyTorch [out, in]); the model's "
