@@ -119,7 +119,6 @@ def eval_recipe(recipe: Any, act_scale: str) -> Any:
     gradients, so the recipe's gradient quantization is dropped."""
     import dataclasses
 
-    from jaxlowfp import qat
     from jaxlowfp.scaling import CurrentScaling
 
     if act_scale == "tensor" or recipe.activation is None:
@@ -130,7 +129,7 @@ def eval_recipe(recipe: Any, act_scale: str) -> Any:
     a = recipe.activation
     act = dataclasses.replace(a, scaling=CurrentScaling(target_max=a.scaling.target_max, granularity="token"),
                               target_max=None)
-    return qat.Recipe(weight=recipe.weight, activation=act, grad=None, name=recipe.name)
+    return dataclasses.replace(recipe, activation=act, grad=None)  # the recipe's gemm= and name kept
 
 
 def fake_quantize_model(model: Any, quantize: str, *, layers: str = "paper", keep_first: int = 3,
