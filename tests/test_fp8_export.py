@@ -1,5 +1,5 @@
 """FP8 E4M3 W8A8 export (compressed-tensors ``float-quantized``, the ``FP8`` preset: one weight scale and a static
-``input_scale`` per tensor) checked by its consumers, and read back by `models.load` (issue 28: PTQ to FP8, packed).
+``input_scale`` per tensor) checked by its consumers, and read back by `ptq.load_model` (issue 28: PTQ to FP8, packed).
 
 Judges (tests/fixtures/fp8/ct_consumer.npz, written by scripts/fp8_ct_consumer.py in a torch venv from the committed
 export tests/fixtures/fp8/tiny_llama_fp8): compressed-tensors' ``FloatQuantizationCompressor.decompress`` of every
@@ -47,13 +47,13 @@ def test_the_same_ptq_run_writes_the_committed_codes(tmp_path):
 
 
 @pytest.mark.parametrize("packed,backend", [(False, "auto"), (True, "auto"), (True, "fp8")])
-def test_models_load_gives_what_compressed_tensors_and_transformers_compute(packed, backend):
+def test_load_model_gives_what_compressed_tensors_and_transformers_compute(packed, backend):
     """Decoded: every kernel is compressed-tensors' decompression (f32(q) * s, one IEEE rounding each side: within
     one float32 ulp). Log-probs of our load, decoded or packed (the fp8 backend's emulation on CPU multiplies the
     codes and applies the scales to the output), within 2e-5 (measured 1.9e-6) of transformers + compressed-tensors: the same quantized
     values in two programs, float32 rounding of the summation order, and compressed-tensors divides by the input
     scale where we multiply by its reciprocal (an activation code at a rounding tie may differ)."""
-    model, _ = load(EXPORT, packed=packed, backend=backend, tokenizer=None)  # a tiny random model: no tokenizer
+    model, _ = ptq.load_model(EXPORT, packed=packed, backend=backend, tokenizer=None)  # no tokenizer written
     if packed:
         layers = packed_layers(model)
         assert len(layers) == 14 and {lay.kernel.get_value().format.kind for lay in layers.values()} == {"fp8"}
@@ -82,5 +82,7 @@ def test_fp8_export_refusals(tmp_path):
     foreign.mkdir()
     for f in ("config.json", "model.safetensors"):
         (foreign / f).write_bytes((EXPORT / f).read_bytes())
-    with pytest.raises(Exception, match="not written by jaxlowfp.ptq.export"):
-        load(foreign, tokenizer=None)
+    with pytest.raises(FileNotFoundError, match="not written by jaxlowfp.ptq.export"):
+        ptq.load_model(foreign, tokenizer=None)
+    with pytest.raises(Exception, match=r"format 'float-quantized'.*jaxlowfp.ptq.load_model"):
+        load(EXPORT, tokenizer=None)  # models.load (floor below ptq) points to it

@@ -67,14 +67,12 @@ def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str =
     from jaxlowfp.models import hf_loader, moe_loader, quantized  # needs the jaxlowfp[models] extra
 
     if moe_loader.is_export(directory):  # a jaxlowfp.ptq.export of Qwen3-MoE / Mixtral (NVFP4 experts)
-        if not (isinstance(tokenizer, str) and tokenizer == "auto"):
-            raise NotImplementedError(f"{directory}: tokenizer= other than 'auto' is not implemented for "
-                                      f"mixture-of-experts checkpoints yet")
-        return moe_loader.load_export(directory, dtype=dtype, param_dtype=param_dtype, mesh=mesh, packed=packed,
-                                      backend=backend)
+        raise CheckpointError(f"{directory}: a quantized mixture-of-experts checkpoint written by jaxlowfp.ptq.export; "
+                              f"load it with jaxlowfp.ptq.load_model(directory, packed=...) (models.load reads float "
+                              f"mixture-of-experts checkpoints)")
     if moe_loader.is_moe_hf(directory):  # Qwen3-MoE, Mixtral
-        _not_packed(packed, directory, "a float mixture-of-experts checkpoint (packed=True loads quantized ones: "
-                    "jaxlowfp.ptq.export directories)")
+        _not_packed(packed, directory, "a float mixture-of-experts checkpoint (jaxlowfp.ptq.load_model loads "
+                    "quantized ones that jaxlowfp.ptq.export wrote, packed too)")
         if not (isinstance(tokenizer, str) and tokenizer == "auto"):
             raise NotImplementedError(f"{directory}: tokenizer= other than 'auto' is not implemented for "
                                       f"mixture-of-experts checkpoints yet")

@@ -171,28 +171,6 @@ def is_export(directory: str | Path) -> bool:
     return is_moe_hf(directory) and (Path(directory) / EXPORT_META).is_file()
 
 
-def load_export(directory: str | Path, *, dtype: str = "float32", param_dtype: str = "float32", mesh: Any = None,
-                packed: bool = False, backend: str = "auto") -> tuple[MoEDecoder, Tokenizer]:
-    """`MoEDecoder` and `Tokenizer` of a quantized mixture-of-experts directory written by `jaxlowfp.ptq.export`:
-    an abstract model of its config filled by `jaxlowfp.ptq.checkpoint.load` (NVFP4 decoded in the convention it
-    was made in, W4A4 activation quantizers set; ``packed=True``: the experts as `jaxlowfp.ptq.PackedExperts` and the
-    dense layers as `PackedLinear` holding the file's codes, nothing decoded)."""
-    from flax import nnx
-
-    from jaxlowfp.ptq import checkpoint
-
-    directory = Path(directory)
-    if mesh is not None:
-        raise NotImplementedError(f"{directory}: mesh= for a quantized mixture-of-experts export is not implemented "
-                                  f"(it loads on one device); load its float source with mesh= and quantize there")
-    config = read_hf_config(directory, dtype=dtype, param_dtype=param_dtype)
-    tokenizer = hf_loader.read_tokenizer(directory)
-    tokenizer.check_fits(config.vocab, str(directory / "tokenizer.json"))
-    model = nnx.eval_shape(lambda: MoEDecoder(config, rngs=nnx.Rngs(0)))
-    checkpoint.load(model, directory, packed=packed, backend=backend)
-    return model, tokenizer
-
-
 def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str = "float32", mesh: Any = None,
             rules: Any = None) -> tuple[MoEDecoder, Tokenizer]:
     """`MoEDecoder` and `Tokenizer` of a Qwen3-MoE, Mixtral or OLMoE Hugging Face checkpoint directory; with
@@ -203,9 +181,9 @@ def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str =
         raise CheckpointError(f"{directory}: not a directory")
     if (directory / "hf_quant_config.json").is_file() or hf_loader._json(directory / "config.json").get(
             "quantization_config"):
-        raise CheckpointError(f"{directory}: a quantized mixture-of-experts checkpoint not written by "
-                              f"jaxlowfp.ptq.export; only float checkpoints of Qwen3-MoE / Mixtral and jaxlowfp's own "
-                              f"quantized exports load")
+        raise CheckpointError(f"{directory}: a quantized mixture-of-experts checkpoint; models.load reads float "
+                              f"checkpoints of Qwen3-MoE / Mixtral, and jaxlowfp.ptq.load_model(directory) the "
+                              f"quantized ones jaxlowfp.ptq.export wrote")
     config = read_hf_config(directory, dtype=dtype, param_dtype=param_dtype)
     mt = hf_loader._json(directory / "config.json")["model_type"]
     tokenizer = hf_loader.read_tokenizer(directory)

@@ -191,8 +191,12 @@ def load_quantized(directory: str | Path, *, dtype: str = "float32", param_dtype
                               f"hf_quant_config.json)")
     config = hf_loader.read_config(directory, dtype=dtype, param_dtype=param_dtype)
     if kind == "compressed-tensors" and _json(directory / "config.json")["quantization_config"].get(
-            "format") == "float-quantized":
-        return _load_fp8_export(directory, config, mesh=mesh, tokenizer=tokenizer, packed=packed, backend=backend)
+            "format") != "nvfp4-pack-quantized":
+        fmt = _json(directory / "config.json")["quantization_config"].get("format")
+        raise CheckpointError(f"{directory}: compressed-tensors format {fmt!r}; models.load reads "
+                              f"'nvfp4-pack-quantized' checkpoints of any producer, and "
+                              f"jaxlowfp.ptq.load_model(directory) the FP8 ('float-quantized') ones "
+                              f"jaxlowfp.ptq.export wrote")
     if kind == "compressed-tensors":
         qcfg = _json(directory / "config.json")["quantization_config"]
         targets = _ct_layers(directory / "config.json", qcfg)
@@ -276,28 +280,6 @@ def load_quantized(directory: str | Path, *, dtype: str = "float32", param_dtype
     if packs:
         install_packed(model, packs, backend=backend, source=directory, mesh=mesh, rules=rules,
                        act_fns={p: _Input(NVFP4Act(g)) for p, g in acts.items() if p in packs})
-    return model, tok
-
-
-def _load_fp8_export(directory: Path, config: Any, *, mesh: Any, tokenizer: Any, packed: bool,
-                     backend: str) -> tuple[Llama, Tokenizer | None]:
-    """A compressed-tensors ``float-quantized`` (FP8 E4M3 per tensor) directory written by `jaxlowfp.ptq.export`:
-    an abstract `Llama` of its config filled by `jaxlowfp.ptq.checkpoint.load` (decoded, or ``packed=True``). FP8
-    checkpoints of other producers are refused: their activation schemes (per channel weights, dynamic per token)
-    are read by no loader here yet."""
-    from jaxlowfp.models import hf_loader
-    from jaxlowfp.ptq import checkpoint
-
-    if not (directory / checkpoint.META_FILE).is_file():
-        raise CheckpointError(f"{directory}: a compressed-tensors float-quantized (FP8) checkpoint not written by "
-                              f"jaxlowfp.ptq.export (no {checkpoint.META_FILE}); models.load reads FP8 checkpoints "
-                              f"of jaxlowfp's own exports, and NVFP4 ones of any producer")
-    if mesh is not None:
-        raise NotImplementedError(f"{directory}: mesh= for an FP8 export is not implemented (it loads on one "
-                                  f"device); load its float source with mesh= and quantize there")
-    tok = hf_loader.checkpoint_tokenizer(directory, tokenizer, config.vocab)
-    model = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
-    checkpoint.load(model, directory, packed=packed, backend=backend)
     return model, tok
 
 

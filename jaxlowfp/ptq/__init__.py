@@ -45,7 +45,7 @@ from jaxlowfp.ptq.api import METHODS, RTN, PTQResult, Rule, method_from_name, sm
 from jaxlowfp.ptq.api import quantize as quantize_model
 from jaxlowfp.ptq.layers import ActQuant, EinsumActQuant
 from jaxlowfp.ptq.calibrate import LayerStats, collect
-from jaxlowfp.ptq.checkpoint import ExportReport, export, load
+from jaxlowfp.ptq.checkpoint import ExportReport, export, load, load_model
 from jaxlowfp.ptq.formats import SCHEMES, QuantizedWeight, Scheme, TensorFormat, rtn_weight, scheme
 from jaxlowfp.ptq.gguf_export import GGUFReport, export_gguf
 from jaxlowfp.ptq.pack import PackedExperts, PackedLinear, PackReport, pack
@@ -57,7 +57,8 @@ __all__ = [
     "METHODS", "SCHEMES", "RTN", "GPTQ", "SmoothQuant", "AWQ", "Rule", "Scheme", "TensorFormat", "Fold",
     "ActQuant", "EinsumActQuant", "PTQResult", "QuantizedWeight", "LayerStats", "quantize_model", "scheme",
     "method_from_name",
-    "rtn_weight", "gptq_weight", "smooth_model", "collect", "export", "load", "ExportReport", "export_gguf",
+    "rtn_weight", "gptq_weight", "smooth_model", "collect", "export", "load", "load_model", "ExportReport",
+    "export_gguf",
     "GGUFReport", "ExportTensor",
     "pack", "PackedLinear", "PackedExperts", "PackReport",
 ]

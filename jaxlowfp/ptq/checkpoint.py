@@ -703,3 +703,28 @@ def load(model: nnx.Module, directory: str | Path, *, packed: bool = False, back
         var.set_value(jnp.asarray(value, var.dtype))
     replace_modules(model, replaced)
     return schemes
+
+
+def load_model(directory: str | Path, *, packed: bool = False, backend: str = "auto", dtype: str = "float32",
+               param_dtype: str = "float32", tokenizer: Any = "auto") -> tuple[nnx.Module, Any]:
+    """``(model, tokenizer)`` of a directory written by `export`, the model built from its ``config.json``: a
+    `jaxlowfp.models.Llama` or, for Qwen3-MoE / Mixtral, a `jaxlowfp.models.MoEDecoder`, created abstract
+    (``nnx.eval_shape``) and filled by `load` (NVFP4 / FP8 decoded, or ``packed=True``: the file's codes and scales
+    as they are, nothing decoded). `tokenizer`: "auto" (the directory's ``tokenizer.json``), a path, or None."""
+    from jaxlowfp.models import hf_loader, moe_loader
+    from jaxlowfp.models.llama import Llama
+    from jaxlowfp.models.moe import MoEDecoder
+
+    directory = Path(directory)
+    if not (directory / META_FILE).is_file():
+        raise FileNotFoundError(f"{directory}: no {META_FILE} (not written by jaxlowfp.ptq.export); load other "
+                                f"checkpoints with jaxlowfp.models.load")
+    if moe_loader.is_moe_hf(directory):
+        config: Any = moe_loader.read_hf_config(directory, dtype=dtype, param_dtype=param_dtype)
+        make: Any = MoEDecoder
+    else:
+        config, make = hf_loader.read_config(directory, dtype=dtype, param_dtype=param_dtype), Llama
+    tok = hf_loader.checkpoint_tokenizer(directory, tokenizer, config.vocab)
+    model = nnx.eval_shape(lambda: make(config, rngs=nnx.Rngs(0)))
+    load(model, directory, packed=packed, backend=backend)
+    return model, tok
