@@ -35,6 +35,10 @@ Model arguments (``--model_args k=v,...``; `ARGUMENTS` lists them):
   layers           which Linear layers ``quantize`` takes: ``paper`` (default: the MLPs of blocks keep_first ..
                    n - keep_last - 1, `jaxlowfp.qnnx.paper_rules`), ``all`` (every attention and MLP projection)
                    or a regex of module paths; ``keep_first`` (3), ``keep_last`` (2)
+  gemm             where ``quantize``'s forward products run (`jaxlowfp.qat.gemm`): ``dequant`` (default: the
+                   dequantized operands in high precision), ``fp8`` (the float8 GEMM on the E4M3 codes: ``fp8``),
+                   ``scaled_matmul`` (NVFP4 codes on ``jax.nn.scaled_matmul``, with ``act_scale=tensor``), ``auto``;
+                   an explicit one that cannot run is an error; the backend that ran is in ``quantization``
   act_scale        where quantized activations get their amax: ``token`` (each token's own, dynamic), ``static``
                    (``ptq`` with calibration: each layer's calibrated input amax, what the export writes and vLLM
                    applies), ``tensor`` (the whole batch's: scores then depend on the other requests of a batch and
@@ -69,6 +73,7 @@ Needs the ``jaxlowfp[lm-eval]`` extra (``lm-eval``, no PyTorch) and ``jaxlowfp[m
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -117,7 +122,6 @@ def eval_recipe(recipe: Any, act_scale: str) -> Any:
     request's score never depends on the other requests in its batch or on padding; ``"tensor"`` keeps the recipe
     as it is (a fresh model's delayed or current estimate is then the batch's amax). Evaluation computes no
     gradients, so the recipe's gradient quantization is dropped."""
-    import dataclasses
 
     from jaxlowfp.scaling import CurrentScaling
 
@@ -133,7 +137,7 @@ def eval_recipe(recipe: Any, act_scale: str) -> Any:
 
 
 def fake_quantize_model(model: Any, quantize: str, *, layers: str = "paper", keep_first: int = 3,
-                        keep_last: int = 2, act_scale: str = "token") -> Any:
+                        keep_last: int = 2, act_scale: str = "token", gemm: str = "dequant") -> Any:
     """Fake-quantize ``model``'s Linear layers in place (`jaxlowfp.qnnx.quantize_model`) with the recipe named
     ``quantize`` (`QUANTIZE`) on ``layers`` (module docstring), activations scaled per ``act_scale``
     (`eval_recipe`); returns the `jaxlowfp.rules.QuantizeReport`. A selection that quantizes nothing is an error,
@@ -143,7 +147,10 @@ def fake_quantize_model(model: Any, quantize: str, *, layers: str = "paper", kee
 
     if quantize not in QUANTIZE or quantize == "none":
         raise ValueError(f"quantize={quantize!r}; allowed: {', '.join(QUANTIZE[1:])} (or none for no quantization)")
-    recipe = eval_recipe(_recipe(quantize), act_scale)
+    from jaxlowfp import qat
+
+    recipe = dataclasses.replace(eval_recipe(_recipe(quantize), act_scale), gemm=gemm)
+    qat.gemm.plan(recipe, where=f"quantize={quantize}, gemm={gemm}")  # refused here, before any layer changes
     if layers == "paper":
         rules = paper_rules(model.config.n_layers, keep_first=keep_first, keep_last=keep_last, recipe=recipe)
     else:
@@ -194,7 +201,7 @@ def _bucket(n: int, cap: int) -> int:
 # every model argument and its default (the constructor's keyword arguments)
 ARGUMENTS: dict[str, Any] = {
     "pretrained": None, "model": None, "tokenizer": None, "dtype": "float32", "ptq_export": None, "packed": "fake",
-    "quantize": "none", "layers": "paper", "keep_first": 3, "keep_last": 2, "act_scale": "auto",
+    "quantize": "none", "gemm": "dequant", "layers": "paper", "keep_first": 3, "keep_last": 2, "act_scale": "auto",
     "ptq": "none", "ptq_scheme": "nvfp4-mse", "ptq_layers": PTQ_LAYERS, "weights_only": False, "calibration": None,
     "calib_seqs": 8, "calib_len": 256,
     "batch_size": 8, "max_batch_tokens": 32768, "max_length": None, "stride": None, "max_gen_toks": 256,
@@ -219,6 +226,13 @@ class JaxLowFPLM(TemplateLM):
         a = dict(ARGUMENTS, **kwargs, pretrained=pretrained)
         if a["quantize"] not in QUANTIZE:
             raise ValueError(f"quantize={a['quantize']!r}; allowed: {', '.join(QUANTIZE)}")
+        from jaxlowfp.qat import GEMMS
+
+        if a["gemm"] not in GEMMS:
+            raise ValueError(f"gemm={a['gemm']!r}; allowed: {', '.join(GEMMS)}")
+        if a["gemm"] != "dequant" and a["quantize"] == "none":
+            raise ValueError(f"gemm={a['gemm']!r} chooses where quantize='s products run; give quantize= too (for "
+                             f"PTQ exports and packed checkpoints the backend is packed=)")
         from jaxlowfp.ptq import METHODS, SCHEMES
 
         if a["ptq"] not in ("none", *METHODS):
@@ -310,10 +324,14 @@ class JaxLowFPLM(TemplateLM):
             act = "token" if a["act_scale"] == "auto" else a["act_scale"]
             report = fake_quantize_model(self.model, a["quantize"], layers=a["layers"],
                                          keep_first=int(a["keep_first"]), keep_last=int(a["keep_last"]),
-                                         act_scale=act)
+                                         act_scale=act, gemm=a["gemm"])
+            from jaxlowfp import qat
+
+            ran = qat.gemm.plan(dataclasses.replace(eval_recipe(_recipe(a["quantize"]), act), gemm=a["gemm"]))
             notes.append(f"fake quantization {a['quantize']} of {len(report.quantized)} layers "
                          f"({100 * report.quantized_fraction:.1f} % of linear weights, layers={a['layers']}), "
-                         f"activation scale: {act}")
+                         f"activation scale: {act}, forward GEMM: {ran.backend}"
+                         + (" (native)" if ran.native else ""))
         if a["ptq"] != "none":
             res = _ptq(self.model, self.tokenizer, a["ptq"], scheme=a["ptq_scheme"], layers=a["ptq_layers"],
                        weights_only=bool(a["weights_only"]), calibration=a["calibration"],

@@ -36,8 +36,15 @@ def _mx(fmt: str) -> qat.Recipe:
     return qat.Recipe(weight=qat.QuantSpec(format=fmt), activation=qat.QuantSpec(format=fmt), name=fmt)
 
 
+def _fp8_per_token() -> qat.Recipe:
+    w = qat.QuantSpec(format="e4m3", clip="format", scaling=CurrentScaling(target_max=448.0))
+    a = qat.QuantSpec(format="e4m3", clip="format", scaling=CurrentScaling(target_max=448.0, granularity="token"))
+    return qat.Recipe(weight=w, activation=a, name="fp8_per_token")
+
+
 CASES = {
     "fp8_delayed": (qat.fp8_delayed(history_len=4), "fp8"),
+    "fp8_per_token": (_fp8_per_token(), "fp8"),  # each row's scale on the output (harness act_scale="token")
     "fp8_delayed_flax": (qat.fp8_delayed(history_len=4, convention="flax"), "fp8"),
     "nvfp4_w4a4_mse": (qat.nvfp4_w4a4("mse"), "scaled_matmul"),
     "nvfp4_16x16_delayed": (_nvfp4_delayed(), "scaled_matmul"),
@@ -161,8 +168,13 @@ def test_bad_requests_are_refused_by_name():
         qat.gemm.plan(qat.Recipe(weight=sr, activation=sr, gemm="scaled_matmul"))
     tok = qat.QuantSpec(format="e4m3", clip="format", scaling=CurrentScaling(target_max=448.0,
                                                                                    granularity="token"))
+    with pytest.raises(ValueError, match="per-token"):  # a per-channel weight
+        qat.gemm.plan(qat.Recipe(weight=tok, activation=qat.QuantSpec(format="e4m3"), gemm="fp8"))
+    nv_tok = qat.QuantSpec(format="nvfp4", rule="mse", block_shape=(1, 16), scaling=CurrentScaling(
+        target_max=6.0, granularity="token"))
     with pytest.raises(ValueError, match="per-token"):
-        qat.gemm.plan(qat.Recipe(weight=qat.QuantSpec(format="e4m3"), activation=tok, gemm="fp8"))
+        qat.gemm.plan(qat.Recipe(weight=qat.QuantSpec(format="nvfp4", rule="mse", block_shape=(1, 16)),
+                                 activation=nv_tok, gemm="scaled_matmul"))
     with pytest.raises(ValueError, match="high precision"):
         qat.gemm.plan(qat.Recipe(weight=qat.QuantSpec(format="e4m3"), gemm="fp8"))
     fp8 = dataclasses.replace(qat.fp8_delayed(), gemm="fp8")
@@ -178,3 +190,25 @@ def test_bad_requests_are_refused_by_name():
     moe = dataclasses.replace(qat.hif8_w8a8(), gemm="fp8")
     with pytest.raises(NotImplementedError, match="ragged_dot"):
         ops.ragged_dot(jnp.ones((4, 16)), jnp.ones((2, 16, 8)), jnp.array([2, 2]), recipe=moe)
+
+
+def test_the_harness_quantize_runs_its_products_on_the_asked_gemm():
+    """lm-eval's ``quantize=fp8,gemm=fp8`` (`jaxlowfp.harness.fake_quantize_model`): per-token FP8 activations (the
+    evaluation default) on the fp8 backend, recorded per op; the log-probs are the dequant ones to float32 rounding
+    of each product (one block: no activation code can move between the two); an impossible gemm is refused before
+    any layer changes."""
+    from jaxlowfp import harness
+    from jaxlowfp.models.llama import Llama, preset
+
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 16)), jnp.int32)
+    lp = {}
+    for gemm in ("dequant", "fp8"):
+        model = Llama(preset("tiny", n_layers=1), rngs=nnx.Rngs(0))
+        harness.fake_quantize_model(model, "fp8", layers="all", gemm=gemm)
+        lp[gemm] = np.asarray(jax.jit(lambda m, t: jax.nn.log_softmax(m(t), -1))(model, tokens))
+        assert {o.backend for o in execution.quantized_ops(model)} == {gemm}
+    np.testing.assert_allclose(lp["fp8"], lp["dequant"], rtol=0, atol=1e-5)
+    model = Llama(preset("tiny", n_layers=1), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="hif8"):
+        harness.fake_quantize_model(model, "hif8", layers="all", gemm="fp8")
+    assert not execution.quantized_ops(model)

@@ -55,6 +55,7 @@ from jaxlowfp.qat import gemm
 from jaxlowfp.qat.matmul import dot_general, linear
 from jaxlowfp.qat.spec import (
     CLIPS,
+    GEMMS,
     FORMATS,
     ROUNDINGS,
     STES,
@@ -75,6 +76,7 @@ from jaxlowfp.qat.warmup import Warmup
 
 __all__ = [
     "gemm",
+    "GEMMS",
     "QuantSpec",
     "QuantStats",
     "Recipe",

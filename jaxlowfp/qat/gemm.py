@@ -18,8 +18,10 @@ backward is the VJP of the high-precision product of the fake-quantized operands
 masked, quantized output gradients) are those of ``gemm="dequant"``. The two forward results agree within float32
 rounding of the summation order and of the factored-out scales (``tests/test_qat_gemm.py``).
 
-Not on a low-precision GEMM (refused when asked for explicitly, dequant under "auto"): HiF8, E5M2 and IF4 operands
-(no hardware GEMM), a high-precision operand, per-token scaling and stochastic rounding of a forward operand.
+Per-token FP8 activations (``CurrentScaling(granularity="token")``) take the fp8 backend with each row's scale
+applied to the output. Not on a low-precision GEMM (refused when asked for explicitly, dequant under "auto"): HiF8,
+E5M2 and IF4 operands (no hardware GEMM), a high-precision operand, per-token scaling of a weight or of NVFP4 / MX
+activations, and stochastic rounding of a forward operand.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxlowfp import backends, mx, nvfp4
+from jaxlowfp._core.reduce import abs_max
 from jaxlowfp.packed import PackedFormat
 from jaxlowfp.qat.scaled_quant import fixed_estimate, per_token
 from jaxlowfp.qat.spec import GEMMS, MX_ELEMENTS, QuantSpec, Recipe
@@ -58,8 +61,9 @@ def _recipe_problem(recipe: Recipe) -> str | None:
                 "precision")
     for role in ("activation", "weight"):
         spec = getattr(recipe, role)
-        if per_token(spec):
-            return f"the {role} uses per-token scaling; the GEMM backends take per-tensor (and block) scales"
+        if per_token(spec) and not (role == "activation" and spec.format == "e4m3"):
+            return (f"the {role} uses per-token scaling, which only FP8 E4M3 activations take on a GEMM backend (each "
+                    f"row's scale applied to the output)")
         if spec.rounding != "nearest":
             return f"the {role} uses rounding={spec.rounding!r}; the GEMM backends re-encode round-to-nearest codes"
         if _format(spec) is None:
@@ -116,7 +120,15 @@ def forward(backend: str, recipe: Recipe, dn: tuple, ops: Operands, out_dtype: A
     """The forward product on `backend` ("fp8" or "scaled_matmul"), in `out_dtype`. scaled_matmul needs the linear
     layout ``lhs [..., K] . rhs [K, M]`` (every block-scaled recipe has it)."""
     if backend == "fp8":
-        out = backends.fp8_product(_codes_fp8(ops.lhs_q, ops.scale_l), ops.scale_l,  # type: ignore[arg-type]
+        sx = ops.scale_l
+        if per_token(recipe.activation):  # type: ignore[arg-type]  # each row's scale, as _quantize_per_token made it
+            if dn != (((ops.lhs.ndim - 1,), (0,)), ((), ())):
+                raise ValueError(f"per-token FP8 activations on the fp8 backend need the linear layout lhs [..., K] . "
+                                 f"rhs [K, M]; got dimension_numbers {dn}")
+            rows = ops.lhs.reshape(-1, ops.lhs.shape[-1])
+            amax = abs_max(rows, axis=-1).astype(jnp.float32)
+            sx = jax.vmap(recipe.activation.scaling.scale)(amax).reshape(*ops.lhs.shape[:-1], 1)  # type: ignore[union-attr]
+        out = backends.fp8_product(_codes_fp8(ops.lhs_q, sx), sx,  # type: ignore[arg-type]
                                    _codes_fp8(ops.rhs_q, ops.scale_r), ops.scale_r, dn)  # type: ignore[arg-type]
         return out.astype(out_dtype)
     x2 = ops.lhs.reshape(-1, ops.lhs.shape[-1])
