@@ -46,7 +46,7 @@ from jaxlowfp.packed import PER_TENSOR, PackedFormat, PackedWeight, _per_tensor_
 
 __all__ = ["BACKENDS", "BackendUnavailableError", "Plan", "plan", "packed_dot_general", "packed_matmul",
            "SCALED_MATMUL_MIN_CC", "FP8_MIN_CC", "scaled_matmul_rows",
-           "block_scaled_product", "fp8_product", "fp8_rows"]
+           "block_scaled_product", "block_scaled_rows", "fp8_product", "fp8_rows"]
 
 BACKENDS = ("auto", "scaled_matmul", "fp8", "dequant")
 SCALED_MATMUL_MIN_CC = 100  # cuDNN's block-scaled GEMM: Blackwell (sm_100)
@@ -223,12 +223,18 @@ def scaled_matmul_rows(x2: jax.Array, w: PackedWeight, rule: str, amax: Any) -> 
     if w.format.kind != "nvfp4" or w.format.convention != "jaxlowfp":
         raise ValueError(f"scaled_matmul with per-token / static activation scales takes NVFP4 weights in jaxlowfp's "
                          f"convention; got {w.format.name}")
+    return block_scaled_rows(x2, w.array, rule, amax)
+
+
+def block_scaled_rows(x2: jax.Array, wa: nvfp4.NVFP4Array, rule: str, amax: Any) -> jax.Array:
+    """:func:`scaled_matmul_rows` on the NVFP4 array ``wa`` of ``W'^T [N, K]`` (1x16 or 16x16 blocks)."""
     a = jnp.broadcast_to(jnp.asarray(amax, jnp.float32).reshape(-1), (x2.shape[0],))
     rows = jax.vmap(lambda r, m: nvfp4.quantize(r[None], rule=rule, global_amax=m))(x2, a)  # type: ignore[arg-type]
-    xq, xs = _e2m1_operand(rows.codes[:, 0], w.k), rows.scales[:, 0]
-    wq, ws = _nvfp4_operand(w.array, w.k)
+    k = x2.shape[-1]
+    xq, xs = _e2m1_operand(rows.codes[:, 0], k), rows.scales[:, 0]
+    wq, ws = _nvfp4_operand(wa, k)
     out = jax.nn.scaled_matmul(xq[None], wq[None], xs[None], ws[None], preferred_element_type=jnp.float32)[0]
-    return out * (rows.global_scale.reshape(-1, 1) * w.array.global_scale)
+    return out * (rows.global_scale.reshape(-1, 1) * wa.global_scale)
 
 
 def fp8_rows(x2: jax.Array, w: PackedWeight, scaling: Any, amax: Any) -> jax.Array:

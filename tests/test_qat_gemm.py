@@ -42,8 +42,16 @@ def _fp8_per_token() -> qat.Recipe:
     return qat.Recipe(weight=w, activation=a, name="fp8_per_token")
 
 
+def _nvfp4_per_token() -> qat.Recipe:
+    w = qat.QuantSpec(format="nvfp4", rule="mse", block_shape=(16, 16))
+    a = qat.QuantSpec(format="nvfp4", rule="mse", block_shape=(1, 16), scaling=CurrentScaling(target_max=6.0,
+                                                                                               granularity="token"))
+    return qat.Recipe(weight=w, activation=a, name="nvfp4_per_token")
+
+
 CASES = {
     "fp8_delayed": (qat.fp8_delayed(history_len=4), "fp8"),
+    "nvfp4_per_token": (_nvfp4_per_token(), "scaled_matmul"),
     "fp8_per_token": (_fp8_per_token(), "fp8"),  # each row's scale on the output (harness act_scale="token")
     "fp8_delayed_flax": (qat.fp8_delayed(history_len=4, convention="flax"), "fp8"),
     "nvfp4_w4a4_mse": (qat.nvfp4_w4a4("mse"), "scaled_matmul"),
@@ -172,9 +180,8 @@ def test_bad_requests_are_refused_by_name():
         qat.gemm.plan(qat.Recipe(weight=tok, activation=qat.QuantSpec(format="e4m3"), gemm="fp8"))
     nv_tok = qat.QuantSpec(format="nvfp4", rule="mse", block_shape=(1, 16), scaling=CurrentScaling(
         target_max=6.0, granularity="token"))
-    with pytest.raises(ValueError, match="per-token"):
-        qat.gemm.plan(qat.Recipe(weight=qat.QuantSpec(format="nvfp4", rule="mse", block_shape=(1, 16)),
-                                 activation=nv_tok, gemm="scaled_matmul"))
+    assert qat.gemm.plan(qat.Recipe(weight=qat.QuantSpec(format="nvfp4", rule="mse", block_shape=(1, 16)),
+                                    activation=nv_tok, gemm="scaled_matmul")).backend == "scaled_matmul"
     with pytest.raises(ValueError, match="high precision"):
         qat.gemm.plan(qat.Recipe(weight=qat.QuantSpec(format="e4m3"), gemm="fp8"))
     fp8 = dataclasses.replace(qat.fp8_delayed(), gemm="fp8")

@@ -19,9 +19,10 @@ masked, quantized output gradients) are those of ``gemm="dequant"``. The two for
 rounding of the summation order and of the factored-out scales (``tests/test_qat_gemm.py``).
 
 Per-token FP8 activations (``CurrentScaling(granularity="token")``) take the fp8 backend with each row's scale
-applied to the output. Not on a low-precision GEMM (refused when asked for explicitly, dequant under "auto"): HiF8,
-E5M2 and IF4 operands (no hardware GEMM), a high-precision operand, per-token scaling of a weight or of NVFP4 / MX
-activations, and stochastic rounding of a forward operand.
+applied to the output; per-token NVFP4 activations take scaled_matmul the same way (each row quantized with its own
+global scale, `jaxlowfp.backends.block_scaled_rows`). Not on a low-precision GEMM (refused when asked for explicitly,
+dequant under "auto"): HiF8, E5M2 and IF4 operands (no hardware GEMM), a high-precision operand, per-token scaling of
+a weight or of MX activations, and stochastic rounding of a forward operand.
 """
 from __future__ import annotations
 
@@ -61,9 +62,9 @@ def _recipe_problem(recipe: Recipe) -> str | None:
                 "precision")
     for role in ("activation", "weight"):
         spec = getattr(recipe, role)
-        if per_token(spec) and not (role == "activation" and spec.format == "e4m3"):
-            return (f"the {role} uses per-token scaling, which only FP8 E4M3 activations take on a GEMM backend (each "
-                    f"row's scale applied to the output)")
+        if per_token(spec) and not (role == "activation" and spec.format in ("e4m3", "nvfp4")):
+            return (f"the {role} uses per-token scaling, which only FP8 E4M3 and NVFP4 activations take on a GEMM "
+                    f"backend (each row's scale applied to the output)")
         if spec.rounding != "nearest":
             return f"the {role} uses rounding={spec.rounding!r}; the GEMM backends re-encode round-to-nearest codes"
         if _format(spec) is None:
@@ -132,9 +133,11 @@ def forward(backend: str, recipe: Recipe, dn: tuple, ops: Operands, out_dtype: A
                                    _codes_fp8(ops.rhs_q, ops.scale_r), ops.scale_r, dn)  # type: ignore[arg-type]
         return out.astype(out_dtype)
     x2 = ops.lhs.reshape(-1, ops.lhs.shape[-1])
-    xa = _block_quantize(x2, recipe.activation, ops.est_l)  # type: ignore[arg-type]
     wa = _block_quantize(ops.rhs.T, recipe.weight, ops.est_r)  # type: ignore[arg-type]  # W'^T [M, K]
-    out = backends.block_scaled_product(xa, wa)
+    if per_token(recipe.activation):  # type: ignore[arg-type]  # each row with its own amax, as _quantize_per_token
+        out = backends.block_scaled_rows(x2, wa, recipe.activation.rule, abs_max(x2, axis=-1).astype(jnp.float32))  # type: ignore[union-attr]
+    else:
+        out = backends.block_scaled_product(_block_quantize(x2, recipe.activation, ops.est_l), wa)  # type: ignore[arg-type]
     return out.reshape(*ops.lhs.shape[:-1], ops.rhs.shape[-1]).astype(out_dtype)
 
 
