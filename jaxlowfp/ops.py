@@ -27,6 +27,7 @@ are listed). Per-token scaling (``CurrentScaling(granularity="token")``) takes o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -297,6 +298,11 @@ def _segment_amax(row_amax: jax.Array, gid: jax.Array, valid: jax.Array, g: int)
     return jnp.where(nan, jnp.nan, jnp.maximum(m, 0.0))
 
 
+def _ragged(a: jax.Array, b: jax.Array, group_sizes: jax.Array, *, precision: Any,
+            preferred_element_type: Any) -> jax.Array:
+    return lax.ragged_dot(a, b, group_sizes, precision=precision, preferred_element_type=preferred_element_type)
+
+
 def ragged_dot(
     lhs: Any,
     rhs: Any,
@@ -333,10 +339,7 @@ def ragged_dot(
     if recipe.grad is not None:
         raise NotImplementedError(f"{where}: recipe {recipe.name!r} quantizes the output gradient; the quantized "
                                   f"grouped GEMM has a straight-through backward only (use a recipe with grad=None)")
-    if recipe.gemm not in ("dequant", "auto"):
-        raise NotImplementedError(f"{where}: recipe {recipe.name!r} asks for gemm={recipe.gemm!r}; the experts' "
-                                  f"grouped GEMM (lax.ragged_dot) runs on the dequantized operands only: use "
-                                  f"gemm='dequant' or 'auto' for the experts")
+    backend = gemm.grouped_plan(recipe, where=where).backend
     lhs, rhs = float_input(lhs, "lhs"), float_input(rhs, "rhs")
     group_sizes = jnp.asarray(group_sizes)
     if lhs.ndim != 2 or rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1] or group_sizes.shape != (rhs.shape[0],):
@@ -395,6 +398,7 @@ def ragged_dot(
         x_q = select(observe, x, r.y)
         keep_x = keep_mask(r.sat, observe, x.shape) if spec.ste == "masked" and observe is not True else None
         st_a = stats_of(x, r.y, None if r.sat is None else r.sat & valid[:, None], amax_g, est_g, r.scale)
+        r_x = r
     else:
         x_q, keep_x, new_a, st_a = x, None, state.activation, None
 
@@ -415,7 +419,13 @@ def ragged_dot(
     else:
         w_q, keep_w, new_w, st_w = w, None, state.weight, None
 
-    out = lax.ragged_dot(straight_through(lhs, x_q, keep_x), straight_through(rhs, w_q, keep_w), group_sizes,
-                         precision=precision, preferred_element_type=preferred_element_type)
-    _mark(op_key, "dequant")
+    a, b = straight_through(lhs, x_q, keep_x), straight_through(rhs, w_q, keep_w)
+    dot = functools.partial(_ragged, precision=precision, preferred_element_type=preferred_element_type)
+    if backend == "fp8" and observe is not True:  # the E4M3 codes on the grouped float8 GEMM (jaxlowfp.qat.gemm)
+        ops = gemm.GroupedOperands(x_q, w_q, r_x.scale, r.scale, gid)
+        real = functools.partial(gemm.grouped_product, dot, ops, a, b, group_sizes)
+        out = real() if observe is False else lax.cond(observe, lambda: dot(a, b, group_sizes), real)
+    else:
+        out = dot(a, b, group_sizes)
+    _mark(op_key, backend if observe is not True else "dequant")
     return out, state._replace(weight=new_w, activation=new_a), RecipeStats(weight=st_w, activation=st_a)

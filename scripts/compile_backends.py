@@ -22,7 +22,8 @@ choice is asserted too:
   - QAT: the gradient of ``sum(qat.linear(x, w))`` (forward and backward) for ``fp8_delayed`` with
     ``Recipe(gemm="fp8")`` on sm_90a and NVFP4 4/6 W4A4 with ``gemm="scaled_matmul"`` on sm_100a: the forward
     product becomes the FP8 / block-scaled GEMM, the backward's GEMMs stay in bfloat16 (the straight-through
-    backward is the fake-quant product's).
+    backward is the fake-quant product's); and an MoE layer's grouped GEMM (``ops.ragged_dot``, 8 experts) with
+    ``gemm="fp8"`` on sm_90a.
 
 For each: the custom-call targets of the lowered StableHLO and of the optimized HLO, the GEMM fusions' kinds and
 whether their operands are float8, and the number of plain ``dot`` instructions left outside them.
@@ -64,6 +65,9 @@ CASES: dict[str, tuple[str, str, str, str, dict]] = {
     # a QAT training step's gradient (qat.linear under jax.value_and_grad) with the forward product on a backend
     "QAT fp8_delayed step, gemm='fp8'": ("sm_90 (H100)", "fp8", "", "qat:fp8", {"xla_gpu_enable_triton_gemm": False}),
     "QAT NVFP4 4/6 W4A4 step, gemm='scaled_matmul'": ("sm_100 (B200)", "nvfp4", "", "qat:scaled_matmul", {}),
+    # the experts' grouped GEMM (ops.ragged_dot, 8 experts) of a QAT step on the E4M3 codes
+    "QAT MoE experts step, gemm='fp8'": ("sm_90 (H100)", "fp8", "", "qat_experts:fp8",
+                                         {"xla_gpu_enable_triton_gemm": False}),
 }
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _STABLEHLO_CALL = re.compile(r"stablehlo\.custom_call @([\w$.]+)\(.*?:\s*\(([^)]*)\)")
@@ -109,7 +113,7 @@ def compile_cases(names: list[str]) -> dict[str, dict]:
         mesh = topologies.make_mesh(topo, (1,), ("x",))
         device = topo.devices[0]
         rep = NamedSharding(mesh, PartitionSpec())
-        if backend.startswith("qat:"):
+        if backend.startswith(("qat:", "qat_experts:")):
             out[name] = _compile_qat(name, qat, jax, jnp, mesh, rep, device)
             continue
         w = packed.pack(jnp.zeros((K, N), jnp.float32), wf)  # only the shapes and static metadata are used
@@ -139,18 +143,27 @@ def compile_cases(names: list[str]) -> dict[str, dict]:
 def _compile_qat(name: str, qat: Any, jax: Any, jnp: Any, mesh: Any, rep: Any, device: Any) -> dict:
     import dataclasses
 
+    from jaxlowfp import ops
+
     target, fmt, _, backend, options = CASES[name]
     recipe = dataclasses.replace(qat.named_recipe(fmt), gemm=backend.split(":", 1)[1])
-    plan = qat.gemm.plan(recipe, device=device)
+    experts = backend.startswith("qat_experts:")
+    if experts:  # the forward's recipe of an MoE layer: per-tensor (per-expert) scales, no gradient quantization
+        recipe = dataclasses.replace(recipe, grad=None)
+    plan = (qat.gemm.grouped_plan if experts else qat.gemm.plan)(recipe, device=device)
+    groups = jnp.full((8,), M // 8, jnp.int32)
 
     def step(x, w):
         def loss(x, w):
-            y, _, _ = qat.linear(x, w, recipe=recipe, state=recipe.init())
+            if experts:
+                y, _, _ = ops.ragged_dot(x, w, groups, recipe=recipe)
+            else:
+                y, _, _ = qat.linear(x, w, recipe=recipe, state=recipe.init())
             return jnp.sum(y.astype(jnp.float32))
         return jax.value_and_grad(loss, argnums=(0, 1))(x, w)
 
     x = jax.ShapeDtypeStruct((M, K), jnp.bfloat16, sharding=rep)
-    w = jax.ShapeDtypeStruct((K, N), jnp.bfloat16, sharding=rep)
+    w = jax.ShapeDtypeStruct((8, K, N) if experts else (K, N), jnp.bfloat16, sharding=rep)
     with tempfile.TemporaryDirectory() as tmp, jax.set_mesh(mesh):
         lowered = jax.jit(step, in_shardings=(rep, rep)).lower(x, w)
         compiled = lowered.compile(compiler_options={"xla_gpu_cuda_data_dir": str(

@@ -86,3 +86,5 @@ def test_qat_steps_run_their_forward_on_the_low_precision_gemm(compiled):
     assert "__op$block_scaled_dot" in nv["lowered_custom_calls"]
     assert "__cudnn$blockScaledDot" in nv["optimized_custom_calls"]
     assert nv["gemm_fusions"]  # the backward's bfloat16 GEMMs (XLA's Triton GEMM)
+    moe = compiled["QAT MoE experts step, gemm='fp8'"]  # lax.ragged_dot on the E4M3 codes: cuBLASLt FP8 GEMMs
+    assert moe["backend"] == "fp8" and moe["native"] and "__cublas$lt$matmul$f8" in moe["optimized_custom_calls"]

@@ -195,8 +195,14 @@ def test_bad_requests_are_refused_by_name():
     assert qat.gemm.plan(auto, device=_gpu("NVIDIA H100 80GB HBM3", "9.0")).backend == "fp8"
     assert qat.gemm.plan(auto, device=_gpu("NVIDIA A100", "8.0")).backend == "dequant"
     moe = dataclasses.replace(qat.hif8_w8a8(), gemm="fp8")
-    with pytest.raises(NotImplementedError, match="ragged_dot"):
+    with pytest.raises(ValueError, match="hif8"):
         ops.ragged_dot(jnp.ones((4, 16)), jnp.ones((2, 16, 8)), jnp.array([2, 2]), recipe=moe)
+    nv = dataclasses.replace(qat.nvfp4_w4a4(), gemm="scaled_matmul")
+    with pytest.raises(ValueError, match="no block-scaled form"):
+        ops.ragged_dot(jnp.ones((4, 16)), jnp.ones((2, 16, 8)), jnp.array([2, 2]), recipe=nv)
+    b200 = _gpu("NVIDIA B200", "10.0")
+    assert qat.gemm.grouped_plan(dataclasses.replace(qat.nvfp4_w4a4(), gemm="auto"), device=b200).backend == "dequant"
+    assert qat.gemm.grouped_plan(dataclasses.replace(qat.fp8_delayed(), gemm="auto"), device=b200).backend == "fp8"
 
 
 def test_the_harness_quantize_runs_its_products_on_the_asked_gemm():
@@ -219,3 +225,33 @@ def test_the_harness_quantize_runs_its_products_on_the_asked_gemm():
     with pytest.raises(ValueError, match="hif8"):
         harness.fake_quantize_model(model, "hif8", layers="all", gemm="fp8")
     assert not execution.quantized_ops(model)
+
+
+@pytest.mark.parametrize("expert_scales", ["per_expert", "shared"])
+def test_experts_grouped_gemm_on_fp8_codes(expert_scales):
+    """`ops.ragged_dot` (the experts' grouped GEMM) with ``gemm="fp8"``: E4M3 codes of each routed row (its own
+    expert's scale) and of each expert's weight on ``lax.ragged_dot``, the scales on the output rows; equal to the
+    dequant product within float32 rounding of the sum, gradients the fake-quant VJP's (compared to rounding: two
+    programs), padding rows past sum(group_sizes) zero."""
+    w = qat.QuantSpec(format="e4m3", clip="format", scaling=CurrentScaling(target_max=448.0))
+    base = qat.Recipe(weight=w, activation=w, name="fp8_experts")
+    real = dataclasses.replace(base, gemm="fp8")
+    kx, kw, kg = jax.random.split(jax.random.key(5), 3)
+    x = jax.random.normal(kx, (24, 32), jnp.float32)
+    ws = jax.random.normal(kw, (4, 32, 16), jnp.float32) * 0.2
+    gs = jnp.array([5, 0, 9, 6], jnp.int32)  # 20 rows routed, 4 of padding; expert 1 gets none
+    g = jax.random.normal(kg, (24, 16), jnp.float32)
+
+    def run(recipe):
+        def loss(x, ws):
+            y, _, _ = ops.ragged_dot(x, ws, gs, recipe=recipe, expert_scales=expert_scales)
+            return jnp.sum(y * g), y
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, ws)
+
+    (_, y0), (dx0, dw0) = run(base)
+    (_, y1), (dx1, dw1) = run(real)
+    ref = jax.lax.ragged_dot(jnp.abs(x), jnp.abs(ws), gs)
+    assert np.all(np.abs(np.asarray(y1 - y0)) <= np.asarray(2 * (32 + 4) * EPS * 4 * ref))
+    assert float(jnp.max(jnp.abs(y1[20:]))) == 0.0
+    _close(dx1, dx0)
+    _close(dw1, dw0)

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxlowfp import backends, mx, nvfp4
 from jaxlowfp._core.reduce import abs_max
@@ -38,7 +39,7 @@ from jaxlowfp.packed import PackedFormat
 from jaxlowfp.qat.scaled_quant import fixed_estimate, per_token
 from jaxlowfp.qat.spec import GEMMS, MX_ELEMENTS, QuantSpec, Recipe
 
-__all__ = ["GEMMS", "plan", "Operands", "forward", "product"]
+__all__ = ["GEMMS", "plan", "Operands", "forward", "product", "grouped_plan", "GroupedOperands", "grouped_product"]
 
 
 
@@ -167,3 +168,64 @@ def product(backend: str, recipe: Recipe, dn: tuple, dot: Any, ops: Operands, a:
     forward value computed on `backend` from `ops`; the backward is ``dot``'s. `dot` must be hashable (static)."""
     out_dtype = jax.eval_shape(dot, a, b).dtype
     return _product(backend, recipe, dn, dot, out_dtype, ops, a, b)
+
+
+# ---- the experts' grouped GEMM (jaxlowfp.ops.ragged_dot): FP8 on lax.ragged_dot
+
+def grouped_plan(recipe: Recipe, *, device: Any = None, where: str = "") -> backends.Plan:
+    """The backend the experts' grouped product of `recipe` runs (`jaxlowfp.ops.ragged_dot`): "fp8" (``lax.ragged_dot``
+    on E4M3 codes, per-row and per-expert scales on the output; XLA makes it a float8 GEMM on sm_89+) or "dequant".
+    There is no grouped block-scaled GEMM: an explicit "scaled_matmul" is refused, "auto" takes dequant for it."""
+    p = plan(recipe, device=device, where=where)
+    if p.backend != "scaled_matmul":
+        return p
+    if recipe.gemm == "scaled_matmul":
+        raise ValueError(f"{where or 'ragged_dot'}: recipe {recipe.name!r} asks for gemm='scaled_matmul'; the experts' "
+                         f"grouped GEMM has no block-scaled form (jax.nn.scaled_matmul is not grouped): use "
+                         f"gemm='dequant' or 'auto' for the experts")
+    return backends.plan(PackedFormat(kind="fp8"), None, "dequant", device=device, where=where)
+
+
+class GroupedOperands(NamedTuple):
+    """The fake-quantized routed rows ``x̂ [M, K]`` and expert weights ``ŵ [G, K, N]`` with their dequant scales (one
+    per row, one per expert), and ``gid [M]``, each row's expert."""
+
+    x_q: jax.Array
+    w_q: jax.Array
+    scale_x: jax.Array
+    scale_w: jax.Array
+    gid: jax.Array
+
+
+def _grouped_forward(ops: GroupedOperands, group_sizes: jax.Array, out_dtype: Any) -> jax.Array:
+    qx = _codes_fp8(ops.x_q, ops.scale_x[:, None])
+    qw = _codes_fp8(ops.w_q, ops.scale_w[:, None, None])
+    out = lax.ragged_dot(qx, qw, group_sizes, preferred_element_type=jnp.float32)
+    return (out * (ops.scale_x * ops.scale_w[ops.gid])[:, None]).astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _grouped(dot: Any, out_dtype: Any, ops: GroupedOperands, a: jax.Array, b: jax.Array,
+             group_sizes: jax.Array) -> jax.Array:
+    return _grouped_forward(ops, group_sizes, out_dtype)
+
+
+def _grouped_fwd(dot, out_dtype, ops, a, b, group_sizes):
+    return _grouped_forward(ops, group_sizes, out_dtype), (ops, a, b, group_sizes)
+
+
+def _grouped_bwd(dot, out_dtype, res, g):
+    ops, a, b, group_sizes = res
+    _, vjp = jax.vjp(lambda u, v: dot(u, v, group_sizes), a, b)  # the fake-quant grouped product's own backward
+    da, db = vjp(g)
+    return jax.tree.map(jnp.zeros_like, ops), da, db, None
+
+
+_grouped.defvjp(_grouped_fwd, _grouped_bwd)
+
+
+def grouped_product(dot: Any, ops: GroupedOperands, a: jax.Array, b: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """``dot(a, b, group_sizes)`` (the fake-quant grouped product, ``a`` = x̂ and ``b`` = ŵ with their
+    straight-through gradients) with its forward value on FP8 codes; the backward is ``dot``'s. `dot` hashable."""
+    out_dtype = jax.eval_shape(dot, a, b, group_sizes).dtype
+    return _grouped(dot, out_dtype, ops, a, b, group_sizes)
