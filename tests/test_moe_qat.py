@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import jaxlowfp
-from jaxlowfp import qat, qnnx, training
+from jaxlowfp import execution, qat, qnnx, training
 from jaxlowfp.models import load
 from jaxlowfp.models.llama import loss_fn
 
@@ -101,3 +101,26 @@ def test_qwix_provider_trains_a_tiny_moe(family, recipe):
         assert np.all(np.asarray(op.amax.get_value().weight.count) == 2)
     assert any(not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(
         jax.tree.leaves(nnx.state(qm, nnx.Param)), jax.tree.leaves(state.params)))  # the step trained the model
+
+
+def test_experts_train_on_the_fp8_grouped_gemm():
+    """FP8 QAT of the tiny Qwen3-MoE's experts with ``Recipe(gemm="fp8")``: the experts' grouped GEMM runs on the
+    E4M3 codes (`ops.ragged_dot` -> `lax.ragged_dot` on float8; cuBLASLt FP8 GEMMs on a Hopper, deviceless) and the
+    training is the dequant run's: the losses of two steps agree to float32 rounding (measured: equal)."""
+    spec = qat.QuantSpec(format="e4m3", clip="format", scaling=qat.fp8_delayed(history_len=8).weight.scaling)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 100, (4, 17)), jnp.int32)
+    losses = {}
+    for gemm in ("dequant", "fp8"):
+        model, _ = load(FIX / "qwen3_moe")
+        qnnx.quantize_model(model, [qnnx.Rule(path=EXPERTS, recipe=qat.Recipe(weight=spec, activation=spec,
+                                                                             gemm=gemm))])
+        tx = optax.adam(1e-4)
+        graphdef, state = training.init(model, tx)
+        step = jax.jit(training.make_step(graphdef, tx, loss_fn))
+        losses[gemm] = []
+        for _ in range(2):
+            state, metrics = step(state, tokens)
+            losses[gemm].append(float(metrics["loss"]))
+        trained = nnx.merge(graphdef, state.params, state.qstate, state.rest)
+        assert {op.backend for op in execution.quantized_ops(trained)} == {gemm}
+    np.testing.assert_allclose(losses["fp8"], losses["dequant"], rtol=1e-6)
