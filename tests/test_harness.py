@@ -197,7 +197,7 @@ def test_quantization_from_model_arguments(tiny):
     (hp, _), = JaxLowFPLM(model=model, tokenizer=tok, batch_size=1).loglikelihood(req)
     lm = JaxLowFPLM(pretrained=str(path), quantize="nvfp4", layers=r"blocks/1/mlp/\w+_proj", batch_size=1)
     assert re.fullmatch(r"fake quantization nvfp4 of 3 layers \(23\.4 % of linear weights, layers=.*\), "
-                        r"activation scale: token", lm.quantization)  # 3 x 64 x 96 of the 79 k linear weights
+                        r"activation scale: token, forward GEMM: dequant", lm.quantization)  # 3 x 64 x 96 of 79 k
     (q, _), = lm.loglikelihood(req)
     assert q != hp and abs(q - hp) < 0.2 * abs(hp)  # 4-bit weights and activations move it, a little
     with pytest.raises(ValueError, match="leaves no block of n_blocks=2"):

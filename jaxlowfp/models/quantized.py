@@ -191,12 +191,10 @@ def load_quantized(directory: str | Path, *, dtype: str = "float32", param_dtype
                               f"hf_quant_config.json)")
     config = hf_loader.read_config(directory, dtype=dtype, param_dtype=param_dtype)
     if kind == "compressed-tensors" and _json(directory / "config.json")["quantization_config"].get(
-            "format") != "nvfp4-pack-quantized":
-        fmt = _json(directory / "config.json")["quantization_config"].get("format")
-        raise CheckpointError(f"{directory}: compressed-tensors format {fmt!r}; models.load reads "
-                              f"'nvfp4-pack-quantized' checkpoints of any producer, and "
-                              f"jaxlowfp.ptq.load_model(directory) the FP8 ('float-quantized') ones "
-                              f"jaxlowfp.ptq.export wrote")
+            "format") == "float-quantized":
+        raise CheckpointError(f"{directory}: compressed-tensors format 'float-quantized' (FP8); models.load reads "
+                              f"only NVFP4 ('nvfp4-pack-quantized') checkpoints of any producer, and "
+                              f"jaxlowfp.ptq.load_model(directory) the FP8 ones jaxlowfp.ptq.export wrote")
     if kind == "compressed-tensors":
         qcfg = _json(directory / "config.json")["quantization_config"]
         targets = _ct_layers(directory / "config.json", qcfg)
