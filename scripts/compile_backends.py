@@ -130,14 +130,19 @@ def compile_cases(names: list[str]) -> dict[str, dict]:
             return backends.packed_dot_general(x, w, (((1,), (0,)), ((), ())), backend=backend, activation=af,
                                                device=device)
 
-        with tempfile.TemporaryDirectory() as tmp, jax.set_mesh(mesh):
-            lowered = jax.jit(fn, in_shardings=(rep, rep)).lower(x, abstract_w)
-            compiled = lowered.compile(compiler_options={"xla_gpu_cuda_data_dir": str(
-                ck._cuda_dir(Path(tmp) / "cuda", ck.check_toolchain())), **options})
-            res = analyse(lowered.as_text(), compiled.as_text())
-        res.update(target=target, backend=plan.backend, native=plan.native, options=options)
-        out[name] = res
+        out[name] = _compiled(jax, fn, (x, abstract_w), mesh, rep, options, target, plan)
     return out
+
+
+def _compiled(jax: Any, fn: Any, args: tuple, mesh: Any, rep: Any, options: dict, target: str, plan: Any) -> dict:
+    """`analyse` of ``jit(fn)`` lowered on `args` under `mesh` and compiled for the target with `options`."""
+    with tempfile.TemporaryDirectory() as tmp, jax.set_mesh(mesh):
+        lowered = jax.jit(fn, in_shardings=(rep,) * len(args)).lower(*args)
+        compiled = lowered.compile(compiler_options={"xla_gpu_cuda_data_dir": str(
+            ck._cuda_dir(Path(tmp) / "cuda", ck.check_toolchain())), **options})
+        res = analyse(lowered.as_text(), compiled.as_text())
+    res.update(target=target, backend=plan.backend, native=plan.native, options=options)
+    return res
 
 
 def _compile_qat(name: str, qat: Any, jax: Any, jnp: Any, mesh: Any, rep: Any, device: Any) -> dict:
@@ -164,13 +169,7 @@ def _compile_qat(name: str, qat: Any, jax: Any, jnp: Any, mesh: Any, rep: Any, d
 
     x = jax.ShapeDtypeStruct((M, K), jnp.bfloat16, sharding=rep)
     w = jax.ShapeDtypeStruct((8, K, N) if experts else (K, N), jnp.bfloat16, sharding=rep)
-    with tempfile.TemporaryDirectory() as tmp, jax.set_mesh(mesh):
-        lowered = jax.jit(step, in_shardings=(rep, rep)).lower(x, w)
-        compiled = lowered.compile(compiler_options={"xla_gpu_cuda_data_dir": str(
-            ck._cuda_dir(Path(tmp) / "cuda", ck.check_toolchain())), **options})
-        res = analyse(lowered.as_text(), compiled.as_text())
-    res.update(target=target, backend=plan.backend, native=plan.native, options=options)
-    return res
+    return _compiled(jax, step, (x, w), mesh, rep, options, target, plan)
 
 
 def run(names: list[str] | None = None, timeout: float = 1200.0) -> dict[str, dict]:

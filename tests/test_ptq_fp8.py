@@ -17,17 +17,9 @@ from flax import nnx
 
 from jaxlowfp import ptq
 from jaxlowfp.ptq.pack import packed_layers
+from test_ptq_pack import _MLP  # the two-layer MLP the other pack tests use
 
 E4M3 = ml_dtypes.float8_e4m3fn
-
-
-class _MLP(nnx.Module):
-    def __init__(self, rngs):
-        self.up_proj = nnx.Linear(64, 128, rngs=rngs)
-        self.down_proj = nnx.Linear(128, 64, use_bias=False, rngs=rngs)
-
-    def __call__(self, x):
-        return self.down_proj(nnx.relu(self.up_proj(x)))
 
 
 X = jax.random.normal(jax.random.key(1), (8, 64), jnp.float32)
