@@ -1,4 +1,4 @@
-"""Memory and decode speed of SmolLM2-135M in float32, bfloat16, packed NVFP4 and packed HiF8 (`jaxlowfp.ptq.pack`),
+"""Memory and decode speed of SmolLM2-135M in float32, bfloat16, packed NVFP4 and packed HiF8 (`jaxlowfp.ptq.pack_model`),
 and the log-prob difference between a packed model and its fake-quant twin.
 
     .venv/bin/python bench/packed_memory.py [--model smollm2-135m] [--configs float32 bfloat16 nvfp4 hif8] [--no-write]
@@ -6,7 +6,7 @@ and the log-prob difference between a packed model and its fake-quant twin.
 Each configuration runs in a fresh interpreter (one run's allocations cannot hide another's):
   - float32 / bfloat16: ``models.load(name, dtype=..., param_dtype=...)``;
   - nvfp4: float32 load, ``ptq.quantize`` RTN of every ``*_proj`` layer to W4A4 NVFP4 4/6 (``scheme("nvfp4-mse")``),
-    the fake-quant model's log-probs on a 128-token text, then ``ptq.pack`` (backend "auto": dequantize + dot on this
+    the fake-quant model's log-probs on a 128-token text, then ``ptq.pack_model`` (backend "auto": dequantize + dot on this
     CPU), the packed model's log-probs (max |difference| reported);
   - hif8: the same with ``scheme("hif8")`` (W8A8, per-tensor scales);
   - nvfp4-load: the nvfp4 model exported (``ptq.export``, float32 high-precision tensors, by a process of its own)
@@ -63,7 +63,7 @@ def trim():  # hand freed heap pages back to the OS, so VmRSS counts what is ali
 dtype = "bfloat16" if config == "bfloat16" else "float32"
 if config == "nvfp4-load":  # the export's arrays straight into an abstract model: no float kernel is ever made
     from jaxlowfp.models import Llama, gguf_loader, resolve
-    from jaxlowfp.ptq.pack import report_of
+    from jaxlowfp.ptq.packing import report_of
     path = resolve(name)
     reader = gguf_loader._open(path)
     cfg, tok = gguf_loader.read_config(reader, path), gguf_loader.read_tokenizer(reader, path)
@@ -95,7 +95,7 @@ if config in ("nvfp4", "hif8", "export"):
         print("RESULT " + json.dumps(out))
         sys.exit(0)
     fake = logprobs(*nnx.split(model), tokens)
-    rep = ptq.pack(model, res)
+    rep = ptq.pack_model(model, res)
     packed_lp = logprobs(*nnx.split(model), tokens)
     out.update(max_logprob_diff=float(jnp.max(jnp.abs(packed_lp - fake))), bits=rep.bits_per_param,
                packed_layers=len(rep.layers), backends=sorted({b for _, _, b, _ in rep.layers}),
@@ -163,7 +163,7 @@ def tiny_llama_diffs() -> dict[str, float]:
         model = Llama(PRESETS["tiny"], rngs=nnx.Rngs(0))
         res = ptq.quantize(model, [ptq.Rule(path=r".*_proj", scheme=ptq.scheme(scheme))], progress=False)
         fake = jax.nn.log_softmax(model(tokens), -1)
-        ptq.pack(model, res, backend=backend)
+        ptq.pack_model(model, res, backend=backend)
         out[f"{scheme} ({backend})"] = float(jnp.max(jnp.abs(jax.nn.log_softmax(model(tokens), -1) - fake)))
     return out
 
@@ -198,7 +198,7 @@ def render(results: list[dict], tiny: dict[str, float], model: str, loads: tuple
                                [[k, f"{v:.1e}"] for k, v in tiny.items()])
     return (f"`.venv/bin/python bench/packed_memory.py` ({model}, jax {jax.__version__}, CPU; each row a fresh "
             "process). nvfp4 = RTN W4A4 NVFP4 4/6 (mse) of every projection, hif8 = RTN W8A8 HiF8, both "
-            "`ptq.pack`ed (backend auto: dequantize + dot on a CPU); embeddings (tied with the head) and norms stay "
+            "`ptq.pack_model`ed (backend auto: dequantize + dot on a CPU); embeddings (tied with the head) and norms stay "
             "float32. RSS is VmRSS with the model built (after gc and malloc_trim); the nvfp4 and hif8 rows' "
             "processes also ran PTQ and the fake-quant forward for the log-prob check and keep those compiled "
             "programs, so their RSS and peaks are not the packed model's alone (param MiB is); nvfp4-load is the "

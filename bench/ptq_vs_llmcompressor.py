@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "bench")]
 
 from _results import machine, markdown_table, write_section  # noqa: E402
-from jaxlowfp import nvfp4, ptq  # noqa: E402
+from jaxlowfp import Format, nvfp4, ptq  # noqa: E402
 from jaxlowfp.evaluation import budget_docs, rolling_requests, score_requests  # noqa: E402
 from jaxlowfp.models import load  # noqa: E402
 from jaxlowfp.ptq import serving  # noqa: E402
@@ -89,7 +89,7 @@ def load_llmc(model: nnx.Module, directory: Path, act_rule: str = "static_6") ->
         tensors.update(read_safetensors(f))
     variables = {"/".join(map(str, p)): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)}
     lins = linear_modules(model)
-    act = ptq.TensorFormat(kind="nvfp4", rule=act_rule)
+    act = Format(kind="nvfp4", rule=act_rule)
     for spec in tensor_specs(model.config):
         var = variables[spec.path]
         base = spec.hf[: -len(".weight")]

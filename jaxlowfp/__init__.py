@@ -12,6 +12,8 @@ which the kernels use) does not pull in optax or Flax.
     >>> import jax.numpy as jnp, jaxlowfp
     >>> jaxlowfp.hif8.round(jnp.float32(17.0)).item()   # 3-bit mantissa up to 15, 2 bits up to 224
     16.0
+    >>> jaxlowfp.Format.parse("nvfp4-mse")                 # "nvfp4" is standard NVFP4; Four Over Six is named
+    Format('nvfp4-mse')
 """
 from __future__ import annotations
 
@@ -31,13 +33,16 @@ _DEPRECATED_MODULES = ("nnx", "linen")
 
 # flat names -> the submodule that defines them
 _NAMES = {
-    "Format": "formats", "HIF8": "formats", "E4M3": "formats", "E5M2": "formats", "E2M1": "formats",
+    "Format": "_core.format", "FORMATS": "_core.format", "quantize": "packed", "dequantize": "packed",
+    "fake_quantize": "packed",
+    "ElementFormat": "formats", "HIF8": "formats", "E4M3": "formats", "E5M2": "formats", "E2M1": "formats",
     "NVFP4Array": "nvfp4",
     "AmaxHistory": "scaling", "PendingAmax": "scaling", "DelayedScaling": "scaling", "CurrentScaling": "scaling",
     "StaticScaling": "scaling",
     "merge": "scaling",
     "QuantSpec": "qat", "QuantStats": "qat", "Recipe": "qat", "RecipeState": "qat", "RecipeStats": "qat",
-    "Warmup": "qat", "fake_quant": "qat", "scaled_round": "qat", "dot_general": "qat", "linear": "qat",
+    "Warmup": "qat", "fake_quant": "qat", "scaled_round": "qat", "linear": "qat",
+    "dot_general": "ops", "einsum": "ops", "ragged_dot": "ops",  # the one op layer
     "hif8_w8a8": "qat", "nvfp4_w4a4": "qat", "nvfp4_training": "qat", "fp8_delayed": "qat",
     "Rule": "rules", "QuantizeReport": "rules",
 }

@@ -42,7 +42,8 @@ from jaxlowfp import formats, mx, nvfp4
 from jaxlowfp._core.capability import compute_capability
 from jaxlowfp._core.checks import one_of
 from jaxlowfp._core.pytree import pytree_dataclass
-from jaxlowfp.packed import PER_TENSOR, PackedFormat, PackedWeight, _per_tensor_scale, as_format, fake_quantize
+from jaxlowfp._core.format import Format
+from jaxlowfp.packed import PER_TENSOR, PackedWeight, _per_tensor_scale, as_format, fake_quantize
 
 __all__ = ["BACKENDS", "BackendUnavailableError", "Plan", "plan", "packed_dot_general", "packed_matmul",
            "SCALED_MATMUL_MIN_CC", "FP8_MIN_CC", "scaled_matmul_rows",
@@ -81,7 +82,7 @@ def _describe(device: Any) -> str:
         f", compute capability {cc / 10:.1f})" if cc is not None else ")")
 
 
-def _format_problem(backend: str, w: PackedFormat, act: PackedFormat | None) -> str | None:
+def _format_problem(backend: str, w: Format, act: Format | None) -> str | None:
     """Why `backend` cannot compute this weight x activation pair (None: it can)."""
     if backend == "dequant":
         return None
@@ -135,7 +136,7 @@ def _device_problem(backend: str, device: Any, kind: str | None = None) -> tuple
             f"(emulated); the device is {where}. Use backend='dequant' or 'auto'"), False, where
 
 
-def plan(w: PackedWeight | PackedFormat, activation: Any = None, backend: str = "auto", *, device: Any = None,
+def plan(w: PackedWeight | Format, activation: Any = None, backend: str = "auto", *, device: Any = None,
          where: str = "") -> Plan:
     """The backend a product of `w` (a packed weight or its format) with `activation` runs on `device` (default JAX's
     first device). An explicit `backend` that cannot run raises (``ValueError`` for the formats,
@@ -207,7 +208,7 @@ def block_scaled_product(xa: nvfp4.NVFP4Array | mx.MXArray, wa: nvfp4.NVFP4Array
     return out if g is None else out * g
 
 
-def _scaled_matmul(x2: jax.Array, w: PackedWeight, act: PackedFormat) -> jax.Array:
+def _scaled_matmul(x2: jax.Array, w: PackedWeight, act: Format) -> jax.Array:
     if w.format.kind == "nvfp4":
         xa = nvfp4.quantize(x2, rule=act.rule)  # type: ignore[arg-type]  # ours: Four Over Six included
     else:
@@ -220,7 +221,7 @@ def scaled_matmul_rows(x2: jax.Array, w: PackedWeight, rule: str, amax: Any) -> 
     quantized by our quantizer (`jaxlowfp.nvfp4.quantize`, `rule`, 4/6 included) with its own amax ``amax[m]`` (a
     scalar: one static amax for all rows), and since each row's decode scale g_x[m] is constant along K it factors
     out of the contraction: ``out[m, n] = g_x[m] g_w sum_k (s_x q_x)(s_w q_w)``. float32 [M, N]."""
-    if w.format.kind != "nvfp4" or w.format.convention != "jaxlowfp":
+    if w.format.kind != "nvfp4" or w.format.arithmetic != "jaxlowfp":
         raise ValueError(f"scaled_matmul with per-token / static activation scales takes NVFP4 weights in jaxlowfp's "
                          f"convention; got {w.format.name}")
     return block_scaled_rows(x2, w.array, rule, amax)
@@ -268,7 +269,7 @@ def _fp8(x2: jax.Array, w: PackedWeight) -> jax.Array:
     return fp8_product(xq, sx, w.array.codes, w.array.scale, (((1,), (1,)), ((), ())))
 
 
-def _dequant(x2: jax.Array, w: PackedWeight, act: PackedFormat | None, weight_dtype: Any) -> jax.Array:
+def _dequant(x2: jax.Array, w: PackedWeight, act: Format | None, weight_dtype: Any) -> jax.Array:
     xq = x2 if act is None else fake_quantize(x2, act)
     wd = w.dequantize(jnp.float32)
     if weight_dtype is not None:

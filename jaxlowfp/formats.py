@@ -1,4 +1,7 @@
-"""Element formats as frozen, hashable descriptors: HiF8, E4M3, E5M2 and E2M1.
+"""Element formats as frozen, hashable descriptors (:class:`ElementFormat`): HiF8, E4M3, E5M2 and E2M1.
+
+A tensor format (elements, block scales, tensor scale, rule) is :class:`jaxlowfp.Format`; its ``element`` names one
+of these.
 
 Each descriptor has ``encode(x, *, saturate=False) -> uint8 codes``, ``decode(codes, dtype)`` and
 ``round(x, *, saturate=False)`` (the nearest representable value, in ``x``'s dtype), plus the range constants
@@ -17,15 +20,19 @@ zero is kept (``-1e-9 -> -0``), as in ``ml_dtypes``. HiF8 delegates to :mod:`jax
 >>> formats.E4M3.round(jnp.float32(300.0)).item(), int(formats.get("e2m1").encode(jnp.float32(-5.5)))
 (288.0, 15)
 """
+from jaxlowfp._core.deprecation import deprecated_getattr
 from jaxlowfp._core.minifloat import (
     E2M1,
     E4M3,
     E5M2,
     FORMATS,
     HIF8,
-    Format,
+    ElementFormat,
     MiniFloat,
     get,
 )
 
-__all__ = ["Format", "MiniFloat", "HIF8", "E4M3", "E5M2", "E2M1", "FORMATS", "get"]
+__all__ = ["ElementFormat", "MiniFloat", "HIF8", "E4M3", "E5M2", "E2M1", "FORMATS", "get"]
+
+# old name (one release): jaxlowfp.Format is the tensor format now; the element descriptors are ElementFormat
+__getattr__ = deprecated_getattr(__name__, {"Format": ("jaxlowfp.formats.ElementFormat", lambda: ElementFormat)})

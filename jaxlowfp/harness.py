@@ -309,9 +309,9 @@ class JaxLowFPLM(TemplateLM):
             notes.append(f"PTQ export {a['ptq_export']}: {len(schemes)} quantized layers "
                          f"({', '.join(sorted({s.name for s in schemes.values()}))})")
         elif packed and a["model"] is not None:
-            raise ValueError("packed= loads a checkpoint packed; with model= pack it first (jaxlowfp.ptq.pack)")
+            raise ValueError("packed= loads a checkpoint packed; with model= pack it first (jaxlowfp.ptq.pack_model)")
         if packed:
-            from jaxlowfp.ptq.pack import report_of
+            from jaxlowfp.ptq.packing import report_of
 
             rep = report_of(self.model)
             ran = sorted({(b, n) for _, _, b, n in rep.layers})

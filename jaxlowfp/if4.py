@@ -73,7 +73,7 @@ from jaxlowfp._core.nvfp4_blocks import (
 __all__ = ["IFArray", "IFConfig", "IFFormat", "IFRule", "Rounding", "FORMATS", "RULES", "ROUNDINGS", "BLOCK_SHAPES",
            "GRIDS", "quantize", "dequantize", "fake_quantize", "selected_int", "global_scales"]
 
-# old names (one release): `Rule` clashed with the class jaxlowfp.Rule, `Format` with jaxlowfp.formats.Format
+# old names (one release): `Rule` clashed with the class jaxlowfp.Rule, `Format` with jaxlowfp.Format
 _DEPRECATED = {"Rule": ("jaxlowfp.if4.IFRule", lambda: IFRule), "Format": ("jaxlowfp.if4.IFFormat", lambda: IFFormat)}
 __getattr__ = deprecated_getattr(__name__, _DEPRECATED)
 

@@ -6,7 +6,7 @@ of ``jax.nn.scaled_matmul`` (``[B, N, K]``) and of PyTorch / serving checkpoints
 
     nvfp4   NVFP4Array: uint8 [N, K/2] (two E2M1 codes a byte), float8_e4m3fn scales [N, K/16] (or [N/16, K/16] for
             16x16 tiles), float32 S_dec                     W^T = (q * s) * S_dec
-            convention "compressed-tensors" decodes q * (s / g) with g = s_enc (jaxlowfp.ptq.serving)
+            arithmetic "compressed-tensors" decodes q * (s / g) with g = s_enc (jaxlowfp.ptq.serving)
     mxfp4   MXArray: uint8 [N, K/2], float8_e8m0fnu scales [N, K/32]        W^T = q * 2^e
     mxfp8   MXArray: uint8 E4M3 codes [N, K], float8_e8m0fnu scales [N, K/32]
     fp8     ScaledArray: float8_e4m3fn [N, K], float32 scale s = amax / 448  W^T = f32(q) * s
@@ -38,108 +38,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import ArrayLike, DTypeLike
 
 from jaxlowfp import formats, if4, mx, nvfp4
 from jaxlowfp._core import ct_nvfp4
 from jaxlowfp._core.checks import float_dtype, float_input, one_of
-from jaxlowfp._core.nvfp4_blocks import BLOCK_SHAPES
+from jaxlowfp._core.deprecation import deprecated_getattr, renamed_kwarg
+from jaxlowfp._core.format import ARITHMETICS, GROUP, KINDS, PER_TENSOR, TWO_LEVEL, Format, as_format
 from jaxlowfp._core.pytree import pytree_dataclass
 from jaxlowfp._core.scaled import scaled_round_mask
 from jaxlowfp.scaling import CurrentScaling
 
-__all__ = ["FORMATS", "CONVENTIONS", "PackedFormat", "as_format", "ScaledArray", "PackedWeight", "PackedParam",
-           "pack", "from_nvfp4", "scaled_quantize", "fake_quantize"]
+__all__ = ["FORMATS", "Format", "as_format", "ScaledArray", "PackedWeight", "PackedParam", "pack", "from_nvfp4",
+           "scaled_quantize", "quantize", "dequantize", "fake_quantize"]
 
-FORMATS = ("nvfp4", "mxfp4", "mxfp8", "fp8", "hif8", "if4")
-CONVENTIONS = ("jaxlowfp", "compressed-tensors")
-TWO_LEVEL = ("nvfp4", "if4")
-# per-tensor 8-bit formats: (element format, target the amax maps to = clip bound)
-PER_TENSOR = {"fp8": ("e4m3", 448.0), "hif8": ("hif8", 15.0)}
-GROUP = {"nvfp4": 16, "if4": 16, "mxfp4": mx.BLOCK, "mxfp8": mx.BLOCK}
+FORMATS = KINDS  # the format kinds (jaxlowfp.Format.kind)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PackedFormat:
-    """What a tensor is packed (or, for activations, quantized at run time) to.
-
-    Attributes:
-      kind: "nvfp4", "mxfp4", "mxfp8" (MX E4M3), "fp8" (E4M3, one float32 scale amax / 448), "hif8" (one float32
-        scale amax / 15, as `jaxlowfp.ptq`'s HiF8) or "if4".
-      rule: NVFP4 / IF4 only: the block-scale rule (default "mse", Four Over Six), as `jaxlowfp.nvfp4.quantize`.
-      block_shape: NVFP4 / IF4 only: (1, 16) (default) or (16, 16) tiles (weights).
-      convention: NVFP4 only: "jaxlowfp" (default) or "compressed-tensors", the decode arithmetic of the weights
-        (`jaxlowfp.ptq.serving`).
-    """
-
-    kind: str
-    rule: str | None = None
-    block_shape: tuple[int, int] | None = None
-    convention: str | None = None
-
-    def __post_init__(self) -> None:
-        one_of(self.kind, FORMATS, "kind")
-        if self.kind in TWO_LEVEL:
-            rule = "mse" if self.rule is None else self.rule
-            one_of(rule, tuple(nvfp4.RULES) if self.kind == "nvfp4" else tuple(if4.RULES), "rule")
-            bs = (1, 16) if self.block_shape is None else tuple(self.block_shape)
-            one_of(bs, tuple(BLOCK_SHAPES), "block_shape")
-            object.__setattr__(self, "rule", rule)
-            object.__setattr__(self, "block_shape", bs)
-        else:
-            for f in ("rule", "block_shape"):
-                if getattr(self, f) is not None:
-                    raise ValueError(f"{f}={getattr(self, f)!r} applies to kind 'nvfp4' or 'if4' only; got "
-                                     f"kind={self.kind!r}")
-        if self.kind == "nvfp4":
-            conv = "jaxlowfp" if self.convention is None else self.convention
-            one_of(conv, CONVENTIONS, "convention")
-            if conv == "compressed-tensors" and (self.rule != "static_6" or self.block_shape != (1, 16)):
-                raise ValueError(f"convention='compressed-tensors' is NVFP4 static_6 with 1x16 blocks "
-                                 f"(llm-compressor's RTN); got rule={self.rule!r}, block_shape={self.block_shape}")
-            object.__setattr__(self, "convention", conv)
-        elif self.convention is not None:
-            raise ValueError(f"convention={self.convention!r} applies to kind 'nvfp4' only; got kind={self.kind!r}")
-
-    @property
-    def group(self) -> int | None:
-        """Elements per scale along K (None: one scale per tensor)."""
-        return GROUP.get(self.kind)
-
-    @property
-    def rows(self) -> int:
-        """Rows (along N) per scale tile: 16 for 16x16 tiles, else 1."""
-        return self.block_shape[0] if self.kind in TWO_LEVEL else 1
-
-    @property
-    def name(self) -> str:
-        if self.kind in TWO_LEVEL:
-            return f"{self.kind}-{self.rule}" + ("-16x16" if self.rows == 16 else "") + (
-                "-ct" if self.convention == "compressed-tensors" else "")
-        return self.kind
-
-    @property
-    def bits(self) -> float:
-        """Storage bits per element, scales included (global scales left out)."""
-        elem = 4 if self.kind in ("nvfp4", "mxfp4", "if4") else 8
-        return elem + (8 / (self.group * self.rows) if self.group else 0.0)
-
-
-def as_format(fmt: Any, what: str = "format") -> PackedFormat:
-    """A :class:`PackedFormat` from itself, from an object with the same fields (``jaxlowfp.ptq.TensorFormat``), or from
-    a name: "nvfp4" / "nvfp4-<rule>" (also "-16x16"), "if4-<rule>", "mxfp4", "mxfp8", "fp8", "hif8"."""
-    if isinstance(fmt, PackedFormat):
-        return fmt
-    if isinstance(fmt, str):
-        kind, _, rest = fmt.partition("-")
-        bs = None
-        if rest.endswith("-16x16") or rest == "16x16":
-            bs, rest = (16, 16), rest[:-len("16x16")].rstrip("-")
-        return PackedFormat(kind=kind, rule=rest or None, block_shape=bs)
-    kind = getattr(fmt, "kind", None)
-    if isinstance(kind, str):
-        return PackedFormat(kind=kind, rule=getattr(fmt, "rule", None), block_shape=getattr(fmt, "block_shape", None))
-    raise TypeError(f"{what} must be a PackedFormat, a TensorFormat or a format name such as 'nvfp4-mse'; got "
-                    f"{type(fmt).__name__}")
+def _legacy_packed_format(*, kind: str, rule: str | None = None, block_shape: tuple[int, int] | None = None,
+                          convention: str | None = None) -> Format:
+    """``PackedFormat(kind=..., rule=..., block_shape=..., convention=...)`` of jaxlowfp <= 0.1: a :class:`Format`
+    (``convention`` is its ``arithmetic``; NVFP4's rule defaulted to "mse" under this name)."""
+    if kind == "nvfp4" and rule is None:
+        rule = "mse"
+    return Format(kind=kind, rule=rule, block_shape=block_shape, arithmetic=convention)
 
 
 # ---- per-tensor 8-bit: FP8 E4M3 and HiF8
@@ -197,25 +119,76 @@ def scaled_quantize(x: Any, kind: str, *, scale: Any = None) -> ScaledArray:
 
 
 @functools.partial(jax.jit, static_argnames=("fmt",))
-def _fake(x: jax.Array, fmt: PackedFormat) -> jax.Array:
+def _fake(x: jax.Array, fmt: Format) -> jax.Array:
     if fmt.kind == "nvfp4":
         return nvfp4.fake_quantize(x, rule=fmt.rule, block_shape=fmt.block_shape)  # type: ignore[arg-type]
     if fmt.kind == "if4":
         return if4.fake_quantize(x, rule=fmt.rule, block_shape=fmt.block_shape)  # type: ignore[arg-type]
     if fmt.kind in ("mxfp4", "mxfp8"):
-        return mx.fake_quantize(x, format="e2m1" if fmt.kind == "mxfp4" else "e4m3")
+        return mx.fake_quantize(x, format="e2m1" if fmt.kind == "mxfp4" else "e4m3", rule=fmt.rule)  # type: ignore[arg-type]
     elem, target = PER_TENSOR[fmt.kind]
     scale = _per_tensor_scale(x, target)
     return scaled_round_mask(x, scale, target, formats.get(elem), scale)[0]
 
 
-def fake_quantize(x: Any, fmt: Any) -> jax.Array:
-    """Quantize-dequantize `x` (blocks along the last axis) to `fmt` with its current amax, in x's dtype: the
-    activation quantizer of the fake-quant path (`jaxlowfp.ptq.TensorFormat.fake_quantize` for the PTQ kinds)."""
-    fmt = as_format(fmt)
-    if fmt.kind == "nvfp4" and fmt.convention != "jaxlowfp":
-        raise ValueError("activations are quantized in jaxlowfp's NVFP4 arithmetic; convention applies to weights")
+def fake_quantize(x: ArrayLike, format: Format | str) -> jax.Array:  # noqa: A002 (a Format, as QuantSpec.format)
+    """``dequantize(quantize(x, format))`` in x's dtype, bit for bit, without building codes: `x` quantized to
+    `format` (a :class:`~jaxlowfp.Format` or its name) with its current amax, blocks along the last axis. This is
+    the activation quantizer of the fake-quant path and RTN's weight quantizer.
+
+    >>> import jax.numpy as jnp, jaxlowfp
+    >>> x = jnp.asarray([[0.3, 1.0, 5.0, 6.0] * 4])
+    >>> bool((jaxlowfp.fake_quantize(x, "nvfp4") == jaxlowfp.dequantize(jaxlowfp.quantize(x, "nvfp4"))).all())
+    True
+    """
+    fmt = as_format(format)
+    if fmt.kind == "nvfp4" and fmt.arithmetic != "jaxlowfp":
+        raise ValueError("activations are quantized in jaxlowfp's NVFP4 arithmetic; arithmetic= applies to weights")
     return _fake(float_input(x, "x"), fmt)
+
+
+def quantize(x: ArrayLike, format: Format | str, *, global_amax: ArrayLike | None = None  # noqa: A002
+             ) -> nvfp4.NVFP4Array | if4.IFArray | mx.MXArray | ScaledArray:
+    """The codes and scales of `x` in `format` (a :class:`~jaxlowfp.Format` or its name), blocks along the last
+    axis: an ``NVFP4Array`` (NVFP4, either arithmetic), ``IFArray``, ``MXArray`` or ``ScaledArray`` (FP8, HiF8).
+    `global_amax` (NVFP4 / IF4; FP8 / HiF8: the amax the one scale is made from): the tensor amax to scale with,
+    default ``max |x|``. The per-format modules (`jaxlowfp.nvfp4`, `jaxlowfp.if4`, `jaxlowfp.mx`) take their
+    rounding and kernel options.
+
+    >>> import jax.numpy as jnp, jaxlowfp
+    >>> q = jaxlowfp.quantize(jnp.ones((2, 32)), "nvfp4-mse")
+    >>> q.codes.shape, q.rule, jaxlowfp.dequantize(q)[0, 0].item()
+    ((2, 16), 'mse', 1.0)
+    """
+    fmt = as_format(format)
+    x = float_input(x, "x")
+    if fmt.kind == "nvfp4" and fmt.arithmetic == "compressed-tensors":
+        return _pack_ct(x, fmt, global_amax).array
+    if fmt.kind == "nvfp4":
+        return nvfp4.quantize(x, rule=fmt.rule, block_shape=fmt.block_shape,  # type: ignore[arg-type]
+                              global_amax=global_amax)
+    if fmt.kind == "if4":
+        return if4.quantize(x, rule=fmt.rule, block_shape=fmt.block_shape,  # type: ignore[arg-type]
+                            global_amax=global_amax)
+    if global_amax is not None and not fmt.per_tensor:
+        raise ValueError(f"global_amax applies to formats with a tensor scale (nvfp4, if4, fp8, hif8); got {fmt.name}")
+    if fmt.is_mx:
+        return mx.quantize(x, format="e2m1" if fmt.kind == "mxfp4" else "e4m3", rule=fmt.rule)  # type: ignore[arg-type]
+    scale = None if global_amax is None else _per_tensor_scale(jnp.asarray(global_amax, jnp.float32), fmt.target)
+    return scaled_quantize(x, fmt.kind, scale=scale)
+
+
+def dequantize(q: nvfp4.NVFP4Array | if4.IFArray | mx.MXArray | ScaledArray, dtype: DTypeLike | None = None
+               ) -> jax.Array:
+    """The values of quantized `q` (what :func:`quantize` returns) in `dtype` (default: the dtype it was quantized
+    from), computed in float32: bit for bit :func:`fake_quantize` of the same format."""
+    if isinstance(q, PackedWeight):
+        raise TypeError("dequantize takes a quantized array; a PackedWeight's is its .array (W'^T), and "
+                        "PackedWeight.dequantize() gives the GEMM matrix W' [K, N]")
+    if not isinstance(q, (nvfp4.NVFP4Array, if4.IFArray, mx.MXArray, ScaledArray)):
+        raise TypeError(f"dequantize takes what jaxlowfp.quantize returns (NVFP4Array, IFArray, MXArray, "
+                        f"ScaledArray); got {type(q).__name__}")
+    return q.dequantize(q.dtype if dtype is None else dtype)
 
 
 # ---- the packed weight
@@ -228,14 +201,14 @@ class PackedWeight:
     Attributes:
       array: `nvfp4.NVFP4Array`, `mx.MXArray`, `if4.IFArray` or :class:`ScaledArray` of shape [N, K].
       s_enc: NVFP4 only: the float32 encode scale ``g`` the weights were quantized with (the compressed-tensors
-        convention decodes with it; ``array.global_scale == 1 / g``); None for the other formats.
-      format: the :class:`PackedFormat` (static).
+        arithmetic decodes with it; ``array.global_scale == 1 / g``); None for the other formats.
+      format: the :class:`~jaxlowfp.Format` (static).
       k, n: the GEMM matrix's shape (static).
     """
 
     array: Any
     s_enc: jax.Array | None
-    format: PackedFormat
+    format: Format
     k: int
     n: int
 
@@ -263,14 +236,14 @@ class PackedWeight:
 
 def _dequantize_t(w: PackedWeight) -> jax.Array:
     a, fmt = w.array, w.format
-    if fmt.kind == "nvfp4" and fmt.convention == "compressed-tensors":  # q * (s / g), jaxlowfp.ptq.serving.decode
+    if fmt.kind == "nvfp4" and fmt.arithmetic == "compressed-tensors":  # q * (s / g), jaxlowfp.ptq.serving.decode
         q = formats.E2M1.decode(nvfp4.unpack_nibbles(a.codes))
         s = a.scales.astype(jnp.float32)
         return ct_nvfp4.dequantize(q.reshape(w.n, w.k // 16, 16), s, w.s_enc).reshape(w.n, w.k)
     return a.dequantize(jnp.float32)
 
 
-def _check_matrix(w: Any, fmt: PackedFormat, where: str) -> jax.Array:
+def _check_matrix(w: Any, fmt: Format, where: str) -> jax.Array:
     w = float_input(w, where)
     if w.ndim != 2:
         raise ValueError(f"{where}: pack takes the GEMM matrix W' [K, N] (2-D, the contracted axis first; "
@@ -285,7 +258,7 @@ def _check_matrix(w: Any, fmt: PackedFormat, where: str) -> jax.Array:
 
 
 def pack(w: Any, fmt: Any, *, global_amax: Any = None, where: str = "w") -> PackedWeight:
-    """Pack the GEMM matrix `w` ``[K, N]`` (float32/bfloat16/float16) to `fmt` (a :class:`PackedFormat`, a
+    """Pack the GEMM matrix `w` ``[K, N]`` (float32/bfloat16/float16) to `fmt` (a :class:`~jaxlowfp.Format`, a
     ``jaxlowfp.ptq.TensorFormat`` or a name, see :func:`as_format`), blocks along K.
 
     `global_amax` (NVFP4 / IF4): the tensor amax the global scale is made from (a fused group's shared one); default
@@ -297,7 +270,7 @@ def pack(w: Any, fmt: Any, *, global_amax: Any = None, where: str = "w") -> Pack
         raise ValueError(f"global_amax applies to the two-level formats nvfp4 and if4; got {fmt.name}")
     s_enc = None
     if fmt.kind == "nvfp4":
-        if fmt.convention == "compressed-tensors":
+        if fmt.arithmetic == "compressed-tensors":
             return _pack_ct(wt, fmt, global_amax)
         amax = jnp.max(jnp.abs(wt.astype(jnp.float32))) if global_amax is None else jnp.asarray(global_amax,
                                                                                                jnp.float32)
@@ -306,13 +279,13 @@ def pack(w: Any, fmt: Any, *, global_amax: Any = None, where: str = "w") -> Pack
     elif fmt.kind == "if4":
         arr = if4.quantize(wt, rule=fmt.rule, block_shape=fmt.block_shape, global_amax=global_amax)  # type: ignore[assignment]
     elif fmt.kind in ("mxfp4", "mxfp8"):
-        arr = mx.quantize(wt, format="e2m1" if fmt.kind == "mxfp4" else "e4m3")  # type: ignore[assignment]
+        arr = mx.quantize(wt, format="e2m1" if fmt.kind == "mxfp4" else "e4m3", rule=fmt.rule)  # type: ignore[assignment, arg-type]
     else:
         arr = scaled_quantize(wt, fmt.kind)  # type: ignore[assignment]
     return PackedWeight(array=arr, s_enc=s_enc, format=fmt, k=k, n=n)
 
 
-def _pack_ct(wt: jax.Array, fmt: PackedFormat, global_amax: Any) -> PackedWeight:
+def _pack_ct(wt: jax.Array, fmt: Format, global_amax: Any) -> PackedWeight:
     """compressed-tensors' RTN NVFP4 (`jaxlowfp._core.ct_nvfp4`): codes, E4M3 scales and the encode scale g."""
     amax = jnp.max(jnp.abs(wt.astype(jnp.float32))) if global_amax is None else jnp.asarray(global_amax, jnp.float32)
     g = ct_nvfp4.global_scale(amax)
@@ -327,17 +300,19 @@ def _pack_e2m1(q: jax.Array) -> jax.Array:
     return c[..., 0::2] | (c[..., 1::2] << 4)  # element 2j in the low nibble, as NVFP4Array stores them
 
 
-def from_nvfp4(arr: nvfp4.NVFP4Array, s_enc: Any = None, *, convention: str = "jaxlowfp") -> PackedWeight:
+def from_nvfp4(arr: nvfp4.NVFP4Array, s_enc: Any = None, *, arithmetic: str = "jaxlowfp",
+               convention: str | None = None) -> PackedWeight:
     """A :class:`PackedWeight` from an `nvfp4.NVFP4Array` of ``W'^T [N, K]`` (what ``PTQResult.packed[path][0]``
     holds for an ``nnx.Linear``: its ``kernel.T``) and its encode scale (``PTQResult.packed[path][1]``, needed for
-    ``convention="compressed-tensors"``). No requantization: the codes are taken as they are."""
+    ``arithmetic="compressed-tensors"``). No requantization: the codes are taken as they are."""
     if not isinstance(arr, nvfp4.NVFP4Array):
         raise TypeError(f"from_nvfp4 takes an nvfp4.NVFP4Array; got {type(arr).__name__}")
     if len(arr.shape) != 2:
         raise ValueError(f"from_nvfp4 takes the array of W'^T [N, K] (2-D); got shape {arr.shape}")
-    fmt = PackedFormat(kind="nvfp4", rule=arr.rule, block_shape=arr.block_shape, convention=convention)
-    if convention == "compressed-tensors" and s_enc is None:
-        raise ValueError("convention='compressed-tensors' decodes q * (s / g): give s_enc (g)")
+    arithmetic = renamed_kwarg("packed.from_nvfp4", "convention", convention, "arithmetic", arithmetic, "jaxlowfp")
+    fmt = Format(kind="nvfp4", rule=arr.rule, block_shape=arr.block_shape, arithmetic=arithmetic)
+    if arithmetic == "compressed-tensors" and s_enc is None:
+        raise ValueError("arithmetic='compressed-tensors' decodes q * (s / g): give s_enc (g)")
     s = None if s_enc is None else jnp.asarray(s_enc, jnp.float32)
     return PackedWeight(array=arr, s_enc=s, format=fmt, k=int(arr.shape[1]), n=int(arr.shape[0]))
 
@@ -345,3 +320,10 @@ def from_nvfp4(arr: nvfp4.NVFP4Array, s_enc: Any = None, *, convention: str = "j
 class PackedParam(nnx.Variable):
     """An ``nnx.Variable`` holding a :class:`PackedWeight` (read it with ``.get_value()``): packed weights are state
     of their own kind, not ``nnx.Param`` (``nnx.split(model, PackedParam, ...)`` takes them apart)."""
+
+
+# old names (one release): PackedFormat and ptq.TensorFormat are both jaxlowfp.Format now
+__getattr__ = deprecated_getattr(__name__, {
+    "PackedFormat": ("jaxlowfp.Format", lambda: _legacy_packed_format),
+    "CONVENTIONS": ("jaxlowfp.packed.ARITHMETICS", lambda: ARITHMETICS),
+})

@@ -1,5 +1,5 @@
 """`PackedLinear`: an ``nnx.Linear`` whose kernel is a `jaxlowfp.packed.PackedParam`, and `replace_modules`, which
-puts such layers where float ones were (`jaxlowfp.ptq.pack`, and the packed loads of `jaxlowfp.ptq.load` and
+puts such layers where float ones were (`jaxlowfp.ptq.pack_model`, and the packed loads of `jaxlowfp.ptq.load` and
 `jaxlowfp.models.load`). The forward is `jaxlowfp.backends.packed_dot_general` (or `backends.scaled_matmul_rows`
 for per-token / static NVFP4 activations on "scaled_matmul"), with the input quantized first as the fake-quant layer
 quantizes it."""
@@ -24,7 +24,7 @@ class PackedLinear(nnx.Module):
     None: the input's); "dequant" rounds the float32 dequantized weight to `param_dtype` first, as the float kernel
     was stored."""
 
-    def __init__(self, kernel: packed.PackedWeight, bias: nnx.Param | None, *, activation: packed.PackedFormat | None,
+    def __init__(self, kernel: packed.PackedWeight, bias: nnx.Param | None, *, activation: packed.Format | None,
                  backend: str = "auto", dtype: Any = None, param_dtype: Any = jnp.float32, path: str = "",
                  act_quant: Any = None, act_fn: Any = None) -> None:
         # act_fn: a hashable callable x -> fake-quantized x, a foreign checkpoint's activation quantizer
@@ -48,7 +48,7 @@ class PackedLinear(nnx.Module):
             fmt = act_quant.fmt
             scalar = not isinstance(act_quant.amax, (tuple, list))
             nv_rows = (backend == "scaled_matmul" and kernel.format.kind == "nvfp4"
-                       and kernel.format.convention == "jaxlowfp" and fmt.kind == "nvfp4"
+                       and kernel.format.arithmetic == "jaxlowfp" and fmt.kind == "nvfp4"
                        and tuple(fmt.block_shape) == (1, 16))
             fp8_rows = backend == "fp8" and kernel.format.kind == "fp8" and fmt.kind == "fp8"
             if scalar and (nv_rows or fp8_rows):

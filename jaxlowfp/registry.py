@@ -13,18 +13,22 @@ keyword for the same meaning in every format module):
   :data:`IF_RULES`, MX: :data:`MX_RULES`); ``rounding=``, ``block_shape=``, ``global_amax=``, ``key=`` likewise.
 - ``Rule`` is one type, :class:`jaxlowfp.Rule` (a path regex and what the matched layers get); the rule *names*
   are typed :data:`jaxlowfp.nvfp4.NVFP4Rule` / :data:`jaxlowfp.if4.IFRule`, the IF format names
-  :data:`jaxlowfp.if4.IFFormat` (``jaxlowfp.formats.Format`` is the element-format descriptor class).
+  :data:`jaxlowfp.if4.IFFormat` (``jaxlowfp.formats.ElementFormat`` is the element-format descriptor class, :class:`jaxlowfp.Format` the tensor format).
 
-Format names of the command lines: ``nvfp4-<rule>``, ``if4-<rule>``, ``mxfp4``, ``hif8``, ``fp8`` (the names of
-:func:`jaxlowfp.ptq.scheme` and of the ``quantize=`` argument of the lm-eval backend).
+Format names of the command lines (:data:`FORMATS`, from :class:`jaxlowfp.Format`): ``nvfp4`` (standard NVFP4,
+static_6), ``nvfp4-<rule>`` (every other rule, Four Over Six's ``nvfp4-mse`` among them), ``if4-<rule>``, ``mxfp4``,
+``mxfp8``, ``hif8``, ``fp8`` (the names of :func:`jaxlowfp.ptq.scheme` and of the ``quantize=`` argument of the
+lm-eval backend).
 """
 from __future__ import annotations
 
+from jaxlowfp._core import format as _format
 from jaxlowfp._core import names as _names
 
 __all__ = [
     "ELEMENT_FORMATS", "NVFP4_RULES", "NVFP4_KERNEL_RULES", "NVFP4_FOUR_OVER_SIX", "NVFP4_BLOCK_SHAPES", "ROUNDINGS",
-    "IF_FORMATS", "IF_RULES", "MX_FORMATS", "MX_RULES", "QAT_FORMATS", "PTQ_KINDS", "PTQ_FORMATS", "EVAL_QUANTIZE",
+    "IF_FORMATS", "IF_RULES", "MX_FORMATS", "MX_RULES", "QAT_FORMATS", "PTQ_KINDS", "FORMATS", "PTQ_FORMATS",
+    "EVAL_QUANTIZE",
 ]
 
 ELEMENT_FORMATS = ("hif8", "e4m3", "e5m2", "e2m1")  # jaxlowfp.formats descriptors (encode / decode / round)
@@ -42,12 +46,16 @@ MX_FORMATS = _names.MX_FORMATS  # jaxlowfp.mx element formats: MXFP4, MXFP8 (E4M
 MX_RULES = _names.MX_RULES  # the shared exponent: OCP's floor rule, or round-up (RCEIL)
 
 QAT_FORMATS = ("hif8", "e4m3", "e5m2", "nvfp4", "if4", "mxfp4", "mxfp8")  # jaxlowfp.qat.QuantSpec(format=...)
-PTQ_KINDS = ("nvfp4", "mxfp4", "mxfp8", "hif8", "fp8", "if4")  # jaxlowfp.ptq.TensorFormat(kind=...)
+PTQ_KINDS = _format.KINDS  # jaxlowfp.Format(kind=...)
+
+# every named tensor format (jaxlowfp.Format.parse / jaxlowfp.FORMATS): "nvfp4" is standard NVFP4 (static_6); the
+# other NVFP4 rules, Four Over Six among them, are always named ("nvfp4-mse"); "nvfp4-static_6" parses too
+FORMATS = tuple(_format.FORMATS)
 
 # jaxlowfp.ptq.scheme(name) and `python -m train ptq --formats`: one name per weight + activation format
-PTQ_FORMATS = (*(f"nvfp4-{r}" for r in NVFP4_RULES), "mxfp4", "mxfp8", "hif8", "fp8", *(f"if4-{r}" for r in IF_RULES))
+PTQ_FORMATS = (*(f for f in FORMATS if not f.endswith("-ceil")),)
 
 # the lm-eval backend's quantize= (jaxlowfp.harness) and `python -m train eval --quantize`: a QAT recipe each
-# ("nvfp4" is nvfp4-mse, "fp8" the delayed E4M3 / E5M2 recipe)
-EVAL_QUANTIZE = ("none", "hif8", "nvfp4", *(f"nvfp4-{r}" for r in NVFP4_RULES), *(f"if4-{r}" for r in IF_RULES),
-                 "fp8")
+# ("nvfp4" is standard NVFP4 (static_6), "nvfp4-<rule>" names every other rule, "fp8" the delayed E4M3 / E5M2 recipe)
+EVAL_QUANTIZE = ("none", "hif8", "nvfp4", *(f"nvfp4-{r}" for r in NVFP4_RULES if r != "static_6"),
+                 *(f"if4-{r}" for r in IF_RULES), "fp8")

@@ -21,7 +21,7 @@ from fp8_export_common import EXPORT, FIX, TOKENS, quantized
 from jaxlowfp import ptq
 from jaxlowfp.models import load
 from jaxlowfp.ptq import checkpoint
-from jaxlowfp.ptq.pack import packed_layers
+from jaxlowfp.ptq.packing import packed_layers
 
 CT = np.load(FIX / "ct_consumer.npz")
 

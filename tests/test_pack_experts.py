@@ -1,4 +1,4 @@
-"""Packed mixture-of-experts weights (issue 28 x 29): `ptq.pack` turns a PTQ'd expert weight [E, K, N] into a
+"""Packed mixture-of-experts weights (issue 28 x 29): `ptq.pack_model` turns a PTQ'd expert weight [E, K, N] into a
 `ptq.PackedExperts` (every expert's codes and scales, stacked), and `ptq.load(..., packed=True)` reads an MoE export
 into one without decoding it. Judges: the packed leaves decoded by numpy + ml_dtypes / en_dtypes
 (`test_packed._np_decode`) against the fake-quantized expert weights PTQ made (which tests/test_moe_ptq.py checks
@@ -18,7 +18,7 @@ from test_packed_load import _no_decode
 from jaxlowfp import ptq
 from jaxlowfp.models import load
 from jaxlowfp.ptq import checkpoint
-from jaxlowfp.ptq.pack import PackedExperts, report_of
+from jaxlowfp.ptq.packing import PackedExperts, report_of
 
 FIX = Path(__file__).parent / "fixtures" / "moe"
 TOKENS = jnp.asarray(np.random.default_rng(1).integers(0, 100, (2, 12)).astype(np.int32))
@@ -45,7 +45,7 @@ def test_pack_experts_holds_codes_and_computes_the_fake_quant_model(scheme, meth
     fake = {p: np.asarray(getattr(m, n)[...]) for p, (m, n) in _experts(model).items() if p in res.experts}
     assert len(fake) == (4 if scheme == "mxfp4" else 6)
     want = _logp(model)
-    rep = ptq.pack(model, res)
+    rep = ptq.pack_model(model, res)
     rows = {r[0]: r for r in rep.layers}
     for path, w in fake.items():
         mod, name = _experts(model)[path]
@@ -82,16 +82,16 @@ def test_pack_experts_refusals():
     res = ptq.quantize_model(model, [ptq.Rule(path=r"blocks/\d+/mlp/experts/.*", scheme=ptq.scheme("nvfp4-mse")),
                                      ptq.Rule(path=r".*", scheme=None)], method="rtn")
     with pytest.raises(ValueError, match=r"packed experts run the 'dequant' backend .* got backend='scaled_matmul'"):
-        ptq.pack(model, res, backend="scaled_matmul")
+        ptq.pack_model(model, res, backend="scaled_matmul")
     assert not any(isinstance(getattr(m, n), PackedExperts) for m, n in _experts(model).values())  # unchanged
     exp = model.blocks[0].mlp.experts
     exp.gate_proj.set_value(exp.gate_proj[...] * 1.5)  # no longer what PTQ made
     with pytest.raises(ValueError, match=r"blocks/0/mlp/experts/gate_proj\[expert 0\]: the nvfp4-mse arrays do not "
                                          r"decode to the model's expert weight bit for bit"):
-        ptq.pack(model, res)
-    ptq.pack(model, res, paths=["blocks/1/mlp/experts/up_proj"])
+        ptq.pack_model(model, res)
+    ptq.pack_model(model, res, paths=["blocks/1/mlp/experts/up_proj"])
     with pytest.raises(ValueError, match="blocks/1/mlp/experts/up_proj: already packed"):
-        ptq.pack(model, res, paths=["blocks/1/mlp/experts/up_proj"])
+        ptq.pack_model(model, res, paths=["blocks/1/mlp/experts/up_proj"])
 
 
 def test_ptq_load_packed_moe_export(monkeypatch):

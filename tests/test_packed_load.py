@@ -28,7 +28,7 @@ from jaxlowfp import models, packed, ptq  # noqa: E402
 from jaxlowfp.models import quantized  # noqa: E402
 from jaxlowfp.models.llama import Llama, preset  # noqa: E402
 from jaxlowfp.ptq import serving  # noqa: E402
-from jaxlowfp.ptq.pack import PackedKernel, PackedLinear, packed_layers, report_of  # noqa: E402
+from jaxlowfp.ptq.packing import PackedKernel, PackedLinear, packed_layers, report_of  # noqa: E402
 
 LLMC = FIX / "llmc_tiny_nvfp4"
 TOL = 1e-5  # log-probs of two XLA programs over the same quantized values (float32)
@@ -216,7 +216,7 @@ import jax
 import numpy as np
 from flax import nnx
 from jaxlowfp import models
-from jaxlowfp.ptq.pack import report_of
+from jaxlowfp.ptq.packing import report_of
 path = sys.argv[1]
 
 
@@ -350,9 +350,9 @@ def test_pack_linear_general_and_einsum(scheme):
     fwd = nnx.jit(lambda m, x: m(x))
     want = fwd(model, x)
     with pytest.raises(ValueError, match=r"up_proj: a packed LinearGeneral runs the 'dequant' backend"):
-        ptq.pack(model, res, backend="scaled_matmul", paths=["up_proj"])
+        ptq.pack_model(model, res, backend="scaled_matmul", paths=["up_proj"])
     assert packed_layers(model) == {}  # nothing changed
-    rep = ptq.pack(model, res)
+    rep = ptq.pack_model(model, res)
     assert isinstance(model.up_proj, nnx.LinearGeneral) and isinstance(model.mix_proj, nnx.Einsum)
     assert isinstance(model.up_proj.kernel, PackedKernel) and isinstance(model.mix_proj.kernel, PackedKernel)
     assert not [p for p, v in nnx.iter_graph(model) if type(v) is nnx.Param and p[-1] == "kernel"]  # no float kernel
@@ -362,4 +362,4 @@ def test_pack_linear_general_and_einsum(scheme):
     print(f"packed LinearGeneral / Einsum ({scheme}) vs fake-quant: max |d out| = {diff}")
     assert diff <= 1e-5 * float(jnp.max(jnp.abs(want)))
     with pytest.raises(ValueError, match="mix_proj: already packed"):
-        ptq.pack(model, res, paths=["mix_proj"])
+        ptq.pack_model(model, res, paths=["mix_proj"])

@@ -1,4 +1,4 @@
-"""`jaxlowfp.ptq.pack`: a PTQ'd model whose quantized layers hold packed arrays (no float kernel) computes the
+"""`jaxlowfp.ptq.pack_model`: a PTQ'd model whose quantized layers hold packed arrays (no float kernel) computes the
 fake-quant model's log-probs; orbax saves and restores it bit for bit.
 
 The judge is the fake-quant model itself (``ptq.quantize``: float kernels holding the dequantized weights, the
@@ -18,7 +18,7 @@ from flax import nnx
 
 from jaxlowfp import packed, ptq
 from jaxlowfp.models.llama import Llama, preset
-from jaxlowfp.ptq.pack import _requantized, packed_layers
+from jaxlowfp.ptq.packing import _requantized, packed_layers
 
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 24)), jnp.int32)
 RULES = [ptq.Rule(path=r".*_proj", scheme=None)]
@@ -59,7 +59,7 @@ def w4a4():
     activation operand carries one tensor scale (activation_scale="tensor")."""
     model, res = _ptq("nvfp4-mse", activation_scale="tensor")
     fake = _lp(model)
-    report = ptq.pack(model, res, backend="scaled_matmul")
+    report = ptq.pack_model(model, res, backend="scaled_matmul")
     return fake, model, report
 
 
@@ -107,7 +107,7 @@ def test_other_formats_and_conventions(name, kw):
     x = jax.random.normal(jax.random.key(1), (4, 64), jnp.float32)
     res = ptq.quantize_model(model, [ptq.Rule(path=r".*_proj", scheme=ptq.scheme(name))], progress=False, **kw)
     fake = model(x)
-    report = ptq.pack(model, res)  # auto: dequant on CPU
+    report = ptq.pack_model(model, res)  # auto: dequant on CPU
     assert {b for _, _, b, _ in report.layers} == {"dequant"} and len(packed_layers(model)) == 2
     np.testing.assert_allclose(model(x), fake, rtol=1e-5, atol=1e-5)
     bits = {"hif8": 8.0, "fp8": 8.0, "mxfp4": 4.25, "mxfp8": 8.25}.get(name, 4.5)
@@ -135,39 +135,39 @@ def test_per_token_activations_run_the_op_layer_quantizer():
     model, res = _ptq("nvfp4-mse")
     assert res.activation_scale == "token"
     fake = _lp(model)
-    report = ptq.pack(model, res)
+    report = ptq.pack_model(model, res)
     assert {b for _, _, b, _ in report.layers} == {"dequant"}
     np.testing.assert_allclose(np.asarray(_lp(model)), np.asarray(fake), rtol=0, atol=2e-5)
     model2, res2 = _ptq("nvfp4-mse")
-    report2 = ptq.pack(model2, res2, backend="scaled_matmul")
+    report2 = ptq.pack_model(model2, res2, backend="scaled_matmul")
     assert {b for _, _, b, _ in report2.layers} == {"scaled_matmul"}
     assert all(layer.rows_gemm for layer in packed_layers(model2).values())
     np.testing.assert_allclose(np.asarray(_lp(model2)), np.asarray(fake), rtol=0, atol=2e-5)
     model3, res3 = _ptq("if4-mse")
     with pytest.raises(ValueError, match="IF4's INT blocks have no hardware GEMM"):
-        ptq.pack(model3, res3, backend="scaled_matmul")
+        ptq.pack_model(model3, res3, backend="scaled_matmul")
 
 
 def test_pack_refuses_bad_input_and_leaves_the_model_unchanged():
     model = _MLP(nnx.Rngs(0))
     res = ptq.quantize_model(model, [ptq.Rule(path=r".*_proj", scheme=ptq.scheme("hif8"))], progress=False)
     with pytest.raises(ValueError, match="HiF8 has no hardware GEMM"):
-        ptq.pack(model, res, backend="scaled_matmul")
+        ptq.pack_model(model, res, backend="scaled_matmul")
     assert packed_layers(model) == {}
     with pytest.raises(ValueError, match="were not quantized"):
-        ptq.pack(model, res, paths=["lm_head"])
+        ptq.pack_model(model, res, paths=["lm_head"])
     k = model.up_proj.kernel
     before = k[...]
     k.set_value(before.at[3, 5].multiply(1.01))  # off the HiF8 grid: no scale reproduces it
     with pytest.raises(ValueError, match="up_proj: no hif8 arrays"):
-        ptq.pack(model, res)
+        ptq.pack_model(model, res)
     assert packed_layers(model) == {}
     k.set_value(before)
-    ptq.pack(model, res, paths=["up_proj"])
+    ptq.pack_model(model, res, paths=["up_proj"])
     with pytest.raises(ValueError, match="already packed"):
-        ptq.pack(model, res, paths=["up_proj"])
+        ptq.pack_model(model, res, paths=["up_proj"])
     with pytest.raises(TypeError, match="PTQResult"):
-        ptq.pack(model, {})
+        ptq.pack_model(model, {})
 
 
 def test_pack_for_a_device_without_the_backend_is_refused_before_any_change():
@@ -186,8 +186,8 @@ def test_pack_for_a_device_without_the_backend_is_refused_before_any_change():
     res = ptq.quantize_model(model, [ptq.Rule(path=r".*_proj", scheme=ptq.scheme("nvfp4-mse"))],
                              activation_scale="tensor", progress=False)
     with pytest.raises(backends.BackendUnavailableError, match=r"_proj: backend=.scaled_matmul.: .*compute capability >= 10.0.*H100"):
-        ptq.pack(model, res, backend="scaled_matmul", device=gpu("NVIDIA H100 80GB HBM3", "9.0"))
+        ptq.pack_model(model, res, backend="scaled_matmul", device=gpu("NVIDIA H100 80GB HBM3", "9.0"))
     assert packed_layers(model) == {} and isinstance(model.up_proj.kernel, nnx.Param)
-    rep = ptq.pack(model, res, backend="scaled_matmul", device=gpu("NVIDIA B200", "10.0"))
+    rep = ptq.pack_model(model, res, backend="scaled_matmul", device=gpu("NVIDIA B200", "10.0"))
     assert {r[2:] for r in rep.layers} == {("scaled_matmul", True)}
     assert np.isfinite(np.asarray(model(jnp.ones((2, 64), jnp.float32)))).all()

@@ -86,7 +86,7 @@ def test_a_mesh_axis_that_divides_no_expert_count_is_a_clear_error():
 
 
 def test_pack_on_a_mesh_keeps_each_weight_where_its_kernel_was():
-    """`ptq.pack` of a sharded MoE model: each packed expert stack is placed as its float weight was (codes and block
+    """`ptq.pack_model` of a sharded MoE model: each packed expert stack is placed as its float weight was (codes and block
     scales ``P('expert', n_axes, k_axes)`` of ``W'^T``, the per-expert global scales over 'expert'), the packed dense
     layers as their kernels (`sharding.packed_shardings`); the log-probs equal the one-device packed model's within
     float32 rounding (two XLA programs). W4A4: the routed activations' NVFP4 block maxima are reduced across the
@@ -96,7 +96,7 @@ def test_pack_on_a_mesh_keeps_each_weight_where_its_kernel_was():
     for where in ("one", "mesh"):
         model, _ = load(FIX / "qwen3_moe", mesh=sharding.make_mesh(MESH) if where == "mesh" else None)
         res = ptq.quantize_model(model, rr, progress=False)  # W4A4, per-token activation scales
-        ptq.pack(model, res)
+        ptq.pack_model(model, res)
         out[where] = model
     model = out["mesh"]
     w = model.blocks[1].mlp.experts.up_proj.get_value()  # [E, K, N] placed P("expert", "fsdp", "tensor")

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from jaxlowfp import registry
+from jaxlowfp._core.format import Format
 
 __all__ = ["main", "parse_args"]
 
@@ -43,9 +44,17 @@ SMALL = {"calib_seqs": 8, "calib_len": 256, "max_tokens": 2048, "max_length": 51
 FULL = {"calib_seqs": 128, "calib_len": 512, "max_tokens": 100_000, "max_length": 2048, "mc_items": 400}
 
 
+def _canonical(name: str) -> str | None:
+    """The registry name of a format name that parses ("nvfp4-static_6" -> "nvfp4"), else None."""
+    try:
+        return Format.parse(name).name
+    except (TypeError, ValueError):
+        return None
+
+
 def _list(text: str, allowed: Sequence[str], what: str, p: argparse.ArgumentParser) -> list[str]:
     items = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [t for t in items if t not in allowed]
+    bad = [t for t in items if t not in allowed and _canonical(t) not in allowed]
     if bad or not items:
         p.error(f"--{what}: unknown {bad or text!r}; allowed: {', '.join(allowed)}")
     return items
@@ -199,7 +208,7 @@ def verdicts(rows: list[dict], hp: float) -> list[str]:
     out = []
     for method in dict.fromkeys(r["method"] for r in rows if r["method"] != "none"):
         by = {r["format"]: r["mean"] for r in rows if r["method"] == method}
-        s6 = by.get("nvfp4-static_6")
+        s6 = by.get("nvfp4-static_6", by.get("nvfp4"))
         rules = [f for f in FOUR_OVER_SIX if f in by]
         if s6 is None or not rules:
             continue

@@ -16,7 +16,7 @@ from jaxlowfp._core import hif8
 from jaxlowfp._core.bits import ABS, BITS_INF, BITS_NAN, SIGN, f32_bits, pow2, u32
 from jaxlowfp._core.checks import float_dtype, float_input, uint8_codes
 
-__all__ = ["Format", "MiniFloat", "HIF8", "E4M3", "E5M2", "E2M1", "FORMATS", "get", "e2m1_index", "e2m1_value",
+__all__ = ["ElementFormat", "MiniFloat", "HIF8", "E4M3", "E5M2", "E2M1", "FORMATS", "get", "e2m1_index", "e2m1_value",
            "e2m1_magnitude"]
 
 
@@ -55,7 +55,7 @@ def e2m1_value(idx: jnp.ndarray) -> jnp.ndarray:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Format(abc.ABC):
+class ElementFormat(abc.ABC):
     """An 8- or 4-bit element format: range constants, default clip targets and the codec.
 
     Attributes:
@@ -107,7 +107,7 @@ class Format(abc.ABC):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class _HiF8(Format):
+class _HiF8(ElementFormat):
     """HiF8 (tapered 8-bit float); everything delegates to :mod:`jaxlowfp.hif8` (TA rounding)."""
 
     def encode(self, x: Any, *, saturate: bool = False) -> jax.Array:
@@ -121,7 +121,7 @@ class _HiF8(Format):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MiniFloat(Format):
+class MiniFloat(ElementFormat):
     """An OCP-style minifloat ``sign | exponent | mantissa`` with round-to-nearest-even.
 
     ``value = (-1)^s * 2^(E - bias) * (1 + M / 2^m)`` for E > 0, ``(-1)^s * M * min_subnormal`` for E == 0.
@@ -272,12 +272,12 @@ E2M1 = _E2M1(
     exponent_bits=2, mantissa_bits=1, bias=1, specials="none",
 )
 
-FORMATS: dict[str, Format] = {f.name: f for f in (HIF8, E4M3, E5M2, E2M1)}
+FORMATS: dict[str, ElementFormat] = {f.name: f for f in (HIF8, E4M3, E5M2, E2M1)}
 
 
-def get(name: str | Format) -> Format:
-    """The descriptor for `name` ("hif8", "e4m3", "e5m2", "e2m1"; case-insensitive). A `Format` passes through."""
-    if isinstance(name, Format):
+def get(name: str | ElementFormat) -> ElementFormat:
+    """The descriptor for `name` ("hif8", "e4m3", "e5m2", "e2m1"; case-insensitive). A `ElementFormat` passes through."""
+    if isinstance(name, ElementFormat):
         return name
     if not isinstance(name, str) or name.lower() not in FORMATS:
         raise ValueError(f"unknown format {name!r}; allowed: {', '.join(map(repr, FORMATS))}")

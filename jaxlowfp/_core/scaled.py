@@ -4,10 +4,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxlowfp._core.minifloat import Format
+from jaxlowfp._core.minifloat import ElementFormat
 
 
-def scaled_round_mask(x: jax.Array, scale: jax.Array, clip: float, fmt: Format, bound: jax.Array):
+def scaled_round_mask(x: jax.Array, scale: jax.Array, clip: float, fmt: ElementFormat, bound: jax.Array):
     """``(y, |x| > bound)`` with ``y = dtype_x(fmt.round(clip(f32(x) * (1 / scale), +-clip)) * scale)``.
 
     One scalar IEEE division; the array sees only a multiply (what XLA would emit anyway)."""

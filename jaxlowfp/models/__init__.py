@@ -55,7 +55,7 @@ def _not_packed(packed: bool, where: Any, what: str) -> None:
     if packed:
         raise ValueError(f"{where}: packed=True loads NVFP4 checkpoints (compressed-tensors / llm-compressor, "
                          f"ModelOpt) and GGUF NVFP4 / MXFP4 files as packed layers; this is {what}. Load it without "
-                         f"packed=, then jaxlowfp.ptq.quantize_model and jaxlowfp.ptq.pack")
+                         f"packed=, then jaxlowfp.ptq.quantize_model and jaxlowfp.ptq.pack_model")
 
 
 def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str = "float32", mesh: Any = None,

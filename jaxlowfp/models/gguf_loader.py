@@ -235,7 +235,7 @@ def packed_weight(tensor: Any, path: Path, rope_heads: int | None = None, scale:
     if kind == "MXFP4":
         mxa = mx.MXArray(codes=jnp.asarray(codes), scales=jnp.asarray(d.view(ml_dtypes.float8_e8m0fnu)),
                          format="e2m1", rule="floor", dtype=jnp.dtype(jnp.float32), shape=(n, k))
-        return packing.PackedWeight(array=mxa, s_enc=None, format=packing.PackedFormat(kind="mxfp4"), k=k, n=n)
+        return packing.PackedWeight(array=mxa, s_enc=None, format=packing.Format(kind="mxfp4"), k=k, n=n)
     s_dec = np.float32(1.0) if scale is None else np.float32(_dequantize(scale, path).reshape(-1)[0])
     if not (np.isfinite(s_dec) and s_dec > 0):
         raise CheckpointError(f"{path}: tensor {scale.name} is {float(s_dec)}; an NVFP4 decode scale must be finite "

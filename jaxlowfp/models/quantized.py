@@ -166,7 +166,7 @@ def _packed_weight(kind: str, codes: np.ndarray, scales: np.ndarray, g: float) -
     arr = nvfp4.NVFP4Array(codes=jnp.asarray(codes), scales=jnp.asarray(scales), global_scale=jnp.float32(s_dec),
                            rule="static_6", block_shape=(1, 16), dtype=jnp.dtype(jnp.float32), shape=(out, 2 * half))
     if kind == "compressed-tensors":
-        return packed.from_nvfp4(arr, jnp.float32(g), convention="compressed-tensors")
+        return packed.from_nvfp4(arr, jnp.float32(g), arithmetic="compressed-tensors")
     return packed.from_nvfp4(arr)
 
 

@@ -46,24 +46,36 @@ from jaxlowfp.ptq.api import quantize as quantize_model
 from jaxlowfp.ptq.layers import ActQuant, EinsumActQuant
 from jaxlowfp.ptq.calibrate import LayerStats, collect
 from jaxlowfp.ptq.checkpoint import ExportReport, export, load, load_model
-from jaxlowfp.ptq.formats import SCHEMES, QuantizedWeight, Scheme, TensorFormat, rtn_weight, scheme
+from jaxlowfp.ptq.formats import SCHEMES, QuantizedWeight, Scheme, activation_spec, rtn_weight, scheme
 from jaxlowfp.ptq.gguf_export import GGUFReport, export_gguf
-from jaxlowfp.ptq.pack import PackedExperts, PackedLinear, PackReport, pack
+from jaxlowfp.ptq.packing import PackedExperts, PackedLinear, PackReport
+from jaxlowfp.ptq.packing import pack as pack_model
 from jaxlowfp.ptq.gptq import GPTQ, gptq_weight
 from jaxlowfp.ptq.protocol import ExportTensor
 from jaxlowfp.ptq.smooth import AWQ, Fold, SmoothQuant
 
 __all__ = [
-    "METHODS", "SCHEMES", "RTN", "GPTQ", "SmoothQuant", "AWQ", "Rule", "Scheme", "TensorFormat", "Fold",
+    "METHODS", "SCHEMES", "RTN", "GPTQ", "SmoothQuant", "AWQ", "Rule", "Scheme", "activation_spec", "Fold",
     "ActQuant", "EinsumActQuant", "PTQResult", "QuantizedWeight", "LayerStats", "quantize_model", "scheme",
     "method_from_name",
     "rtn_weight", "gptq_weight", "smooth_model", "collect", "export", "load", "load_model", "ExportReport",
     "export_gguf",
     "GGUFReport", "ExportTensor",
-    "pack", "PackedLinear", "PackedExperts", "PackReport",
+    "pack_model", "PackedLinear", "PackedExperts", "PackReport",
 ]
 
-# old names (one release): `quantize` means x -> codes in the format modules; this one quantizes a model
+# old names (one release): `quantize` means x -> codes in the format modules, `pack` a tensor; these act on a model.
+# TensorFormat is jaxlowfp.Format
 from jaxlowfp._core.deprecation import deprecated_getattr  # noqa: E402
 
-__getattr__ = deprecated_getattr(__name__, {"quantize": ("jaxlowfp.ptq.quantize_model", lambda: quantize_model)})
+def _tensor_format() -> type:
+    from jaxlowfp.ptq import formats
+
+    return formats._LegacyTensorFormat
+
+
+__getattr__ = deprecated_getattr(__name__, {
+    "quantize": ("jaxlowfp.ptq.quantize_model", lambda: quantize_model),
+    "pack": ("jaxlowfp.ptq.pack_model (jaxlowfp.quantize packs one tensor)", lambda: pack_model),
+    "TensorFormat": ("jaxlowfp.Format", _tensor_format),
+})

@@ -77,7 +77,8 @@ from jaxlowfp.ptq.protocol import Exportable, require_exportable
 from jaxlowfp.ptq.api import PTQResult
 from jaxlowfp.ptq.layers import act_quant, require_linear
 from jaxlowfp.ptq.calibrate import linear_modules
-from jaxlowfp.ptq.formats import Scheme, TensorFormat
+from jaxlowfp._core.format import Format
+from jaxlowfp.ptq.formats import Scheme
 from jaxlowfp.scaling import CurrentScaling
 
 WEIGHTS_FILE = "model.safetensors"
@@ -112,14 +113,14 @@ def _params(model: nnx.Module) -> dict[str, nnx.Variable]:
     return {"/".join(map(str, p)): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
 
 
-def _fmt_json(f: TensorFormat | None) -> dict | None:
+def _fmt_json(f: Format | None) -> dict | None:
     return None if f is None else {"kind": f.kind, "rule": f.rule, "block_shape": f.block_shape}
 
 
-def _fmt_from(d: dict | None) -> TensorFormat | None:
+def _fmt_from(d: dict | None) -> Format | None:
     if d is None:
         return None
-    return TensorFormat(kind=d["kind"], rule=d["rule"],
+    return Format(kind=d["kind"], rule=d["rule"],
                         block_shape=None if d["block_shape"] is None else tuple(d["block_shape"]))
 
 
@@ -419,7 +420,7 @@ def _write(model: nnx.Module, result: PTQResult, directory: Path, spool: stream.
         if mod_path in result.schemes and leaf == "kernel" and result.schemes[mod_path].weight.kind == "fp8":
             if not name.endswith(".weight"):
                 raise ValueError(f"{path}: the checkpoint name {name!r} of a quantized kernel must end in '.weight'")
-            from jaxlowfp.ptq.pack import _requantized
+            from jaxlowfp.ptq.packing import _requantized
 
             m = name[: -len(".weight")]
             sch = result.schemes[mod_path]
@@ -545,11 +546,11 @@ def _fp8_weight(m: str, tensors: Mapping[str, np.ndarray]) -> Any:
         raise ValueError(f"{m}.weight_scale: one finite value > 0 per tensor; got {scale.tolist()[:4]}")
     arr = packing.ScaledArray(codes=jnp.asarray(codes), scale=jnp.float32(scale[0]), elem="e4m3",
                               dtype=jnp.dtype(jnp.float32), shape=tuple(codes.shape))
-    return packing.PackedWeight(array=arr, s_enc=None, format=packing.PackedFormat(kind="fp8"),
+    return packing.PackedWeight(array=arr, s_enc=None, format=packing.Format(kind="fp8"),
                                 k=int(codes.shape[1]), n=int(codes.shape[0]))
 
 
-def _nvfp4_array(m: str, tensors: Mapping[str, np.ndarray], w_fmt: TensorFormat) -> tuple[nvfp4.NVFP4Array, jax.Array]:
+def _nvfp4_array(m: str, tensors: Mapping[str, np.ndarray], w_fmt: Format) -> tuple[nvfp4.NVFP4Array, jax.Array]:
     """The NVFP4 codes and scales of packed module `m` as written ([out, in]), and its encode scale S_enc."""
     codes, scales = tensors[f"{m}.weight_packed"], tensors[f"{m}.weight_scale"]
     s_enc = jnp.asarray(tensors[f"{m}.weight_global_scale"][0], jnp.float32)
@@ -562,7 +563,7 @@ def _nvfp4_array(m: str, tensors: Mapping[str, np.ndarray], w_fmt: TensorFormat)
     return arr, s_enc
 
 
-def _decode(m: str, tensors: Mapping[str, np.ndarray], w_fmt: TensorFormat, convention: str) -> jax.Array:
+def _decode(m: str, tensors: Mapping[str, np.ndarray], w_fmt: Format, convention: str) -> jax.Array:
     """The float32 [out, in] weight of packed module `m` (codes, block scales, global scale) as it was evaluated."""
     arr, s_enc = _nvfp4_array(m, tensors, w_fmt)
     return serving.decode(arr, s_enc, convention)
@@ -586,12 +587,12 @@ def _load_experts(model: nnx.Module, path: str, var: Any, names: list[str], meta
             raise ValueError(f"tensors {missing[:3]} ({path}) are missing")
         value = np.stack([tensors[n].T for n in names])
     elif packed:
-        from jaxlowfp.ptq.pack import PackedExperts
+        from jaxlowfp.ptq.packing import PackedExperts
 
         w_fmt = _fmt_from(info["weight"])
         if w_fmt.kind != "nvfp4":
             raise NotImplementedError(f"{path}: packed=True loads NVFP4 experts; these are {w_fmt.name}")
-        ws = [packing.from_nvfp4(*_nvfp4_array(m, tensors, w_fmt), convention=convention) for m in info["names"]]
+        ws = [packing.from_nvfp4(*_nvfp4_array(m, tensors, w_fmt), arithmetic=convention) for m in info["names"]]
         shape = (len(ws), ws[0].k, ws[0].n)
         if shape != tuple(var.shape):
             raise ValueError(f"{path}: the per-expert packed tensors stack to {shape}; the parameter is "
@@ -627,7 +628,7 @@ def load(model: nnx.Module, directory: str | Path, *, packed: bool = False, back
     (``nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))``): then no float copy of the quantized kernels is ever
     made, and the other parameters are filled from the file."""
     from jaxlowfp import packed as packing
-    from jaxlowfp.ptq.pack import PackedLinear, replace_modules
+    from jaxlowfp.ptq.packing import PackedLinear, replace_modules
 
     replaced: dict[str, tuple[nnx.Module, nnx.Module]] = {}
     directory = Path(directory)
@@ -679,7 +680,7 @@ def load(model: nnx.Module, directory: str | Path, *, packed: bool = False, back
                 if (2 * half, out) != tuple(var.shape):
                     raise ValueError(f"{m}: packed weight is {(out, 2 * half)} (PyTorch [out, in]); the model's "
                                      f"kernel {path} is {tuple(var.shape)}")
-                w = packing.from_nvfp4(arr, s_enc, convention=meta.get("convention", "jaxlowfp"))
+                w = packing.from_nvfp4(arr, s_enc, arithmetic=meta.get("convention", "jaxlowfp"))
                 act = None if a_fmt is None else packing.as_format(a_fmt, f"{mod_path} activation")
                 replaced[mod_path] = (lin, PackedLinear(w, lin.bias, activation=act, backend=backend,
                                                         dtype=lin.dtype, param_dtype=var.dtype, path=mod_path,

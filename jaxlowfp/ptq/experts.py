@@ -39,7 +39,7 @@ from flax import nnx
 from jax import lax
 
 from jaxlowfp import ops, sharding
-from jaxlowfp.ptq.formats import Scheme, rtn_weight
+from jaxlowfp.ptq.formats import Scheme, activation_spec, rtn_weight
 from jaxlowfp.qat.spec import Recipe
 from jaxlowfp.qnnx.rules import grouped_weights
 
@@ -90,7 +90,7 @@ class RaggedActQuant:
 
     @functools.cached_property
     def recipe(self) -> Recipe:
-        return Recipe(activation=self.fmt.quant_spec(self.activation_scale, self.amax), name=self.fmt.name)
+        return Recipe(activation=activation_spec(self.fmt, self.activation_scale, self.amax), name=self.fmt.name)
 
     def ragged_dot(self, lhs, rhs, group_sizes, *, precision=None, preferred_element_type=None, key=None):
         shared = "shared" if self.activation_scale == "tensor" else "per_expert"
@@ -120,7 +120,7 @@ def targets(model: nnx.Module, rules: Sequence[Any]) -> tuple[dict[str, tuple[nn
     for path, module, name in grouped_weights(model):
         if isinstance(getattr(module, "quant_" + name, None), RaggedActQuant) or isinstance(
                 getattr(module, name), PackedParam):
-            before.append(path)  # quantized before (a packed weight: jaxlowfp.ptq.pack)
+            before.append(path)  # quantized before (a packed weight: jaxlowfp.ptq.pack_model)
             continue
         idx = next((i for i, r in enumerate(rules) if r.matches(path)), None)
         if idx is None:

@@ -1,4 +1,4 @@
-"""What PTQ quantizes a tensor to (:class:`TensorFormat`), a layer's weight + activation pair (:class:`Scheme`),
+"""What PTQ quantizes a tensor to (a :class:`~jaxlowfp.Format`), a layer's weight + activation pair (:class:`Scheme`),
 and the quantizers: fake quantization with a current per-tensor amax, and round-to-nearest weight quantization.
 
 Every quantizer here is a public ``jaxlowfp`` function (``nvfp4``, ``mx``, ``qat.scaled_round``); blocks run along
@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlowfp import formats, if4, mx, nvfp4, qat, registry
-from jaxlowfp.packed import PER_TENSOR
+from jaxlowfp._core.deprecation import deprecated_getattr
+from jaxlowfp._core.format import PER_TENSOR, TWO_LEVEL, Format
 from jaxlowfp.scaling import CurrentScaling, StaticScaling
 
 KINDS = registry.PTQ_KINDS
@@ -35,7 +36,6 @@ KINDS = registry.PTQ_KINDS
 ACTIVATION_SCALES = ("tensor", "token", "static")
 NVFP4_RULES = registry.NVFP4_RULES
 IF4_RULES = registry.IF_RULES
-TWO_LEVEL = ("nvfp4", "if4")  # E4M3 scales per 16 values and an FP32 tensor scale
 NVFP4_BLOCK_SHAPES = tuple(nvfp4.BLOCK_SHAPES)
 HIF8_TARGET = PER_TENSOR["hif8"][1]
 MX_ELEMENTS = {"mxfp4": "e2m1", "mxfp8": "e4m3"}
@@ -47,89 +47,57 @@ def _one_of(value: Any, allowed: tuple, what: str) -> None:
         raise ValueError(f"{what}={value!r} is not supported; allowed: {', '.join(map(repr, allowed))}")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TensorFormat:
-    """How one tensor is quantized.
+def fake_quantize(x: jax.Array, fmt: Format) -> jax.Array:
+    """Quantize-dequantize `x` (blocks along the last axis) to `fmt` with the current per-tensor amax, in x's
+    dtype: the activation quantizer of the PTQ'd model, and RTN's weight quantizer."""
+    if fmt.kind == "nvfp4":
+        return nvfp4.fake_quantize(x, rule=cast(nvfp4.NVFP4Rule, fmt.rule), block_shape=fmt.block_shape)
+    if fmt.kind == "if4":
+        return if4.fake_quantize(x, rule=cast(if4.IFRule, fmt.rule), block_shape=fmt.block_shape)
+    if fmt.kind in MX_ELEMENTS:
+        return mx.fake_quantize(x, format=MX_ELEMENTS[fmt.kind], rule=fmt.rule)  # type: ignore[arg-type]
+    return per_tensor_fake_quantize(x, fmt.kind)
 
-    Attributes:
-      kind: "nvfp4", "mxfp4" / "mxfp8" (OCP MX, E2M1 / E4M3 elements, 32 per E8M0 scale), "hif8" / "fp8" (one
-        scale per tensor: amax / 15, amax / 448 with E4M3) or "if4" (NVFP4's scales, each block on the E2M1 or the
-        INT4 grid).
-      rule: NVFP4: "static_6" (standard), "static_4", the Four Over Six rules "abs_max", "mae", "mse", or "search"
-        (per-block E4M3 scale search); IF4: the grid choice "mse", "mae" or "abs_max".
-      block_shape: NVFP4 / IF4 only: (1, 16), or (16, 16) tiles (weights only).
-    """
 
-    kind: str
-    rule: nvfp4.NVFP4Rule | None = None  # NVFP4's rules; IF4 takes the 4/6 ones (if4.IFRule)
-    block_shape: tuple[int, int] | None = None
+def activation_spec(fmt: Format, activation_scale: str = "tensor", amax: float | tuple[float, ...] | None = None
+                    ) -> qat.QuantSpec:
+    """The `jaxlowfp.qat.QuantSpec` that quantizes a run-time activation in `fmt` (the one op layer's description,
+    `jaxlowfp.ops`): its amax per tensor ("tensor", the batch's), per token ("token") or the calibrated `amax`
+    ("static"). MX formats have block scales only: every mode is the same quantizer."""
+    _one_of(activation_scale, ACTIVATION_SCALES, "activation_scale")
+    if activation_scale == "static" and amax is None:
+        raise ValueError(f"activation_scale='static' needs the calibrated amax of the layer's input ({fmt.name})")
+    if fmt.kind in MX_ELEMENTS:
+        return qat.QuantSpec(format=fmt.kind)  # type: ignore[arg-type]
+    target = PER_TENSOR[fmt.kind][1] if fmt.per_tensor else 6.0
+    if activation_scale == "static":
+        scaling: Any = StaticScaling(amax=tuple(map(float, amax)) if isinstance(amax, (tuple, list)) else
+                                     float(amax), target_max=target)  # type: ignore[arg-type]
+    else:
+        scaling = CurrentScaling(target_max=target, granularity=activation_scale)  # type: ignore[arg-type]
+    if fmt.per_tensor:
+        return qat.QuantSpec(format=PER_TENSOR[fmt.kind][0], scaling=scaling, clip="target")  # type: ignore[arg-type]
+    return qat.QuantSpec(format=fmt.kind, rule=fmt.rule, block_shape=fmt.block_shape,  # type: ignore[arg-type]
+                         scaling=scaling)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False, repr=False)
+class _LegacyTensorFormat(Format):
+    """``ptq.Format`` of jaxlowfp <= 0.1 (deprecated): a :class:`~jaxlowfp.Format` whose NVFP4 rule defaults
+    to "mse", with the old methods ``fake_quantize(x)`` (:func:`fake_quantize`) and ``quant_spec(...)``
+    (:func:`activation_spec`)."""
 
     def __post_init__(self) -> None:
-        _one_of(self.kind, KINDS, "kind")
-        if self.kind in TWO_LEVEL:
-            object.__setattr__(self, "rule", "mse" if self.rule is None else self.rule)
-            bs: Any = (1, 16) if self.block_shape is None else self.block_shape
-            bs = tuple(bs) if isinstance(bs, (list, tuple)) else bs
-            _one_of(self.rule, NVFP4_RULES if self.kind == "nvfp4" else IF4_RULES, "rule")
-            _one_of(bs, NVFP4_BLOCK_SHAPES, "block_shape")
-            object.__setattr__(self, "block_shape", bs)
-        else:
-            for f in ("rule", "block_shape"):
-                if getattr(self, f) is not None:
-                    raise ValueError(f"{f}={getattr(self, f)!r} applies to kind='nvfp4' or 'if4' only; got "
-                                     f"kind={self.kind!r}")
-
-    @property
-    def group(self) -> int | None:
-        """Elements per scale along the reduction axis (None: one scale per tensor)."""
-        return {"nvfp4": 16, "if4": 16, "mxfp4": mx.BLOCK, "mxfp8": mx.BLOCK}.get(self.kind)
-
-    @property
-    def per_tensor(self) -> bool:
-        """One scale for the whole tensor (HiF8, FP8)."""
-        return self.kind in PER_TENSOR
-
-    @property
-    def rows(self) -> int:
-        """Rows per scale tile across the reduction axis (16 for NVFP4 16x16 tiles, else 1)."""
-        return self.block_shape[0] if self.kind in TWO_LEVEL else 1
-
-    @property
-    def name(self) -> str:
-        if self.kind in TWO_LEVEL:
-            return f"{self.kind}-{self.rule}" + ("-16x16" if self.rows == 16 else "")
-        return self.kind
+        if self.kind == "nvfp4" and self.rule is None:
+            object.__setattr__(self, "rule", "mse")
+        super().__post_init__()
 
     def fake_quantize(self, x: jax.Array) -> jax.Array:
-        """Quantize-dequantize `x` (blocks along the last axis) with the current per-tensor amax, in x's dtype."""
-        if self.kind == "nvfp4":
-            return nvfp4.fake_quantize(x, rule=self.rule, block_shape=self.block_shape)
-        if self.kind == "if4":
-            return if4.fake_quantize(x, rule=cast(if4.IFRule, self.rule), block_shape=self.block_shape)
-        if self.kind in MX_ELEMENTS:
-            return mx.fake_quantize(x, format=MX_ELEMENTS[self.kind])  # type: ignore[arg-type]
-        return per_tensor_fake_quantize(x, self.kind)
-
+        return fake_quantize(x, self)
 
     def quant_spec(self, activation_scale: str = "tensor", amax: float | tuple[float, ...] | None = None
                    ) -> qat.QuantSpec:
-        """The `jaxlowfp.qat.QuantSpec` that quantizes a run-time activation in this format (the one op layer's
-        description, `jaxlowfp.ops`): its amax per tensor ("tensor", the batch's), per token ("token") or the
-        calibrated `amax` ("static"). MX formats have block scales only: every mode is the same quantizer."""
-        _one_of(activation_scale, ACTIVATION_SCALES, "activation_scale")
-        if activation_scale == "static" and amax is None:
-            raise ValueError(f"activation_scale='static' needs the calibrated amax of the layer's input ({self.name})")
-        if self.kind in MX_ELEMENTS:
-            return qat.QuantSpec(format=self.kind)  # type: ignore[arg-type]
-        target = PER_TENSOR[self.kind][1] if self.per_tensor else 6.0
-        if activation_scale == "static":
-            scaling: Any = StaticScaling(amax=tuple(map(float, amax)) if isinstance(amax, (tuple, list)) else
-                                         float(amax), target_max=target)
-        else:
-            scaling = CurrentScaling(target_max=target, granularity=activation_scale)  # type: ignore[arg-type]
-        if self.per_tensor:
-            return qat.QuantSpec(format=PER_TENSOR[self.kind][0], scaling=scaling, clip="target")  # type: ignore[arg-type]
-        return qat.QuantSpec(format=self.kind, rule=self.rule, block_shape=self.block_shape, scaling=scaling)  # type: ignore[arg-type]
+        return activation_spec(self, activation_scale, amax)
 
 
 def per_tensor_scale(amax: jax.Array, kind: str = "hif8") -> jax.Array:
@@ -164,15 +132,15 @@ class Scheme:
     blocks.
     """
 
-    weight: TensorFormat
-    activation: TensorFormat | None = None
+    weight: Format
+    activation: Format | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.weight, TensorFormat):
-            raise TypeError(f"weight must be a TensorFormat; got {type(self.weight).__name__}")
+        if not isinstance(self.weight, Format):
+            raise TypeError(f"weight must be a Format; got {type(self.weight).__name__}")
         if self.activation is not None:
-            if not isinstance(self.activation, TensorFormat):
-                raise TypeError(f"activation must be a TensorFormat or None; got {type(self.activation).__name__}")
+            if not isinstance(self.activation, Format):
+                raise TypeError(f"activation must be a Format or None; got {type(self.activation).__name__}")
             if self.activation.rows != 1:
                 raise ValueError(f"activations are quantized in 1x16 blocks; got block_shape="
                                  f"{self.activation.block_shape} (16x16 tiles are for weights)")
@@ -204,22 +172,28 @@ SCHEMES = registry.PTQ_FORMATS
 
 
 def scheme(name: str, *, weights_only: bool = False, weight_block: tuple[int, int] = (1, 16)) -> Scheme:
-    """A named scheme: ``"nvfp4-<rule>"`` (W4A4 NVFP4, weights and activations with the same rule, except
+    """A named scheme (a name of :data:`SCHEMES`): ``"nvfp4"`` (W4A4 standard NVFP4, static_6), ``"nvfp4-<rule>"``
+    (W4A4 NVFP4 with another rule, Four Over Six's ``"nvfp4-mse"`` among them; weights and activations with the
+    same rule, except
     ``"nvfp4-search"``: the per-block scale search calibrates the weights, and the activations, quantized at run
     time, use 4/6 ``mse``, the search being a weight calibration as llm-compressor's observer), ``"if4-<rule>"``
     (W4A4 IF4), ``"mxfp4"`` / ``"mxfp8"`` (W4A4 MXFP4, W8A8 MXFP8), ``"hif8"`` or ``"fp8"`` (W8A8 HiF8 / FP8 E4M3,
     per-tensor scales). ``weights_only``: no activation quantization (W4A16 / W8A16). ``weight_block``:
     NVFP4 / IF4 weight blocks, (1, 16) or (16, 16)."""
-    _one_of(name, SCHEMES, "scheme")
-    kind = name.split("-", 1)[0]
-    if kind in TWO_LEVEL:
-        rule = cast(nvfp4.NVFP4Rule, name.split("-", 1)[1])
-        w = TensorFormat(kind=kind, rule=rule, block_shape=cast(tuple[int, int], tuple(weight_block)))
-        a = TensorFormat(kind=kind, rule="mse" if rule == "search" else rule)
+    try:
+        f = Format.parse(name)
+    except (ValueError, TypeError):
+        f = None
+    if f is None or f.rows != 1 or f.arithmetic not in (None, "jaxlowfp") or f.name not in SCHEMES:
+        raise ValueError(f"scheme={name!r} is not supported; allowed: {', '.join(map(repr, SCHEMES))} "
+                         f"(\"nvfp4\" is standard NVFP4, static_6; \"nvfp4-static_6\" parses too)")
+    if f.kind in TWO_LEVEL:
+        w = Format(kind=f.kind, rule=f.rule, block_shape=cast(tuple[int, int], tuple(weight_block)))
+        a = Format(kind=f.kind, rule="mse" if f.rule == "search" else f.rule)
     else:
         if tuple(weight_block) != (1, 16):
             raise ValueError(f"weight_block applies to NVFP4 / IF4 schemes only; got {weight_block!r} with {name!r}")
-        w = a = TensorFormat(kind=name)
+        w = a = f
     return Scheme(weight=w, activation=None if weights_only else a)
 
 
@@ -240,10 +214,10 @@ class QuantizedWeight:
 
 
 @functools.partial(jax.jit, static_argnames=("fmt",))
-def _rtn(kernel: jax.Array, fmt: TensorFormat, global_amax: jax.Array | None = None):
+def _rtn(kernel: jax.Array, fmt: Format, global_amax: jax.Array | None = None):
     wt = kernel.astype(jnp.float32).T
     if fmt.kind != "nvfp4":
-        return fmt.fake_quantize(wt).T, None, None
+        return fake_quantize(wt, fmt).T, None, None
     amax = jnp.max(jnp.abs(wt)) if global_amax is None else global_amax
     arr = nvfp4.quantize(wt, rule=fmt.rule, block_shape=fmt.block_shape, global_amax=amax)
     s_enc = nvfp4.global_scales(amax, fmt.rule)[0]
@@ -265,7 +239,7 @@ def whole_blocks(kernel: jax.Array, group: int | None) -> jax.Array:
     return jax.device_put(kernel, jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(None, spec[1])))
 
 
-def rtn_weight(kernel: jax.Array, fmt: TensorFormat, global_amax: jax.Array | None = None) -> QuantizedWeight:
+def rtn_weight(kernel: jax.Array, fmt: Format, global_amax: jax.Array | None = None) -> QuantizedWeight:
     """Round-to-nearest quantization of a kernel [in, out] (blocks along `in`), with its own amax or, for NVFP4,
     `global_amax` (a fused group's shared amax: every block's scale and 4/6 choice made under that global scale).
     A kernel on a mesh is quantized where it lives (`whole_blocks`: K gathered only where shards split blocks)."""
@@ -281,7 +255,7 @@ def rtn_weight(kernel: jax.Array, fmt: TensorFormat, global_amax: jax.Array | No
 # column quantizers with fixed scales (GPTQ): quantize one input channel of W^T [out, in] at a time
 
 
-def nvfp4_fix(cols: jax.Array, fmt: TensorFormat, global_amax: jax.Array) -> jax.Array:
+def nvfp4_fix(cols: jax.Array, fmt: Format, global_amax: jax.Array) -> jax.Array:
     """E4M3 block scales (float32 values, one per row [out]) of the 16 columns `cols` [out, 16] as they stand,
     with the tensor's global amax: the block scale and the 4-or-6 choice of `nvfp4.quantize`."""
     arr = nvfp4.quantize(cols, rule=fmt.rule, block_shape=fmt.block_shape, global_amax=global_amax)
@@ -298,12 +272,12 @@ def nvfp4_column(col: jax.Array, s: jax.Array, s_dec: jax.Array) -> tuple[jax.Ar
     return q, (q * s) * s_dec
 
 
-def block_global_scales(fmt: TensorFormat, amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+def block_global_scales(fmt: Format, amax: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(S_enc, S_dec) of a two-level format (NVFP4 by its rule, IF4: M*448 / amax)."""
     return if4.global_scales(amax, "if4") if fmt.kind == "if4" else nvfp4.global_scales(amax, fmt.rule)
 
 
-def if4_fix(cols: jax.Array, fmt: TensorFormat, global_amax: jax.Array) -> jax.Array:
+def if4_fix(cols: jax.Array, fmt: Format, global_amax: jax.Array) -> jax.Array:
     """IF4's block scale and grid choice (float32 per row [out]) of the 16 columns `cols` [out, 16] as they stand:
     the E4M3 scale value, negated for an INT block (fouroversix's sign-bit flag, as a float)."""
     arr = if4.quantize(cols, rule=cast(if4.IFRule, fmt.rule), block_shape=fmt.block_shape, global_amax=global_amax)
@@ -339,7 +313,7 @@ def mx_column(col: jax.Array, x: jax.Array, kind: str = "mxfp4") -> tuple[jax.Ar
     return q, q * x
 
 
-def pack_nvfp4(q: jax.Array, scales: jax.Array, s_dec: jax.Array, fmt: TensorFormat) -> nvfp4.NVFP4Array:
+def pack_nvfp4(q: jax.Array, scales: jax.Array, s_dec: jax.Array, fmt: Format) -> nvfp4.NVFP4Array:
     """An `nvfp4.NVFP4Array` of [out, in] from E2M1 values `q` [out, in], per-row block scales `scales`
     [out, in / 16] (float32 E4M3 values) and the decode scale."""
     out, k = q.shape
@@ -349,3 +323,7 @@ def pack_nvfp4(q: jax.Array, scales: jax.Array, s_dec: jax.Array, fmt: TensorFor
         scales = scales[:: fmt.rows]
     return nvfp4.NVFP4Array(codes=packed, scales=scales.astype(jnp.float8_e4m3fn), global_scale=s_dec,
                             rule=fmt.rule, block_shape=fmt.block_shape, dtype=jnp.dtype(jnp.float32), shape=(out, k))
+
+
+# old names (one release): ptq.TensorFormat is jaxlowfp.Format (its NVFP4 rule defaulted to "mse")
+__getattr__ = deprecated_getattr(__name__, {"TensorFormat": ("jaxlowfp.Format", lambda: _LegacyTensorFormat)})

@@ -48,7 +48,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxlowfp import nvfp4, sharding
-from jaxlowfp.ptq.formats import (MX_ELEMENTS, TWO_LEVEL, QuantizedWeight, TensorFormat, block_global_scales,
+from jaxlowfp._core.format import Format
+from jaxlowfp.ptq.formats import (MX_ELEMENTS, TWO_LEVEL, QuantizedWeight, block_global_scales,
                                   if4_column, if4_fix, mx_column, mx_fix, nvfp4_column, nvfp4_fix, pack_nvfp4,
                                   per_tensor_fake_quantize, per_tensor_scale)
 
@@ -123,7 +124,7 @@ def _device_inverse_cholesky(h: jax.Array, damp: jax.Array) -> tuple[jax.Array, 
 
 
 def _column_loop(w: jax.Array, u: jax.Array, group_of: jax.Array, first: jax.Array, group_cols: jax.Array,
-                 amax: jax.Array, *, fmt: TensorFormat, chunk: int, original: bool):
+                 amax: jax.Array, *, fmt: Format, chunk: int, original: bool):
     """The column loop in processing order, on any subset of W's rows. w [out, n] and u [n, n] are permuted;
     group_of [n] is each column's scale group, first [n] whether it is the group's first column reached, group_cols
     [groups, g] the processing positions of each group's columns. `original`: every group's scale fixed from the
@@ -191,7 +192,7 @@ _gptq = jax.jit(_column_loop, static_argnames=_STATIC)
 
 
 @functools.lru_cache(maxsize=64)
-def _sharded_loop(mesh: Mesh, axes: tuple[str, ...], fmt: TensorFormat, chunk: int, original: bool):
+def _sharded_loop(mesh: Mesh, axes: tuple[str, ...], fmt: Format, chunk: int, original: bool):
     """`_column_loop` with W's rows (and the scales' columns) over `axes` of `mesh`, everything else replicated."""
     rows, rep = P(axes, None), P()
     body = functools.partial(_column_loop, fmt=fmt, chunk=chunk, original=original)
@@ -214,7 +215,7 @@ def _row_mesh(kernel: jax.Array, out: int) -> tuple[Mesh, tuple[str, ...]] | Non
     return None
 
 
-def gptq_weight(kernel: jax.Array, hessian: jax.Array, fmt: TensorFormat, cfg: GPTQ = GPTQ(), *,
+def gptq_weight(kernel: jax.Array, hessian: jax.Array, fmt: Format, cfg: GPTQ = GPTQ(), *,
                 where: str = "layer", global_amax: jax.Array | None = None) -> QuantizedWeight:
     """GPTQ-quantize a kernel [in, out] given the Hessian H = 2/n X^T X [in, in] of its inputs (module docstring).
     `global_amax` (NVFP4): the amax the global scale is made from, default the kernel's own (a fused group's
@@ -285,7 +286,7 @@ def _prepare(kernel: jax.Array, dead: jax.Array, perm: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "g"))
-def _original_scales(w: jax.Array, amax: jax.Array, *, fmt: TensorFormat, g: int) -> jax.Array:
+def _original_scales(w: jax.Array, amax: jax.Array, *, fmt: Format, g: int) -> jax.Array:
     """[groups, out] scales of every group of the original W [out, in] (the fixes of the column loop)."""
     cols = jnp.swapaxes(w.reshape(w.shape[0], -1, g), 0, 1)  # [groups, out, g]
     if fmt.kind == "nvfp4":
@@ -297,7 +298,7 @@ def _original_scales(w: jax.Array, amax: jax.Array, *, fmt: TensorFormat, g: int
 
 
 @functools.partial(jax.jit, static_argnames=("fmt",))
-def _finish(qv, deq, params, pos, amax, *, fmt: TensorFormat):
+def _finish(qv, deq, params, pos, amax, *, fmt: Format):
     """Columns back in the original order; NVFP4: the packed array (the kernel is its dequantization)."""
     qv, deq = qv[:, pos], deq[:, pos]
     if fmt.kind != "nvfp4":

@@ -28,6 +28,7 @@ from jax import lax
 
 from jaxlowfp import ops
 from jaxlowfp.ops import parse_einsum
+from jaxlowfp.ptq.formats import activation_spec
 from jaxlowfp.qat.spec import Recipe
 
 __all__ = ["LAYER_TYPES", "Layout", "layout", "quantizable_modules", "contracted_axes", "input_rows", "ActQuant",
@@ -155,7 +156,7 @@ class ActQuant:
     @functools.cached_property
     def recipe(self) -> Recipe:
         """The layer's activation-only recipe (the weight is quantized offline, in the kernel)."""
-        return Recipe(activation=self.fmt.quant_spec(self.activation_scale, self.amax), name=self.fmt.name)
+        return Recipe(activation=activation_spec(self.fmt, self.activation_scale, self.amax), name=self.fmt.name)
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None,
                  **kw):

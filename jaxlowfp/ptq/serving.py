@@ -34,7 +34,8 @@ from flax import nnx
 from jaxlowfp import formats, nvfp4
 from jaxlowfp._core import ct_nvfp4
 from jaxlowfp._core.nvfp4_blocks import pack_nibbles
-from jaxlowfp.ptq.formats import QuantizedWeight, Scheme, TensorFormat
+from jaxlowfp._core.format import Format
+from jaxlowfp.ptq.formats import QuantizedWeight, Scheme
 
 CONVENTIONS = ("jaxlowfp", "compressed-tensors")
 FUSED_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -114,7 +115,7 @@ def fused_groups(model: nnx.Module, targets: Mapping[str, Scheme], fused: Any = 
     return groups
 
 
-def ct_weight(kernel: jax.Array, fmt: TensorFormat, global_amax: jax.Array | None = None) -> QuantizedWeight:
+def ct_weight(kernel: jax.Array, fmt: Format, global_amax: jax.Array | None = None) -> QuantizedWeight:
     """RTN NVFP4 (static_6) of a kernel [in, out] in compressed-tensors' arithmetic (module docstring); the
     returned kernel is ``q * (s / g)``, `packed` holds the codes and E4M3 scales, ``s_enc = g``."""
     return QuantizedWeight(*_ct_rtn(jnp.asarray(kernel, jnp.float32),

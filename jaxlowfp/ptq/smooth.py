@@ -49,7 +49,8 @@ from flax import nnx
 from jax import lax
 
 from jaxlowfp import nvfp4
-from jaxlowfp.ptq.formats import Scheme, TensorFormat
+from jaxlowfp._core.format import Format
+from jaxlowfp.ptq.formats import Scheme, fake_quantize
 
 _HI = lax.Precision.HIGHEST
 
@@ -256,17 +257,17 @@ def _losses(x: jax.Array, kernels: tuple[jax.Array, ...], cands: jax.Array, *, s
     def loss(s):
         xs = x / s[None, :]
         if scheme.activation is not None:
-            xs = scheme.activation.fake_quantize(xs)
+            xs = fake_quantize(xs, scheme.activation)
         total = jnp.float32(0.0)
         for k, ref in zip(kernels, refs):
-            wq = scheme.weight.fake_quantize((k * s[:, None]).T).T
+            wq = fake_quantize((k * s[:, None]).T, scheme.weight).T
             total = total + jnp.mean(jnp.square(jnp.matmul(xs, wq, precision=_HI) - ref))
         return total
 
     return lax.map(loss, cands)
 
 
-def clip_weight(kernel: jax.Array, samples: jax.Array, fmt: TensorFormat, *, clip_grid: int = 20,
+def clip_weight(kernel: jax.Array, samples: jax.Array, fmt: Format, *, clip_grid: int = 20,
                 max_shrink: float = 0.5) -> jax.Array:
     """llm-awq's clipping search (module docstring) of a kernel [in, out] for inputs `samples` [t, in]: the kernel
     with every block of 16 (NVFP4) or 32 (MXFP4) weights clipped to its best ±r max|w|. Per-tensor formats (HiF8)
@@ -280,7 +281,7 @@ def clip_weight(kernel: jax.Array, samples: jax.Array, fmt: TensorFormat, *, cli
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "chunk"))
-def _clip(w: jax.Array, x: jax.Array, ratios: jax.Array, *, fmt: TensorFormat, chunk: int) -> jax.Array:
+def _clip(w: jax.Array, x: jax.Array, ratios: jax.Array, *, fmt: Format, chunk: int) -> jax.Array:
     out, n = w.shape
     g = fmt.group
     amax = jnp.max(jnp.abs(w))  # the global scale stays that of the unclipped weights during the search
@@ -290,7 +291,7 @@ def _clip(w: jax.Array, x: jax.Array, ratios: jax.Array, *, fmt: TensorFormat, c
     def quant(v):  # [out, n] -> fake-quantized with the fixed global amax
         if fmt.kind == "nvfp4":
             return nvfp4.fake_quantize(v, rule=fmt.rule, block_shape=fmt.block_shape, global_amax=amax)
-        return fmt.fake_quantize(v)
+        return fake_quantize(v, fmt)
 
     def err(r):  # [out, blocks]: mean over tokens of the squared block output error
         lim = jnp.repeat(bmax * r, g, axis=1)

@@ -35,7 +35,7 @@ from jax import lax
 
 from jaxlowfp import backends, mx, nvfp4
 from jaxlowfp._core.reduce import abs_max
-from jaxlowfp.packed import PackedFormat
+from jaxlowfp._core.format import Format
 from jaxlowfp.qat.scaled_quant import fixed_estimate, per_token
 from jaxlowfp.qat.spec import GEMMS, MX_ELEMENTS, QuantSpec, Recipe
 
@@ -43,17 +43,17 @@ __all__ = ["GEMMS", "plan", "Operands", "forward", "product", "grouped_plan", "G
 
 
 
-def _format(spec: QuantSpec | None) -> PackedFormat | None:
+def _format(spec: QuantSpec | None) -> Format | None:
     """The packed format a forward operand is quantized to (None: no low-precision GEMM takes it)."""
     if spec is None:
         return None
     if spec.format == "nvfp4":
-        return PackedFormat(kind="nvfp4", rule=spec.rule, block_shape=spec.block_shape)
+        return Format(kind="nvfp4", rule=spec.rule, block_shape=spec.block_shape)
     if spec.format in MX_ELEMENTS:
-        return PackedFormat(kind=spec.format)
+        return Format(kind=spec.format)
     if spec.format == "e4m3":
-        return PackedFormat(kind="fp8")
-    return PackedFormat(kind=spec.format) if spec.format in ("hif8", "if4") else None
+        return Format(kind="fp8")
+    return Format(kind=spec.format) if spec.format in ("hif8", "if4") else None
 
 
 def _recipe_problem(recipe: Recipe) -> str | None:
@@ -85,7 +85,7 @@ def plan(recipe: Recipe, *, device: Any = None, where: str = "") -> backends.Pla
         if gemm != "auto":
             raise ValueError(f"{where}: recipe {recipe.name!r} with gemm={gemm!r}: {problem}; use gemm='dequant' "
                              f"or 'auto'")
-        return backends.plan(PackedFormat(kind="fp8"), None, "dequant", device=device, where=where)
+        return backends.plan(Format(kind="fp8"), None, "dequant", device=device, where=where)
     return backends.plan(_format(recipe.weight), _format(recipe.activation), gemm, device=device,  # type: ignore[arg-type]
                          where=where)
 
@@ -183,7 +183,7 @@ def grouped_plan(recipe: Recipe, *, device: Any = None, where: str = "") -> back
         raise ValueError(f"{where or 'ragged_dot'}: recipe {recipe.name!r} asks for gemm='scaled_matmul'; the experts' "
                          f"grouped GEMM has no block-scaled form (jax.nn.scaled_matmul is not grouped): use "
                          f"gemm='dequant' or 'auto' for the experts")
-    return backends.plan(PackedFormat(kind="fp8"), None, "dequant", device=device, where=where)
+    return backends.plan(Format(kind="fp8"), None, "dequant", device=device, where=where)
 
 
 class GroupedOperands(NamedTuple):

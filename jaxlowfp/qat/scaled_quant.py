@@ -34,7 +34,7 @@ T = TypeVar("T")
 
 
 def scaled_round(
-    x: ArrayLike, scale: ArrayLike, clip: float, fmt: formats.Format | str, *, bound: ArrayLike | None = None
+    x: ArrayLike, scale: ArrayLike, clip: float, fmt: formats.ElementFormat | str, *, bound: ArrayLike | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """Scaled quantize-dequantize, in float32 (the exact form the Pallas kernel twins)::
 

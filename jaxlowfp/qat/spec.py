@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from jaxlowfp import dispatch, formats, registry
+from jaxlowfp._core import format as _format
 from jaxlowfp._core.checks import one_of
 from jaxlowfp._core.if4_blocks import IFConfig, IFRule
 from jaxlowfp._core.nvfp4_blocks import NVFP4Config, NVFP4Rule, Rounding
@@ -65,9 +66,12 @@ class QuantSpec:
         6 (its two-level scale is fixed by the rule; the scaling supplies only the global amax).
       clip: "target" clips ``x / scale`` at ``+-target_max`` before rounding; "format" at the format's max.
       ste: "identity" (gradient passes unchanged) or "masked" (zero gradient where the value was clipped).
-      rule, block_shape: NVFP4 / IF4 only: the block-scale rule (NVFP4: "mse" = Four Over Six with MSE selection,
+      rule, block_shape: NVFP4 / IF4 only: the block-scale rule (NVFP4: "static_6" = standard NVFP4, "mse" = Four
+        Over Six with MSE selection,
         ..., "search"; IF4: the grid choice "mse", "mae" or "abs_max") and the block, (1, 16) or (16, 16) (2D,
-        weights). Default "mse" and (1, 16); must stay None for 8-bit formats.
+        weights). Default: NVFP4 "static_6", IF4 "mse", and (1, 16); must stay None for 8-bit formats.
+        ``format`` may also be a :class:`~jaxlowfp.Format` or a format name ("nvfp4-mse", "fp8"): it then gives
+        the kind, rule and block shape.
       rounding: "nearest", "stochastic", "stochastic_unbiased" or "ms_eden" (NVFP4 / IF4 only; all but "nearest"
         need a PRNG key; see :mod:`jaxlowfp.nvfp4` for the unbiased variants; "ms_eden" needs rule "static_6"
         for NVFP4, "mse" for IF4, and 1x16 blocks).
@@ -92,6 +96,7 @@ class QuantSpec:
     backend: Literal["triton", "mosaic"] = "triton"
 
     def __post_init__(self) -> None:
+        self._take_format()
         one_of(self.format, FORMATS, "format")
         one_of(self.impl, dispatch.IMPLS, "impl")
         one_of(self.backend, dispatch.BACKENDS, "backend")
@@ -150,9 +155,33 @@ class QuantSpec:
                              f"format={self.format!r}")
         object.__setattr__(self, "target_max", float(self.target_max))
 
+    def _take_format(self) -> None:
+        """``format=`` as a :class:`~jaxlowfp.Format` or one of its names ("nvfp4-mse", "fp8", ...) becomes its
+        kind, rule and block shape here (a rule or block shape given as well must agree with it)."""
+        fmt = self.format
+        if isinstance(fmt, str):
+            if fmt in FORMATS or fmt not in _format.FORMATS and "-" not in fmt:
+                return  # a kind ("hif8", "e4m3", "nvfp4", ...), with rule= and block_shape= as given
+            try:
+                fmt = _format.Format.parse(fmt)
+            except ValueError:
+                return  # refused by the caller with the list of allowed names
+        if not isinstance(fmt, _format.Format):
+            raise TypeError(f"format must be a jaxlowfp.Format or a format name; got {type(fmt).__name__}: {fmt!r}")
+        if fmt.arithmetic not in (None, "jaxlowfp") or (fmt.is_mx and fmt.rule != "floor"):
+            raise ValueError(f"QuantSpec quantizes in jaxlowfp's arithmetic, MX with OCP's floor rule; got {fmt!r}")
+        if fmt.two_level:
+            for field, value in (("rule", fmt.rule), ("block_shape", fmt.block_shape)):
+                given = getattr(self, field)
+                given = tuple(given) if isinstance(given, list) else given
+                if given is not None and given != value:
+                    raise ValueError(f"format={fmt!r} has {field}={value!r}; got {field}={given!r} as well")
+                object.__setattr__(self, field, value)
+        object.__setattr__(self, "format", {"fp8": "e4m3"}.get(fmt.kind, fmt.kind))
+
     def _check_nvfp4(self) -> None:
-        if self.rule is None:
-            object.__setattr__(self, "rule", "mse")
+        if self.rule is None:  # "nvfp4" is standard NVFP4; IF4's default is its paper's mse choice
+            object.__setattr__(self, "rule", "static_6" if self.format == "nvfp4" else "mse")
         one_of(self.rule, NVFP4_RULES if self.format == "nvfp4" else IF4_RULES, "rule")
         if self.block_shape is None:
             object.__setattr__(self, "block_shape", (1, 16))
@@ -190,7 +219,7 @@ class QuantSpec:
         return self.block_shape if self.is_nvfp4 else ((1, 32) if self.is_mx else None)
 
     @property
-    def element_format(self) -> formats.Format:
+    def element_format(self) -> formats.ElementFormat:
         """The element format descriptor (E2M1 for NVFP4 and MXFP4, E4M3 for MXFP8)."""
         if self.is_mx:
             return formats.get(MX_ELEMENTS[self.format])
@@ -409,7 +438,8 @@ def fp8_delayed(
 def named_recipe(name: str) -> Recipe:
     """The W-A recipe of a name in :data:`jaxlowfp.registry.EVAL_QUANTIZE` (what the lm-eval backend's
     ``quantize=`` and ``python -m train eval --quantize`` take): ``hif8`` (:func:`hif8_w8a8`), ``fp8``
-    (:func:`fp8_delayed`), ``nvfp4`` (:func:`nvfp4_w4a4` with 4/6 ``mse``), ``nvfp4-<rule>``, ``if4-<rule>``
+    (:func:`fp8_delayed`), ``nvfp4`` (:func:`nvfp4_w4a4` with standard NVFP4's ``static_6``), ``nvfp4-<rule>``
+    (Four Over Six: ``nvfp4-mse``, ...), ``if4-<rule>``
     (:func:`if4_w4a4`)."""
     if name not in registry.EVAL_QUANTIZE or name == "none":
         raise ValueError(f"recipe name {name!r}; allowed: {', '.join(registry.EVAL_QUANTIZE[1:])}")
@@ -418,6 +448,6 @@ def named_recipe(name: str) -> Recipe:
     if name == "fp8":
         return fp8_delayed()
     if name == "nvfp4":
-        return nvfp4_w4a4("mse")
+        return nvfp4_w4a4("static_6")
     kind, rule = name.split("-", 1)
     return if4_w4a4(cast(IFRule, rule)) if kind == "if4" else nvfp4_w4a4(cast(NVFP4Rule, rule))

@@ -118,7 +118,7 @@ def _requantized(kernel: jax.Array, fmt: Any, where: str) -> packed.PackedWeight
         for s in _near(np.float32(top / np.float32(packed.PER_TENSOR[fmt.kind][1]))):
             arr, ok = _per_tensor_try(w.T, jnp.float32(s), fmt.kind)
             if bool(ok):
-                return packed.PackedWeight(array=arr, s_enc=None, format=packed.PackedFormat(kind=fmt.kind),
+                return packed.PackedWeight(array=arr, s_enc=None, format=packed.Format(kind=fmt.kind),
                                            k=int(w.shape[0]), n=int(w.shape[1]))
     else:
         for amax in _near(top) if fmt.kind == "if4" else [None]:
@@ -196,7 +196,7 @@ def _weight(path: str, mod: nnx.Module, result: PTQResult) -> packed.PackedWeigh
         if path not in result.packed:
             raise ValueError(f"{path}: the PTQ result has no packed NVFP4 arrays for this layer")
         arr, s_enc = result.packed[path]
-        w = packed.from_nvfp4(arr, s_enc, convention=result.convention)
+        w = packed.from_nvfp4(arr, s_enc, arithmetic=result.convention)
     else:
         w = _requantized(kernel, fmt, path)
     if w.shape != tuple(kernel.shape):
