@@ -31,6 +31,8 @@ summation order.
 """
 from __future__ import annotations
 
+from jaxlowfp._core.surface import public_dir as _public_dir
+
 import logging
 from typing import Any
 
@@ -330,3 +332,6 @@ def packed_dot_general(
                            weight_dtype=weight_dtype, device=device, where=where)
     out = out.reshape(*lead, w.n).astype(x.dtype if preferred_element_type is None else preferred_element_type)
     return (out, p) if return_backend else out
+
+
+__dir__ = _public_dir(__all__)  # dir() shows the API only (jaxlowfp._core.surface)

@@ -11,13 +11,15 @@ the library looks a kernel up.
   chosen by "auto" on its own.
 
 Kernels are found by name through :data:`KERNELS` (``"module:function"`` strings, imported on first use), so the
-library never imports ``pallas_kernels`` at import time and the kernels never import the library.
+library never imports ``pallas_kernels`` (installed as ``jaxlowfp_pallas``) at import time and the kernels never import the library.
 
 >>> from jaxlowfp import dispatch
 >>> dispatch.resolve_impl("auto", kernel="nvfp4.quantize")   # on a CPU
 'xla'
 """
 from __future__ import annotations
+
+from jaxlowfp._core.surface import public_dir as _public_dir
 
 import functools
 import importlib
@@ -30,7 +32,7 @@ from typing import Any, Literal
 import jax
 
 from jaxlowfp._core.capability import (
-    BACKENDS,
+    BACKENDS as PALLAS_BACKENDS,
     INTERPRET_ENV,
     KERNELS,
     KernelRequirements,
@@ -41,10 +43,11 @@ from jaxlowfp._core.capability import (
     resolve_interpret,
 )
 from jaxlowfp._core.checks import one_of
+from jaxlowfp._core.deprecation import deprecated_getattr
 
 __all__ = [
     "IMPLS",
-    "BACKENDS",
+    "PALLAS_BACKENDS",
     "INTERPRET_ENV",
     "KERNELS",
     "KernelRequirements",
@@ -64,11 +67,16 @@ VERIFIED_PATH = Path(__file__).with_name("verified_kernels.json")
 log = logging.getLogger(__name__)
 
 
-def kernel(name: str, backend: str = "triton") -> Callable[..., Any]:
-    """The Pallas entry point of kernel `name` on `backend` (imported on first use)."""
-    one_of(backend, BACKENDS, "backend")
-    module, function = kernel_target(name, backend).target.split(":")
-    return getattr(importlib.import_module(module), function)
+def kernel(name: str, pallas_backend: str = "triton") -> Callable[..., Any]:
+    """The Pallas entry point of kernel `name` on `pallas_backend` (imported on first use)."""
+    one_of(pallas_backend, PALLAS_BACKENDS, "pallas_backend")
+    module, function = kernel_target(name, pallas_backend).target.split(":")
+    try:
+        return getattr(importlib.import_module(module), function)
+    except ModuleNotFoundError as e:  # a checkout run without installing (make gpu-check): its pallas_kernels/
+        if e.name != "jaxlowfp_pallas":
+            raise
+        return getattr(importlib.import_module(module.replace("jaxlowfp_pallas", "pallas_kernels", 1)), function)
 
 
 @functools.lru_cache(maxsize=1)
@@ -81,14 +89,14 @@ def _verified_entries() -> tuple[dict[str, Any], ...]:
     return tuple(data.get("entries", ()))
 
 
-def verified(name: str, *, backend: str = "triton", device: jax.Device | None = None,
+def verified(name: str, *, pallas_backend: str = "triton", device: jax.Device | None = None,
              config: Mapping[str, Any] | None = None) -> bool:
-    """Whether `name` on `backend` was recorded bit-exact on a device of `device`'s kind for `config` (the
+    """Whether `name` on `pallas_backend` was recorded bit-exact on a device of `device`'s kind for `config` (the
     entries' ``rule``, ``block_shape`` and ``dtype`` where given; keys the entry does not name match anything)."""
     device = jax.devices()[0] if device is None else device
     want = {k: (list(v) if isinstance(v, tuple) else v) for k, v in (config or {}).items()}
     for e in _verified_entries():
-        if e.get("kernel") != name or e.get("backend") != backend or e.get("device_kind") != device.device_kind:
+        if e.get("kernel") != name or e.get("backend") != pallas_backend or e.get("device_kind") != device.device_kind:
             continue
         if all(k not in e or e[k] == v for k, v in want.items()):
             return True
@@ -100,7 +108,7 @@ def _say_once(message: str) -> None:
     log.info(message)
 
 
-def resolve_impl(impl: str, *, kernel: str, interpret: bool | None = None, backend: str = "triton",
+def resolve_impl(impl: str, *, kernel: str, interpret: bool | None = None, pallas_backend: str = "triton",
                  config: Mapping[str, Any] | None = None) -> Literal["xla", "pallas"]:
     """Which implementation runs `kernel` for the user's ``impl`` setting (see the module docstring).
 
@@ -108,21 +116,21 @@ def resolve_impl(impl: str, *, kernel: str, interpret: bool | None = None, backe
     """
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not supported for {kernel}; allowed: {', '.join(map(repr, IMPLS))}")
-    one_of(backend, BACKENDS, "backend")
-    kernel_target(kernel, backend)
+    one_of(pallas_backend, PALLAS_BACKENDS, "pallas_backend")
+    kernel_target(kernel, pallas_backend)
     if interpret is not None and not isinstance(interpret, bool):
         raise TypeError(f"interpret must be True, False or None; got {interpret!r}")
     if impl == "xla":
         return "xla"
     if impl == "auto" and interpret is True:
         return "pallas"
-    ok, reason = pallas_capability(kernel, backend=backend)
+    ok, reason = pallas_capability(kernel, pallas_backend=pallas_backend)
     if impl == "auto":
         if not ok:
             return "xla"
-        if verified(kernel, backend=backend, config=config):
+        if verified(kernel, pallas_backend=pallas_backend, config=config):
             return "pallas"
-        _say_once(f"impl='auto': {kernel} ({backend}, {dict(config or {})}) is not recorded as verified on "
+        _say_once(f"impl='auto': {kernel} ({pallas_backend}, {dict(config or {})}) is not recorded as verified on "
                   f"{jax.devices()[0].device_kind}; running the jnp twin (run `make gpu-check` to verify)")
         return "xla"
     if ok or interpret is True or (interpret is None and interpret_forced()):
@@ -131,3 +139,10 @@ def resolve_impl(impl: str, *, kernel: str, interpret: bool | None = None, backe
         f"impl='pallas' was requested for {kernel}, but it cannot run here: {reason}. "
         f"Use impl='xla' (same numerics), impl='auto', or interpret mode (interpret=True or {INTERPRET_ENV}=1)."
     )
+
+
+__dir__ = _public_dir(__all__)  # dir() shows the API only (jaxlowfp._core.surface)
+
+# old name (one release): BACKENDS are the Pallas backends; jaxlowfp.backends.BACKENDS are the GEMM backends
+__getattr__ = deprecated_getattr(__name__, {"BACKENDS": ("jaxlowfp.dispatch.PALLAS_BACKENDS",
+                                                         lambda: PALLAS_BACKENDS)})

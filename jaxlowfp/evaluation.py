@@ -23,6 +23,8 @@ The model is any Flax NNX module called as ``model(tokens) -> logits [B, T, voca
 """
 from __future__ import annotations
 
+from jaxlowfp._core.surface import public_dir as _public_dir
+
 import dataclasses
 import functools
 import math
@@ -399,3 +401,6 @@ def score_choices(model: nnx.Module, tokenizer: Any, items: Sequence[ChoiceItem]
     return {"acc": float(np.mean(np.argmax(ll, axis=1) == label)),
             "acc_norm": float(np.mean(np.argmax(ll / nbytes, axis=1) == label)),
             "items": float(len(items)), "seconds": stats["seconds"], "tokens_per_s": stats["tokens_per_s"]}
+
+
+__dir__ = _public_dir(__all__)  # dir() shows the API only (jaxlowfp._core.surface)

@@ -23,6 +23,8 @@ once an ``apply`` has traced it (``init`` traces every op and does not count)::
 """
 from __future__ import annotations
 
+from jaxlowfp._core.surface import public_dir as _public_dir
+
 import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -171,3 +173,6 @@ class SharedPrograms:
             if all(_record.executed(k) for k in keys0):
                 for k in keys:
                     _record.mark(k)
+
+
+__dir__ = _public_dir(__all__)  # dir() shows the API only (jaxlowfp._core.surface)

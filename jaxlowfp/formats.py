@@ -20,6 +20,7 @@ zero is kept (``-1e-9 -> -0``), as in ``ml_dtypes``. HiF8 delegates to :mod:`jax
 >>> formats.E4M3.round(jnp.float32(300.0)).item(), int(formats.get("e2m1").encode(jnp.float32(-5.5)))
 (288.0, 15)
 """
+from jaxlowfp._core.surface import public_dir as _public_dir
 from jaxlowfp._core.deprecation import deprecated_getattr
 from jaxlowfp._core.minifloat import (
     E2M1,
@@ -36,3 +37,6 @@ __all__ = ["ElementFormat", "MiniFloat", "HIF8", "E4M3", "E5M2", "E2M1", "FORMAT
 
 # old name (one release): jaxlowfp.Format is the tensor format now; the element descriptors are ElementFormat
 __getattr__ = deprecated_getattr(__name__, {"Format": ("jaxlowfp.formats.ElementFormat", lambda: ElementFormat)})
+
+
+__dir__ = _public_dir(__all__)  # dir() shows the API only (jaxlowfp._core.surface)

@@ -11,6 +11,8 @@ True
 """
 from __future__ import annotations
 
+from jaxlowfp._core.surface import public_dir as _public_dir
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,3 +52,6 @@ def hadamard16(x: ArrayLike, axis: int = -1) -> jax.Array:
     xb = xm.reshape(*xm.shape[:-1], xm.shape[-1] // BLOCK, BLOCK)
     y = jnp.matmul(xb, jnp.asarray(hadamard_matrix()), precision=lax.Precision.HIGHEST)
     return jnp.moveaxis(y.reshape(xm.shape), -1, axis).astype(x.dtype)
+
+
+__dir__ = _public_dir(__all__)  # dir() shows the API only (jaxlowfp._core.surface)

@@ -73,6 +73,8 @@ Needs the ``jaxlowfp[lm-eval]`` extra (``lm-eval``, no PyTorch) and ``jaxlowfp[m
 """
 from __future__ import annotations
 
+from jaxlowfp._core.surface import public_dir as _public_dir
+
 import dataclasses
 import json
 import logging
@@ -629,3 +631,6 @@ if __name__ == "__main__":
     from jaxlowfp.harness import main as _main  # registers the backend once, under its importable name
 
     _main()
+
+
+__dir__ = _public_dir(__all__)  # dir() shows the API only (jaxlowfp._core.surface)

@@ -13,6 +13,7 @@ nearest, ties away from zero; ``|x| >= 40960`` overflows to Inf (32768 with ``sa
 >>> hex(int(hif8.encode(jnp.float32(1.0))))
 '0x8'
 """
+from jaxlowfp._core.surface import public_dir as _public_dir
 from jaxlowfp._core.hif8 import (
     INF_CODE,
     MAX,
@@ -30,3 +31,6 @@ from jaxlowfp._core.hif8 import (
 
 __all__ = ["encode", "decode", "round", "all_values", "MAX", "MIN_NORMAL", "MIN_SUBNORMAL", "NAN_CODE", "INF_CODE",
            "MAX_CODE", "OVERFLOW_THRESHOLD", "ROUNDINGS"]
+
+
+__dir__ = _public_dir(__all__)  # dir() shows the API only (jaxlowfp._core.surface)

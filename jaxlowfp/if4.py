@@ -38,6 +38,8 @@ True
 """
 from __future__ import annotations
 
+from jaxlowfp._core.surface import public_dir as _public_dir
+
 import functools
 import jax
 import jax.numpy as jnp
@@ -183,3 +185,6 @@ def selected_int(
     arguments as :func:`quantize` (telemetry: ``selected_int(x).mean()`` is the INT share)."""
     cfg, x, global_amax = _prepare(x, format, rule, block_shape, rounding, global_amax, key)
     return _run(x, global_amax, key, cfg=cfg, out="int")
+
+
+__dir__ = _public_dir(__all__)  # dir() shows the API only (jaxlowfp._core.surface)

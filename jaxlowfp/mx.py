@@ -20,6 +20,8 @@ express Four Over Six's x1.5. Note that XLA:CPU flushes float32 subnormals, so v
 """
 from __future__ import annotations
 
+from jaxlowfp._core.surface import public_dir as _public_dir
+
 import dataclasses
 import functools
 from typing import Literal
@@ -183,3 +185,6 @@ def fake_quantize(x: ArrayLike, *, format: MXFormat = "e2m1", rule: MXRule = "fl
     """``dequantize(quantize(x, ...), x.dtype)`` bit for bit, without building codes (same arguments)."""
     cfg = _cfg("mx.fake_quantize", format, rule, elem, scale_rule)
     return _run(_check_x(x), cfg=cfg, out="fake")
+
+
+__dir__ = _public_dir(__all__)  # dir() shows the API only (jaxlowfp._core.surface)

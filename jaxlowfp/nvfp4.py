@@ -90,6 +90,8 @@ True
 """
 from __future__ import annotations
 
+from jaxlowfp._core.surface import public_dir as _public_dir
+
 import functools
 from typing import Any, Literal
 
@@ -99,7 +101,7 @@ from jax.typing import ArrayLike, DTypeLike
 
 from jaxlowfp import dispatch
 from jaxlowfp._core.checks import one_of
-from jaxlowfp._core.deprecation import deprecated_getattr
+from jaxlowfp._core.deprecation import deprecated_getattr, renamed_kwarg
 from jaxlowfp._core.nvfp4_blocks import (
     BLOCK,
     BLOCK_SHAPES,
@@ -180,7 +182,7 @@ def _use_pallas(impl: str, kernel: str, rounding: str, backend: str, config: dic
             raise ValueError(f"impl='pallas': the NVFP4 kernel has no stochastic rounding (got rounding={rounding!r}); "
                              f"use impl='xla' or 'auto'")
         return False
-    return dispatch.resolve_impl(impl, kernel=kernel, backend=backend, config=config) == "pallas"
+    return dispatch.resolve_impl(impl, kernel=kernel, pallas_backend=backend, config=config) == "pallas"
 
 
 def _config(x: ArrayLike, rule: str, block_shape: tuple[int, int]) -> dict[str, Any]:
@@ -198,7 +200,8 @@ def quantize(
     rounding: Rounding = "nearest",
     key: jax.Array | None = None,
     impl: Literal["auto", "xla", "pallas"] = "auto",
-    backend: Literal["triton", "mosaic"] = "triton",
+    pallas_backend: Literal["triton", "mosaic"] = "triton",
+    backend: str | None = None,
 ) -> NVFP4Array:
     """NVFP4-quantize `x` (float32/bfloat16/float16, last axis a multiple of 16).
 
@@ -216,9 +219,10 @@ def quantize(
       key: PRNG key, required for (and only for) the stochastic roundings.
       impl: "auto" (the Pallas kernel where it is recorded as verified on this GPU, else this jnp code), "xla",
         or "pallas" (the kernel, bit-identical, or a clear error where it cannot run; no stochastic rounding).
-      backend: the Pallas backend under ``impl="pallas"``/``"auto"``: "triton" (sm_80+) or "mosaic" (Mosaic GPU,
-        sm_90+).
+      pallas_backend: the Pallas backend under ``impl="pallas"``/``"auto"``: "triton" (sm_80+) or "mosaic" (Mosaic
+        GPU, sm_90+). ``backend=`` is its deprecated name (``gemm=`` names a GEMM backend elsewhere).
     """
+    backend = renamed_kwarg("nvfp4.quantize", "backend", backend, "pallas_backend", pallas_backend, "triton")
     if _use_pallas(impl, "nvfp4.quantize", rounding, backend, _config(x, rule, block_shape)):
         return dispatch.kernel("nvfp4.quantize", backend)(x, rule=rule, block_shape=block_shape,
                                                           global_amax=global_amax)
@@ -245,10 +249,12 @@ def fake_quantize(
     rounding: Rounding = "nearest",
     key: jax.Array | None = None,
     impl: Literal["auto", "xla", "pallas"] = "auto",
-    backend: Literal["triton", "mosaic"] = "triton",
+    pallas_backend: Literal["triton", "mosaic"] = "triton",
+    backend: str | None = None,
 ) -> jax.Array:
     """``dequantize(quantize(x, ...), x.dtype)`` bit for bit, without packing the codes (same arguments and
     defaults as :func:`quantize`: rule "static_6", the standard format)."""
+    backend = renamed_kwarg("nvfp4.fake_quantize", "backend", backend, "pallas_backend", pallas_backend, "triton")
     if _use_pallas(impl, "nvfp4.fake_quantize", rounding, backend, _config(x, rule, block_shape)):
         return dispatch.kernel("nvfp4.fake_quantize", backend)(x, rule=rule, block_shape=block_shape,
                                                                global_amax=global_amax)
@@ -272,3 +278,6 @@ def selected_map4(
     cfg = NVFP4Config(rule=rule, block_shape=block_shape, rounding=rounding)
     x, global_amax = validate_args(x, cfg, global_amax, key)
     return _run(x, global_amax, key, cfg=cfg, out="map4")
+
+
+__dir__ = _public_dir(__all__)  # dir() shows the API only (jaxlowfp._core.surface)

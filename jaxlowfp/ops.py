@@ -17,7 +17,7 @@ so every recipe of :mod:`jaxlowfp.qat` applies unchanged, NVFP4 and the Hadamard
 run along the flattened contraction axis K (the GEMM's K), the backward pass re-quantizes along the axes the
 backward GEMMs contract. A contraction already in the linear layout (``x [..., K] . w [K, M]``) is passed to
 :func:`jaxlowfp.qat.linear` as it is, so it is bit for bit a ``QuantLinear``. Contractions with batch axes (a
-kernel with a leading expert axis, say) go to :func:`jaxlowfp.qat.dot_general` as they are: the per-tensor 8-bit
+kernel with a leading expert axis, say) go to :func:`jaxlowfp.qat.matmul.dot_general` as they are: the per-tensor 8-bit
 formats take any dimension numbers, block-scaled recipes raise an error.
 
 Per-tensor scaling commutes with transposes and reshapes, so nothing here changes what is quantized; the reshape
@@ -25,6 +25,8 @@ only decides where the 16-element (NVFP4) or 32-element (MX) blocks lie (along K
 are listed). Per-token scaling (``CurrentScaling(granularity="token")``) takes one amax per row of ``x'``.
 """
 from __future__ import annotations
+
+from jaxlowfp._core.surface import public_dir as _public_dir
 
 import dataclasses
 import functools
@@ -167,7 +169,7 @@ def dot_general(
     ``weight=0``, ``rhs`` if ``weight=1``) fake-quantized per `recipe`; same output layout as lax.dot_general.
 
     Without batch axes the contraction runs as :func:`jaxlowfp.qat.linear` on the transposed, flattened operands
-    (module docstring): any recipe. With batch axes it runs as :func:`jaxlowfp.qat.dot_general`: per-tensor
+    (module docstring): any recipe. With batch axes it runs as :func:`jaxlowfp.qat.matmul.dot_general`: per-tensor
     8-bit recipes only. Returns ``(out, new_state, stats)`` like those two. `state` None: ``recipe.init()`` (a
     stateless call: current or static scaling). `where` names the op in errors; `op_key` (:func:`new_op_key`)
     is recorded as executed when the call is traced.
@@ -192,7 +194,8 @@ def dot_general(
         if needs_linear_layout(recipe):
             raise NotImplementedError(
                 f"{where}: recipe {recipe.name!r} blocks an operand (NVFP4) or rotates the weight gradient "
-                f"(Hadamard), which needs a contraction without batch axes; this one has batch {_axes_name(xb)} "
+                f"(Hadamard), which needs the linear layout (a contraction without batch axes); this one has "
+                f"batch {_axes_name(xb)} "
                 f"of the activation {tuple(x.shape)} and {_axes_name(wb)} of the weight {tuple(w.shape)}. Use a "
                 f"per-tensor 8-bit recipe (HiF8, E4M3/E5M2) here, or keep it in high precision")
         y, new_state, stats = _batched_dot_general(x, w, ((xc, wc), (xb, wb)), **common)
@@ -429,3 +432,6 @@ def ragged_dot(
         out = dot(a, b, group_sizes)
     _mark(op_key, backend if observe is not True else "dequant")
     return out, state._replace(weight=new_w, activation=new_a), RecipeStats(weight=st_w, activation=st_a)
+
+
+__dir__ = _public_dir(__all__)  # dir() shows the API only (jaxlowfp._core.surface)

@@ -31,6 +31,8 @@ on Linen models. See ``docs/qwix_maxtext.md`` for MaxText.
 """
 from __future__ import annotations
 
+from jaxlowfp._core.surface import public_dir as _public_dir
+
 from typing import Any, NamedTuple
 
 import jax
@@ -160,3 +162,6 @@ __getattr__ = deprecated_getattr(__name__, {
     "decode": ("jaxlowfp.owg.from_carried", lambda: from_carried),
     "init": ("jaxlowfp.owg.init_carried", lambda: init_carried),
 })
+
+
+__dir__ = _public_dir(__all__)  # dir() shows the API only (jaxlowfp._core.surface)

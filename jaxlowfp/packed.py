@@ -30,7 +30,8 @@ ordinary leaves. It is not an ``nnx.Param``: an optimizer over ``nnx.Param`` lea
 """
 from __future__ import annotations
 
-import dataclasses
+from jaxlowfp._core.surface import public_dir as _public_dir
+
 import functools
 from typing import Any
 
@@ -44,7 +45,7 @@ from jaxlowfp import formats, if4, mx, nvfp4
 from jaxlowfp._core import ct_nvfp4
 from jaxlowfp._core.checks import float_dtype, float_input, one_of
 from jaxlowfp._core.deprecation import deprecated_getattr, renamed_kwarg
-from jaxlowfp._core.format import ARITHMETICS, GROUP, KINDS, PER_TENSOR, TWO_LEVEL, Format, as_format
+from jaxlowfp._core.format import ARITHMETICS, KINDS, PER_TENSOR, TWO_LEVEL, Format, as_format
 from jaxlowfp._core.pytree import pytree_dataclass
 from jaxlowfp._core.scaled import scaled_round_mask
 from jaxlowfp.scaling import CurrentScaling
@@ -327,3 +328,6 @@ __getattr__ = deprecated_getattr(__name__, {
     "PackedFormat": ("jaxlowfp.Format", lambda: _legacy_packed_format),
     "CONVENTIONS": ("jaxlowfp.packed.ARITHMETICS", lambda: ARITHMETICS),
 })
+
+
+__dir__ = _public_dir(__all__)  # dir() shows the API only (jaxlowfp._core.surface)

@@ -5,6 +5,8 @@ for per-token / static NVFP4 activations on "scaled_matmul"), with the input qua
 quantizes it."""
 from __future__ import annotations
 
+from jaxlowfp._core.surface import public_dir as _public_dir
+
 from collections.abc import Mapping, MutableMapping, MutableSequence
 from typing import Any
 
@@ -133,3 +135,6 @@ def replace_modules(model: nnx.Module, layers: Mapping[str, tuple[nnx.Module, nn
             parent[key] = layer
         else:
             setattr(parent, key, layer)
+
+
+__dir__ = _public_dir(__all__)  # dir() shows the API only (jaxlowfp._core.surface)

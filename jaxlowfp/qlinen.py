@@ -32,6 +32,8 @@ gradient (Flax's fp8 ops do the same with their `_overwrite_with_gradient` colle
 """
 from __future__ import annotations
 
+from jaxlowfp._core.surface import public_dir as _public_dir
+
 import functools
 from typing import Any, Mapping
 
@@ -228,3 +230,6 @@ def collect_stats(variables: Mapping[str, Any]) -> dict[str, float]:
 
     pairs = named_leaves(variables.get(STATS_COLLECTION, {}))
     return flatten_floats((drop_slot(names), leaf) for names, leaf in pairs)
+
+
+__dir__ = _public_dir(__all__)  # dir() shows the API only (jaxlowfp._core.surface)

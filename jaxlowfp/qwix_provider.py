@@ -49,6 +49,8 @@ private API, so an upgrade fails loudly).
 """
 from __future__ import annotations
 
+from jaxlowfp._core.surface import public_dir as _public_dir
+
 import dataclasses
 import functools
 import inspect
@@ -393,3 +395,6 @@ def _submodule_param(module: nnx.Module, x: Any) -> str | None:
 def _normalize(dn: Any) -> Any:
     (lc, rc), (lb, rb) = dn
     return (tuple(lc), tuple(rc)), (tuple(lb), tuple(rb))
+
+
+__dir__ = _public_dir(__all__)  # dir() shows the API only (jaxlowfp._core.surface)

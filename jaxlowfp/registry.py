@@ -13,7 +13,8 @@ keyword for the same meaning in every format module):
   :data:`IF_RULES`, MX: :data:`MX_RULES`); ``rounding=``, ``block_shape=``, ``global_amax=``, ``key=`` likewise.
 - ``Rule`` is one type, :class:`jaxlowfp.Rule` (a path regex and what the matched layers get); the rule *names*
   are typed :data:`jaxlowfp.nvfp4.NVFP4Rule` / :data:`jaxlowfp.if4.IFRule`, the IF format names
-  :data:`jaxlowfp.if4.IFFormat` (``jaxlowfp.formats.ElementFormat`` is the element-format descriptor class, :class:`jaxlowfp.Format` the tensor format).
+  :data:`jaxlowfp.if4.IFFormat` (``jaxlowfp.formats.ElementFormat`` is the element-format descriptor class,
+  :class:`jaxlowfp.Format` the tensor format).
 
 Format names of the command lines (:data:`FORMATS`, from :class:`jaxlowfp.Format`): ``nvfp4`` (standard NVFP4,
 static_6), ``nvfp4-<rule>`` (every other rule, Four Over Six's ``nvfp4-mse`` among them), ``if4-<rule>``, ``mxfp4``,
@@ -21,6 +22,8 @@ static_6), ``nvfp4-<rule>`` (every other rule, Four Over Six's ``nvfp4-mse`` amo
 lm-eval backend).
 """
 from __future__ import annotations
+
+from jaxlowfp._core.surface import public_dir as _public_dir
 
 from jaxlowfp._core import format as _format
 from jaxlowfp._core import names as _names
@@ -59,3 +62,6 @@ PTQ_FORMATS = (*(f for f in FORMATS if not f.endswith("-ceil")),)
 # ("nvfp4" is standard NVFP4 (static_6), "nvfp4-<rule>" names every other rule, "fp8" the delayed E4M3 / E5M2 recipe)
 EVAL_QUANTIZE = ("none", "hif8", "nvfp4", *(f"nvfp4-{r}" for r in NVFP4_RULES if r != "static_6"),
                  *(f"if4-{r}" for r in IF_RULES), "fp8")
+
+
+__dir__ = _public_dir(__all__)  # dir() shows the API only (jaxlowfp._core.surface)

@@ -19,6 +19,8 @@ module is reported as unused, so a typo in a path does not silently leave a mode
 """
 from __future__ import annotations
 
+from jaxlowfp._core.surface import public_dir as _public_dir
+
 import dataclasses
 import re
 import sys
@@ -190,3 +192,6 @@ class QuantizeReport:
         else:
             lines.append("unused rules: none")
         return "\n".join(lines)
+
+
+__dir__ = _public_dir(__all__)  # dir() shows the API only (jaxlowfp._core.surface)

@@ -43,6 +43,8 @@ slot maximum of the ring buffers, so the merged history is what one step over th
 """
 from __future__ import annotations
 
+from jaxlowfp._core.surface import public_dir as _public_dir
+
 import dataclasses
 import math
 from collections.abc import Hashable, Sequence
@@ -561,3 +563,6 @@ def with_pending_amaxes(tree: PyTree, pendings: PyTree) -> PyTree:
     for i, p in zip(slots, new):
         leaves[i] = PendingAmax(*(jnp.asarray(v, jnp.float32) for v in p))
     return treedef.unflatten(leaves)  # type: ignore[attr-defined]
+
+
+__dir__ = _public_dir(__all__)  # dir() shows the API only (jaxlowfp._core.surface)

@@ -18,7 +18,7 @@ layout: kernels ``[in, out]`` are ``P(fsdp, tensor)`` when column parallel, ``P(
     mesh = sharding.make_mesh("fsdp=4,tensor=2")                 # 8 devices
     model, tok = load("smollm2-135m", mesh=mesh, rules=sharding.llama_rules())   # each device reads its shards
 
-`resolve` checks a rule set against a mesh and a model's parameters and raises a `ShardingError` naming the
+`partition_specs` checks a rule set against a mesh and a model's parameters and raises a `ShardingError` naming the
 parameter, the rule and the axis when a rule names an axis the mesh does not have, a mesh axis does not divide the
 dimension it shards, a rule matches no parameter, or no rule matches a parameter.
 
@@ -32,6 +32,9 @@ itself, e.g. SLURM or Cloud TPU with ``JAX_DISTRIBUTED=1``); `jax.devices()` the
 feeds its local rows (`global_batch`), and `jax.make_array_from_callback` builds only this process's shards.
 """
 from __future__ import annotations
+
+from jaxlowfp._core.deprecation import deprecated_getattr as _deprecated_getattr
+from jaxlowfp._core.surface import public_dir as _public_dir
 
 import dataclasses
 import hashlib
@@ -72,7 +75,7 @@ __all__ = [
     "parse_mesh",
     "put_batch",
     "replicated",
-    "resolve",
+    "partition_specs",
     "rows_sharding",
     "shard",
     "shard_model",
@@ -320,7 +323,7 @@ def moe_rules(*, expert: str | None = "expert", fsdp: str | None = "fsdp", tenso
             ShardRule(path=r"blocks/\d+/mlp/router/kernel", spec=()), *llama_rules(fsdp=fsdp, tensor=tensor))
 
 
-def resolve(shapes: Mapping[str, Sequence[int]], rules: ShardRule | Sequence[ShardRule], mesh: Mesh
+def partition_specs(shapes: Mapping[str, Sequence[int]], rules: ShardRule | Sequence[ShardRule], mesh: Mesh
             ) -> dict[str, P]:
     """The `PartitionSpec` of every parameter (``{path: shape}``) under `rules` on `mesh`; raises `ShardingError`
     for an axis the mesh lacks, a mesh axis that does not divide the dimension it shards, a rule that matches no
@@ -373,7 +376,7 @@ def variable_paths(model: Any) -> dict[str, Any]:
 def model_shardings(model: Any, mesh: Mesh, rules: ShardRule | Sequence[ShardRule]) -> dict[str, NamedSharding]:
     """``{path: NamedSharding}`` of every variable of an NNX `model` (built or abstract, `nnx.eval_shape`)."""
     shapes = {p: np.shape(v.get_value()) for p, v in variable_paths(model).items()}
-    return {p: NamedSharding(mesh, s) for p, s in resolve(shapes, rules, mesh).items()}
+    return {p: NamedSharding(mesh, s) for p, s in partition_specs(shapes, rules, mesh).items()}
 
 
 def packed_shardings(weight: Any, spec: Any, mesh: Mesh, *, where: str = "packed weight") -> Any:
@@ -531,3 +534,10 @@ def initialize_distributed() -> bool:
     else:
         jax.distributed.initialize()
     return True
+
+
+# old name (one release): models.resolve finds a checkpoint; this one gives PartitionSpecs
+__getattr__ = _deprecated_getattr(__name__, {"resolve": ("jaxlowfp.sharding.partition_specs",
+                                                         lambda: partition_specs)})
+
+__dir__ = _public_dir(__all__)  # dir() shows the API only (jaxlowfp._core.surface)

@@ -47,6 +47,8 @@ Python floats with its int32 count), the model under whatever promotion the call
 """
 from __future__ import annotations
 
+from jaxlowfp._core.surface import public_dir as _public_dir
+
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -317,3 +319,6 @@ def make_step(
         return new, metrics
 
     return step_fn
+
+
+__dir__ = _public_dir(__all__)  # dir() shows the API only (jaxlowfp._core.surface)

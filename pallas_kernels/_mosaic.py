@@ -109,7 +109,7 @@ def resolve_interpret(interpret: Any, *, kernel: str):
     if isinstance(interpret, plgpu.InterpretGPUParams):
         return interpret
     if interpret is None:
-        interpret = capability.resolve_interpret(None, kernel=kernel, backend="mosaic")
+        interpret = capability.resolve_interpret(None, kernel=kernel, pallas_backend="mosaic")
     elif not isinstance(interpret, bool):
         raise TypeError(f"interpret must be True, False, None or a plgpu.InterpretGPUParams; got {interpret!r}")
     return plgpu.InterpretGPUParams() if interpret else None

@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jaxlowfp._core import hif8
 from jaxlowfp._core.checks import float_input
 from jaxlowfp._core.scaled import saturation_bound
-from pallas_kernels._common import (
+from ._common import (
     MAX_BLOCK_ELEMENTS,
     check_pow2,
     compiler_params,

@@ -23,8 +23,8 @@ from jax.experimental import pallas as pl
 
 from jaxlowfp._core import hif8
 from jaxlowfp._core.bits import ABS, u32
-from pallas_kernels import _mosaic as mg
-from pallas_kernels.hif8 import ScaledFakeQuant, check_args
+from . import _mosaic as mg
+from .hif8 import ScaledFakeQuant, check_args
 
 __all__ = ["scaled_fake_quant", "ScaledFakeQuant", "KERNEL", "DEFAULT_BLOCK"]
 

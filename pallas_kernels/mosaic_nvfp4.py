@@ -40,7 +40,7 @@ from jaxlowfp._core import minifloat as formats
 from jaxlowfp._core import nvfp4_blocks as ref
 from jaxlowfp._core.bits import FLT_MAX, SIGN, div_by_3_pow2, no_contract, u32
 from jaxlowfp._core.reduce import abs_max
-from pallas_kernels import _mosaic as mg
+from . import _mosaic as mg
 
 __all__ = ["quantize", "fake_quantize", "KERNEL_QUANTIZE", "KERNEL_FAKE_QUANTIZE", "DEFAULT_BLOCKS"]
 

@@ -35,7 +35,7 @@ from jaxlowfp._core import minifloat as formats
 from jaxlowfp._core import nvfp4_blocks as ref
 from jaxlowfp._core.bits import FLT_MAX, div_by_3_pow2, true_divide
 from jaxlowfp._core.reduce import abs_max
-from pallas_kernels._common import (
+from ._common import (
     MAX_BLOCK_ELEMENTS,
     check_pow2,
     compiler_params,

@@ -93,7 +93,7 @@ class Case:
         return f"{self.kernel} [{self.backend}] {self.rule or '-'} {bs} {self.dtype}"
 
 
-def all_cases(backends: tuple[str, ...] = dispatch.BACKENDS) -> list[Case]:
+def all_cases(backends: tuple[str, ...] = dispatch.PALLAS_BACKENDS) -> list[Case]:
     """Every kernel x rule x block shape x dtype, for each of `backends` the kernel has (``dispatch.KERNELS``)."""
     unknown = set(dispatch.KERNELS) - {"hif8.scaled_fake_quant", "nvfp4.quantize", "nvfp4.fake_quantize"}
     if unknown:
@@ -583,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--interpret", action="store_true",
                     help="no GPU needed: Pallas interpret mode, tiny shapes, 'tiny' model; writes nothing")
     ap.add_argument("--only", default="", help="comma-separated substrings: check only matching configurations")
-    ap.add_argument("--backends", nargs="+", choices=dispatch.BACKENDS, default=None,
+    ap.add_argument("--backends", nargs="+", choices=dispatch.PALLAS_BACKENDS, default=None,
                     help="Pallas backends to check (default: every backend the GPU and this JAX run; with "
                          "--interpret: triton)")
     ap.add_argument("--threads", type=int, default=4,
@@ -606,10 +606,10 @@ def main(argv: list[str] | None = None) -> int:
     write = not (args.no_write or args.interpret)
     t_start = time.perf_counter()
     timing: dict[str, float] = {}
-    backends = tuple(args.backends or (("triton",) if args.interpret else dispatch.BACKENDS))
+    backends = tuple(args.backends or (("triton",) if args.interpret else dispatch.PALLAS_BACKENDS))
     cases, skipped = [], {}
     for c in all_cases(backends):
-        ok, why = (True, "") if args.interpret else dispatch.pallas_capability(c.kernel, dev, backend=c.backend)
+        ok, why = (True, "") if args.interpret else dispatch.pallas_capability(c.kernel, dev, pallas_backend=c.backend)
         if ok:
             cases.append(c)
         else:

@@ -11,6 +11,7 @@ import flax.linen as nn
 import qwix
 from flax import nnx
 
+import jaxlowfp
 from jaxlowfp import execution, ptq, qat, qlinen, qnnx, qwix_provider
 from jaxlowfp.evaluation import Request, score_requests
 from jaxlowfp.models.llama import PRESETS, Llama
@@ -167,13 +168,13 @@ def test_per_token_quantizer_equals_each_row_alone():
     (the same elementwise program per row; max reductions are exact)."""
     x = jnp.asarray(np.random.default_rng(3).standard_normal((6, 64)) * np.geomspace(1e-3, 1e3, 6)[:, None],
                     jnp.float32)
-    for fmt in ("nvfp4", "hif8"):
-        spec = ptq.TensorFormat(kind=fmt).quant_spec("token")
+    for fmt in ("nvfp4-mse", "hif8"):
+        spec = ptq.activation_spec(jaxlowfp.Format.parse(fmt), "token")
         f = jax.jit(lambda v: qat.fake_quant(v, spec.init(), spec)[0])
         whole = np.asarray(f(x))
         rows = np.concatenate([np.asarray(f(x[i:i + 1])) for i in range(x.shape[0])])
         np.testing.assert_array_equal(whole.view(np.uint32), rows.view(np.uint32))
-        per_tensor = ptq.TensorFormat(kind=fmt).quant_spec("tensor")
+        per_tensor = ptq.activation_spec(jaxlowfp.Format.parse(fmt), "tensor")
         assert not np.array_equal(whole, np.asarray(qat.fake_quant(x, per_tensor.init(), per_tensor)[0]))
 
 

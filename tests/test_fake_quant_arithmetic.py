@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import jaxlowfp
 from jaxlowfp import mx, nvfp4, qat, qnnx
 from jaxlowfp.ptq import formats as ptq_formats
 
@@ -69,7 +70,7 @@ def test_hif8_w8a8_layer_by_hand():
     np.testing.assert_array_equal(np.asarray(got_x), xq)
     np.testing.assert_allclose(_quant_linear(recipe, x, w), xq @ wq, rtol=1e-6, atol=1e-6)
     # PTQ's activation quantizer: the same per-tensor formula with the current amax
-    np.testing.assert_array_equal(np.asarray(ptq_formats.TensorFormat(kind="hif8").fake_quantize(jnp.asarray(x))), xq)
+    np.testing.assert_array_equal(np.asarray(ptq_formats.fake_quantize(jnp.asarray(x), jaxlowfp.Format(kind="hif8"))), xq)
 
 
 @pytest.mark.parametrize("convention", ["te", "flax"])
@@ -142,7 +143,7 @@ def test_nvfp4_w4a4_layer_by_hand(rule):
     np.testing.assert_array_equal(np.asarray(nvfp4.fake_quantize(jnp.asarray(w.T), rule=rule)).T, wq)
     np.testing.assert_allclose(_quant_linear(qat.nvfp4_w4a4(rule), x, w), xq @ wq, rtol=1e-6, atol=1e-6)
     if rule == "mse":  # PTQ's NVFP4 activation quantizer: the same function of the input [rows, K]
-        got = ptq_formats.TensorFormat(kind="nvfp4", rule="mse").fake_quantize(jnp.asarray(x))
+        got = ptq_formats.fake_quantize(jnp.asarray(x), jaxlowfp.Format(kind="nvfp4", rule="mse"))
         np.testing.assert_array_equal(np.asarray(got), xq)
 
 

@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import jaxlowfp
 from jaxlowfp import if4, nvfp4
 
 FIX = Path(__file__).parent / "fixtures" / "fouroversix"
@@ -334,7 +335,7 @@ def test_ptq_schemes_rtn_and_gptq():
     assert (ss.weight.name, ss.activation.rule, ss.name) == ("nvfp4-search-16x16", "mse",
                                                              "nvfp4-search-16x16 / a nvfp4-mse")
     with pytest.raises(ValueError, match="rule='static_6' is not supported"):
-        ptq.TensorFormat(kind="if4", rule="static_6")
+        jaxlowfp.Format(kind="if4", rule="static_6")
     k = np.random.default_rng(7).standard_normal((64, 16)).astype(np.float32)  # [in, out]
     rtn = ptq.rtn_weight(k, s.weight)
     assert np.asarray(rtn.kernel).tobytes() == np.asarray(if4.fake_quantize(jnp.asarray(k).T).T).tobytes()

@@ -18,6 +18,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
+import jaxlowfp
 from jaxlowfp import ptq
 from jaxlowfp.models import CheckpointError, Llama, ModelConfig, load
 from jaxlowfp.models.common import tensor_specs
@@ -124,7 +125,7 @@ def test_compressed_tensors_convention_reproduces_llm_compressor():
     fx = np.load(FIX / "smollm2_consumers.npz")
     groups = [("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"),
               ("model.layers.3.mlp.gate_proj", "model.layers.3.mlp.up_proj")]
-    fmt = ptq.TensorFormat(kind="nvfp4", rule="static_6")
+    fmt = jaxlowfp.Format(kind="nvfp4", rule="static_6")
     for g in groups:
         amax = max(float(fx[f"llmc/{k}/amax"][0]) for k in g)
         gs = {float(fx[f"llmc/{k}/weight_global_scale"][0]) for k in g}

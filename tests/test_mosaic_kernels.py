@@ -203,7 +203,7 @@ def test_hif8_matches_twin(shape, dtype, block):
 
 
 def test_public_api_routes_to_mosaic(monkeypatch):
-    """``impl="pallas", backend="mosaic"`` runs these kernels, in jaxlowfp.nvfp4 and in QAT (interpret mode forced
+    """``impl="pallas", pallas_backend="mosaic"`` runs these kernels, in jaxlowfp.nvfp4 and in QAT (interpret mode forced
     by the environment, as on a host without a GPU)."""
     monkeypatch.setenv(dispatch.INTERPRET_ENV, "1")
     assert dispatch.kernel("nvfp4.quantize", "mosaic") is mosaic_nvfp4.quantize
@@ -215,10 +215,10 @@ def test_public_api_routes_to_mosaic(monkeypatch):
         monkeypatch.setattr(mod, name, lambda *a, _real=real, _name=name, **k: calls.append((_name, k["interpret"]))
                             or _real(*a, **k))
     x = jnp.asarray(_data(SHAPE[(1, 16)], np.float32, seed=2))
-    got = nvfp4.quantize(x, rule="static_6", impl="pallas", backend="mosaic")
+    got = nvfp4.quantize(x, rule="static_6", impl="pallas", pallas_backend="mosaic")
     _assert_bits(got.codes, nvfp4.quantize(x, rule="static_6", impl="xla").codes, "codes")
     xh = jnp.asarray(_hif8_data((4, 256), np.float32, seed=5))
-    spec = qat.QuantSpec(format="hif8", impl="pallas", backend="mosaic")
+    spec = qat.QuantSpec(format="hif8", impl="pallas", pallas_backend="mosaic")
     y, _, stats = qat.fake_quant(xh, spec.init(), spec)
     y_xla, _, stats_xla = qat.fake_quant(xh, spec.init(), qat.QuantSpec(format="hif8", impl="xla"))
     _assert_bits(y, y_xla, "qat y")

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import jaxlowfp
 from jaxlowfp import backends, mx, nvfp4, packed
 from jaxlowfp.ptq import formats as ptq_formats
 from jaxlowfp.ptq import serving
@@ -138,10 +139,10 @@ def test_pack_matches_the_ptq_quantizers_bit_for_bit():
     """PTQ's own HiF8 quantizer and compressed-tensors' RTN of ptq.serving (the other formats call the same public
     fake-quant functions as PTQ does)."""
     w = jax.random.normal(jax.random.key(1), (64, 32), jnp.float32)
-    tf = ptq_formats.TensorFormat(kind="hif8")
+    tf = jaxlowfp.Format(kind="hif8")
     np.testing.assert_array_equal(packed.pack(w, tf).dequantize(), ptq_formats.hif8_fake_quantize(w.T).T)
-    ct = packed.PackedFormat(kind="nvfp4", rule="static_6", convention="compressed-tensors")
-    ref = serving.ct_weight(w, ptq_formats.TensorFormat(kind="nvfp4", rule="static_6"))
+    ct = jaxlowfp.Format(kind="nvfp4", rule="static_6", arithmetic="compressed-tensors")
+    ref = serving.ct_weight(w, jaxlowfp.Format(kind="nvfp4", rule="static_6"))
     p = packed.pack(w, ct)
     np.testing.assert_array_equal(p.dequantize(), ref.kernel)
     np.testing.assert_array_equal(p.array.codes, ref.packed.codes)
@@ -189,7 +190,7 @@ def test_nvfp4_both_global_scale_conventions(rule):
     x = jax.random.normal(kx, (8, 64), jnp.float32)
     w = jax.random.normal(kw, (64, 32), jnp.float32)
     for conv in ("jaxlowfp", "compressed-tensors") if rule == "static_6" else ("jaxlowfp",):
-        p = packed.pack(w, packed.PackedFormat(kind="nvfp4", rule=rule, convention=conv))
+        p = packed.pack(w, jaxlowfp.Format(kind="nvfp4", rule=rule, arithmetic=conv))
         xq = packed.fake_quantize(x, f"nvfp4-{rule}")
         ref = jnp.dot(xq, p.dequantize())
         bound = (64 + 4) * EPS * jnp.dot(jnp.abs(xq), jnp.abs(p.dequantize()))
@@ -251,8 +252,8 @@ def _gpu(kind, cc):
 
 
 def test_backend_availability_per_device():
-    nv = packed.PackedFormat(kind="nvfp4")
-    fp8 = packed.PackedFormat(kind="fp8")
+    nv = jaxlowfp.Format(kind="nvfp4", rule="mse")
+    fp8 = jaxlowfp.Format(kind="fp8")
     b200, h100, a100 = _gpu("NVIDIA B200", "10.0"), _gpu("NVIDIA H100 80GB HBM3", "9.0"), _gpu("NVIDIA A100", "8.0")
     with pytest.raises(backends.BackendUnavailableError, match=r"compute capability >= 10.0.*H100"):
         backends.plan(nv, "nvfp4-mse", "scaled_matmul", device=h100, where="blocks/0/attn/q_proj")
@@ -268,10 +269,10 @@ def test_backend_availability_per_device():
     assert backends.plan(nv, None, "auto", device=b200).backend == "dequant"  # W4A16
     assert backends.plan(fp8, "fp8", "auto", device=h100).backend == "fp8"
     assert backends.plan(fp8, "fp8", "auto", device=a100).backend == "dequant"
-    assert backends.plan(packed.PackedFormat(kind="hif8"), "hif8", "auto", device=b200).backend == "dequant"
+    assert backends.plan(jaxlowfp.Format(kind="hif8"), "hif8", "auto", device=b200).backend == "dequant"
     # MXFP4: XLA expands its scaled_matmul into a float32 dot even on sm_100a (tests/test_gpu_compile_backends.py),
     # so auto does not pick it and an explicit request is not reported native
-    mx4 = packed.PackedFormat(kind="mxfp4")
+    mx4 = jaxlowfp.Format(kind="mxfp4")
     assert backends.plan(mx4, "mxfp4", "auto", device=b200).backend == "dequant"
     explicit = backends.plan(mx4, "mxfp4", "scaled_matmul", device=b200)
     assert not explicit.native and "float32 dot" in explicit.reason
@@ -282,7 +283,7 @@ def test_backend_availability_per_device():
 
 
 def test_auto_logs_its_choice_once(caplog):
-    fmt = packed.PackedFormat(kind="mxfp8")
+    fmt = jaxlowfp.Format(kind="mxfp8")
     backends._LOGGED.discard((fmt.name, "mxfp8", "NVIDIA B200"))
     with caplog.at_level("INFO", logger="jaxlowfp.backends"):
         for _ in range(3):

@@ -24,6 +24,7 @@ import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 from test_interop import FIX, _modelopt_dir  # noqa: E402
 
+import jaxlowfp
 from jaxlowfp import models, packed, ptq  # noqa: E402
 from jaxlowfp.models import quantized  # noqa: E402
 from jaxlowfp.models.llama import Llama, preset  # noqa: E402
@@ -135,15 +136,15 @@ def test_scaled_matmul_rows_equals_fake_quant_within_float32_summation_order(sca
     differ only in where the two global scales are multiplied and in the order of the K-term float32 sum: bounded by
     ``(K + 4) eps (|x̂| @ |ŵ|)``."""
     from jaxlowfp import backends, nvfp4, qat
-    from jaxlowfp.ptq.formats import TensorFormat
+    from jaxlowfp.ptq.formats import activation_spec
 
     rng = np.random.default_rng(3)
     m, k, n = 12, 128, 48
     x = jnp.asarray(rng.standard_normal((m, k)) * np.exp(rng.uniform(-3, 3, (m, 1))), jnp.float32)
     w = packed.pack(jnp.asarray(rng.standard_normal((k, n)), jnp.float32), wfmt)
     static_amax = float(jnp.max(jnp.abs(x))) * 0.8  # calibrated below the run's max: some clipping
-    spec = TensorFormat(kind="nvfp4", rule=rule, block_shape=(1, 16)).quant_spec(
-        scale, static_amax if scale == "static" else None)
+    spec = activation_spec(jaxlowfp.Format(kind="nvfp4", rule=rule, block_shape=(1, 16)),
+                          scale, static_amax if scale == "static" else None)
     amax = jnp.float32(static_amax) if scale == "static" else jnp.max(jnp.abs(x), axis=-1)
 
     @jax.jit

@@ -11,7 +11,7 @@ from flax import nnx
 
 from jaxlowfp import ptq
 from jaxlowfp.ptq import calibrate, checkpoint
-from jaxlowfp.ptq.formats import TensorFormat
+from jaxlowfp import Format as TensorFormat
 from jaxlowfp.models.llama import PRESETS, Llama
 
 FORMATS = [TensorFormat(kind="nvfp4", rule=r) for r in ("static_6", "static_4", "abs_max", "mae", "mse")] + [

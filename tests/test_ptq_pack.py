@@ -16,6 +16,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
+import jaxlowfp
 from jaxlowfp import packed, ptq
 from jaxlowfp.models.llama import Llama, preset
 from jaxlowfp.ptq.packing import _requantized, packed_layers
@@ -119,7 +120,7 @@ def test_requantizing_a_ptq_kernel_is_lossless(fmt):
     """The formats whose PTQ result keeps no codes: their packed arrays are found again from the dequantized
     kernel (the float32 scale searched among its neighbours) and decode to it bit for bit."""
     w = jax.random.normal(jax.random.key(0), (64, 32), jnp.float32) * 0.02
-    tf = ptq.TensorFormat(kind=fmt.split("-")[0], rule=fmt.split("-")[1] if "-" in fmt else None)
+    tf = jaxlowfp.Format.parse(fmt)
     kernel = ptq.rtn_weight(w, tf).kernel
     p = _requantized(kernel, packed.as_format(tf), "layer")
     np.testing.assert_array_equal(p.dequantize(), kernel)

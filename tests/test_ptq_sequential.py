@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 from jax import lax
 
+import jaxlowfp
 from jaxlowfp import ptq
 from jaxlowfp.models.llama import Llama, ModelConfig
 from jaxlowfp.ptq import calibrate
@@ -165,7 +166,7 @@ def test_gptq_at_llmcompressor_settings_matches_its_quantize_weight(lc, order):
     another float32 summation order: once one rounding tie goes the other way, the feedback of every later column
     differs slightly, so the values agree to 93 % here (the other column order: 58 %) and the layer errors
     tr((W - Q) H (W - Q)^T) to a few percent."""
-    fmt = ptq.TensorFormat(kind="nvfp4", rule="static_6")
+    fmt = jaxlowfp.Format(kind="nvfp4", rule="static_6")
     kernel = jnp.asarray(lc["w"].T)
     got = ptq.gptq_weight(kernel, jnp.asarray(lc["h"]), fmt, ptq.GPTQ(act_order=order == "weight",
                                                                       scales="original"))
@@ -197,7 +198,7 @@ def test_gptq_original_scales_and_clipping():
 
     rng = np.random.default_rng(3)
     k = jnp.asarray(rng.standard_normal((64, 32)).astype(np.float32))
-    fmt = ptq.TensorFormat(kind="nvfp4", rule="mse")
+    fmt = jaxlowfp.Format(kind="nvfp4", rule="mse")
     g = ptq.gptq_weight(k, jnp.eye(64, dtype=jnp.float32), fmt, ptq.GPTQ(scales="original", act_order=True))
     np.testing.assert_array_equal(np.asarray(g.kernel), np.asarray(ptq.rtn_weight(k, fmt).kernel))
     x = rng.standard_normal((256, 64)).astype(np.float32)

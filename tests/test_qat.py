@@ -12,6 +12,7 @@ import optax
 import pytest
 from jax import lax
 
+import jaxlowfp
 from jaxlowfp import nvfp4, qat, scaling
 from jaxlowfp.qat import QuantSpec, Recipe
 from jaxlowfp.scaling import CurrentScaling, DelayedScaling
@@ -358,7 +359,7 @@ def test_dot_general_with_batch_dims_per_tensor():
     a = heavy_tailed(11, (2, 8, 24))
     b = heavy_tailed(12, (2, 24, 4))
     dn = (((2,), (1,)), ((0,), (0,)))
-    out, _, _ = jax.jit(lambda u, v: qat.dot_general(u, v, dn, recipe=r, state=r.init(),
+    out, _, _ = jax.jit(lambda u, v: jaxlowfp.dot_general(u, v, dn, recipe=r, state=r.init(),
                                                       preferred_element_type=jnp.float32))(a, b)
     sa = np.float32(np.abs(np.asarray(a)).max()) / np.float32(15)
     sb = np.float32(np.abs(np.asarray(b)).max()) / np.float32(15)
@@ -366,7 +367,7 @@ def test_dot_general_with_batch_dims_per_tensor():
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
     with pytest.raises(NotImplementedError, match="linear layout"):
         rn = qat.nvfp4_w4a4()
-        qat.dot_general(a, b, dn, recipe=rn, state=rn.init())
+        jaxlowfp.dot_general(a, b, dn, recipe=rn, state=rn.init())
 
 
 GRAD_HIF8 = QuantSpec(format="hif8", scaling=CurrentScaling(target_max=224.0))

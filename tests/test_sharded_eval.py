@@ -145,7 +145,7 @@ def test_gptq_nvfp4_of_a_sharded_model_equals_one_device(tmp_path):
     rules = [ptq.Rule(path=r"blocks/\d+/mlp/\w+_proj", scheme=ptq.scheme("nvfp4-mse", weights_only=True))]
     ra = ptq.quantize_model(ref, rules, method=ptq.GPTQ(), calibration=jnp.asarray(tokens))
     rb = ptq.quantize_model(model, rules, method=ptq.GPTQ(), calibration=sharding.put_batch(tokens, mesh))
-    specs = sharding.resolve({p: v.get_value().shape for p, v in sharding.variable_paths(model).items()},
+    specs = sharding.partition_specs({p: v.get_value().shape for p, v in sharding.variable_paths(model).items()},
                              sharding.llama_rules(), mesh)
     want = sharding.variable_paths(ref)
     for p, v in sharding.variable_paths(model).items():

@@ -52,14 +52,14 @@ def test_make_mesh_has_every_axis():
 
 def test_llama_rules_give_maxtext_layout():
     mesh = sharding.make_mesh("fsdp=2,tensor=2")
-    specs = sharding.resolve(shapes_of(abstract_tiny()), sharding.llama_rules(), mesh)
+    specs = sharding.partition_specs(shapes_of(abstract_tiny()), sharding.llama_rules(), mesh)
     assert specs["blocks/0/attn/q_proj/kernel"] == P("fsdp", "tensor")  # [d_model, heads]: column parallel
     assert specs["blocks/3/mlp/down_proj/kernel"] == P("tensor", "fsdp")  # [d_ff, d_model]: row parallel
     assert specs["embed/embedding"] == P("tensor", "fsdp")
     assert specs["lm_head/kernel"] == P("fsdp", "tensor")
     assert specs["blocks/0/attn_norm/scale"] == P()
-    fsdp = sharding.resolve(shapes_of(abstract_tiny()), sharding.fsdp_rules(), mesh)
-    tp = sharding.resolve(shapes_of(abstract_tiny(tie_embeddings=True, qkv_bias=True)),
+    fsdp = sharding.partition_specs(shapes_of(abstract_tiny()), sharding.fsdp_rules(), mesh)
+    tp = sharding.partition_specs(shapes_of(abstract_tiny(tie_embeddings=True, qkv_bias=True)),
                           sharding.tensor_parallel_rules(), mesh)
     assert (fsdp["blocks/1/mlp/up_proj/kernel"], fsdp["blocks/1/attn/o_proj/kernel"]) == (P("fsdp", None),
                                                                                            P(None, "fsdp"))
@@ -71,7 +71,7 @@ def test_expert_rules_hook():
     shapes = {"blocks/0/moe/up_proj": (8, 64, 96), "blocks/0/moe/down_proj": (8, 96, 64), "blocks/0/router": (64, 8)}
     rules = (sharding.expert_rules(r"blocks/\d+/moe/up_proj"),
              sharding.expert_rules(r"blocks/\d+/moe/down_proj", row_parallel=True), ShardRule(path=".*"))
-    specs = sharding.resolve(shapes, rules, mesh)
+    specs = sharding.partition_specs(shapes, rules, mesh)
     assert specs == {"blocks/0/moe/up_proj": P("expert", "fsdp", "tensor"),
                      "blocks/0/moe/down_proj": P("expert", "tensor", "fsdp"), "blocks/0/router": P()}
 
@@ -92,7 +92,7 @@ def test_expert_rules_hook():
 def test_bad_mesh_or_rules_are_clear_errors(mesh, rules, match):
     shapes = shapes_of(abstract_tiny(d_ff=90))
     with pytest.raises(ShardingError, match=match):
-        sharding.resolve(shapes, rules, sharding.make_mesh(mesh))
+        sharding.partition_specs(shapes, rules, sharding.make_mesh(mesh))
 
 
 def test_shard_rule_validation():
@@ -172,7 +172,7 @@ def test_sharded_load_equals_unsharded_bit_for_bit(tmp_path, reads, kind, mesh):
     model, tok = load(path, mesh=m)
     got, want = _variables(model), _variables(ref)
     assert set(got) == set(want)
-    specs = sharding.resolve({p: x.shape for p, x in got.items()}, sharding.llama_rules(), m)
+    specs = sharding.partition_specs({p: x.shape for p, x in got.items()}, sharding.llama_rules(), m)
     total = 0
     for p in want:
         np.testing.assert_array_equal(_bits(got[p]), _bits(want[p]), err_msg=p)

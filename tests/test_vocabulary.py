@@ -11,6 +11,7 @@ import types
 import warnings
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,7 +24,8 @@ PUBLIC_MODULES = [
     "jaxlowfp", "jaxlowfp.formats", "jaxlowfp.hif8", "jaxlowfp.nvfp4", "jaxlowfp.mx", "jaxlowfp.if4",
     "jaxlowfp.hadamard", "jaxlowfp.scaling", "jaxlowfp.dispatch", "jaxlowfp.rules", "jaxlowfp.registry",
     "jaxlowfp.training", "jaxlowfp.qat", "jaxlowfp.qnnx", "jaxlowfp.qlinen", "jaxlowfp.owg", "jaxlowfp.qwix_provider",
-    "jaxlowfp.harness", "jaxlowfp.evaluation", "jaxlowfp.models", "jaxlowfp.ptq",
+    "jaxlowfp.harness", "jaxlowfp.evaluation", "jaxlowfp.models", "jaxlowfp.ptq", "jaxlowfp.packed",
+    "jaxlowfp.backends", "jaxlowfp.ops", "jaxlowfp.execution", "jaxlowfp.sharding", "jaxlowfp.packed_layer",
 ]
 
 # The names that several modules define on purpose, each module its own object, with the one meaning they share.
@@ -37,13 +39,13 @@ PER_MODULE = {
     "FORMATS": "the format names of the module's family (jaxlowfp.formats: the element-format descriptors by name)",
     "RULES": "the block-scale rules the module accepts",
     "ROUNDINGS": "the rounding modes the module accepts (hif8: its tie rules ta / hybrid)",
-    "BLOCK": "the module's block size along the last axis",
     "QuantEinsum": "the quantized einsum layer of the module's framework (qnnx: Flax NNX, qlinen: Flax Linen)",
     "collect_stats": "the quantized layers' last statistics, in the module's framework",
     "set_observe_only": "switch the quantized layers to observe-only, in the module's framework",
     "load": "read a checkpoint: models.load builds the model (and tokenizer) from a checkpoint, ptq.load fills "
             "a given model from a directory written by ptq.export",
 }
+# names that are the same object in several modules on purpose (a re-export) need no entry: _same() accepts them
 
 
 def _public(module):
@@ -84,6 +86,105 @@ def test_no_two_public_names_mean_different_things():
     assert not unused, f"documented per-module names that no longer clash: {unused}"
 
 
+HELPERS = {"one_of", "float_input", "float_dtype", "pytree_dataclass", "deprecated_getattr", "renamed_kwarg",
+           "annotations", "Any", "Callable", "Sequence", "Mapping", "Literal", "NamedTuple", "ArrayLike", "DTypeLike",
+           "Path", "dataclasses", "functools", "np", "jnp", "jax", "nnx", "lax"}
+
+
+@pytest.mark.parametrize("name", PUBLIC_MODULES)
+def test_dir_shows_the_api_only(name):
+    """``dir()`` of every public module is its ``__all__``: no helper import, no typing name, no deprecated name;
+    every listed name resolves without a DeprecationWarning."""
+    mod = importlib.import_module(name)
+    listed = set(mod.__all__)
+    shown = {n for n in dir(mod) if not n.startswith("__")}
+    assert shown == listed, (name, sorted(shown - listed), sorted(listed - shown))
+    assert not shown & HELPERS, (name, sorted(shown & HELPERS))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        for n in listed:
+            getattr(mod, n)
+
+
+# Keywords whose meaning is fixed across the whole public API (issue 42: one keyword per meaning).
+KEYWORDS = {
+    "gemm": "the GEMM backend a quantized product runs on (QAT recipes, the lm-eval backend)",
+    "pallas_backend": "the Pallas backend of a kernel: 'triton' or 'mosaic'",
+    "impl": "Pallas kernel or XLA: 'auto', 'xla', 'pallas'",
+    "arithmetic": "the NVFP4 decode order: 'jaxlowfp' or 'compressed-tensors'",
+}
+
+
+def _public_callables():
+    seen = set()
+    for m in PUBLIC_MODULES:
+        for obj in _public(importlib.import_module(m)).values():
+            if callable(obj) and id(obj) not in seen:
+                seen.add(id(obj))
+                try:
+                    yield m, obj, inspect.signature(obj)
+                except (TypeError, ValueError):
+                    continue
+
+
+def test_one_keyword_one_meaning():
+    """A Pallas backend is never passed as ``backend=`` (``pallas_backend=``), and the NVFP4 decode order is never
+    ``convention=`` (``arithmetic=``; ``convention=`` is a peer's scaling convention, DelayedScaling's). Deprecated
+    spellings take None by default and warn."""
+    bad = []
+    for m, obj, sig in _public_callables():
+        ps = sig.parameters
+        for kw in ("backend", "convention"):
+            p = ps.get(kw)
+            if p is None:
+                continue
+            pallas = "pallas_backend" in ps or p.default in ("triton", "mosaic")
+            nvfp4_order = "arithmetic" in ps or p.default in ("jaxlowfp", "compressed-tensors")
+            if (kw == "backend" and pallas or kw == "convention" and nvfp4_order) and p.default is not None:
+                bad.append(f"{m}.{getattr(obj, '__name__', obj)}({kw}=)")
+    assert not bad, f"keywords with another meaning than elsewhere: {bad}"
+
+
+def test_one_format_type():
+    """One tensor format type, named by one registry; "nvfp4" is standard NVFP4 everywhere, 4/6 is named."""
+    import jaxlowfp
+    from jaxlowfp import ptq, qat
+
+    assert jaxlowfp.Format.parse("nvfp4") == jaxlowfp.Format(kind="nvfp4", rule="static_6")
+    assert jaxlowfp.Format.parse("nvfp4-static_6").name == "nvfp4"
+    assert qat.QuantSpec(format="nvfp4").rule == "static_6" and ptq.scheme("nvfp4").weight.rule == "static_6"
+    assert qat.named_recipe("nvfp4").weight.rule == "static_6" and qat.named_recipe("nvfp4-mse").weight.rule == "mse"
+    assert qat.QuantSpec(format=jaxlowfp.Format.parse("nvfp4-mse-16x16")).block_shape == (16, 16)
+    assert set(registry.FORMATS) == set(jaxlowfp.FORMATS) and len(set(registry.FORMATS)) == len(registry.FORMATS)
+    for name, fmt in jaxlowfp.FORMATS.items():
+        assert jaxlowfp.Format.parse(name) == fmt and fmt.name == name and hash(fmt) == hash(jaxlowfp.Format.parse(name))
+    with pytest.warns(DeprecationWarning):
+        legacy = ptq.TensorFormat(kind="nvfp4")
+    assert legacy == jaxlowfp.Format.parse("nvfp4-mse")  # the old name keeps its old default, and is the one type
+    with pytest.raises(ValueError, match="allowed"):
+        jaxlowfp.Format.parse("nvfp8")
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "nvfp4-mse", "if4-mse", "mxfp4", "mxfp8", "fp8", "hif8",
+                                  "nvfp4-ct"])
+def test_top_level_quantize_dispatches_on_the_format(name):
+    """``jaxlowfp.quantize(x, fmt)`` gives the per-format module's codes, ``dequantize`` their values, and
+    ``fake_quantize`` is ``dequantize(quantize(x))`` bit for bit, under jit too."""
+    import jaxlowfp
+
+    q = jaxlowfp.quantize(X, name)
+    y = np.asarray(jaxlowfp.dequantize(q))
+    assert y.shape == X.shape and q.shape == X.shape
+    if not name.endswith("-ct"):
+        np.testing.assert_array_equal(np.asarray(jaxlowfp.fake_quantize(X, name)), y)
+        np.testing.assert_array_equal(np.asarray(jax.jit(lambda v: jaxlowfp.fake_quantize(v, name))(X)), y)
+    if name.startswith("nvfp4") and not name.endswith("-ct"):
+        f = jaxlowfp.Format.parse(name)
+        ref = nvfp4.quantize(X, rule=f.rule, block_shape=f.block_shape)
+        np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(ref.codes))
+    assert float(np.max(np.abs(y - np.asarray(X)))) < 0.5 * float(np.max(np.abs(np.asarray(X))))
+
+
 def test_rule_is_one_type():
     from jaxlowfp import ptq, qnnx, rules
 
@@ -122,8 +223,8 @@ def test_model_level_calls_say_so():
 def test_format_modules_share_keyword_names():
     """The same meaning, the same keyword: format= (which format of the family), rule= (how a block picks its
     scale or grid); rounding=, block_shape=, global_amax=, key= where the module has them."""
-    vocabulary = {"format", "rule", "block_shape", "global_amax", "rounding", "key", "impl", "backend"}
-    deprecated = {"elem", "scale_rule"}
+    vocabulary = {"format", "rule", "block_shape", "global_amax", "rounding", "key", "impl", "pallas_backend"}
+    deprecated = {"elem", "scale_rule", "backend"}
     for module in (nvfp4, if4, mx):
         for fn in (module.quantize, module.fake_quantize):
             kw = {p.name for p in inspect.signature(fn).parameters.values() if p.kind is p.KEYWORD_ONLY}
@@ -162,11 +263,12 @@ def test_name_lists_come_from_the_registry():
     for name in registry.EVAL_QUANTIZE[1:]:  # every name builds what it says
         r = qat.named_recipe(name)
         assert isinstance(r, qat.Recipe)
-        if name.startswith(("nvfp4-", "if4-")):
-            kind, rule = name.split("-", 1)
+        if name.startswith(("nvfp4", "if4-")):
+            kind, rule = name.split("-", 1) if "-" in name else (name, "static_6")
             assert (r.weight.format, r.weight.rule) == (kind, rule)
     for name in registry.PTQ_FORMATS:
         assert ptq.scheme(name).weight.kind == name.split("-")[0]
+        assert ptq.scheme(name).weight.name == name  # the registry's name is the format's own
 
 
 def _deprecated():
@@ -179,6 +281,12 @@ def _deprecated():
     return out
 
 
+# old names whose object is a shim with the old defaults (NVFP4 rule "mse") that builds the new type
+LEGACY_SHIMS = {("jaxlowfp.packed", "PackedFormat"), ("jaxlowfp.ptq", "TensorFormat")}
+# old names that keep their old object (the new name is a different, broader one)
+KEPT = {("jaxlowfp.qat", "dot_general")}
+
+
 def test_deprecated_names_warn_and_still_work():
     found = _deprecated()
     assert {(m, old) for m, old, _, _ in found} >= {
@@ -186,7 +294,9 @@ def test_deprecated_names_warn_and_still_work():
         ("jaxlowfp.if4", "Format"), ("jaxlowfp.mx", "ELEMENTS"), ("jaxlowfp.mx", "SCALE_RULES"),
         ("jaxlowfp.harness", "fake_quantize"), ("jaxlowfp.qnnx", "quantize"), ("jaxlowfp.ptq", "quantize"),
         ("jaxlowfp.owg", "encode"), ("jaxlowfp.owg", "decode"),
-        ("jaxlowfp.owg", "init")}
+        ("jaxlowfp.owg", "init"), ("jaxlowfp.ptq", "TensorFormat"), ("jaxlowfp.packed", "PackedFormat"),
+        ("jaxlowfp.formats", "Format"), ("jaxlowfp.ptq", "pack"), ("jaxlowfp.dispatch", "BACKENDS"),
+        ("jaxlowfp.sharding", "resolve"), ("jaxlowfp.qat", "dot_general")}
     changelog = (ROOT / "CHANGELOG.md").read_text()
     for m, old, new, get in found:
         mod = importlib.import_module(m)
@@ -195,7 +305,13 @@ def test_deprecated_names_warn_and_still_work():
             obj = getattr(mod, old)
         assert obj is get()
         new_module, new_name = new.rsplit(".", 1)
-        assert obj is getattr(importlib.import_module(new_module), new_name)  # the new name is public
+        new_obj = getattr(importlib.import_module(new_module), new_name)  # the new name is public
+        if (m, old) in LEGACY_SHIMS:  # the old name keeps its old defaults and builds the new type
+            assert isinstance(obj(kind="nvfp4"), new_obj)
+        elif (m, old) in KEPT:
+            assert callable(obj) and callable(new_obj) and obj is not new_obj
+        else:
+            assert obj is new_obj
         assert f"`{m}.{old}`" in changelog and f"`{new}`" in changelog, f"CHANGELOG.md does not list {m}.{old}"
     with pytest.warns(DeprecationWarning):
         from jaxlowfp.nvfp4 import Rule  # noqa: F401  (from-imports go through the module __getattr__ too)

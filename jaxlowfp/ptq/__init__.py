@@ -41,6 +41,7 @@ Schemes (`formats`): ``"nvfp4-static_6"``, ``"nvfp4-static_4"``, ``"nvfp4-abs_ma
 >>> res.report.quantized, res.report.unmatched, res.report.unused_rules
 ((('up_proj', 'nvfp4-mse'),), ('down_proj',), ('gate_proj',))
 """
+from jaxlowfp._core.surface import public_dir as _public_dir
 from jaxlowfp.ptq.api import METHODS, RTN, PTQResult, Rule, method_from_name, smooth_model
 from jaxlowfp.ptq.api import quantize as quantize_model
 from jaxlowfp.ptq.layers import ActQuant, EinsumActQuant
@@ -76,6 +77,9 @@ def _tensor_format() -> type:
 
 __getattr__ = deprecated_getattr(__name__, {
     "quantize": ("jaxlowfp.ptq.quantize_model", lambda: quantize_model),
-    "pack": ("jaxlowfp.ptq.pack_model (jaxlowfp.quantize packs one tensor)", lambda: pack_model),
+    "pack": ("jaxlowfp.ptq.pack_model", lambda: pack_model),
     "TensorFormat": ("jaxlowfp.Format", _tensor_format),
 })
+
+
+__dir__ = _public_dir(__all__)  # dir() shows the API only (jaxlowfp._core.surface)

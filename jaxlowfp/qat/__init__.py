@@ -18,7 +18,8 @@ statistics, so the amax history is warm when quantization starts.
 dequantized operands in high precision), "fp8" (cuBLASLt's FP8 GEMM on the E4M3 codes), "scaled_matmul"
 (``jax.nn.scaled_matmul`` on the NVFP4 / MX codes and block scales) or "auto"; the backward pass is the same.
 
-A matmul (:func:`dot_general`, :func:`linear`) fake-quantizes its activation (lhs) and weight (rhs) operands per a
+A matmul (:func:`linear`; any contraction: :func:`jaxlowfp.dot_general`) fake-quantizes its activation (lhs) and
+weight (rhs) operands per a
 :class:`Recipe`. If the recipe quantizes gradients, the backward pass quantizes the output gradient, optionally with
 stochastic rounding and a 16-point Hadamard transform on both weight-gradient operands; block-scaled (NVFP4) operands
 are re-quantized from high precision along the axis the backward GEMM contracts, never reusing forward block scales.
@@ -50,9 +51,11 @@ anyway. The int32 counters are exact: tensors of 2**31 elements or more are refu
 >>> y.tolist(), float(stats.amax_estimate), round(float(stats.saturated_fraction), 3)
 ([1.0, -2.0, 3.0], 3.0, 0.333)
 """
+from jaxlowfp._core.deprecation import deprecated_getattr as _deprecated_getattr
+from jaxlowfp._core.surface import public_dir as _public_dir
 from jaxlowfp.qat.scaled_quant import fake_quant, scaled_round
 from jaxlowfp.qat import gemm
-from jaxlowfp.qat.matmul import dot_general, linear
+from jaxlowfp.qat.matmul import linear
 from jaxlowfp.qat.spec import (
     CLIPS,
     GEMMS,
@@ -85,7 +88,6 @@ __all__ = [
     "Warmup",
     "scaled_round",
     "fake_quant",
-    "dot_general",
     "linear",
     "hif8_w8a8",
     "fp8_delayed",
@@ -95,3 +97,16 @@ __all__ = [
     "if4_training",
     "named_recipe",
 ]
+
+
+
+def _batched_dot_general():  # the old qat.dot_general: the op layer runs it for contractions with batch axes
+    from jaxlowfp.qat import matmul
+
+    return matmul.dot_general
+
+
+# old name (one release): the quantized dot_general of the API is the op layer's, jaxlowfp.dot_general
+__getattr__ = _deprecated_getattr(__name__, {"dot_general": ("jaxlowfp.dot_general", _batched_dot_general)})
+
+__dir__ = _public_dir(__all__)  # dir() shows the API only (jaxlowfp._core.surface)

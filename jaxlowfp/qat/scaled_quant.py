@@ -76,7 +76,7 @@ def nvfp4_fake_quant(x: jax.Array, spec: QuantSpec, global_amax: jax.Array | Non
                                global_amax=global_amax, rounding=spec.rounding, key=k)
     else:
         yt = nvfp4.fake_quantize(xt, rule=spec.rule, block_shape=spec.block_shape, global_amax=global_amax,
-                                 rounding=spec.rounding, key=k, impl=spec.impl, backend=spec.backend)
+                                 rounding=spec.rounding, key=k, impl=spec.impl, pallas_backend=spec.pallas_backend)
     return jnp.moveaxis(yt.astype(x.dtype), -1, axis)
 
 
@@ -114,7 +114,8 @@ def fixed_estimate(spec: QuantSpec) -> bool:
 def fused_kernel(spec: QuantSpec, x: jax.Array) -> bool:
     """Whether `x` goes through the fused Pallas HiF8 kernel (one pass: value, amax and counters)."""
     return spec.format == "hif8" and convention(spec) == "default" and not per_token(spec) and dispatch.resolve_impl(
-        spec.impl, kernel=KERNELS["hif8"], backend=spec.backend, config={"dtype": str(x.dtype)}) == "pallas"
+        spec.impl, kernel=KERNELS["hif8"], pallas_backend=spec.pallas_backend,
+        config={"dtype": str(x.dtype)}) == "pallas"
 
 
 def round_with(xs: jax.Array, spec: QuantSpec, est: jax.Array, key: jax.Array | None, axis: int = -1) -> Rounded:
@@ -139,7 +140,7 @@ def round_with(xs: jax.Array, spec: QuantSpec, est: jax.Array, key: jax.Array | 
         if conv == "default":
             bound = saturation_bound(scale, c, est if spec.clip == "target" else None)
             if fused_kernel(spec, xs):  # the kernel stays as it is; the non-finite policy is applied after it
-                counts = dispatch.kernel(KERNELS["hif8"], spec.backend)(xs, scale, c, bound=bound)
+                counts = dispatch.kernel(KERNELS["hif8"], spec.pallas_backend)(xs, scale, c, bound=bound)
                 yq = counts.y
                 sat = jnp.abs(xs.astype(jnp.float32)) > bound
             else:

@@ -12,6 +12,7 @@ import numpy as np
 from jaxlowfp import dispatch, formats, registry
 from jaxlowfp._core import format as _format
 from jaxlowfp._core.checks import one_of
+from jaxlowfp._core.deprecation import renamed_kwarg
 from jaxlowfp._core.if4_blocks import IFConfig, IFRule
 from jaxlowfp._core.nvfp4_blocks import NVFP4Config, NVFP4Rule, Rounding
 from jaxlowfp.scaling import (Algorithm, AmaxHistory, Convention, CurrentScaling, DelayedScaling, PendingAmax,
@@ -80,7 +81,8 @@ class QuantSpec:
       impl: "auto" (Pallas kernel on a GPU that supports it, XLA elsewhere), "xla" (the jnp code) or "pallas"
         (the kernel, or a clear error where it cannot run; see :mod:`jaxlowfp.dispatch`). Kernels exist for
         "hif8" and "nvfp4" (round to nearest).
-      backend: the Pallas backend of ``impl="pallas"``/``"auto"``: "triton" or "mosaic" (Mosaic GPU, sm_90+).
+      pallas_backend: the Pallas backend of ``impl="pallas"``/``"auto"``: "triton" or "mosaic" (Mosaic GPU,
+        sm_90+); ``backend=`` is its deprecated name.
     """
 
     format: Literal["hif8", "e4m3", "e5m2", "nvfp4", "if4", "mxfp4", "mxfp8"] = "hif8"
@@ -93,13 +95,17 @@ class QuantSpec:
     rounding: Rounding = "nearest"
     hadamard: bool = False
     impl: Literal["auto", "xla", "pallas"] = "auto"
-    backend: Literal["triton", "mosaic"] = "triton"
+    pallas_backend: Literal["triton", "mosaic"] = "triton"
+    backend: dataclasses.InitVar[str | None] = None  # deprecated name of pallas_backend
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, backend: str | None = None) -> None:
+        if backend is not None:
+            object.__setattr__(self, "pallas_backend", renamed_kwarg(
+                "QuantSpec", "backend", backend, "pallas_backend", self.pallas_backend, "triton", stacklevel=5))
         self._take_format()
         one_of(self.format, FORMATS, "format")
         one_of(self.impl, dispatch.IMPLS, "impl")
-        one_of(self.backend, dispatch.BACKENDS, "backend")
+        one_of(self.pallas_backend, dispatch.PALLAS_BACKENDS, "pallas_backend")
         if self.impl == "pallas" and (self.format not in KERNELS or self.rounding != "nearest"):
             raise ValueError(
                 f"impl='pallas' has kernels for format 'hif8' and for 'nvfp4' with rounding='nearest'; got "

@@ -28,6 +28,7 @@ cloned, and the new `QuantLinear` holds the very same `nnx.Param` objects as the
 >>> type(model.up_proj).__name__, report.unmatched, report.unused_rules
 ('QuantLinear', ('down_proj',), ('gate_proj',))
 """
+from jaxlowfp._core.surface import public_dir as _public_dir
 from jaxlowfp.qnnx.layer import (AmaxState, QuantEinsum, QuantLinear, QuantLinearGeneral, QuantOp, QuantPhase,
                                  QuantRaggedOp, QuantStatsState)
 from jaxlowfp.qnnx.rules import iter_quant_linears, iter_quant_ops, paper_rules
@@ -59,3 +60,6 @@ __all__ = [
 from jaxlowfp._core.deprecation import deprecated_getattr  # noqa: E402
 
 __getattr__ = deprecated_getattr(__name__, {"quantize": ("jaxlowfp.qnnx.quantize_model", lambda: quantize_model)})
+
+
+__dir__ = _public_dir(__all__)  # dir() shows the API only (jaxlowfp._core.surface)
