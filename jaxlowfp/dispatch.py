@@ -11,7 +11,8 @@ the library looks a kernel up.
   chosen by "auto" on its own.
 
 Kernels are found by name through :data:`KERNELS` (``"module:function"`` strings, imported on first use), so the
-library never imports ``pallas_kernels`` (installed as ``jaxlowfp_pallas``) at import time and the kernels never import the library.
+library never imports ``pallas_kernels`` (installed as ``jaxlowfp_pallas``) at import time and the kernels never
+import the library.
 
 >>> from jaxlowfp import dispatch
 >>> dispatch.resolve_impl("auto", kernel="nvfp4.quantize")   # on a CPU

@@ -78,7 +78,7 @@ class Format:
             raise ValueError(f"rule={self.rule!r} applies to the block-scaled formats (nvfp4, if4, mxfp4, mxfp8); "
                              f"got kind={self.kind!r}")
         if self.kind in TWO_LEVEL:
-            bs = (1, 16) if self.block_shape is None else self.block_shape
+            bs: Any = (1, 16) if self.block_shape is None else self.block_shape
             bs = tuple(bs) if isinstance(bs, (list, tuple)) else bs
             _one_of(bs, tuple(names.NVFP4_BLOCK_SHAPES), "block_shape")
             object.__setattr__(self, "block_shape", bs)
@@ -122,8 +122,8 @@ class Format:
         if rest == "16x16" or rest.endswith("-16x16"):
             bs, rest = (16, 16), rest[:-len("16x16")].rstrip("-")
         if kind not in KINDS:
-            raise ValueError(f"unknown format {name!r}; allowed: {', '.join(FORMATS)} (and -16x16 tiles for "
-                             f"nvfp4 / if4)")
+            raise ValueError(f"unknown format {name!r} (kind={kind!r} is not one of {', '.join(KINDS)}); allowed "
+                             f"names: {', '.join(FORMATS)}, and -16x16 tiles for nvfp4 / if4")
         return cls(kind=kind, rule=rest or None, block_shape=bs, arithmetic=arith)
 
     @property

@@ -219,7 +219,7 @@ def _rtn(kernel: jax.Array, fmt: Format, global_amax: jax.Array | None = None):
     if fmt.kind != "nvfp4":
         return fake_quantize(wt, fmt).T, None, None
     amax = jnp.max(jnp.abs(wt)) if global_amax is None else global_amax
-    arr = nvfp4.quantize(wt, rule=fmt.rule, block_shape=fmt.block_shape, global_amax=amax)
+    arr = nvfp4.quantize(wt, rule=cast(nvfp4.NVFP4Rule, fmt.rule), block_shape=fmt.block_shape, global_amax=amax)
     s_enc = nvfp4.global_scales(amax, fmt.rule)[0]
     return arr.dequantize(jnp.float32).T, arr, s_enc
 
@@ -258,7 +258,8 @@ def rtn_weight(kernel: jax.Array, fmt: Format, global_amax: jax.Array | None = N
 def nvfp4_fix(cols: jax.Array, fmt: Format, global_amax: jax.Array) -> jax.Array:
     """E4M3 block scales (float32 values, one per row [out]) of the 16 columns `cols` [out, 16] as they stand,
     with the tensor's global amax: the block scale and the 4-or-6 choice of `nvfp4.quantize`."""
-    arr = nvfp4.quantize(cols, rule=fmt.rule, block_shape=fmt.block_shape, global_amax=global_amax)
+    arr = nvfp4.quantize(cols, rule=cast(nvfp4.NVFP4Rule, fmt.rule), block_shape=fmt.block_shape,
+                         global_amax=global_amax)
     s = arr.scales.astype(jnp.float32).reshape(-1)  # [out] (1x16) or [out / 16] (16x16 tiles)
     return jnp.repeat(s, fmt.rows) if fmt.rows > 1 else s
 

@@ -290,7 +290,8 @@ def _clip(w: jax.Array, x: jax.Array, ratios: jax.Array, *, fmt: Format, chunk: 
 
     def quant(v):  # [out, n] -> fake-quantized with the fixed global amax
         if fmt.kind == "nvfp4":
-            return nvfp4.fake_quantize(v, rule=fmt.rule, block_shape=fmt.block_shape, global_amax=amax)
+            return nvfp4.fake_quantize(v, rule=fmt.rule, block_shape=fmt.block_shape,  # type: ignore[arg-type]
+                                       global_amax=amax)
         return fake_quantize(v, fmt)
 
     def err(r):  # [out, blocks]: mean over tokens of the squared block output error

@@ -115,7 +115,8 @@ def _block_quantize(x: jax.Array, spec: QuantSpec, est: jax.Array | None) -> Any
     if spec.is_mx:
         return mx.quantize(x, format=MX_ELEMENTS[spec.format])  # type: ignore[arg-type]
     return nvfp4.quantize(x, rule=spec.rule, block_shape=spec.block_shape,  # type: ignore[arg-type]
-                          global_amax=est if fixed_estimate(spec) else None, impl=spec.impl, backend=spec.backend)
+                          global_amax=est if fixed_estimate(spec) else None, impl=spec.impl,
+                          pallas_backend=spec.pallas_backend)
 
 
 def forward(backend: str, recipe: Recipe, dn: tuple, ops: Operands, out_dtype: Any) -> jax.Array:

@@ -4,7 +4,7 @@ their state and statistics pytrees, and the recipe factories (``hif8_w8a8``, ``n
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, NamedTuple, cast
+from typing import Any, Literal, NamedTuple, cast
 
 import jax
 import numpy as np
@@ -85,7 +85,7 @@ class QuantSpec:
         sm_90+); ``backend=`` is its deprecated name.
     """
 
-    format: Literal["hif8", "e4m3", "e5m2", "nvfp4", "if4", "mxfp4", "mxfp8"] = "hif8"
+    format: Literal["hif8", "e4m3", "e5m2", "nvfp4", "if4", "mxfp4", "mxfp8"] = "hif8"  # or a Format: see above
     scaling: Scaling | None = None
     target_max: float | None = None
     clip: Literal["target", "format"] = "target"
@@ -164,7 +164,7 @@ class QuantSpec:
     def _take_format(self) -> None:
         """``format=`` as a :class:`~jaxlowfp.Format` or one of its names ("nvfp4-mse", "fp8", ...) becomes its
         kind, rule and block shape here (a rule or block shape given as well must agree with it)."""
-        fmt = self.format
+        fmt: Any = self.format
         if isinstance(fmt, str):
             if fmt in FORMATS or fmt not in _format.FORMATS and "-" not in fmt:
                 return  # a kind ("hif8", "e4m3", "nvfp4", ...), with rule= and block_shape= as given
