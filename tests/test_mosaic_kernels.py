@@ -25,8 +25,8 @@ import pytest
 
 from jaxlowfp import dispatch, nvfp4, qat
 from jaxlowfp._core.capability import PallasUnavailableError
-from pallas_kernels import _mosaic as mg
-from pallas_kernels import mosaic_hif8, mosaic_nvfp4
+from jaxlowfp_pallas import _mosaic as mg
+from jaxlowfp_pallas import mosaic_hif8, mosaic_nvfp4
 
 plgpu = mg.require()
 RACES = plgpu.InterpretGPUParams(detect_races=True)
@@ -275,7 +275,7 @@ _COMPILE_SCRIPT = textwrap.dedent("""
     from jax.experimental import topologies
     from jax.sharding import NamedSharding, PartitionSpec
     import compile_kernels as ck
-    from pallas_kernels import mosaic_hif8, mosaic_nvfp4
+    from jaxlowfp_pallas import mosaic_hif8, mosaic_nvfp4
 
     target = sys.argv[1]
     text = ck.target_config({{**ck.TARGETS, **ck.EXTRA_TARGETS}}[target])

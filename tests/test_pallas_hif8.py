@@ -14,7 +14,7 @@ import pytest
 
 from jaxlowfp import hif8, qat
 from jaxlowfp.dispatch import INTERPRET_ENV, PallasUnavailableError
-from pallas_kernels import hif8 as phif8
+from jaxlowfp_pallas import hif8 as phif8
 
 
 _twin = jax.jit(lambda x, scale, clip: qat.scaled_round(x, scale, clip, "hif8"), static_argnums=2)

@@ -16,9 +16,9 @@ import pytest
 
 from jaxlowfp import dispatch
 from jaxlowfp.dispatch import INTERPRET_ENV, PallasUnavailableError
-from pallas_kernels import _common
-from pallas_kernels import hif8 as phif8
-from pallas_kernels import nvfp4 as pnvfp4
+from jaxlowfp_pallas import _common
+from jaxlowfp_pallas import hif8 as phif8
+from jaxlowfp_pallas import nvfp4 as pnvfp4
 
 SHAPES = [  # realistic sizes, both dtypes; 5120 columns and 4095 rows leave ragged last blocks
     ((8192, 8192), jnp.float32),

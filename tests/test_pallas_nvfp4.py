@@ -15,7 +15,7 @@ import pytest
 
 from jaxlowfp import nvfp4
 from jaxlowfp.dispatch import INTERPRET_ENV, PallasUnavailableError
-from pallas_kernels import nvfp4 as pk
+from jaxlowfp_pallas import nvfp4 as pk
 
 F32 = np.float32
 FLT_MAX = F32(np.finfo(np.float32).max)
