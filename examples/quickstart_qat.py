@@ -1,5 +1,7 @@
 # One HiF8 W8A8 QAT step with max-window delayed scaling on a Flax NNX model (runs in seconds on a CPU)
-import jax, jax.numpy as jnp, optax
+import jax
+import jax.numpy as jnp
+import optax
 from flax import nnx
 from jaxlowfp import qat, qnnx, training
 
