@@ -16,9 +16,10 @@ demo: setup
 # where running them after pytest would add their whole wall time; their output comes after the tests'. Any of the
 # three failing fails the target. `--dist worksteal`: a worker that runs out of tests takes queued tests from the
 # other (`loadfile` pinned each long file to one worker, so one worker idled while the other ran a long file).
+# `--durations=25`: CI's log names the slowest tests.
 test: setup
 	@nice -n 19 $(MAKE) --no-print-directory docs lint > .make-test-checks.log 2>&1 & checks=$$!; \
-	$(PY) -m pytest -n 2 --dist worksteal $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m pytest -n 2 --dist worksteal --durations=25 $(PYTEST_ARGS); rc=$$?; \
 	wait $$checks; crc=$$?; cat .make-test-checks.log; rm -f .make-test-checks.log; \
 	if [ $$crc -ne 0 ]; then echo "make test: docs or lint failed (above)"; exit 1; fi; exit $$rc
 

@@ -71,3 +71,11 @@ def smollm2(smollm2_shared):
     from flax import nnx
     model, tok = smollm2_shared
     return nnx.clone(model), tok
+
+
+def pytest_collection_modifyitems(config, items):
+    """`slow` marks the tests that run SmolLM2-135M in this process (they take its fixtures): ``-m "not slow"`` is a
+    quick run while developing; `make test` runs everything."""
+    for item in items:
+        if {"smollm2_shared", "smollm2"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

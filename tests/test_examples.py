@@ -28,6 +28,7 @@ def kernel():
     km.shutdown_kernel(now=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs(path, kernel):
     nb = nbformat.read(path, as_version=4)

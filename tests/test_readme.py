@@ -30,6 +30,7 @@ def _snippet() -> str:
     return found[0]
 
 
+@pytest.mark.slow
 def test_the_library_snippet_imports_only_jaxlowfp(tmp_path):
     code = _snippet()
     imports = re.findall(r"^(?:from|import) (\w+)", code, re.M)
