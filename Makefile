@@ -11,11 +11,15 @@ setup:
 demo: setup
 	$(PY) -m train
 
-# docs and lint run next to the tests (the two pytest workers leave a core partly idle), their output after the
-# tests'; any of the three failing fails the target
+# docs and lint run next to the tests at the lowest CPU priority (`nice -n 19`): on CI's 2 cores they take only what
+# the two pytest workers leave idle (imports, subprocess start-ups, the last worker's tail) and never slow them,
+# where running them after pytest would add their whole wall time; their output comes after the tests'. Any of the
+# three failing fails the target. `--dist worksteal`: a worker that runs out of tests takes queued tests from the
+# other (`loadfile` pinned each long file to one worker, so one worker idled while the other ran a long file).
+# `--durations=25`: CI's log names the slowest tests.
 test: setup
-	@$(MAKE) --no-print-directory docs lint > .make-test-checks.log 2>&1 & checks=$$!; \
-	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS); rc=$$?; \
+	@nice -n 19 $(MAKE) --no-print-directory docs lint > .make-test-checks.log 2>&1 & checks=$$!; \
+	$(PY) -m pytest -n 2 --dist worksteal --durations=25 $(PYTEST_ARGS); rc=$$?; \
 	wait $$checks; crc=$$?; cat .make-test-checks.log; rm -f .make-test-checks.log; \
 	if [ $$crc -ne 0 ]; then echo "make test: docs or lint failed (above)"; exit 1; fi; exit $$rc
 

@@ -21,6 +21,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
@@ -51,3 +53,29 @@ def pytest_unconfigure(config):
     """The controlling process (not an xdist worker) deletes the cache it made."""
     if _OWN_CACHE and not hasattr(config, "workerinput"):
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_shared():
+    """SmolLM2-135M (``jaxlowfp.models.load("smollm2-135m")``: model, tokenizer), loaded once per pytest worker
+    (about 10 s each time on 2 cores) and shared by the tests that only read it. A test that changes the model
+    (quantizes it, sets its weights) takes ``smollm2`` below, its own copy."""
+    from jaxlowfp.models import load
+    return load("smollm2-135m")
+
+
+@pytest.fixture
+def smollm2(smollm2_shared):
+    """A fresh copy of the shared SmolLM2 (``nnx.clone``: its own parameter arrays, the same values), for a test that
+    changes the model; with the shared tokenizer (it holds no state the tests change)."""
+    from flax import nnx
+    model, tok = smollm2_shared
+    return nnx.clone(model), tok
+
+
+def pytest_collection_modifyitems(config, items):
+    """`slow` marks the tests that run SmolLM2-135M in this process (they take its fixtures): ``-m "not slow"`` is a
+    quick run while developing; `make test` runs everything."""
+    for item in items:
+        if {"smollm2_shared", "smollm2"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

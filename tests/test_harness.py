@@ -234,8 +234,8 @@ def test_command_line_prints_lm_evals_table(tiny):
     assert "jaxlowfp ({'pretrained': " in proc.stdout and "'max_length': 32" in proc.stdout
 
 
-def test_smollm2_end_to_end():
-    model, tok = load("smollm2-135m")
+def test_smollm2_end_to_end(smollm2_shared):
+    model, tok = smollm2_shared  # conftest's, loaded once per worker (read only here)
     lm = JaxLowFPLM(model=model, tokenizer=tok, batch_size=8, max_length=64)
     res = _evaluate(lm, [MC, ROLLING], limit=3)
     samples = sorted(res["samples"][MC], key=lambda s: s["doc_id"])

@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlowfp import ptq
-from jaxlowfp.models import load
 
 FIX = Path(__file__).parent / "fixtures" / "interop"
 LINEARS = r"blocks/\d+/(attn|mlp)/\w+_proj"
@@ -21,13 +20,13 @@ def _logprobs(z):
     return z - np.log(np.exp(z).sum(-1, keepdims=True))
 
 
-def test_llamacpp_ran_our_gguf_with_our_weights():
+def test_llamacpp_ran_our_gguf_with_our_weights(smollm2):
     """llama.cpp's per-token log-probs (fixture) of the float32 control GGUF (our 4/6 weights as F32) against our
     forward of the same model: 1e-4 (two float32 forwards, different summation orders; llama.cpp run with an F32 KV
     cache); the NVFP4 file 0.15 nats per token on average (llama.cpp's CPU backend quantizes activations to Q8_0
     for NVFP4 dot products: 0.067 measured)."""
     fx = np.load(FIX / "smollm2_consumers.npz")
-    model, _ = load("smollm2-135m")
+    model, _ = smollm2  # conftest's fresh copy of the worker's SmolLM2 (quantized in place below)
     rules = [ptq.Rule(path=LINEARS, scheme=ptq.scheme("nvfp4-mse", weights_only=True))]
     ptq.quantize_model(model, rules, method="rtn")
     ids = fx["llamacpp/tokens"]

@@ -319,8 +319,8 @@ def test_the_readme_snippet_runs(monkeypatch, capsys):
     import re
 
     root = Path(__file__).resolve().parents[1]
-    blocks = re.findall(r"```python\n(.*?)```", (root / "README.md").read_text(), re.S)
+    blocks = re.findall(r"```python\n(.*?)```", (root / "docs" / "moe.md").read_text(), re.S)  # moved from README
     (code,) = [b for b in blocks if b.startswith("# Mixture of experts")]
     monkeypatch.chdir(root)
-    exec(compile(code, "README.md", "exec"), {})
+    exec(compile(code, "docs/moe.md", "exec"), {})
     assert capsys.readouterr().out.splitlines() == ["MoEDecoder 8 2 True", "True", "8"]

@@ -11,15 +11,14 @@ import numpy as np
 import pytest
 
 from jaxlowfp.models.llama import generate
-from jaxlowfp.models import load
 
 GOLDEN = np.load(Path(__file__).parent / "fixtures" / "smollm2_golden.npz")
 TOL = 1e-3  # absolute, per token log-probability (the bar)
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    return load("smollm2-135m")
+def smollm2(smollm2_shared):
+    return smollm2_shared  # conftest's, loaded once per worker; these tests only read it
 
 
 @pytest.fixture(scope="module")

@@ -234,10 +234,10 @@ def test_linen_provider_equals_qlinen(recipe):
 def test_the_readme_qwix_snippet_runs(capsys):
     import re
     from pathlib import Path
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs" / "qwix_maxtext.md").read_text()  # moved from README
     found = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if b.startswith("# Qwix: pip install")]
-    assert len(found) == 1, "the README's Qwix snippet is missing"
-    exec(compile(found[0], "README.md (Qwix snippet)", "exec"), {})
+    assert len(found) == 1, "the Qwix snippet of docs/qwix_maxtext.md is missing"
+    exec(compile(found[0], "docs/qwix_maxtext.md (Qwix snippet)", "exec"), {})
     ops, loss = capsys.readouterr().out.strip().rsplit("] ", 1)
     assert ops == "['jaxlowfp_einsum0', 'out/jaxlowfp_dot_general0'" and np.isfinite(float(loss))
 
