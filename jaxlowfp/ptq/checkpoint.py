@@ -86,11 +86,61 @@ META_FILE = "jaxlowfp_ptq.json"
 _SUFFIX = {"kernel": "weight", "scale": "weight", "embedding": "weight"}
 
 
-def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
-    """Every tensor of a .safetensors file (`jaxlowfp.models.quantized.read_safetensors`, float8 included)."""
+def read_safetensors(path: str | Path, *, check_finite: bool = True) -> dict[str, np.ndarray]:
+    """Every tensor of a .safetensors file (`jaxlowfp.models.quantized.read_safetensors`, float8 included: the
+    header validated against the file first, every float tensor finite unless ``check_finite=False``)."""
     from jaxlowfp.models.quantized import read_safetensors as read  # imported on use: ptq does not need models
 
-    return read(path)
+    return read(path, check_finite=check_finite)
+
+
+def tensor_digests(path: str | Path) -> dict[str, str]:
+    """{tensor name: SHA-256 of its bytes} of a .safetensors file (header validated first): what `export` records
+    in ``jaxlowfp_ptq.json`` and `load` verifies, so a damaged or swapped weights file is named, tensor by tensor,
+    before anything is loaded."""
+    import hashlib
+
+    from jaxlowfp.models.quantized import safetensors_header
+
+    header, start = safetensors_header(path)
+    out = {}
+    with open(path, "rb") as f:
+        for name, info in header.items():
+            a, b = info["data_offsets"]
+            f.seek(start + a)
+            h = hashlib.sha256()
+            left = b - a
+            while left:
+                chunk = f.read(min(left, 1 << 24))
+                if not chunk:
+                    break
+                h.update(chunk)
+                left -= len(chunk)
+            out[name] = h.hexdigest()
+    return out
+
+
+def _expected_tensors(model_params: Mapping[str, Any], names: Mapping[str, Any], meta: Mapping[str, Any],
+                      linears: Mapping[str, Any]) -> tuple[set[str], set[str]]:
+    """(the tensors `load` reads for the model's parameters, those it may find besides: activation scales)."""
+    need, optional = set(), set()
+    layers = meta["layers"]
+    for path in model_params:
+        mod_path, leaf = path.rsplit("/", 1) if "/" in path else ("", path)
+        name = names[path]
+        info = layers.get(path) if isinstance(name, list) else (layers.get(mod_path) if leaf == "kernel" else None)
+        if info is None:
+            need |= set(name) if isinstance(name, list) else {name}
+            continue
+        kind = (info.get("weight") or {}).get("kind")
+        for m in info.get("names", [info.get("name")]):
+            if kind == "fp8":
+                need |= {f"{m}.weight", f"{m}.weight_scale"}
+                optional.add(f"{m}.input_scale")
+            else:
+                need |= {f"{m}.weight_packed", f"{m}.weight_scale", f"{m}.weight_global_scale"}
+                optional.add(f"{m}.input_global_scale")
+    return need, optional
 
 
 def default_name(path: str) -> str:
@@ -394,9 +444,19 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
         raise ValueError("vLLM fuses these layers and decodes each group with its largest global scale, so their "
                          "global scales must be equal (quantize with fused='auto'): " + "; ".join(unfused[:3]))
     with stream.Spool(near=directory) as spool:  # tensor by tensor: one on the host at a time (ptq/stream.py)
-        return _write(model, result, Path(directory), spool, params=params, linears=linears, name_of=name_of,
-                      model_config=model_config, tokenizer=tokenizer, dtype=dtype, schemes=schemes,
-                      per_expert=per_expert)
+        report = _write(model, result, Path(directory), spool, params=params, linears=linears, name_of=name_of,
+                        model_config=model_config, tokenizer=tokenizer, dtype=dtype, schemes=schemes,
+                        per_expert=per_expert)
+    _record_digests(Path(directory))
+    return report
+
+
+def _record_digests(directory: Path) -> None:
+    """Add each written tensor's SHA-256 (`tensor_digests`) to ``jaxlowfp_ptq.json``: `load` verifies them."""
+    meta_path = directory / META_FILE
+    meta = json.loads(meta_path.read_text())
+    meta["sha256"] = tensor_digests(directory / WEIGHTS_FILE)
+    meta_path.write_text(json.dumps(meta, indent=1))
 
 
 def _write(model: nnx.Module, result: PTQResult, directory: Path, spool: stream.Spool, *, params: dict,
@@ -552,7 +612,14 @@ def _fp8_weight(m: str, tensors: Mapping[str, np.ndarray]) -> Any:
 def _nvfp4_array(m: str, tensors: Mapping[str, np.ndarray], w_fmt: TensorFormat) -> tuple[nvfp4.NVFP4Array, jax.Array]:
     """The NVFP4 codes and scales of packed module `m` as written ([out, in]), and its encode scale S_enc."""
     codes, scales = tensors[f"{m}.weight_packed"], tensors[f"{m}.weight_scale"]
-    s_enc = jnp.asarray(tensors[f"{m}.weight_global_scale"][0], jnp.float32)
+    g = tensors[f"{m}.weight_global_scale"]
+    if codes.dtype != np.uint8 or codes.ndim != 2 or scales.dtype != ml_dtypes.float8_e4m3fn:
+        raise ValueError(f"{m}: NVFP4 needs 2-D uint8 weight_packed and float8_e4m3fn weight_scale; got "
+                         f"{codes.dtype} {codes.shape}, {scales.dtype} {scales.shape}")
+    if scales.shape != (codes.shape[0], codes.shape[1] * 2 // 16) or codes.shape[1] % 8 or g.size != 1:
+        raise ValueError(f"{m}: weight_scale {scales.shape} and weight_global_scale {g.shape} do not fit "
+                         f"weight_packed {codes.shape} (one E4M3 scale per 16 values, one global scale)")
+    s_enc = jnp.asarray(g.reshape(-1)[0], jnp.float32)
     if w_fmt.rows > 1:
         scales = scales[:: w_fmt.rows]
     out, half = codes.shape
@@ -634,14 +701,50 @@ def load(model: nnx.Module, directory: str | Path, *, packed: bool = False, back
     meta_path = directory / META_FILE
     if not meta_path.is_file():
         raise FileNotFoundError(f"{directory}: no {META_FILE} (not written by jaxlowfp.ptq.export)")
-    meta = json.loads(meta_path.read_text())
-    tensors = read_safetensors(directory / WEIGHTS_FILE)
-    names = meta["tensor_names"]
+    from jaxlowfp.models.common import CheckpointError
+    from jaxlowfp.models.quantized import check_scales
+
+    try:
+        meta = json.loads(meta_path.read_text())
+        names = meta["tensor_names"]
+        if not (isinstance(names, dict) and isinstance(meta["layers"], dict)):
+            raise TypeError("tensor_names and layers must be JSON objects")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{meta_path}: corrupt ({type(e).__name__}: {e})") from None
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        raise CheckpointError(f"{weights}: file not found")
+    digests = meta.get("sha256")
+    if digests is not None:  # written by export: every tensor's bytes as they were written
+        got = tensor_digests(weights)
+        bad = sorted(n for n in set(got) | set(digests) if got.get(n) != digests.get(n))
+        if bad:
+            raise CheckpointError(f"{weights}: tensor {bad[0]} (and {len(bad) - 1} more) "
+                                  f"{'differs from' if bad[0] in got and bad[0] in digests else 'is not in'} what "
+                                  f"export wrote ({META_FILE} records a SHA-256 of each tensor): the file is damaged "
+                                  f"or from another export")
+    tensors = read_safetensors(weights)  # header checked against the file, every float tensor finite
+    check_scales(weights, tensors)
     params = _params(model)
     linears = linear_modules(model)
     missing = sorted(set(params) - set(names))
     if missing:
-        raise ValueError(f"{directory}: the model has parameters the checkpoint does not name: {missing[:5]}")
+        raise CheckpointError(f"{directory}: the model has parameters the checkpoint does not name: {missing[:5]} "
+                              f"(config.json and the weights do not belong together?)")
+    need, optional = _expected_tensors(params, names, meta, linears)
+    absent = sorted(need - set(tensors))
+    if absent:
+        raise CheckpointError(f"{weights}: tensors {absent[:5]} are missing ({len(absent)} in all)")
+    extra = sorted(set(tensors) - need - optional)
+    if extra:
+        raise CheckpointError(f"{weights}: tensors this model does not have: {extra[:5]}{' ...' if len(extra) > 5 else ''}"
+                              f" ({len(extra)} in all; config.json describes a smaller model than the weights, or the "
+                              f"directory mixes two exports)")
+    for path, info in meta["layers"].items():
+        amax = info.get("input_amax")
+        vals = np.asarray([] if amax is None else amax, np.float64).reshape(-1)
+        if not (np.isfinite(vals).all() and (vals >= 0).all()):
+            raise CheckpointError(f"{meta_path}: layer {path} has input_amax {amax}; it must be finite and >= 0")
     schemes = {}
     for path, var in params.items():
         mod_path, leaf = path.rsplit("/", 1) if "/" in path else ("", path)
