@@ -56,8 +56,12 @@ finite (the high-precision ones too) and every NVFP4 layer for finite, positive 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
+import shutil
+import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -386,7 +390,7 @@ def _write_experts(path: str, var: Any, names: list[str], result: PTQResult, ten
 def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
            tensor_names: Mapping[str, str] | Callable[[str], str] | None = None,
            model_config: Mapping[str, Any] | None = None, tokenizer: Any = None,
-           dtype: str = "float16") -> ExportReport:
+           dtype: str = "float16", overwrite: bool = False) -> ExportReport:
     """Write `model` (after `jaxlowfp.ptq.quantize` with NVFP4 weights) to `directory` (module docstring).
 
     `tensor_names` maps an NNX parameter path (``blocks/0/attn/q_proj/kernel``) to its checkpoint name
@@ -396,7 +400,12 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
     `jaxlowfp.models.Tokenizer`) is saved as ``tokenizer.json``. `dtype`: "float16", "bfloat16" or "float32" for
     the high-precision tensors of 2 or more dimensions. Refuses non-finite or zero scales, fused
     groups (q/k/v, gate/up) whose global scales differ, and returns an `ExportReport` (bits per parameter).
+
+    Atomic (`write_atomically`): the checkpoint is written into a temporary sibling directory, then renamed to
+    `directory`, so `directory` holds a whole export or is as it was; a `directory` that exists and is not empty
+    is refused (`TargetExistsError`) unless ``overwrite=True`` (then it is replaced whole, never written into).
     """
+    target_check(directory, overwrite)
     if not isinstance(result, PTQResult):
         raise TypeError(f"result must be the PTQResult of jaxlowfp.ptq.quantize; got {type(result).__name__}")
     schemes = {**result.schemes, **{p: r.scheme for p, r in result.experts.items() if r.scheme is not None}}
@@ -443,12 +452,65 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
     if unfused:
         raise ValueError("vLLM fuses these layers and decodes each group with its largest global scale, so their "
                          "global scales must be equal (quantize with fused='auto'): " + "; ".join(unfused[:3]))
-    with stream.Spool(near=directory) as spool:  # tensor by tensor: one on the host at a time (ptq/stream.py)
-        report = _write(model, result, Path(directory), spool, params=params, linears=linears, name_of=name_of,
-                        model_config=model_config, tokenizer=tokenizer, dtype=dtype, schemes=schemes,
-                        per_expert=per_expert)
-    _record_digests(Path(directory))
-    return report
+    with write_atomically(directory, overwrite) as tmp:
+        with stream.Spool(near=tmp) as spool:  # tensor by tensor: one on the host at a time (ptq/stream.py)
+            report = _write(model, result, tmp, spool, params=params, linears=linears, name_of=name_of,
+                            model_config=model_config, tokenizer=tokenizer, dtype=dtype, schemes=schemes,
+                            per_expert=per_expert)
+        _record_digests(tmp)
+    return dataclasses.replace(report, directory=Path(directory))
+
+
+class TargetExistsError(FileExistsError, ValueError):
+    """An export's target exists and is not empty (pass ``overwrite=True`` to replace it)."""
+
+
+def target_check(target: str | Path, overwrite: bool, what: str = "export") -> None:
+    """Refuse a `target` that exists and is not empty (a directory with files, or a file) unless `overwrite`:
+    exporting into an older export would mix the two."""
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite must be a bool; got {type(overwrite).__name__}")
+    t = Path(target)
+    if overwrite or not t.exists():
+        return
+    if t.is_dir():
+        held = sorted(p.name for p in t.iterdir())
+        if held:
+            raise TargetExistsError(f"{what}: {t} is not empty ({', '.join(held[:4])}{' ...' if len(held) > 4 else ''}"
+                                    f"); refusing to write into it. Pass overwrite=True to replace it, or choose "
+                                    f"an empty or new directory")
+    else:
+        raise TargetExistsError(f"{what}: {t} exists; refusing to overwrite it. Pass overwrite=True to replace it")
+
+
+@contextlib.contextmanager
+def write_atomically(target: str | Path, overwrite: bool = False, *, directory: bool = True):
+    """Yield a temporary sibling path of `target` (a new empty directory if `directory`, else a file path not yet
+    made) to write into; on success it is renamed to `target` (an existing `target`, allowed by `overwrite`, is
+    moved aside first and deleted after), on any error it is deleted: `target` is never seen half written."""
+    target = Path(target)
+    target_check(target, overwrite)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = target.with_name(f".{target.name}.tmp-{tag}")
+    if directory:
+        tmp.mkdir()
+    try:
+        yield tmp
+        old = None
+        if target.exists():
+            target_check(target, overwrite)  # nothing appeared there meanwhile
+            old = target.with_name(f".{target.name}.old-{tag}")
+            os.replace(target, old)
+        os.replace(tmp, target)
+        if old is not None:
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+    except BaseException:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif tmp.exists():
+            tmp.unlink()
+        raise
 
 
 def _record_digests(directory: Path) -> None:
