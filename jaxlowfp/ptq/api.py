@@ -86,9 +86,44 @@ class PTQResult:
     experts: dict = dataclasses.field(default_factory=dict)
 
 
-def _batches(calibration: Any, batch_size: int, forward_is_default: bool) -> list[Any]:
+def _check_batch(i: int, batch: Any, forward_is_default: bool, model: Any) -> None:
+    """Refuse a calibration batch with NaN / Inf values (any floating-point leaf), or, for the default forward
+    (``model(tokens)``), token ids outside the model's vocabulary or rows longer than its maximum sequence length
+    (``model.config.vocab`` / ``max_seq_len``, when the model says them)."""
+    for j, leaf in enumerate(jax.tree.leaves(batch)):
+        if not hasattr(leaf, "dtype"):
+            continue
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+            found = checks.describe_nonfinite(np.asarray(leaf))
+            if found is not None:
+                raise ValueError(f"calibration batch {i}{f' (leaf {j})' if j else ''}: {found}; calibration data "
+                                 f"must be finite (a NaN would vanish from the amax on some backends and be "
+                                 f"written into the scales)")
+    if not forward_is_default:
+        return
+    cfg = getattr(model, "config", None)
+    vocab, max_len = getattr(cfg, "vocab", None), getattr(cfg, "max_seq_len", None)
+    tokens = np.asarray(batch)
+    if isinstance(max_len, int) and tokens.shape[-1] > max_len:
+        raise ValueError(f"calibration batch {i} has rows of {tokens.shape[-1]} tokens; the model's maximum sequence "
+                         f"length is {max_len} (model.config.max_seq_len): its forward refuses longer rows, so "
+                         f"calibrating on them describes no input the model accepts. Cut the rows to {max_len}")
+    if isinstance(vocab, int) and tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
+        raise ValueError(f"calibration batch {i} holds token ids from {int(tokens.min())} to {int(tokens.max())}; "
+                         f"allowed: 0 to {vocab - 1} (model.config.vocab = {vocab}); an id outside is no token of "
+                         f"this model (its embedding lookup would clamp or NaN)")
+
+
+def _batches(calibration: Any, batch_size: int, forward_is_default: bool, model: Any = None) -> list[Any]:
     """Calibration data as a list of batches: an int array [n, seq] (split into batches of `batch_size` rows) or
-    an iterable of batches."""
+    an iterable of batches; each checked (`_check_batch`)."""
+    out = _split_batches(calibration, batch_size, forward_is_default)
+    for i, b in enumerate(out):
+        _check_batch(i, b, forward_is_default, model)
+    return out
+
+
+def _split_batches(calibration: Any, batch_size: int, forward_is_default: bool) -> list[Any]:
     if isinstance(calibration, (np.ndarray, jax.Array)):
         arr = calibration
         if forward_is_default and (arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer)):
@@ -241,7 +276,7 @@ def quantize(
     if grouped and pipe == "sequential":  # each block's experts on that block's inputs (jaxlowfp.ptq.experts)
         expert_hooks = _expert_hooks(model, mods, grouped, m, act_scale, min_expert_tokens, expert_results)
     elif grouped:  # one calibration pass over the model as it is, before its linear layers change
-        eb = None if calibration is None else _batches(calibration, batch_size, forward is None)
+        eb = None if calibration is None else _batches(calibration, batch_size, forward is None, model)
         expert_results = experts.quantize_experts(model, grouped, m, batches=eb,
                                                   forward=forward or calibrate.default_forward,
                                                   activation_scale=act_scale, min_tokens=min_expert_tokens)
@@ -297,7 +332,7 @@ def quantize(
         _quantize_weights(mods, m, sub, st, shared, convention, packed, progress, act_scale, op_keys)
 
     samples = 0
-    batches = None if calibration is None else _batches(calibration, batch_size, forward is None)
+    batches = None if calibration is None else _batches(calibration, batch_size, forward is None, model)
     if batches is not None and (isinstance(m, AWQ) or (isinstance(m, SmoothQuant) and m.alphas is not None)):
         samples = max(1, -(-m.samples // len(batches)))
     if pipe == "sequential":
