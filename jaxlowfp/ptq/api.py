@@ -68,6 +68,9 @@ class PTQResult:
     activation_scale: how the run-time activations get their amax ("static", "token", "tensor"; see `quantize`),
       None when no layer quantizes activations
     experts:  {expert weight path: `jaxlowfp.ptq.experts.ExpertResult`} (tokens per expert, fallbacks, input amax)
+    dtype:    the storage dtype of the high-precision tensors of 2 or more dimensions ("float32", "bfloat16",
+      "float16"): they were rounded to it before calibration, so the model evaluated after `quantize` is the model
+      `jaxlowfp.ptq.export` writes by default
     """
 
     report: QuantizeReport
@@ -84,6 +87,34 @@ class PTQResult:
     peak_stats_bytes: int = 0
     activation_scale: str | None = None
     experts: dict = dataclasses.field(default_factory=dict)
+    dtype: str = "float32"
+
+
+STORAGE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _round_high_precision(model: nnx.Module, dtype: str, skip: set[str]) -> None:
+    """Round every parameter of 2 or more dimensions not in `skip` (the quantized weights) to `dtype` and back, in
+    place: the values `jaxlowfp.ptq.export` writes in that dtype. All are checked first (a value that overflows
+    `dtype` is refused, naming the parameter), so a refusal changes nothing."""
+    if dtype == "float32":
+        return
+    low = jnp.dtype(dtype)
+    todo = []
+    for p, v in nnx.iter_graph(model):
+        path = "/".join(map(str, p))
+        if not isinstance(v, nnx.Param) or path in skip or v[...].ndim < 2:
+            continue
+        x = v[...]
+        if x.dtype == low:
+            continue
+        y = x.astype(low).astype(x.dtype)
+        checks.check_finite_tensor(y, f"{path} rounded to {dtype}",
+                                   action="refusing to quantize with this storage dtype (its values overflow it: "
+                                          "use dtype='float32' or 'bfloat16'); nothing was changed")
+        todo.append((v, y))
+    for v, y in todo:
+        v.set_value(y)
 
 
 def _check_batch(i: int, batch: Any, forward_is_default: bool, model: Any) -> None:
@@ -194,6 +225,7 @@ def quantize(
     propagate: str = "quantized",
     activation_scale: str = "auto",
     min_expert_tokens: int = 1,
+    dtype: str = "float32",
 ) -> PTQResult:
     """Post-training quantization of the layers that `rules` select, in place.
 
@@ -228,6 +260,13 @@ def quantize(
         longer share one compiled program (each block compiles its own: slower to compile, same to run).
       min_expert_tokens: mixtures of experts (`jaxlowfp.ptq.experts`): experts whose weight saw fewer calibration
         tokens fall back to RTN weights and the layer's other experts' input amax, with a warning naming them.
+      dtype: the storage dtype of the tensors that stay in high precision (2 or more dimensions: embeddings, the
+        head, layers no rule quantizes; 1-D ones stay float32), "float32" (default), "bfloat16" or "float16". They
+        are rounded to it in place before calibration, so every score of the quantized model describes the model
+        `jaxlowfp.ptq.export` writes (its default dtype is this one; `PTQResult.dtype` records it). float32 is the
+        default because it changes nothing: a float32 model is quantized and evaluated as it is, and its export
+        reloads bit for bit; a smaller file is a choice made here, and then evaluated (llm-compressor likewise
+        evaluates a model in the dtype it saves). With `stats`, the statistics were collected before the rounding.
 
     Afterwards each quantized layer is still the same module: its kernel holds the dequantized quantized weights,
     and, for W4A4 / W8A8 schemes, its ``dot_general`` is an `ActQuant` (an Einsum's ``einsum_op`` an
@@ -240,6 +279,8 @@ def quantize(
     m = method_from_name(method)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
+    if dtype not in STORAGE_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; allowed: {', '.join(map(repr, STORAGE_DTYPES))}")
     targets, kept, unmatched, already, unused, total, done = _select(model, rules)
     grouped, g_kept, g_unmatched, g_used, g_before = experts.targets(model, rules)
     already = (*already, *g_before)
@@ -268,6 +309,8 @@ def quantize(
     expert_results: dict[str, experts.ExpertResult] = {}
     op_keys: dict[str, str] = {}
     pipe = _pipeline(pipeline, propagate, model, m, forward, calibration, stats)
+    batches = None if calibration is None else _batches(calibration, batch_size, forward is None, model)
+    _round_high_precision(model, dtype, {f"{p}/kernel" for p in targets} | set(grouped))  # after the last refusal
     mods = {"/".join(map(str, p)): x for p, x in nnx.iter_graph(model) if isinstance(x, nnx.Module)}
     expert_hooks: dict[str, Any] = {}
     if grouped and stats is not None and calibration is None:
@@ -276,14 +319,15 @@ def quantize(
     if grouped and pipe == "sequential":  # each block's experts on that block's inputs (jaxlowfp.ptq.experts)
         expert_hooks = _expert_hooks(model, mods, grouped, m, act_scale, min_expert_tokens, expert_results)
     elif grouped:  # one calibration pass over the model as it is, before its linear layers change
-        eb = None if calibration is None else _batches(calibration, batch_size, forward is None, model)
+        eb = batches
         expert_results = experts.quantize_experts(model, grouped, m, batches=eb,
                                                   forward=forward or calibrate.default_forward,
                                                   activation_scale=act_scale, min_tokens=min_expert_tokens)
         if not targets:
-            return _result(m, grouped, kept, unmatched, already, unused, done, total, {}, {}, {}, (), (), (),
-                           convention, "one-pass" if calibration is not None else "none", 0, act_scale,
-                           expert_results, op_keys, t0)
+            return dataclasses.replace(
+                _result(m, grouped, kept, unmatched, already, unused, done, total, {}, {}, {}, (), (), (), convention,
+                        "one-pass" if calibration is not None else "none", 0, act_scale, expert_results, op_keys, t0),
+                dtype=dtype)
     groups = serving.fused_groups(model, targets, fused)
 
     folds, skipped = [], []
@@ -332,7 +376,6 @@ def quantize(
         _quantize_weights(mods, m, sub, st, shared, convention, packed, progress, act_scale, op_keys)
 
     samples = 0
-    batches = None if calibration is None else _batches(calibration, batch_size, forward is None, model)
     if batches is not None and (isinstance(m, AWQ) or (isinstance(m, SmoothQuant) and m.alphas is not None)):
         samples = max(1, -(-m.samples // len(batches)))
     if pipe == "sequential":
@@ -351,8 +394,9 @@ def quantize(
         act_amax = {p: float(np.max(stats[p].amax)) for p in targets if p in stats}
         process(list(targets), stats)
 
-    return _result(m, grouped, kept, unmatched, already, unused, done, total, targets, packed, act_amax, folds,
-                   skipped, groups, convention, pipe, peak, act_scale, expert_results, op_keys, t0)
+    return dataclasses.replace(
+        _result(m, grouped, kept, unmatched, already, unused, done, total, targets, packed, act_amax, folds, skipped,
+                groups, convention, pipe, peak, act_scale, expert_results, op_keys, t0), dtype=dtype)
 
 
 def _result(m: Method, grouped: Mapping[str, Any], kept: Any, unmatched: Any, already: Any, unused: Any, done: int,

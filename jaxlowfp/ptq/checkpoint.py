@@ -48,7 +48,8 @@ the names the model says (``ExportTensor.expert``; Qwen3-MoE ``model.layers.N.ml
 rows); an expert's gate and up must share their ``weight_global_scale`` (vLLM merges them). `load` stacks them back.
 
 `export` returns an `ExportReport` (bits per parameter of the whole checkpoint and of the NVFP4 layers).
-Tensors that are not quantized are written as ``dtype`` (float16 by default; bfloat16 or float32 on request),
+Tensors that are not quantized are written as ``dtype`` (by default the dtype the model was quantized and evaluated
+in, `PTQResult.dtype`: float32 unless `jaxlowfp.ptq.quantize_model` was given another),
 1-D ones (norm scales, biases) in float32; the report counts the values the rounding changed. The model says its
 tensor names and ``config.json`` (`jaxlowfp.ptq.protocol`, ``export_tensors("hf")`` / ``export_config("hf")``);
 other models get `default_name` and no config unless given. Before anything is written, every tensor is checked
@@ -390,7 +391,7 @@ def _write_experts(path: str, var: Any, names: list[str], result: PTQResult, ten
 def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
            tensor_names: Mapping[str, str] | Callable[[str], str] | None = None,
            model_config: Mapping[str, Any] | None = None, tokenizer: Any = None,
-           dtype: str = "float16", overwrite: bool = False) -> ExportReport:
+           dtype: str | None = None, overwrite: bool = False) -> ExportReport:
     """Write `model` (after `jaxlowfp.ptq.quantize` with NVFP4 weights) to `directory` (module docstring).
 
     `tensor_names` maps an NNX parameter path (``blocks/0/attn/q_proj/kernel``) to its checkpoint name
@@ -398,7 +399,10 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
     Hugging Face names for a `jaxlowfp.models.Llama`, else `default_name`. `model_config` is written as
     ``config.json`` with ``quantization_config`` added (default for a Llama: `llama_hf_config`); `tokenizer` (a
     `jaxlowfp.models.Tokenizer`) is saved as ``tokenizer.json``. `dtype`: "float16", "bfloat16" or "float32" for
-    the high-precision tensors of 2 or more dimensions. Refuses non-finite or zero scales, fused
+    the high-precision tensors of 2 or more dimensions; default (None) the dtype the model was quantized and
+    evaluated in (`PTQResult.dtype`, chosen at `jaxlowfp.ptq.quantize_model`), so the file is the evaluated model and
+    reloads bit for bit; another dtype warns (the file is then not the evaluated model: the warning counts the
+    values the rounding changed). Refuses non-finite or zero scales, fused
     groups (q/k/v, gate/up) whose global scales differ, and returns an `ExportReport` (bits per parameter).
 
     Atomic (`write_atomically`): the checkpoint is written into a temporary sibling directory, then renamed to
@@ -427,8 +431,12 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
         raise ValueError(f"export: FP8 weights take FP8 activations or none (W8A8, W8A16); layers {fp8_acts[:3]}")
     require_linear(model, {p: s for p, s in result.schemes.items() if p not in result.experts},
                    "export (compressed-tensors)")
+    evaluated = getattr(result, "dtype", "float32")
+    if dtype is None:
+        dtype = evaluated
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported; allowed: {', '.join(map(repr, _DTYPES))}")
+        raise ValueError(f"dtype={dtype!r} is not supported; allowed: {', '.join(map(repr, _DTYPES))} or None (the "
+                         f"dtype the model was quantized in, {evaluated!r})")
     said = _hf_names(model)  # the model's own names and config (jaxlowfp.ptq.protocol)
     per_expert = _expert_names(model)  # {expert weight path: [name of expert 0, 1, ...]}
     missing = sorted(set(result.experts) - set(per_expert))
@@ -458,7 +466,24 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
                             model_config=model_config, tokenizer=tokenizer, dtype=dtype, schemes=schemes,
                             per_expert=per_expert)
         _record_digests(tmp)
+    _warn_not_evaluated(report, dtype, evaluated)
     return dataclasses.replace(report, directory=Path(directory))
+
+
+def _warn_not_evaluated(report: ExportReport, dtype: str, evaluated: str) -> None:
+    """Warn when the file's high-precision tensors are not the evaluated model's values."""
+    import warnings
+
+    changed, total = report.rounded
+    if dtype != evaluated:
+        warnings.warn(f"export: dtype={dtype!r} but the model was quantized and evaluated in {evaluated!r} "
+                      f"(PTQResult.dtype): the file is not the evaluated model ({changed} of {total} high-precision "
+                      f"values changed by the rounding; its scores differ). Export with dtype=None, or quantize with "
+                      f"dtype={dtype!r} and evaluate that", UserWarning, stacklevel=3)
+    elif changed:
+        warnings.warn(f"export: {changed} of {total} high-precision values are not representable in {dtype!r}, the "
+                      f"dtype the model was quantized in: the model was changed after jaxlowfp.ptq.quantize_model, "
+                      f"so the file is not the evaluated model", UserWarning, stacklevel=3)
 
 
 class TargetExistsError(FileExistsError, ValueError):
