@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -209,7 +210,46 @@ def _select(model: nnx.Module, rules: Sequence[Rule]) -> tuple[dict, list, list,
     return targets, kept, unmatched, already, unused, total, done
 
 
-def quantize(
+def _snapshot(model: nnx.Module) -> tuple[list, list]:
+    """What `quantize` may change, by reference (nothing is copied: arrays are immutable, `set_value` replaces
+    them): every Variable's value, and every module's public attributes (the quantizer hooks it sets)."""
+    values = [(v, v.get_value()) for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)]
+    attrs = [(m, {k: a for k, a in vars(m).items() if not k.startswith("_")})
+             for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)]
+    return values, attrs
+
+
+def _restore(snapshot: tuple[list, list]) -> None:
+    """Put back what `_snapshot` saw: attributes (added ones removed), then every Variable's value."""
+    values, attrs = snapshot
+    for m, before in attrs:
+        for k in [k for k in vars(m) if not k.startswith("_") and k not in before]:
+            delattr(m, k)
+        for k, a in before.items():
+            if vars(m).get(k, _MISSING) is not a:
+                setattr(m, k, a)
+    for v, value in values:
+        if v.get_value() is not value:
+            v.set_value(value)
+
+
+_MISSING = object()
+
+
+def quantize(model: nnx.Module, rules: Sequence[Rule] | Rule, **kwargs: Any) -> PTQResult:
+    """Transactional: if quantization raises at any point (a refusal in block 5 of sequential GPTQ, an expert's
+    overflow, an interrupt), every Variable and quantizer hook of `model` is put back as it was, bit for bit,
+    before the error propagates."""
+    snapshot = _snapshot(model) if isinstance(model, nnx.Module) else None
+    try:
+        return _quantize(model, rules, **kwargs)
+    except BaseException:
+        if snapshot is not None:
+            _restore(snapshot)
+        raise
+
+
+def _quantize(
     model: nnx.Module,
     rules: Sequence[Rule] | Rule,
     *,
@@ -398,6 +438,10 @@ def quantize(
         _result(m, grouped, kept, unmatched, already, unused, done, total, targets, packed, act_amax, folds, skipped,
                 groups, convention, pipe, peak, act_scale, expert_results, op_keys, t0), dtype=dtype)
 
+
+
+quantize.__doc__ = f"{quantize.__doc__}\n\n    {_quantize.__doc__}"
+quantize.__signature__ = inspect.signature(_quantize)  # type: ignore[attr-defined]
 
 def _result(m: Method, grouped: Mapping[str, Any], kept: Any, unmatched: Any, already: Any, unused: Any, done: int,
             total: int, targets: Mapping[str, Scheme], packed: Any, act_amax: Any, folds: Any, skipped: Any,
