@@ -179,12 +179,18 @@ def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size
                                          or max_batch_tokens < 1):
         raise ValueError(f"max_batch_tokens must be a positive int or None; got {max_batch_tokens!r}")
     vocab, max_len = model.config.vocab, model.config.max_seq_len
-    for r in requests:
+    for i, r in enumerate(requests):
         if not 1 <= r.n_pred < len(r.tokens):
             raise ValueError(f"a request needs 1 <= n_pred < len(tokens); got n_pred={r.n_pred}, "
                              f"len={len(r.tokens)}")
         if len(r.tokens) - 1 > max_len:
             raise ValueError(f"a request of {len(r.tokens) - 1} model inputs exceeds max_seq_len={max_len}")
+        t = np.asarray(r.tokens)
+        if not np.issubdtype(t.dtype, np.integer):
+            raise TypeError(f"request {i}: tokens must be integer token ids; got dtype {t.dtype}")
+        if t.min() < 0 or t.max() >= vocab:  # checked before any batch runs: a refusal scores nothing
+            raise ValueError(f"token ids must be in [0, {vocab}) (model.config.vocab = {vocab}); request {i} has "
+                             f"{t.min()}..{t.max()}")
     order = sorted(range(len(requests)), key=lambda i: -len(requests[i].tokens))
     sharding.check_on_mesh(nnx.state(model), mesh)
     forward = _Forward(model)

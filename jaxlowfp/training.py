@@ -54,6 +54,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -68,7 +69,7 @@ __all__ = ["TrainState", "LossFn", "split", "init", "make_step", "quant_metrics"
 LossFn = Callable[[nnx.Module, Any], tuple[jax.Array, Any] | jax.Array]
 
 _LIBRARY_METRICS = ("loss", "observe_only", "skipped", "finite", "lr", "max_saturated_fraction",
-                    "mean_saturated_fraction", "nonfinite_quantized", "amax", "amax_estimate")
+                    "mean_saturated_fraction", "nonfinite_quantized", "amax", "amax_estimate", "invalid_token_ids")
 
 
 def _loss_and_aux(out: Any, loss_fn: Any) -> tuple[jax.Array, Any]:
@@ -199,6 +200,43 @@ def quant_metrics(rest: nnx.State, layer: str | None = None) -> dict[str, jax.Ar
     return out
 
 
+TOKEN_KEYS = ("tokens", "input_ids", "inputs")
+
+
+def _invalid_token_ids(graphdef: nnx.GraphDef, state: TrainState, batch: Any) -> jax.Array | None:
+    """The number of token ids outside ``[0, model.config.vocab)`` in the batch's tokens (the batch itself if it is
+    an integer array, as `jaxlowfp.models.loss_fn` takes it, else its integer entries named in `TOKEN_KEYS`), or
+    None when the model has no ``config.vocab`` or the batch no such tokens. Inside the trace: a count, not an
+    error (the step cannot raise on traced values); the step is skipped and ``metrics["invalid_token_ids"]``
+    says why."""
+    model = nnx.merge(graphdef, state.params, state.qstate, state.rest, copy=True)
+    vocab = getattr(getattr(model, "config", None), "vocab", None)
+    if not isinstance(vocab, int):
+        return None
+    if isinstance(batch, dict):
+        leaves = [batch[k] for k in TOKEN_KEYS if k in batch]
+    else:
+        leaves = [batch] if hasattr(batch, "dtype") else []
+    leaves = [x for x in leaves if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.integer)]
+    if not leaves:
+        return None
+    return sum(jnp.sum((x < 0) | (x >= vocab)).astype(jnp.int32) for x in leaves)
+
+
+def check_tokens(batch: Any, vocab: int, max_len: int | None = None, where: str = "batch") -> None:
+    """Host-side check of a concrete token batch before a step (`make_step` can only count and skip): every id in
+    ``[0, vocab)`` and rows of at most ``max_len`` tokens; a ValueError saying what was given and what is allowed."""
+    t = np.asarray(batch)
+    if not np.issubdtype(t.dtype, np.integer):
+        raise TypeError(f"{where}: token ids must be integers; got dtype {t.dtype}")
+    if t.size and (t.min() < 0 or t.max() >= vocab):
+        bad = int(((t < 0) | (t >= vocab)).sum())
+        raise ValueError(f"{where}: {bad} token ids outside [0, {vocab}) (the model's vocabulary); got ids from "
+                         f"{int(t.min())} to {int(t.max())}")
+    if max_len is not None and t.ndim >= 1 and t.shape[-1] > max_len:
+        raise ValueError(f"{where}: rows of {t.shape[-1]} tokens; the model takes at most {max_len}")
+
+
 def make_step(
     graphdef: nnx.GraphDef,
     tx: optax.GradientTransformation,
@@ -229,6 +267,10 @@ def make_step(
         estimate are reported.
       state_shardings: ``state -> pytree of shardings``: the new state is constrained to it (a sharded model keeps
         its layout from step to step).
+
+    A batch whose tokens (the batch itself if it is an integer array, else its entries ``tokens``, ``input_ids`` or
+    ``inputs``) hold ids outside ``[0, model.config.vocab)`` is skipped, and ``metrics["invalid_token_ids"]`` counts
+    them (`check_tokens` refuses such a batch on the host, before the step).
 
     Metrics: ``loss``, ``observe_only``, ``finite``, ``skipped`` and, with quantized layers, ``max_saturated_fraction``,
     ``mean_saturated_fraction`` (max / mean over layers and microbatches), ``nonfinite_quantized``, and the
@@ -296,6 +338,9 @@ def make_step(
         ok = jnp.isfinite(loss) & _all_finite(grads)
         if "nonfinite_quantized" in qmets:
             ok = ok & (qmets["nonfinite_quantized"] == 0)
+        bad_ids = _invalid_token_ids(graphdef, state, batch)
+        if bad_ids is not None:
+            ok = ok & (bad_ids == 0)
 
         def pick(new: Any, old: Any) -> Any:
             return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
@@ -311,6 +356,8 @@ def make_step(
         )
         metrics = {**_aux_metrics(aux), "loss": loss, "observe_only": observe, "skipped": new.skipped, "finite": ok,
                    **qmets}
+        if bad_ids is not None:
+            metrics["invalid_token_ids"] = bad_ids
         if lr_schedule is not None:
             with jax.numpy_dtype_promotion("standard"):
                 metrics["lr"] = jnp.asarray(lr_schedule(applied), jnp.float32)

@@ -151,8 +151,9 @@ def test_high_precision_dtype(tmp_path, dtype):
     assert (rep.rounded[0] > 0) == (dtype != "float32")
     bits = {"float16": 16, "bfloat16": 16, "float32": 32}[dtype]
     assert rep.bits_per_parameter < (bits + 1 if dtype != "float32" else 33)
-    # the compressed-tensors export: the same default
-    rep2 = ptq.export(model, res, tmp_path / "ct", **kw)
+    # the compressed-tensors export in the same dtype (its own default is the evaluated one, PTQResult.dtype;
+    # another warns that the file is not the evaluated model)
+    rep2 = ptq.export(model, res, tmp_path / "ct", dtype=dtype)
     from jaxlowfp.ptq.checkpoint import read_safetensors
 
     w = read_safetensors(tmp_path / "ct" / "model.safetensors")

@@ -176,7 +176,7 @@ def test_export_follows_compressed_tensors_and_reloads_bit_identically(tmp_path,
     sch = ptq.scheme("nvfp4-mse", weights_only=weights_only, weight_block=block)
     res = ptq.quantize_model(model, [ptq.Rule(path=r"blocks/[12]/mlp/\w+_proj", scheme=sch)], method="gptq",
                        calibration=tokens, progress=False)
-    ptq.export(model, res, tmp_path, dtype="float32")  # high precision kept exact (the default is float16)
+    ptq.export(model, res, tmp_path, dtype="float32")  # high precision kept exact (the default: PTQResult.dtype)
     tensors = checkpoint.read_safetensors(tmp_path / checkpoint.WEIGHTS_FILE)
     cfg = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert cfg["quant_method"] == "compressed-tensors" and cfg["format"] == "nvfp4-pack-quantized"

@@ -547,6 +547,13 @@ def validate_args(x: Any, cfg: BlockConfig, global_amax: Any, key: Any) -> tuple
         global_amax = float_input(global_amax, "global_amax")
         if global_amax.ndim != 0:
             raise ValueError(f"global_amax must be a scalar; got shape {global_amax.shape}")
+        # a concrete value is checked here; a traced one (under jit, a delayed or all-reduced amax) cannot be, and
+        # a negative or non-finite traced global_amax gives NaN outputs: the caller's to keep finite and >= 0
+        if not isinstance(global_amax, jax.core.Tracer):
+            g = float(global_amax)
+            if not (np.isfinite(g) and g >= 0):
+                raise ValueError(f"global_amax must be finite and >= 0 (the amax the global scale is made from); "
+                                 f"got {g}")
     return x, global_amax
 
 

@@ -64,8 +64,7 @@ def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str =
             rules: Any = None, tokenizer: str | Path | None = "auto", packed: bool = False,
             backend: str = "auto") -> tuple[Llama, Tokenizer | None]:
     """``(model, tokenizer)`` of a Hugging Face checkpoint directory (`jaxlowfp.models.hf_loader`; mixtures of
-    experts: `jaxlowfp.models.moe_loader`, with their own tokenizer; `tokenizer`, `packed`, `backend`:
-    see `load`)."""
+    experts: `jaxlowfp.models.moe_loader`; `tokenizer`, `packed`, `backend`: see `load`)."""
     from jaxlowfp.models import hf_loader, moe_loader, quantized  # needs the jaxlowfp[models] extra
 
     if moe_loader.is_export(directory):  # a jaxlowfp.ptq.export of Qwen3-MoE / Mixtral (NVFP4 experts)
@@ -75,10 +74,8 @@ def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str =
     if moe_loader.is_moe_hf(directory):  # Qwen3-MoE, Mixtral
         _not_packed(packed, directory, "a float mixture-of-experts checkpoint (jaxlowfp.ptq.load_model loads "
                     "quantized ones that jaxlowfp.ptq.export wrote, packed too)")
-        if not (isinstance(tokenizer, str) and tokenizer == "auto"):
-            raise NotImplementedError(f"{directory}: tokenizer= other than 'auto' is not implemented for "
-                                      f"mixture-of-experts checkpoints yet")
-        return moe_loader.load_hf(directory, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules)
+        return moe_loader.load_hf(directory, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules,
+                                  tokenizer=tokenizer)
     if quantized.detect(directory) is not None:  # NVFP4 of compressed-tensors (llm-compressor) or ModelOpt
         return quantized.load_quantized(directory, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules,
                                         tokenizer=tokenizer, packed=packed, backend=backend)

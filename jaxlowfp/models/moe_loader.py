@@ -172,8 +172,9 @@ def is_export(directory: str | Path) -> bool:
 
 
 def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str = "float32", mesh: Any = None,
-            rules: Any = None) -> tuple[MoEDecoder, Tokenizer]:
-    """`MoEDecoder` and `Tokenizer` of a Qwen3-MoE, Mixtral or OLMoE Hugging Face checkpoint directory; with
+            rules: Any = None, tokenizer: str | Path | None = "auto") -> tuple[MoEDecoder, Tokenizer | None]:
+    """`MoEDecoder` and `Tokenizer` of a Qwen3-MoE, Mixtral or OLMoE Hugging Face checkpoint directory (`tokenizer`:
+    `jaxlowfp.models.hf_loader.checkpoint_tokenizer`: "auto", a path, or None for a directory without one); with
     ``mesh``, each tensor (an expert stack: its experts read and stacked on the host) is placed by ``rules`` (default
     `jaxlowfp.sharding.moe_rules`), one device's slice at a time (`jaxlowfp.models.common.build_model`)."""
     directory = Path(directory)
@@ -186,8 +187,7 @@ def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str =
                               f"quantized ones jaxlowfp.ptq.export wrote")
     config = read_hf_config(directory, dtype=dtype, param_dtype=param_dtype)
     mt = hf_loader._json(directory / "config.json")["model_type"]
-    tokenizer = hf_loader.read_tokenizer(directory)
-    tokenizer.check_fits(config.vocab, str(directory / "tokenizer.json"))
+    tok = hf_loader.checkpoint_tokenizer(directory, tokenizer, config.vocab)
     files = {_canonical(n, mt): (f, n) for n, f in hf_loader._weight_files(directory).items()}
     handles: dict[Path, Any] = {}
     used: set[str] = set()
@@ -247,7 +247,7 @@ def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str =
     if extra:
         raise CheckpointError(f"{directory}: tensors this model class does not have: {', '.join(extra[:5])}"
                               f"{' ...' if len(extra) > 5 else ''} (an unsupported architecture variant?)")
-    return model, tokenizer
+    return model, tok
 
 
 # ---------------------------------------------------------------------------------------------------------------

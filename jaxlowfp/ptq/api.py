@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -68,6 +69,9 @@ class PTQResult:
     activation_scale: how the run-time activations get their amax ("static", "token", "tensor"; see `quantize`),
       None when no layer quantizes activations
     experts:  {expert weight path: `jaxlowfp.ptq.experts.ExpertResult`} (tokens per expert, fallbacks, input amax)
+    dtype:    the storage dtype of the high-precision tensors of 2 or more dimensions ("float32", "bfloat16",
+      "float16"): they were rounded to it before calibration, so the model evaluated after `quantize` is the model
+      `jaxlowfp.ptq.export` writes by default
     """
 
     report: QuantizeReport
@@ -84,11 +88,74 @@ class PTQResult:
     peak_stats_bytes: int = 0
     activation_scale: str | None = None
     experts: dict = dataclasses.field(default_factory=dict)
+    dtype: str = "float32"
 
 
-def _batches(calibration: Any, batch_size: int, forward_is_default: bool) -> list[Any]:
+STORAGE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _round_high_precision(model: nnx.Module, dtype: str, skip: set[str]) -> None:
+    """Round every parameter of 2 or more dimensions not in `skip` (the quantized weights) to `dtype` and back, in
+    place: the values `jaxlowfp.ptq.export` writes in that dtype. All are checked first (a value that overflows
+    `dtype` is refused, naming the parameter), so a refusal changes nothing."""
+    if dtype == "float32":
+        return
+    low = jnp.dtype(dtype)
+    todo = []
+    for p, v in nnx.iter_graph(model):
+        path = "/".join(map(str, p))
+        if not isinstance(v, nnx.Param) or path in skip or v[...].ndim < 2:
+            continue
+        x = v[...]
+        if x.dtype == low:
+            continue
+        y = x.astype(low).astype(x.dtype)
+        checks.check_finite_tensor(y, f"{path} rounded to {dtype}",
+                                   action="refusing to quantize with this storage dtype (its values overflow it: "
+                                          "use dtype='float32' or 'bfloat16'); nothing was changed")
+        todo.append((v, y))
+    for v, y in todo:
+        v.set_value(y)
+
+
+def _check_batch(i: int, batch: Any, forward_is_default: bool, model: Any) -> None:
+    """Refuse a calibration batch with NaN / Inf values (any floating-point leaf), or, for the default forward
+    (``model(tokens)``), token ids outside the model's vocabulary or rows longer than its maximum sequence length
+    (``model.config.vocab`` / ``max_seq_len``, when the model says them)."""
+    for j, leaf in enumerate(jax.tree.leaves(batch)):
+        if not hasattr(leaf, "dtype"):
+            continue
+        if jnp.issubdtype(leaf.dtype, jnp.floating):
+            found = checks.describe_nonfinite(np.asarray(leaf))
+            if found is not None:
+                raise ValueError(f"calibration batch {i}{f' (leaf {j})' if j else ''}: {found}; calibration data "
+                                 f"must be finite (a NaN would vanish from the amax on some backends and be "
+                                 f"written into the scales)")
+    if not forward_is_default:
+        return
+    cfg = getattr(model, "config", None)
+    vocab, max_len = getattr(cfg, "vocab", None), getattr(cfg, "max_seq_len", None)
+    tokens = np.asarray(batch)
+    if isinstance(max_len, int) and tokens.shape[-1] > max_len:
+        raise ValueError(f"calibration batch {i} has rows of {tokens.shape[-1]} tokens; the model's maximum sequence "
+                         f"length is {max_len} (model.config.max_seq_len): its forward refuses longer rows, so "
+                         f"calibrating on them describes no input the model accepts. Cut the rows to {max_len}")
+    if isinstance(vocab, int) and tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
+        raise ValueError(f"calibration batch {i} holds token ids from {int(tokens.min())} to {int(tokens.max())}; "
+                         f"allowed: 0 to {vocab - 1} (model.config.vocab = {vocab}); an id outside is no token of "
+                         f"this model (its embedding lookup would clamp or NaN)")
+
+
+def _batches(calibration: Any, batch_size: int, forward_is_default: bool, model: Any = None) -> list[Any]:
     """Calibration data as a list of batches: an int array [n, seq] (split into batches of `batch_size` rows) or
-    an iterable of batches."""
+    an iterable of batches; each checked (`_check_batch`)."""
+    out = _split_batches(calibration, batch_size, forward_is_default)
+    for i, b in enumerate(out):
+        _check_batch(i, b, forward_is_default, model)
+    return out
+
+
+def _split_batches(calibration: Any, batch_size: int, forward_is_default: bool) -> list[Any]:
     if isinstance(calibration, (np.ndarray, jax.Array)):
         arr = calibration
         if forward_is_default and (arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer)):
@@ -143,7 +210,46 @@ def _select(model: nnx.Module, rules: Sequence[Rule]) -> tuple[dict, list, list,
     return targets, kept, unmatched, already, unused, total, done
 
 
-def quantize(
+def _snapshot(model: nnx.Module) -> tuple[list, list]:
+    """What `quantize` may change, by reference (nothing is copied: arrays are immutable, `set_value` replaces
+    them): every Variable's value, and every module's public attributes (the quantizer hooks it sets)."""
+    values = [(v, v.get_value()) for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)]
+    attrs = [(m, {k: a for k, a in vars(m).items() if not k.startswith("_")})
+             for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)]
+    return values, attrs
+
+
+def _restore(snapshot: tuple[list, list]) -> None:
+    """Put back what `_snapshot` saw: attributes (added ones removed), then every Variable's value."""
+    values, attrs = snapshot
+    for m, before in attrs:
+        for k in [k for k in vars(m) if not k.startswith("_") and k not in before]:
+            delattr(m, k)
+        for k, a in before.items():
+            if vars(m).get(k, _MISSING) is not a:
+                setattr(m, k, a)
+    for v, value in values:
+        if v.get_value() is not value:
+            v.set_value(value)
+
+
+_MISSING = object()
+
+
+def quantize(model: nnx.Module, rules: Sequence[Rule] | Rule, **kwargs: Any) -> PTQResult:
+    """Transactional: if quantization raises at any point (a refusal in block 5 of sequential GPTQ, an expert's
+    overflow, an interrupt), every Variable and quantizer hook of `model` is put back as it was, bit for bit,
+    before the error propagates."""
+    snapshot = _snapshot(model) if isinstance(model, nnx.Module) else None
+    try:
+        return _quantize(model, rules, **kwargs)
+    except BaseException:
+        if snapshot is not None:
+            _restore(snapshot)
+        raise
+
+
+def _quantize(
     model: nnx.Module,
     rules: Sequence[Rule] | Rule,
     *,
@@ -159,6 +265,7 @@ def quantize(
     propagate: str = "quantized",
     activation_scale: str = "auto",
     min_expert_tokens: int = 1,
+    dtype: str = "float32",
 ) -> PTQResult:
     """Post-training quantization of the layers that `rules` select, in place.
 
@@ -193,6 +300,13 @@ def quantize(
         longer share one compiled program (each block compiles its own: slower to compile, same to run).
       min_expert_tokens: mixtures of experts (`jaxlowfp.ptq.experts`): experts whose weight saw fewer calibration
         tokens fall back to RTN weights and the layer's other experts' input amax, with a warning naming them.
+      dtype: the storage dtype of the tensors that stay in high precision (2 or more dimensions: embeddings, the
+        head, layers no rule quantizes; 1-D ones stay float32), "float32" (default), "bfloat16" or "float16". They
+        are rounded to it in place before calibration, so every score of the quantized model describes the model
+        `jaxlowfp.ptq.export` writes (its default dtype is this one; `PTQResult.dtype` records it). float32 is the
+        default because it changes nothing: a float32 model is quantized and evaluated as it is, and its export
+        reloads bit for bit; a smaller file is a choice made here, and then evaluated (llm-compressor likewise
+        evaluates a model in the dtype it saves). With `stats`, the statistics were collected before the rounding.
 
     Afterwards each quantized layer is still the same module: its kernel holds the dequantized quantized weights,
     and, for W4A4 / W8A8 schemes, its ``dot_general`` is an `ActQuant` (an Einsum's ``einsum_op`` an
@@ -205,6 +319,8 @@ def quantize(
     m = method_from_name(method)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
+    if dtype not in STORAGE_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; allowed: {', '.join(map(repr, STORAGE_DTYPES))}")
     targets, kept, unmatched, already, unused, total, done = _select(model, rules)
     grouped, g_kept, g_unmatched, g_used, g_before = experts.targets(model, rules)
     already = (*already, *g_before)
@@ -233,6 +349,8 @@ def quantize(
     expert_results: dict[str, experts.ExpertResult] = {}
     op_keys: dict[str, str] = {}
     pipe = _pipeline(pipeline, propagate, model, m, forward, calibration, stats)
+    batches = None if calibration is None else _batches(calibration, batch_size, forward is None, model)
+    _round_high_precision(model, dtype, {f"{p}/kernel" for p in targets} | set(grouped))  # after the last refusal
     mods = {"/".join(map(str, p)): x for p, x in nnx.iter_graph(model) if isinstance(x, nnx.Module)}
     expert_hooks: dict[str, Any] = {}
     if grouped and stats is not None and calibration is None:
@@ -241,14 +359,15 @@ def quantize(
     if grouped and pipe == "sequential":  # each block's experts on that block's inputs (jaxlowfp.ptq.experts)
         expert_hooks = _expert_hooks(model, mods, grouped, m, act_scale, min_expert_tokens, expert_results)
     elif grouped:  # one calibration pass over the model as it is, before its linear layers change
-        eb = None if calibration is None else _batches(calibration, batch_size, forward is None)
+        eb = batches
         expert_results = experts.quantize_experts(model, grouped, m, batches=eb,
                                                   forward=forward or calibrate.default_forward,
                                                   activation_scale=act_scale, min_tokens=min_expert_tokens)
         if not targets:
-            return _result(m, grouped, kept, unmatched, already, unused, done, total, {}, {}, {}, (), (), (),
-                           convention, "one-pass" if calibration is not None else "none", 0, act_scale,
-                           expert_results, op_keys, t0)
+            return dataclasses.replace(
+                _result(m, grouped, kept, unmatched, already, unused, done, total, {}, {}, {}, (), (), (), convention,
+                        "one-pass" if calibration is not None else "none", 0, act_scale, expert_results, op_keys, t0),
+                dtype=dtype)
     groups = serving.fused_groups(model, targets, fused)
 
     folds, skipped = [], []
@@ -297,7 +416,6 @@ def quantize(
         _quantize_weights(mods, m, sub, st, shared, convention, packed, progress, act_scale, op_keys)
 
     samples = 0
-    batches = None if calibration is None else _batches(calibration, batch_size, forward is None)
     if batches is not None and (isinstance(m, AWQ) or (isinstance(m, SmoothQuant) and m.alphas is not None)):
         samples = max(1, -(-m.samples // len(batches)))
     if pipe == "sequential":
@@ -316,9 +434,14 @@ def quantize(
         act_amax = {p: float(np.max(stats[p].amax)) for p in targets if p in stats}
         process(list(targets), stats)
 
-    return _result(m, grouped, kept, unmatched, already, unused, done, total, targets, packed, act_amax, folds,
-                   skipped, groups, convention, pipe, peak, act_scale, expert_results, op_keys, t0)
+    return dataclasses.replace(
+        _result(m, grouped, kept, unmatched, already, unused, done, total, targets, packed, act_amax, folds, skipped,
+                groups, convention, pipe, peak, act_scale, expert_results, op_keys, t0), dtype=dtype)
 
+
+
+quantize.__doc__ = f"{quantize.__doc__}\n\n    {_quantize.__doc__}"
+quantize.__signature__ = inspect.signature(_quantize)  # type: ignore[attr-defined]
 
 def _result(m: Method, grouped: Mapping[str, Any], kept: Any, unmatched: Any, already: Any, unused: Any, done: int,
             total: int, targets: Mapping[str, Scheme], packed: Any, act_amax: Any, folds: Any, skipped: Any,

@@ -143,7 +143,9 @@ def _step(graphdef, state, batch, paths: tuple[str, ...], forward, hessian: bool
             continue
         x = input_rows(lhs, axes).astype(jnp.float32)
         a = jnp.abs(x)
-        st = {"amax": jnp.max(a, axis=0), "abs_sum": jnp.sum(a, axis=0), "tokens": jnp.int32(x.shape[0])}
+        # NaN kept: XLA:CPU's max reduction drops a NaN operand, so a NaN input would leave a finite amax
+        amax = jnp.where(jnp.any(jnp.isnan(x), axis=0), jnp.nan, jnp.max(a, axis=0))
+        st = {"amax": amax, "abs_sum": jnp.sum(a, axis=0), "tokens": jnp.int32(x.shape[0])}
         if hessian:
             st["hessian"] = jnp.matmul(x.T, x, precision=_HI)
         if samples_per_batch:

@@ -48,7 +48,8 @@ the names the model says (``ExportTensor.expert``; Qwen3-MoE ``model.layers.N.ml
 rows); an expert's gate and up must share their ``weight_global_scale`` (vLLM merges them). `load` stacks them back.
 
 `export` returns an `ExportReport` (bits per parameter of the whole checkpoint and of the NVFP4 layers).
-Tensors that are not quantized are written as ``dtype`` (float16 by default; bfloat16 or float32 on request),
+Tensors that are not quantized are written as ``dtype`` (by default the dtype the model was quantized and evaluated
+in, `PTQResult.dtype`: float32 unless `jaxlowfp.ptq.quantize_model` was given another),
 1-D ones (norm scales, biases) in float32; the report counts the values the rounding changed. The model says its
 tensor names and ``config.json`` (`jaxlowfp.ptq.protocol`, ``export_tensors("hf")`` / ``export_config("hf")``);
 other models get `default_name` and no config unless given. Before anything is written, every tensor is checked
@@ -56,8 +57,12 @@ finite (the high-precision ones too) and every NVFP4 layer for finite, positive 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
+import shutil
+import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -87,11 +92,61 @@ META_FILE = "jaxlowfp_ptq.json"
 _SUFFIX = {"kernel": "weight", "scale": "weight", "embedding": "weight"}
 
 
-def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
-    """Every tensor of a .safetensors file (`jaxlowfp.models.quantized.read_safetensors`, float8 included)."""
+def read_safetensors(path: str | Path, *, check_finite: bool = True) -> dict[str, np.ndarray]:
+    """Every tensor of a .safetensors file (`jaxlowfp.models.quantized.read_safetensors`, float8 included: the
+    header validated against the file first, every float tensor finite unless ``check_finite=False``)."""
     from jaxlowfp.models.quantized import read_safetensors as read  # imported on use: ptq does not need models
 
-    return read(path)
+    return read(path, check_finite=check_finite)
+
+
+def tensor_digests(path: str | Path) -> dict[str, str]:
+    """{tensor name: SHA-256 of its bytes} of a .safetensors file (header validated first): what `export` records
+    in ``jaxlowfp_ptq.json`` and `load` verifies, so a damaged or swapped weights file is named, tensor by tensor,
+    before anything is loaded."""
+    import hashlib
+
+    from jaxlowfp.models.quantized import safetensors_header
+
+    header, start = safetensors_header(path)
+    out = {}
+    with open(path, "rb") as f:
+        for name, info in header.items():
+            a, b = info["data_offsets"]
+            f.seek(start + a)
+            h = hashlib.sha256()
+            left = b - a
+            while left:
+                chunk = f.read(min(left, 1 << 24))
+                if not chunk:
+                    break
+                h.update(chunk)
+                left -= len(chunk)
+            out[name] = h.hexdigest()
+    return out
+
+
+def _expected_tensors(model_params: Mapping[str, Any], names: Mapping[str, Any], meta: Mapping[str, Any],
+                      linears: Mapping[str, Any]) -> tuple[set[str], set[str]]:
+    """(the tensors `load` reads for the model's parameters, those it may find besides: activation scales)."""
+    need, optional = set(), set()
+    layers = meta["layers"]
+    for path in model_params:
+        mod_path, leaf = path.rsplit("/", 1) if "/" in path else ("", path)
+        name = names[path]
+        info = layers.get(path) if isinstance(name, list) else (layers.get(mod_path) if leaf == "kernel" else None)
+        if info is None:
+            need |= set(name) if isinstance(name, list) else {name}
+            continue
+        kind = (info.get("weight") or {}).get("kind")
+        for m in info.get("names", [info.get("name")]):
+            if kind == "fp8":
+                need |= {f"{m}.weight", f"{m}.weight_scale"}
+                optional.add(f"{m}.input_scale")
+            else:
+                need |= {f"{m}.weight_packed", f"{m}.weight_scale", f"{m}.weight_global_scale"}
+                optional.add(f"{m}.input_global_scale")
+    return need, optional
 
 
 def default_name(path: str) -> str:
@@ -337,7 +392,7 @@ def _write_experts(path: str, var: Any, names: list[str], result: PTQResult, ten
 def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
            tensor_names: Mapping[str, str] | Callable[[str], str] | None = None,
            model_config: Mapping[str, Any] | None = None, tokenizer: Any = None,
-           dtype: str = "float16") -> ExportReport:
+           dtype: str | None = None, overwrite: bool = False) -> ExportReport:
     """Write `model` (after `jaxlowfp.ptq.quantize` with NVFP4 weights) to `directory` (module docstring).
 
     `tensor_names` maps an NNX parameter path (``blocks/0/attn/q_proj/kernel``) to its checkpoint name
@@ -345,9 +400,17 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
     Hugging Face names for a `jaxlowfp.models.Llama`, else `default_name`. `model_config` is written as
     ``config.json`` with ``quantization_config`` added (default for a Llama: `llama_hf_config`); `tokenizer` (a
     `jaxlowfp.models.Tokenizer`) is saved as ``tokenizer.json``. `dtype`: "float16", "bfloat16" or "float32" for
-    the high-precision tensors of 2 or more dimensions. Refuses non-finite or zero scales, fused
+    the high-precision tensors of 2 or more dimensions; default (None) the dtype the model was quantized and
+    evaluated in (`PTQResult.dtype`, chosen at `jaxlowfp.ptq.quantize_model`), so the file is the evaluated model and
+    reloads bit for bit; another dtype warns (the file is then not the evaluated model: the warning counts the
+    values the rounding changed). Refuses non-finite or zero scales, fused
     groups (q/k/v, gate/up) whose global scales differ, and returns an `ExportReport` (bits per parameter).
+
+    Atomic (`write_atomically`): the checkpoint is written into a temporary sibling directory, then renamed to
+    `directory`, so `directory` holds a whole export or is as it was; a `directory` that exists and is not empty
+    is refused (`TargetExistsError`) unless ``overwrite=True`` (then it is replaced whole, never written into).
     """
+    target_check(directory, overwrite)
     if not isinstance(result, PTQResult):
         raise TypeError(f"result must be the PTQResult of jaxlowfp.ptq.quantize; got {type(result).__name__}")
     schemes = {**result.schemes, **{p: r.scheme for p, r in result.experts.items() if r.scheme is not None}}
@@ -369,8 +432,12 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
         raise ValueError(f"export: FP8 weights take FP8 activations or none (W8A8, W8A16); layers {fp8_acts[:3]}")
     require_linear(model, {p: s for p, s in result.schemes.items() if p not in result.experts},
                    "export (compressed-tensors)")
+    evaluated = getattr(result, "dtype", "float32")
+    if dtype is None:
+        dtype = evaluated
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported; allowed: {', '.join(map(repr, _DTYPES))}")
+        raise ValueError(f"dtype={dtype!r} is not supported; allowed: {', '.join(map(repr, _DTYPES))} or None (the "
+                         f"dtype the model was quantized in, {evaluated!r})")
     said = _hf_names(model)  # the model's own names and config (jaxlowfp.ptq.protocol)
     per_expert = _expert_names(model)  # {expert weight path: [name of expert 0, 1, ...]}
     missing = sorted(set(result.experts) - set(per_expert))
@@ -394,10 +461,90 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
     if unfused:
         raise ValueError("vLLM fuses these layers and decodes each group with its largest global scale, so their "
                          "global scales must be equal (quantize with fused='auto'): " + "; ".join(unfused[:3]))
-    with stream.Spool(near=directory) as spool:  # tensor by tensor: one on the host at a time (ptq/stream.py)
-        return _write(model, result, Path(directory), spool, params=params, linears=linears, name_of=name_of,
-                      model_config=model_config, tokenizer=tokenizer, dtype=dtype, schemes=schemes,
-                      per_expert=per_expert)
+    with write_atomically(directory, overwrite) as tmp:
+        with stream.Spool(near=tmp) as spool:  # tensor by tensor: one on the host at a time (ptq/stream.py)
+            report = _write(model, result, tmp, spool, params=params, linears=linears, name_of=name_of,
+                            model_config=model_config, tokenizer=tokenizer, dtype=dtype, schemes=schemes,
+                            per_expert=per_expert)
+        _record_digests(tmp)
+    _warn_not_evaluated(report, dtype, evaluated)
+    return dataclasses.replace(report, directory=Path(directory))
+
+
+def _warn_not_evaluated(report: ExportReport, dtype: str, evaluated: str) -> None:
+    """Warn when the file's high-precision tensors are not the evaluated model's values."""
+    import warnings
+
+    changed, total = report.rounded
+    if dtype != evaluated:
+        warnings.warn(f"export: dtype={dtype!r} but the model was quantized and evaluated in {evaluated!r} "
+                      f"(PTQResult.dtype): the file is not the evaluated model ({changed} of {total} high-precision "
+                      f"values changed by the rounding; its scores differ). Export with dtype=None, or quantize with "
+                      f"dtype={dtype!r} and evaluate that", UserWarning, stacklevel=3)
+    elif changed:
+        warnings.warn(f"export: {changed} of {total} high-precision values are not representable in {dtype!r}, the "
+                      f"dtype the model was quantized in: the model was changed after jaxlowfp.ptq.quantize_model, "
+                      f"so the file is not the evaluated model", UserWarning, stacklevel=3)
+
+
+class TargetExistsError(FileExistsError, ValueError):
+    """An export's target exists and is not empty (pass ``overwrite=True`` to replace it)."""
+
+
+def target_check(target: str | Path, overwrite: bool, what: str = "export") -> None:
+    """Refuse a `target` that exists and is not empty (a directory with files, or a file) unless `overwrite`:
+    exporting into an older export would mix the two."""
+    if not isinstance(overwrite, bool):
+        raise TypeError(f"overwrite must be a bool; got {type(overwrite).__name__}")
+    t = Path(target)
+    if overwrite or not t.exists():
+        return
+    if t.is_dir():
+        held = sorted(p.name for p in t.iterdir())
+        if held:
+            raise TargetExistsError(f"{what}: {t} is not empty ({', '.join(held[:4])}{' ...' if len(held) > 4 else ''}"
+                                    f"); refusing to write into it. Pass overwrite=True to replace it, or choose "
+                                    f"an empty or new directory")
+    else:
+        raise TargetExistsError(f"{what}: {t} exists; refusing to overwrite it. Pass overwrite=True to replace it")
+
+
+@contextlib.contextmanager
+def write_atomically(target: str | Path, overwrite: bool = False, *, directory: bool = True):
+    """Yield a temporary sibling path of `target` (a new empty directory if `directory`, else a file path not yet
+    made) to write into; on success it is renamed to `target` (an existing `target`, allowed by `overwrite`, is
+    moved aside first and deleted after), on any error it is deleted: `target` is never seen half written."""
+    target = Path(target)
+    target_check(target, overwrite)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = target.with_name(f".{target.name}.tmp-{tag}")
+    if directory:
+        tmp.mkdir()
+    try:
+        yield tmp
+        old = None
+        if target.exists():
+            target_check(target, overwrite)  # nothing appeared there meanwhile
+            old = target.with_name(f".{target.name}.old-{tag}")
+            os.replace(target, old)
+        os.replace(tmp, target)
+        if old is not None:
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+    except BaseException:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif tmp.exists():
+            tmp.unlink()
+        raise
+
+
+def _record_digests(directory: Path) -> None:
+    """Add each written tensor's SHA-256 (`tensor_digests`) to ``jaxlowfp_ptq.json``: `load` verifies them."""
+    meta_path = directory / META_FILE
+    meta = json.loads(meta_path.read_text())
+    meta["sha256"] = tensor_digests(directory / WEIGHTS_FILE)
+    meta_path.write_text(json.dumps(meta, indent=1))
 
 
 def _write(model: nnx.Module, result: PTQResult, directory: Path, spool: stream.Spool, *, params: dict,
@@ -553,7 +700,14 @@ def _fp8_weight(m: str, tensors: Mapping[str, np.ndarray]) -> Any:
 def _nvfp4_array(m: str, tensors: Mapping[str, np.ndarray], w_fmt: Format) -> tuple[nvfp4.NVFP4Array, jax.Array]:
     """The NVFP4 codes and scales of packed module `m` as written ([out, in]), and its encode scale S_enc."""
     codes, scales = tensors[f"{m}.weight_packed"], tensors[f"{m}.weight_scale"]
-    s_enc = jnp.asarray(tensors[f"{m}.weight_global_scale"][0], jnp.float32)
+    g = tensors[f"{m}.weight_global_scale"]
+    if codes.dtype != np.uint8 or codes.ndim != 2 or scales.dtype != ml_dtypes.float8_e4m3fn:
+        raise ValueError(f"{m}: NVFP4 needs 2-D uint8 weight_packed and float8_e4m3fn weight_scale; got "
+                         f"{codes.dtype} {codes.shape}, {scales.dtype} {scales.shape}")
+    if scales.shape != (codes.shape[0], codes.shape[1] * 2 // 16) or codes.shape[1] % 8 or g.size != 1:
+        raise ValueError(f"{m}: weight_scale {scales.shape} and weight_global_scale {g.shape} do not fit "
+                         f"weight_packed {codes.shape} (one E4M3 scale per 16 values, one global scale)")
+    s_enc = jnp.asarray(g.reshape(-1)[0], jnp.float32)
     if w_fmt.rows > 1:
         scales = scales[:: w_fmt.rows]
     out, half = codes.shape
@@ -635,14 +789,50 @@ def load(model: nnx.Module, directory: str | Path, *, packed: bool = False, back
     meta_path = directory / META_FILE
     if not meta_path.is_file():
         raise FileNotFoundError(f"{directory}: no {META_FILE} (not written by jaxlowfp.ptq.export)")
-    meta = json.loads(meta_path.read_text())
-    tensors = read_safetensors(directory / WEIGHTS_FILE)
-    names = meta["tensor_names"]
+    from jaxlowfp.models.common import CheckpointError
+    from jaxlowfp.models.quantized import check_scales
+
+    try:
+        meta = json.loads(meta_path.read_text())
+        names = meta["tensor_names"]
+        if not (isinstance(names, dict) and isinstance(meta["layers"], dict)):
+            raise TypeError("tensor_names and layers must be JSON objects")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{meta_path}: corrupt ({type(e).__name__}: {e})") from None
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        raise CheckpointError(f"{weights}: file not found")
+    digests = meta.get("sha256")
+    if digests is not None:  # written by export: every tensor's bytes as they were written
+        got = tensor_digests(weights)
+        bad = sorted(n for n in set(got) | set(digests) if got.get(n) != digests.get(n))
+        if bad:
+            raise CheckpointError(f"{weights}: tensor {bad[0]} (and {len(bad) - 1} more) "
+                                  f"{'differs from' if bad[0] in got and bad[0] in digests else 'is not in'} what "
+                                  f"export wrote ({META_FILE} records a SHA-256 of each tensor): the file is damaged "
+                                  f"or from another export")
+    tensors = read_safetensors(weights)  # header checked against the file, every float tensor finite
+    check_scales(weights, tensors)
     params = _params(model)
     linears = linear_modules(model)
     missing = sorted(set(params) - set(names))
     if missing:
-        raise ValueError(f"{directory}: the model has parameters the checkpoint does not name: {missing[:5]}")
+        raise CheckpointError(f"{directory}: the model has parameters the checkpoint does not name: {missing[:5]} "
+                              f"(config.json and the weights do not belong together?)")
+    need, optional = _expected_tensors(params, names, meta, linears)
+    absent = sorted(need - set(tensors))
+    if absent:
+        raise CheckpointError(f"{weights}: tensors {absent[:5]} are missing ({len(absent)} in all)")
+    extra = sorted(set(tensors) - need - optional)
+    if extra:
+        raise CheckpointError(f"{weights}: tensors this model does not have: {extra[:5]}{' ...' if len(extra) > 5 else ''}"
+                              f" ({len(extra)} in all; config.json describes a smaller model than the weights, or the "
+                              f"directory mixes two exports)")
+    for path, info in meta["layers"].items():
+        amax = info.get("input_amax")
+        vals = np.asarray([] if amax is None else amax, np.float64).reshape(-1)
+        if not (np.isfinite(vals).all() and (vals >= 0).all()):
+            raise CheckpointError(f"{meta_path}: layer {path} has input_amax {amax}; it must be finite and >= 0")
     schemes = {}
     for path, var in params.items():
         mod_path, leaf = path.rsplit("/", 1) if "/" in path else ("", path)

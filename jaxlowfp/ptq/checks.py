@@ -82,7 +82,8 @@ def check_calibration_inputs(stats: Mapping[str, Any], paths: Iterable[str],
     message lists the layers in model order, the first one first."""
     def finite(st: Any) -> bool:
         h = getattr(st, "hessian", None)
-        return bool(np.isfinite(np.asarray(st.amax)).all() and (h is None or np.isfinite(np.asarray(h)).all()))
+        return bool(np.isfinite(np.asarray(st.amax)).all() and np.isfinite(np.asarray(st.abs_sum)).all()
+                    and (h is None or np.isfinite(np.asarray(h)).all()))
 
     bad = sorted((p for p in paths if p in stats and not finite(stats[p])), key=_natural)
     if bad:

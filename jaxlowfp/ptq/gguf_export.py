@@ -366,7 +366,7 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
                 eos_id: int | None = None, add_bos: bool | None = None, chat_template: str | None = None,
                 float32: bool = False, dtype: str = "float16", weights_only: bool = False,
                 allow_reordered_decode: bool = False, allow_known_gaps: bool = False,
-                name: str | None = None) -> GGUFReport:
+                name: str | None = None, overwrite: bool = False) -> GGUFReport:
     """Write a model (after `jaxlowfp.ptq.quantize`, or `result=None`) as a GGUF file (module docstring).
 
     NVFP4 layers become type 40 (plus their ``.scale`` tensor), MXFP4 layers type 39; other tensors of two or more
@@ -377,7 +377,12 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
     `chat_template` None: from ``tokenizer_config.json`` next to it / its post-processor).
     `weights_only=True` writes a W4A4 result's weights alone (GGUF has no activation quantization);
     `allow_reordered_decode` and `allow_known_gaps` override the refusals of the module docstring.
+    Atomic: written to a temporary sibling file, then renamed to `path`; an existing `path` is refused
+    (`jaxlowfp.ptq.checkpoint.TargetExistsError`) unless ``overwrite=True``.
     """
+    from jaxlowfp.ptq.checkpoint import target_check, write_atomically
+
+    target_check(path, overwrite, "export_gguf")
     gguf = _gguf()
     if result is not None and not isinstance(result, PTQResult):
         raise TypeError(f"result must be a PTQResult or None; got {type(result).__name__}")
@@ -533,27 +538,34 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
                                      add_bos=add_bos, chat_template=chat_template)
 
     path = Path(path)
-    writer = gguf.GGUFWriter(path, arch)
-    if reader is not None:
-        _copy_metadata(writer, reader, meta)
-    else:
-        _add_metadata(writer, meta)
-        tok_calls.replay(writer)
-    if name is not None:
-        writer.add_name(name)
-    kinds = {s.weight.kind for s in schemes.values()}
-    ftype = (gguf.LlamaFileType.MOSTLY_NVFP4 if kinds == {"nvfp4"} else gguf.LlamaFileType.MOSTLY_MXFP4_MOE
-             if kinds == {"mxfp4"} else {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
-                                         "BF16": gguf.LlamaFileType.MOSTLY_BF16}[hp_type])
-    writer.add_file_type(int(ftype))
-    for n, e, raw_dtype, _ in planned:  # what add_tensor records, without the data
-        writer.add_tensor_info(n, e.shape, e.dtype, e.nbytes, raw_dtype=raw_dtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for _, e, _, _ in planned:  # in order, one tensor at a time (the bytes write_tensors_to_file writes)
-        writer.write_tensor_data(spool.get(e))
-    writer.close()
-    spool.close()
+    atomic = write_atomically(path, overwrite, directory=False)
+    tmp = atomic.__enter__()  # a temporary sibling file, renamed to path on success, deleted on an error
+    try:
+        writer = gguf.GGUFWriter(tmp, arch)
+        if reader is not None:
+            _copy_metadata(writer, reader, meta)
+        else:
+            _add_metadata(writer, meta)
+            tok_calls.replay(writer)
+        if name is not None:
+            writer.add_name(name)
+        kinds = {s.weight.kind for s in schemes.values()}
+        ftype = (gguf.LlamaFileType.MOSTLY_NVFP4 if kinds == {"nvfp4"} else gguf.LlamaFileType.MOSTLY_MXFP4_MOE
+                 if kinds == {"mxfp4"} else {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
+                                             "BF16": gguf.LlamaFileType.MOSTLY_BF16}[hp_type])
+        writer.add_file_type(int(ftype))
+        for n, e, raw_dtype, _ in planned:  # what add_tensor records, without the data
+            writer.add_tensor_info(n, e.shape, e.dtype, e.nbytes, raw_dtype=raw_dtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for _, e, _, _ in planned:  # in order, one tensor at a time (the bytes write_tensors_to_file writes)
+            writer.write_tensor_data(spool.get(e))
+        writer.close()
+        spool.close()
+    except BaseException as e:
+        if not atomic.__exit__(type(e), e, e.__traceback__):
+            raise
+    atomic.__exit__(None, None, None)
     return GGUFReport(path=path, types=types, bits_per_parameter=bits / n_params, dtype=hp_type,
                       rounded=(rounded, written_hp), notes=tuple(notes))
