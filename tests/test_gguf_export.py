@@ -58,9 +58,9 @@ def test_w4a4_needs_weights_only(tmp_path):
 def test_compressed_tensors_convention_needs_the_flag(tmp_path):
     model = Llama(CFG, rngs=nnx.Rngs(0))
     res = ptq.quantize_model(model, [ptq.Rule(path=LINEARS, scheme=ptq.scheme("nvfp4-static_6", weights_only=True))],
-                       convention="compressed-tensors")
+                       arithmetic="compressed-tensors")
     tj = _tokenizer(tmp_path / "tok")
-    with pytest.raises(ValueError, match=r"convention='compressed-tensors'.*allow_reordered_decode=True"):
+    with pytest.raises(ValueError, match=r"arithmetic='compressed-tensors'.*allow_reordered_decode=True"):
         ptq.export_gguf(model, res, tmp_path / "a.gguf", tokenizer_json=tj)
     ptq.export_gguf(model, res, tmp_path / "a.gguf", tokenizer_json=tj, allow_reordered_decode=True)
 

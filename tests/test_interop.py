@@ -256,9 +256,9 @@ def test_export_fuses_refuses_and_reports(tmp_path):
     mixed = [ptq.Rule(path=r".*/q_proj", scheme=ptq.scheme("nvfp4-static_6")), ptq.Rule(path=LINEARS, scheme=ptq.scheme("nvfp4-mse"))]
     with pytest.raises(ValueError, match="mixes NVFP4 weight formats"):
         ptq.quantize_model(Llama(CFG, rngs=nnx.Rngs(1)), mixed)
-    with pytest.raises(ValueError, match="convention='compressed-tensors' reproduces llm-compressor's RTN"):
+    with pytest.raises(ValueError, match="arithmetic='compressed-tensors' reproduces llm-compressor's RTN"):
         ptq.quantize_model(Llama(CFG, rngs=nnx.Rngs(1)), [ptq.Rule(path=LINEARS, scheme=ptq.scheme("nvfp4-mse"))],
-                     convention="compressed-tensors")
+                     arithmetic="compressed-tensors")
 
 
 def test_live_record_says_what_the_consumers_did():

@@ -101,7 +101,7 @@ def test_orbax_restores_the_packed_model_bit_for_bit(w4a4, tmp_path):
     assert disk < 2 * sum(a.nbytes for a in jax.tree.leaves(state))
 
 
-@pytest.mark.parametrize("name,kw", [("hif8", {}), ("nvfp4-static_6", {"convention": "compressed-tensors"}),
+@pytest.mark.parametrize("name,kw", [("hif8", {}), ("nvfp4-static_6", {"arithmetic": "compressed-tensors"}),
                                      ("mxfp4", {}), ("fp8", {}), ("mxfp8", {})])
 def test_other_formats_and_conventions(name, kw):
     model = _MLP(nnx.Rngs(0))

@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jaxlowfp import nvfp4, sharding
+from jaxlowfp._core.deprecation import renamed_kwarg, warn
 from jaxlowfp._core.progress import progress_bar
 from jaxlowfp.ptq import calibrate, checks, experts, sequential, serving, smooth
 from jaxlowfp.qnnx.rules import grouped_weights
@@ -62,7 +63,7 @@ class PTQResult:
     folds:    the folds applied (SmoothQuant / AWQ), and skipped: [(layer, reason)]
     seconds:  wall time, calibration included
     fused:    groups of layers that share one NVFP4 global scale (`jaxlowfp.ptq.serving.fused_groups`)
-    convention: "jaxlowfp" or "compressed-tensors", the NVFP4 arithmetic of `packed` (`jaxlowfp.ptq.serving`)
+    arithmetic: "jaxlowfp" or "compressed-tensors", the NVFP4 arithmetic of `packed` (`jaxlowfp.ptq.serving`)
     pipeline: how the statistics were calibrated: "sequential" (block by block, `jaxlowfp.ptq.sequential`),
       "one-pass" (one pass over the unquantized model, or the `stats` given) or "none" (RTN without calibration)
     peak_stats_bytes: the most bytes of calibration statistics (and, sequential, activations) held at once
@@ -83,12 +84,18 @@ class PTQResult:
     skipped: tuple[tuple[str, str], ...] = ()
     seconds: float = 0.0
     fused: tuple[tuple[str, ...], ...] = ()
-    convention: str = "jaxlowfp"
+    arithmetic: str = "jaxlowfp"
     pipeline: str = "one-pass"
     peak_stats_bytes: int = 0
     activation_scale: str | None = None
     experts: dict = dataclasses.field(default_factory=dict)
     dtype: str = "float32"
+
+    @property
+    def convention(self) -> str:
+        """Deprecated name of :attr:`arithmetic`."""
+        warn("PTQResult.convention", "PTQResult.arithmetic")
+        return self.arithmetic
 
 
 STORAGE_DTYPES = ("float32", "bfloat16", "float16")
@@ -260,7 +267,8 @@ def _quantize(
     stats: Mapping[str, calibrate.LayerStats] | None = None,
     progress: bool = False,
     fused: Any = "auto",
-    convention: str = "jaxlowfp",
+    arithmetic: str = "jaxlowfp",
+    convention: str | None = None,
     pipeline: str = "auto",
     propagate: str = "quantized",
     activation_scale: str = "auto",
@@ -284,7 +292,8 @@ def _quantize(
         (with ``hessian=True`` for GPTQ, samples for AWQ): one calibration pass shared by many quantize calls.
       fused: layers that share one NVFP4 global scale, as serving engines fuse them (q/k/v, gate/up): "auto"
         (`jaxlowfp.ptq.serving.fused_groups`), None, or a list of path tuples.
-      convention: NVFP4 weight arithmetic, "jaxlowfp" or "compressed-tensors" (llm-compressor's RTN; static_6).
+      arithmetic: NVFP4 weight arithmetic, "jaxlowfp" or "compressed-tensors" (llm-compressor's RTN; static_6);
+        ``convention=`` is its deprecated name.
       pipeline: "sequential" (block by block through the quantized prefix, one block's statistics at a time, a
         mixture-of-experts block's experts included; needs the model's ``ptq_blocks()``,
         `jaxlowfp.ptq.sequential`), "one-pass" (every layer's statistics from one
@@ -344,7 +353,8 @@ def _quantize(
         raise ValueError("pass calibration or stats, not both")
     if calibration is None and stats is None and not isinstance(m, RTN):
         raise ValueError(f"method {m.name!r} needs calibration data (a token array [n, seq] or batches)")
-    serving.check_convention(convention, m.name, targets)
+    arithmetic = renamed_kwarg("ptq.quantize_model", "convention", convention, "arithmetic", arithmetic, "jaxlowfp")
+    serving.check_convention(arithmetic, m.name, targets)
     act_scale = _activation_scale(activation_scale, calibration is not None or stats is not None)
     expert_results: dict[str, experts.ExpertResult] = {}
     op_keys: dict[str, str] = {}
@@ -365,7 +375,7 @@ def _quantize(
                                                   activation_scale=act_scale, min_tokens=min_expert_tokens)
         if not targets:
             return dataclasses.replace(
-                _result(m, grouped, kept, unmatched, already, unused, done, total, {}, {}, {}, (), (), (), convention,
+                _result(m, grouped, kept, unmatched, already, unused, done, total, {}, {}, {}, (), (), (), arithmetic,
                         "one-pass" if calibration is not None else "none", 0, act_scale, expert_results, op_keys, t0),
                 dtype=dtype)
     groups = serving.fused_groups(model, targets, fused)
@@ -413,7 +423,7 @@ def _quantize(
                              "or pipeline='one-pass'")
         shared = {p: jnp.max(jnp.stack([jnp.max(jnp.abs(mods[x].kernel[...].astype(jnp.float32))) for x in g]))
                   for g in grp for p in g}  # after the folds: the amax of the weights as they are quantized
-        _quantize_weights(mods, m, sub, st, shared, convention, packed, progress, act_scale, op_keys)
+        _quantize_weights(mods, m, sub, st, shared, arithmetic, packed, progress, act_scale, op_keys)
 
     samples = 0
     if batches is not None and (isinstance(m, AWQ) or (isinstance(m, SmoothQuant) and m.alphas is not None)):
@@ -436,7 +446,7 @@ def _quantize(
 
     return dataclasses.replace(
         _result(m, grouped, kept, unmatched, already, unused, done, total, targets, packed, act_amax, folds, skipped,
-                groups, convention, pipe, peak, act_scale, expert_results, op_keys, t0), dtype=dtype)
+                groups, arithmetic, pipe, peak, act_scale, expert_results, op_keys, t0), dtype=dtype)
 
 
 
@@ -463,7 +473,7 @@ def _result(m: Method, grouped: Mapping[str, Any], kept: Any, unmatched: Any, al
     )
     return PTQResult(report=report, method=m.name, schemes=dict(targets), packed=packed, act_amax=act_amax,
                      folds=tuple(folds), skipped=tuple(skipped), seconds=time.perf_counter() - t0,
-                     fused=tuple(groups), convention=convention, pipeline=pipe, peak_stats_bytes=peak,
+                     fused=tuple(groups), arithmetic=convention, pipeline=pipe, peak_stats_bytes=peak,
                      experts=dict(expert_results),
                      activation_scale=act_scale if any(s.activation is not None for s in
                                                        [*targets.values(), *(g[2] for g in grouped.values())])

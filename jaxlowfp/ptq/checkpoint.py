@@ -30,7 +30,7 @@ What a serving engine applies, and what `export` guarantees for it:
   the group's amax, and `export` refuses groups whose global scales differ.
 - **Weights** decode exactly: the stored codes and scales are what we evaluated. Decoding order: compressed-tensors
   computes ``q * (s / g)``, ours ``(q * s) * (1 / g)`` (1 ulp apart in about a quarter of the weights), unless the
-  model was quantized with ``convention="compressed-tensors"`` (llm-compressor's arithmetic; then ``load`` decodes
+  model was quantized with ``arithmetic="compressed-tensors"`` (llm-compressor's arithmetic; then ``load`` decodes
   in that order too). Four Over Six changes no storage: it chooses each block's E4M3 scale (x1.5 where the block
   maps its max to 4, and E = 256 in S_enc).
 - **Activations** are the engine's: vLLM and compressed-tensors quantize W4A4 inputs with static_6 block scales
@@ -209,7 +209,7 @@ class ExportReport:
     quantized_fraction: the fraction of the model's parameters stored as NVFP4
     fused:              groups sharing one global scale (what vLLM fuses)
     partial:            vLLM-fused groups of which only some members are quantized (vLLM refuses to load those)
-    convention:         the NVFP4 arithmetic of the weights ("jaxlowfp" or "compressed-tensors")
+    arithmetic:         the NVFP4 arithmetic of the weights ("jaxlowfp" or "compressed-tensors")
     dtype:              the dtype of the high-precision tensors of 2 or more dimensions (1-D ones are float32)
     rounded:            high-precision values that rounding to `dtype` changed, and how many were written
     notes:              known gaps of consumers that the checkpoint hits (`jaxlowfp.ptq.known_gaps`; warned)
@@ -221,7 +221,7 @@ class ExportReport:
     quantized_fraction: float
     fused: tuple[tuple[str, ...], ...]
     partial: tuple[tuple[str, ...], ...]
-    convention: str
+    arithmetic: str
     dtype: str = "float32"
     rounded: tuple[int, int] = (0, 0)
     notes: tuple[str, ...] = ()
@@ -229,7 +229,7 @@ class ExportReport:
     def __str__(self) -> str:
         lines = [f"exported to {self.directory}: {self.bits_per_parameter:.3f} bits per parameter "
                  f"({100 * self.quantized_fraction:.1f} % of the parameters in NVFP4 at {self.quantized_bits:.3f} "
-                 f"bits per weight), {len(self.fused)} fused groups sharing a global scale, {self.convention} "
+                 f"bits per weight), {len(self.fused)} fused groups sharing a global scale, {self.arithmetic} "
                  f"arithmetic; high precision in {self.dtype} ({self.rounded[0]} of {self.rounded[1]} values "
                  f"rounded)"]
         lines += [f"note: {n}" for n in self.notes]
@@ -344,7 +344,7 @@ def _write_experts(path: str, var: Any, names: list[str], result: PTQResult, ten
                 value = low
             tensors[name] = spool.put(value)
         return 0, 0, rounded, w.size
-    sch, conv = res.scheme, result.convention
+    sch, conv = res.scheme, result.arithmetic
     if len(res.packed) != w.shape[0]:
         raise ValueError(f"{path}: the result holds {len(res.packed)} packed experts for {w.shape[0]}")
     pair = {"gate_proj": "up_proj", "up_proj": "gate_proj"}.get(path.rsplit("/", 1)[1])
@@ -550,7 +550,7 @@ def _record_digests(directory: Path) -> None:
 def _write(model: nnx.Module, result: PTQResult, directory: Path, spool: stream.Spool, *, params: dict,
            linears: dict, name_of: Callable[[str], str], model_config: Mapping[str, Any] | None, tokenizer: Any,
            dtype: str, schemes: Mapping[str, Scheme], per_expert: Mapping[str, list[str]]) -> ExportReport:
-    conv = result.convention
+    conv = result.arithmetic
     tensors: dict[str, stream.SpoolEntry] = {}
     layers: dict[str, Any] = {}
     n_quant = 0
@@ -678,7 +678,7 @@ def _write(model: nnx.Module, result: PTQResult, directory: Path, spool: stream.
     total_bits = sum(t.nbytes * 8 for t in tensors.values())
     return ExportReport(directory=directory, bits_per_parameter=total_bits / n_params,
                         quantized_bits=quant_bits / max(n_quant, 1), quantized_fraction=n_quant / n_params,
-                        fused=tuple(result.fused), partial=partial, convention=conv, dtype=dtype,
+                        fused=tuple(result.fused), partial=partial, arithmetic=conv, dtype=dtype,
                         rounded=(rounded, written_hp), notes=tuple(notes))
 
 

@@ -403,12 +403,12 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
                          f"is then the W4A16 model), or quantize with weights_only schemes")
     schemes = {} if result is None or float32 else {p: s for p, s in result.schemes.items() if p not in expert_schemes}
     packed = {} if result is None else result.packed
-    conv = "jaxlowfp" if result is None else result.convention
+    conv = "jaxlowfp" if result is None else result.arithmetic
     if schemes and conv != "jaxlowfp" and not allow_reordered_decode:
-        raise ValueError(f"export_gguf: the result was quantized with convention={conv!r} (weights "
+        raise ValueError(f"export_gguf: the result was quantized with arithmetic={conv!r} (weights "
                          f"decode as q * (s / g)); llama.cpp computes (q * s) * S_dec, 1 ulp off for about a quarter "
                          f"of the weights, so the file would not be the model you evaluated. Quantize with "
-                         f"convention='jaxlowfp' for GGUF, or pass allow_reordered_decode=True")
+                         f"arithmetic='jaxlowfp' for GGUF, or pass allow_reordered_decode=True")
     require_linear(model, schemes, "export_gguf")
     bad = {p: s.weight.name for p, s in schemes.items() if s.weight.kind not in ("nvfp4", "mxfp4")}
     if bad:

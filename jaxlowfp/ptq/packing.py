@@ -196,7 +196,7 @@ def _weight(path: str, mod: nnx.Module, result: PTQResult) -> packed.PackedWeigh
         if path not in result.packed:
             raise ValueError(f"{path}: the PTQ result has no packed NVFP4 arrays for this layer")
         arr, s_enc = result.packed[path]
-        w = packed.from_nvfp4(arr, s_enc, arithmetic=result.convention)
+        w = packed.from_nvfp4(arr, s_enc, arithmetic=result.arithmetic)
     else:
         w = _requantized(kernel, fmt, path)
     if w.shape != tuple(kernel.shape):

@@ -15,7 +15,7 @@ Groups (`fused_groups`): the model's ``smoothing_folds()`` entries whose project
 (``attn_norm -> q/k/v``, ``mlp_norm -> gate/up``, which is exactly what vLLM fuses), else sibling modules named
 ``q_proj, k_proj, v_proj`` and ``gate_proj, up_proj`` (vLLM's names).
 
-**Conventions** (``convention=``): ``"jaxlowfp"`` quantizes ``q = E2M1(x * (1 / (s * (1 / g))))`` and decodes
+**Arithmetics** (``arithmetic=``): ``"jaxlowfp"`` quantizes ``q = E2M1(x * (1 / (s * (1 / g))))`` and decodes
 ``(q * s) * (1 / g)`` (`jaxlowfp.nvfp4`); ``"compressed-tensors"`` quantizes ``q = E2M1(x / (s / g))`` with
 ``g = (1 / amax) * 2688`` and decodes ``q * (s / g)`` (llm-compressor's order, `jaxlowfp._core.ct_nvfp4`), static_6
 round to nearest only. The codes differ in a handful of ties (about 1e-4 of them on SmolLM2-135M), the decodings in
@@ -44,12 +44,12 @@ FUSED_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 def check_convention(convention: str, method: str, schemes: Mapping[str, Scheme]) -> str:
     """The compressed-tensors convention exists for RTN static_6 with 1x16 blocks (what llm-compressor does)."""
     if convention not in CONVENTIONS:
-        raise ValueError(f"convention={convention!r} is not supported; allowed: {', '.join(map(repr, CONVENTIONS))}")
+        raise ValueError(f"arithmetic={convention!r} is not supported; allowed: {', '.join(map(repr, CONVENTIONS))}")
     if convention == "compressed-tensors":
         bad = sorted({s.weight.name for s in schemes.values()
                       if s.weight.kind != "nvfp4" or s.weight.rule != "static_6" or s.weight.rows != 1})
         if method != "rtn" or bad:
-            raise ValueError(f"convention='compressed-tensors' reproduces llm-compressor's RTN NVFP4 (static_6, 1x16 "
+            raise ValueError(f"arithmetic='compressed-tensors' reproduces llm-compressor's RTN NVFP4 (static_6, 1x16 "
                              f"blocks); got method {method!r} and weight formats {bad or 'nvfp4-static_6'}")
     return convention
 
