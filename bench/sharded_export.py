@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> dict:
             if n > 1:
                 mesh = sharding.make_mesh(f"fsdp={n // 2},tensor=2", jax.devices()[:n])
                 model = sharding.shard_model(model, mesh, sharding.llama_rules())
-            res = ptq.quantize_model(model, rules, method="rtn", progress=False)
+            # float16 storage, chosen at quantize time (what export writes by default): the configuration measured
+            res = ptq.quantize_model(model, rules, method="rtn", progress=False, dtype="float16")
             d = root / f"{layers}-{n}"
             ptq.export(model, res, d / "warm")
             ptq.export_gguf(model, res, d / "warm.gguf", tokenizer_json=tj)

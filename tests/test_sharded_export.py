@@ -27,7 +27,7 @@ RULES = [ptq.Rule(path=r"blocks/\d+/(attn|mlp)/\w+_proj", scheme=ptq.scheme("nvf
 
 
 def _export_both(model, tmp: Path, tj: Path) -> tuple[bytes, bytes]:
-    res = ptq.quantize_model(model, RULES, method="rtn")
+    res = ptq.quantize_model(model, RULES, method="rtn", dtype="float16")  # both files' high precision in F16
     ptq.export(model, res, tmp / "st")
     ptq.export_gguf(model, res, tmp / "m.gguf", tokenizer_json=tj)
     return (tmp / "st" / "model.safetensors").read_bytes(), (tmp / "m.gguf").read_bytes()
