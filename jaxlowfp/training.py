@@ -6,7 +6,8 @@ The model is split once into a ``graphdef`` and state pytrees (:func:`split`)::
     qstate   jaxlowfp.qnnx.AmaxState      amax histories of the quantized layers (delayed scaling); its
                                          ``scaling.PendingAmax`` slots (delayed gradient scaling) are differentiated
                                          too, and their gradient, the output-gradient amax, is their new value
-    rest     everything else             rng counters of stochastic rounding, the observe-only flags, last stats
+    rest     everything else             rng counters of stochastic rounding, the observe-only flags, last stats,
+                                         the ops' execution records (`jaxlowfp.execution`)
 
 One step, for ``k = microbatches``::
 
@@ -55,7 +56,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxlowfp.execution import check_executed
+from jaxlowfp.execution import checked_call
 from jaxlowfp import scaling
 from jaxlowfp._core.checks import integer
 from jaxlowfp.qnnx import AmaxState, QuantStatsState, set_observe_only
@@ -243,8 +244,8 @@ def make_step(
             q = qstate if pending is None else scaling.with_pending_amaxes(qstate, pending)
             model = nnx.merge(graphdef, p, q, rest, copy=True)  # fresh Variables: mutable in this trace
             set_observe_only(model, observe)
-            loss, aux = _loss_and_aux(loss_fn(model, batch), loss_fn)
-            check_executed(model)  # at trace time: a layer reported quantized whose op never ran is named
+            # at trace time: a layer reported quantized whose op never ran in this trace is named
+            loss, aux = _loss_and_aux(checked_call(model, loss_fn, batch), loss_fn)
             _, _, new_q, new_rest = split(model)
             return loss, (new_q, new_rest, aux)
 
