@@ -51,7 +51,7 @@ from jaxlowfp.rules import not_executed_message
 __all__ = ["ExecutionRecord", "BACKENDS", "QuantizedOp", "quantized_ops", "check_executed", "records",
            "update_records", "checked_call", "SharedPrograms"]
 
-_WARNED: set[frozenset[str]] = set()
+_WARNED: set[tuple[int, frozenset[str]]] = set()  # (id of the model, paths) already warned about
 
 
 class QuantizedOp(NamedTuple):
@@ -135,18 +135,18 @@ def quantized_ops(model: Any) -> list[QuantizedOp]:
 def check_executed(model: Any, *, strict: bool = False, warn_once: bool = True) -> tuple[str, ...]:
     """Paths of the quantized ops in `model` (an NNX model, or a Linen model's variables) that have not executed; a
     RuntimeWarning naming them and saying why (or, with `strict`, a RuntimeError). Call it after the model's first
-    call (with its state written back). `warn_once`: the same set of layers is warned about once per process."""
-    return _check(quantized_ops(model), strict, warn_once)
+    call (with its state written back). `warn_once`: the same set of layers of one model object is warned about once."""
+    return _check(quantized_ops(model), strict, warn_once, id(model))
 
 
-def _check(ops: list[QuantizedOp], strict: bool, warn_once: bool) -> tuple[str, ...]:
+def _check(ops: list[QuantizedOp], strict: bool, warn_once: bool, owner: int) -> tuple[str, ...]:
     missing = [op for op in ops if not op.executed]
     if missing:
         msg = not_executed_message([op.path for op in missing], ran=len(missing) < len(ops),
                                    what={op.path: op.configured for op in missing})
         if strict:
             raise RuntimeError(msg)
-        token = frozenset(op.path for op in missing)
+        token = (owner, frozenset(op.path for op in missing))
         if not (warn_once and token in _WARNED):
             _WARNED.add(token)
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
@@ -188,7 +188,7 @@ def checked_call(model: nnx.Module, fn: Callable[..., Any], *args: Any, strict: 
         for (_, op), b, a, r in zip(ops, before, after, ran):
             op.record.set_value(a if r else b)
     seen = [QuantizedOp(path, _describe(op), op.record, r) for (path, op), r in zip(ops, ran)]
-    _check(seen, strict, warn_once=True)
+    _check(seen, strict, True, id(model))
     return out
 
 

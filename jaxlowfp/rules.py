@@ -112,7 +112,8 @@ def not_executed_message(paths: Sequence[str], *, ran: bool, what: dict[str, str
                "inputs stayed in high precision. Call the layer (`layer(x)`), or exclude it from the rules "
                "(a Rule with no recipe / scheme) so the report says so")
     else:
-        why = "no quantized op of the model has executed yet: call the model once (under jit is fine) first"
+        why = ("no quantized op of the model has executed yet: call the model once first (eagerly or under nnx.jit; "
+               "a jitted call that drops the model's state leaves no record, as it leaves no amax history)")
     return f"{len(paths)} layer(s) reported quantized never ran quantized ({shown}{more}): {why}."
 
 
