@@ -192,15 +192,31 @@ def checked_call(model: nnx.Module, fn: Callable[..., Any], *args: Any, strict: 
     return out
 
 
+def _structure(block: nnx.Module) -> nnx.GraphDef:
+    """A key equal for blocks of the same structure: the block's graphdef with its quantized ops' ``path`` (a static
+    name used in error messages only) blanked. Nothing else differs between identical blocks: the execution
+    records are state."""
+    ops = [m for _, m in nnx.iter_modules(block)
+           if isinstance(getattr(m, "record", None), ExecutionRecord) and isinstance(getattr(m, "path", None), str)]
+    saved = [m.path for m in ops]
+    try:
+        for m in ops:
+            m.path = ""
+        return nnx.graphdef(block)
+    finally:
+        for m, p in zip(ops, saved):
+            m.path = p
+
+
 class SharedPrograms:
     """Blocks of a model split so that blocks of the same structure share one graphdef, hence one compiled program
     of a function jitted with the graphdef static (block-by-block evaluation and generation: a fake-quantized
     layer is thousands of HLO ops, and one program for the whole model costs gigabytes to compile).
 
-    ``split[i]`` is ``(graphdef, state)`` of block ``i``. Identical blocks have equal graphdefs (no op carries
-    anything process-specific), so nothing is blanked: the graphdef is the block's own, and ``split[i][0]`` is
-    the first equal one (one cache entry). A program that returns ``records(block)`` hands them to
-    :meth:`record` (``record(i, recs)``), which writes them into block ``i``.
+    ``split[i]`` is ``(graphdef, state)`` of block ``i``: the graphdef of the first block of its structure (the
+    blocks differ in their ops' ``path``, a name for error messages, only), its own state. The execution records
+    are state, so no key is blanked and nothing is marked by hand: a program that returns ``records(block)``
+    hands them to :meth:`record` (``record(i, recs)``), which writes them into block ``i``.
     """
 
     def __init__(self, blocks: list[nnx.Module]):
@@ -209,7 +225,7 @@ class SharedPrograms:
         self.split: list[tuple[nnx.GraphDef, nnx.State]] = []
         for block in self.blocks:
             g, s = nnx.split(block)
-            self.split.append((first.setdefault(g, g), s))
+            self.split.append((first.setdefault(_structure(block), g), s))
         self._recorded: set[int] = set()
 
     def record(self, i: int, recs: nnx.State) -> None:
