@@ -43,6 +43,7 @@ from typing import Any, Mapping
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxlowfp import owg, qat
 from jaxlowfp._core.checks import bool_flag, one_of
@@ -131,7 +132,7 @@ def contract_in(
         precision=precision, preferred_element_type=preferred_element_type, where=where, record=slot)
     rec_collection = AMAX_COLLECTION if carry == "mutable" else EXECUTED_COLLECTION
     if module.is_mutable_collection(rec_collection):  # `init` creates the record at 0: only `apply` counts
-        rec = scope.variable(rec_collection, record_name(names[0]), lambda: jnp.zeros((), jnp.int32))
+        rec = scope.variable(rec_collection, record_name(names[0]), lambda: np.zeros((), np.int32))
         if not module.is_initializing():
             rec.value = slot.value
     if carry == "gradient":

@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -35,8 +34,10 @@ class ExecutionRecord(nnx.Variable):
 
 
 def new_record() -> ExecutionRecord:
-    """A fresh record: not executed."""
-    return ExecutionRecord(jnp.zeros((), jnp.int32))
+    """A fresh record: not executed. A NumPy value, as every value `write` sets: it lives on no device, so a model
+    placed on a mesh after (or before) its ops were made is still all on the mesh (`jaxlowfp.sharding`); a jitted
+    call takes it as any input and returns it on the call's devices."""
+    return ExecutionRecord(np.zeros((), np.int32))
 
 
 def code(backend: str | None) -> np.int32:
