@@ -99,7 +99,7 @@ def _linen_ops(variables: Mapping[str, Any]) -> list[QuantizedOp]:
 _HOOKS = ("dot_general", "einsum_op")  # a layer's hook attributes; "quant_<name>": a grouped weight's
 
 
-def _ops(model: nnx.Module) -> list[tuple[str, nnx.Module]]:
+def _ops(model: nnx.Module) -> list[tuple[str, Any]]:
     """(report path, op) of every module of `model` that owns an execution record: QuantOps at their graph path,
     PTQ hooks at their layer's path (``dot_general`` / ``einsum_op``) or ``<module>/<weight>`` (``quant_<weight>``);
     a record held elsewhere (a packed layer's copy of the hook, which it never calls) is not an op of the model."""
@@ -196,8 +196,9 @@ def _structure(block: nnx.Module) -> nnx.GraphDef:
     """A key equal for blocks of the same structure: the block's graphdef with its quantized ops' ``path`` (a static
     name used in error messages only) blanked. Nothing else differs between identical blocks: the execution
     records are state."""
-    ops = [m for _, m in nnx.iter_modules(block)
-           if isinstance(getattr(m, "record", None), ExecutionRecord) and isinstance(getattr(m, "path", None), str)]
+    ops: list[Any] = [m for _, m in nnx.iter_modules(block)
+                      if isinstance(getattr(m, "record", None), ExecutionRecord)
+                      and isinstance(getattr(m, "path", None), str)]
     saved = [m.path for m in ops]
     try:
         for m in ops:

@@ -39,7 +39,7 @@ import opt_einsum
 from jax import lax
 
 from jaxlowfp._core.checks import float_input
-from jaxlowfp._core.executed import ExecutionRecord, new_op_key
+from jaxlowfp._core.executed import ExecutionRecord, RecordSink, new_op_key
 from jaxlowfp._core.executed import write as _mark
 from jaxlowfp.qat import gemm
 from jaxlowfp.qat.matmul import _normalize_dn, linear
@@ -162,7 +162,7 @@ def dot_general(
     precision: Any = None,
     preferred_element_type: Any = None,
     where: str = "",
-    record: ExecutionRecord | None = None,
+    record: RecordSink | None = None,
     op_key: str | None = None,
 ) -> tuple[jax.Array, RecipeState, RecipeStats]:
     """``lax.dot_general(lhs, rhs, dimension_numbers)`` with the activation and the weight (``lhs`` if
@@ -240,7 +240,7 @@ def einsum(
     precision: Any = None,
     preferred_element_type: Any = None,
     where: str = "",
-    record: ExecutionRecord | None = None,
+    record: RecordSink | None = None,
     op_key: str | None = None,
 ) -> tuple[jax.Array, RecipeState, RecipeStats]:
     """``jnp.einsum(spec, lhs, rhs)`` quantized per `recipe`: :func:`parse_einsum`, then :func:`dot_general`,
@@ -319,7 +319,7 @@ def ragged_dot(
     precision: Any = None,
     preferred_element_type: Any = None,
     where: str = "",
-    record: ExecutionRecord | None = None,
+    record: RecordSink | None = None,
     op_key: str | None = None,
 ) -> tuple[jax.Array, RecipeState, RecipeStats]:
     """``jax.lax.ragged_dot(lhs [M, K], rhs [G, K, N], group_sizes [G])`` (rows sorted by expert, ``group_sizes[g]``

@@ -15,13 +15,13 @@ Linen ops keep the same code as a variable of their own collection (`jaxlowfp.ql
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 from flax import nnx
 
-__all__ = ["ExecutionRecord", "BACKENDS", "new_record", "code", "write", "read", "new_op_key"]
+__all__ = ["ExecutionRecord", "RecordSink", "BACKENDS", "new_record", "code", "write", "read", "new_op_key"]
 
 # the forward GEMMs (`jaxlowfp.qat.gemm`), in code order: code 1 + i; code 0: the op has not run
 BACKENDS = ("dequant", "fp8", "scaled_matmul")
@@ -31,6 +31,12 @@ _OTHER = len(BACKENDS) + 1  # ran, on a backend this table does not name
 class ExecutionRecord(nnx.Variable):
     """int32 scalar: 0 while the op has not run, else ``1 + BACKENDS.index(backend)`` of its last forward
     (`jaxlowfp.execution`). State, not configuration: not trained, small, and never part of the graphdef."""
+
+
+class RecordSink(Protocol):
+    """What `jaxlowfp.ops` writes a record to: an `ExecutionRecord`, or a Linen variable's stand-in."""
+
+    def set_value(self, value: Any) -> Any: ...
 
 
 def new_record() -> ExecutionRecord:
@@ -47,7 +53,7 @@ def code(backend: str | None) -> np.int32:
     return np.int32(1 + BACKENDS.index(backend)) if backend in BACKENDS else np.int32(_OTHER)
 
 
-def write(record: Any, backend: str | None) -> None:
+def write(record: RecordSink | None, backend: str | None) -> None:
     """Record on `record` (an `ExecutionRecord`, or None: nothing) that its op ran on `backend`. The value is a
     NumPy constant, so it is concrete in a trace as well."""
     if record is not None:
