@@ -162,12 +162,13 @@ def records(model: nnx.Module) -> nnx.State:
 def update_records(model: nnx.Module, recs: nnx.State) -> None:
     """Write into `model` the records in `recs` (from :func:`records` of a model or block of the same structure,
     e.g. returned by a jitted function) that say executed; the others leave the model's as they are (a program
-    that ran part of the model returns the rest as it got it)."""
+    that ran part of the model returns the rest as it got it). Written as NumPy values, as the ops write them: the
+    model's inputs to a jitted function keep their kind, so its cache gets no second entry for them."""
     mine = {path: v for path, v in nnx.to_flat_state(records(model))}
     for path, v in nnx.to_flat_state(recs):
-        value = v.get_value() if isinstance(v, nnx.Variable) else v
-        if path in mine and _record.read(value)[0]:
-            mine[path].set_value(value)
+        ran, backend = _record.read(v.get_value() if isinstance(v, nnx.Variable) else v)
+        if path in mine and ran:
+            mine[path].set_value(_record.code(backend))
 
 
 def checked_call(model: nnx.Module, fn: Callable[..., Any], *args: Any, strict: bool = False) -> Any:

@@ -66,6 +66,8 @@ def read(value: Any) -> tuple[bool | None, str | None]:
     (an op inside ``nnx.scan`` / ``nnx.vmap``) counts as executed when any slice is."""
     if isinstance(value, jax.core.Tracer):
         return None, None
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:  # replicated over processes: ours suffices
+        value = value.addressable_data(0)
     c = int(np.max(np.asarray(value))) if np.size(value) else 0
     if c <= 0:
         return False, None
