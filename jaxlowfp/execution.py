@@ -180,7 +180,7 @@ def checked_call(model: nnx.Module, fn: Callable[..., Any], *args: Any, strict: 
     ops = _ops(model)
     before = [op.record.get_value() for _, op in ops]
     for _, op in ops:
-        op.record.set_value(np.int32(0))
+        op.record.set_value(np.zeros((), np.int32))
     try:
         out = fn(model, *args)
     finally:

@@ -46,11 +46,11 @@ def new_record() -> ExecutionRecord:
     return ExecutionRecord(np.zeros((), np.int32))
 
 
-def code(backend: str | None) -> np.int32:
-    """The record's code for an op whose forward ran on `backend` (None: ran, backend not known)."""
-    if backend is None:
-        return np.int32(_OTHER)
-    return np.int32(1 + BACKENDS.index(backend)) if backend in BACKENDS else np.int32(_OTHER)
+def code(backend: str | None) -> np.ndarray:
+    """The record's code for an op whose forward ran on `backend` (None: ran, backend not known): an int32 0-d
+    NumPy array, the kind `new_record` starts with (a jitted function's cache sees the same kind of input)."""
+    c = 1 + BACKENDS.index(backend) if backend in BACKENDS else _OTHER
+    return np.asarray(c, np.int32)
 
 
 def write(record: RecordSink | None, backend: str | None) -> None:
