@@ -98,9 +98,9 @@ def _sums(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[ja
 def _ll_sums(graphdef: nnx.GraphDef, state: nnx.State, inputs: jax.Array, targets: jax.Array,
              weights: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`_sums` of ``model(inputs)``: the whole forward pass as one program (models without ``ptq_blocks()``); and
-    the model's execution records (`jaxlowfp.execution.records`: the only state that comes back)."""
+    the execution records it wrote (`jaxlowfp.execution.records`: the only state that comes back)."""
     model = nnx.merge(graphdef, state)
-    return _sums(model(inputs), targets, weights), records(model)
+    return _sums(model(inputs), targets, weights), records(model, written=True)
 
 
 # Block by block (models with ``ptq_blocks()``): one program for the embedding, one per distinct block structure
@@ -111,7 +111,7 @@ def _ll_sums(graphdef: nnx.GraphDef, state: nnx.State, inputs: jax.Array, target
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _embed(fn: Any, graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array) -> tuple[jax.Array, nnx.State]:
     model = nnx.merge(graphdef, state)
-    return fn(model, tokens), records(model)
+    return fn(model, tokens), records(model, written=True)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -124,7 +124,7 @@ def _block(fn: Any, graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array) -> t
 def _head_sums(fn: Any, graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, targets: jax.Array,
                weights: jax.Array) -> tuple[tuple[jax.Array, jax.Array], nnx.State]:
     model = nnx.merge(graphdef, state)
-    return _sums(fn(model, x), targets, weights), records(model)
+    return _sums(fn(model, x), targets, weights), records(model, written=True)
 
 
 class _Forward:

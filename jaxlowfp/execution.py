@@ -153,10 +153,16 @@ def _check(ops: list[QuantizedOp], strict: bool, warn_once: bool, owner: int) ->
     return tuple(op.path for op in missing)
 
 
-def records(model: nnx.Module) -> nnx.State:
+def records(model: nnx.Module, *, written: bool = False) -> nnx.State:
     """The execution records of `model` (``nnx.state(model, ExecutionRecord)``): what a jitted function that
-    drops the rest of the state returns, for ``nnx.update(model, records)`` outside."""
-    return nnx.state(model, ExecutionRecord)
+    drops the rest of the state returns, for :func:`update_records` (or ``nnx.update``) outside. ``written``: only
+    those this trace wrote (concrete values; a record that came in as an argument is a tracer), so a program that
+    runs part of a model returns no output for the rest of it."""
+    state = nnx.state(model, ExecutionRecord)
+    if not written:
+        return state
+    return nnx.from_flat_state([(p, v) for p, v in nnx.to_flat_state(state)
+                                if not isinstance(v.get_value(), jax.core.Tracer)])
 
 
 def update_records(model: nnx.Module, recs: nnx.State) -> None:
