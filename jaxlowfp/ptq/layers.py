@@ -12,6 +12,13 @@ for a Linear kernel ``[in, out]`` (the same view as `jaxlowfp.ops`). The layer i
 
 Contractions with batch axes (a letter in the input, the kernel and the output, e.g. an expert axis) are not one
 GEMM: PTQ refuses them with an error that names the layer.
+
+The run-time activation quantizers (`ActQuant`, `EinsumActQuant`) are small ``nnx.Module`` s installed as the
+layer's hook (`install`): a module assigned to ``layer.dot_general`` is a graph child, so the execution record it
+owns (`jaxlowfp.execution.ExecutionRecord`) is state that ``nnx.split`` / ``nnx.merge``, ``nnx.jit`` and
+``jax.jit`` over split state carry, while its format, scale mode, calibrated amax and path are static and equal for
+identically quantized models (one trace for both). A frozen-dataclass hook would be static as a whole: it could
+hold the record only as a process-unique key, which kept identical models from sharing a trace.
 """
 from __future__ import annotations
 
