@@ -206,9 +206,11 @@ def act_quant(mod: nnx.Module, fmt: Any, *, activation_scale: str = "tensor", am
 
 
 def install(mod: nnx.Module, hook: Any) -> None:
-    """Set `mod`'s hook (``dot_general`` / ``einsum_op``) to `hook`. An `ActQuant` is an ``nnx.Module``, and the
-    attribute held a function (static): ``nnx.data`` makes it a graph child, so its record is state."""
-    setattr(mod, hook_name(mod), nnx.data(hook) if isinstance(hook, nnx.Module) else hook)
+    """Set `mod`'s hook (``dot_general`` / ``einsum_op``) to `hook`, either way: an `ActQuant` (an ``nnx.Module``)
+    with ``nnx.data`` (the attribute held a function, static: the module becomes a graph child, its record state),
+    a function (``lax.dot_general``, to swap a quantizer out) with ``nnx.static`` (a plain assignment would keep the
+    attribute's data status, and ``nnx.split`` would then meet a function as an array leaf)."""
+    setattr(mod, hook_name(mod), nnx.data(hook) if isinstance(hook, nnx.Module) else nnx.static(hook))
 
 
 def require_linear(model: nnx.Module, paths: Any, what: str) -> None:
