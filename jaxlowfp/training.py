@@ -53,6 +53,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -147,10 +148,13 @@ def _buffer_ids(x: jax.Array) -> set:
 
 
 def _own_buffers(tree: Any) -> Any:
-    """`tree` with every jax.Array leaf that shares a buffer with an earlier leaf replaced by a copy."""
+    """`tree` with every jax.Array leaf that shares a buffer with an earlier leaf replaced by a copy, and every
+    NumPy leaf put on the device (a buffer of its own)."""
     seen: set = set()
 
     def fresh(x: Any) -> Any:
+        if isinstance(x, np.ndarray | np.generic):  # host values (the ops' execution records): on the device
+            return jnp.array(x)
         if not isinstance(x, jax.Array):
             return x
         ids = _buffer_ids(x)
