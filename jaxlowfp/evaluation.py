@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 from jaxlowfp import sharding
-from jaxlowfp.execution import SharedPrograms, check_executed
+from jaxlowfp.execution import SharedPrograms, check_executed, records, update_records
 from jaxlowfp._core.progress import progress_bar
 
 __all__ = [
@@ -99,8 +99,10 @@ def _sums(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[ja
 @functools.partial(jax.jit, static_argnums=0)
 def _ll_sums(graphdef: nnx.GraphDef, state: nnx.State, inputs: jax.Array, targets: jax.Array,
              weights: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`_sums` of ``model(inputs)``: the whole forward pass as one program (models without ``ptq_blocks()``)."""
-    return _sums(nnx.merge(graphdef, state)(inputs), targets, weights)
+    """`_sums` of ``model(inputs)``: the whole forward pass as one program (models without ``ptq_blocks()``); and
+    the execution records it wrote (`jaxlowfp.execution.records`: the only state that comes back)."""
+    model = nnx.merge(graphdef, state)
+    return _sums(model(inputs), targets, weights), records(model, written=True)
 
 
 # Block by block (models with ``ptq_blocks()``): one program for the embedding, one per distinct block structure
@@ -109,25 +111,30 @@ def _ll_sums(graphdef: nnx.GraphDef, state: nnx.State, inputs: jax.Array, target
 # the program: the whole forward of SmolLM2 with every projection quantized as one program took more than 7.5 GB
 # to compile (bench/eval_memory.py); one block takes a thirtieth of that, and its program is compiled once.
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _embed(fn: Any, graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array) -> jax.Array:
-    return fn(nnx.merge(graphdef, state), tokens)
+def _embed(fn: Any, graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array) -> tuple[jax.Array, nnx.State]:
+    model = nnx.merge(graphdef, state)
+    return fn(model, tokens), records(model, written=True)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _block(fn: Any, graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array) -> jax.Array:
-    return fn(nnx.merge(graphdef, state), x)
+def _block(fn: Any, graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array) -> tuple[jax.Array, nnx.State]:
+    block = nnx.merge(graphdef, state)
+    return fn(block, x), records(block)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _head_sums(fn: Any, graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, targets: jax.Array,
-               weights: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return _sums(fn(nnx.merge(graphdef, state), x), targets, weights)
+               weights: jax.Array) -> tuple[tuple[jax.Array, jax.Array], nnx.State]:
+    model = nnx.merge(graphdef, state)
+    return _sums(fn(model, x), targets, weights), records(model, written=True)
 
 
 class _Forward:
     """``(sums, greedy)`` of a batch: block by block for a model with ``ptq_blocks()``, else `_ll_sums`."""
 
     def __init__(self, model: nnx.Module):
+        self.model = model  # its execution records are written back after the first call
+        self.recorded = False
         self.graphdef, self.state = nnx.split(model)
         self.blocks = None
         own = getattr(model, "ptq_blocks", None)
@@ -143,13 +150,23 @@ class _Forward:
             self.embed, self.head = embed, head
 
     def __call__(self, inputs: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+        recs = []
         if self.blocks is None:
-            return _ll_sums(self.graphdef, self.state, inputs, targets, weights)
-        x = _embed(self.embed, self.graphdef, self.state, inputs)
-        for call, g, s in self.blocks:
-            x = _block(call, g, s, x)
-        self.programs.mark_shared()
-        return _head_sums(self.head, self.graphdef, self.state, x, targets, weights)
+            out, r = _ll_sums(self.graphdef, self.state, inputs, targets, weights)
+            recs.append(r)
+        else:
+            x, r = _embed(self.embed, self.graphdef, self.state, inputs)
+            recs.append(r)
+            for i, (call, g, s) in enumerate(self.blocks):
+                x, r = _block(call, g, s, x)
+                self.programs.record(i, r)
+            out, r = _head_sums(self.head, self.graphdef, self.state, x, targets, weights)
+            recs.append(r)
+        if not self.recorded:  # a program's records are the same at every call
+            for r in recs:
+                update_records(self.model, r)
+            self.recorded = True
+        return out
 
 
 def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size: int = 8, progress: bool = False,

@@ -3,8 +3,9 @@
 QAT layers (`jaxlowfp.qnnx`, `jaxlowfp.qlinen`), PTQ's run-time activation quantizers (`jaxlowfp.ptq.layers`) and
 the Qwix provider (`jaxlowfp.qwix_provider`) are adapters: they only carry state, and every quantized product they
 compute is :func:`dot_general` or :func:`einsum` here. A format, a scaling mode or an op added here reaches every
-path at once. Each call records, at trace time, that its op executed (:func:`executed`), which is how the reports
-tell a layer that is quantized on paper from one whose quantized op really runs (`jaxlowfp.execution`).
+path at once. Each call writes, on the op's own `ExecutionRecord` (``record=``), that the op executed and on which
+GEMM backend, which is how the reports tell a layer that is quantized on paper from one whose quantized op really
+runs (`jaxlowfp.execution`).
 
 A contraction of an activation ``x`` with a weight ``w`` (either operand position) and no batch axes is a GEMM
 after a transpose and a reshape::
@@ -40,15 +41,15 @@ import opt_einsum
 from jax import lax
 
 from jaxlowfp._core.checks import float_input
-from jaxlowfp._core.executed import executed, mark as _mark, new_op_key
-from jaxlowfp._core.executed import forget as forget_executed
+from jaxlowfp._core.executed import ExecutionRecord, RecordSink, new_op_key
+from jaxlowfp._core.executed import write as _mark
 from jaxlowfp.qat import gemm
 from jaxlowfp.qat.matmul import _normalize_dn, linear
 from jaxlowfp.qat.matmul import dot_general as _batched_dot_general
 from jaxlowfp.qat.spec import Recipe, RecipeState, RecipeStats
 
 __all__ = ["Einsum", "parse_einsum", "dot_general", "einsum", "check_blocks", "needs_linear_layout",
-           "contraction_sizes", "new_op_key", "executed", "forget_executed", "ragged_dot", "ragged_state",
+           "contraction_sizes", "ExecutionRecord", "new_op_key", "ragged_dot", "ragged_state",
            "EXPERT_SCALES"]
 
 
@@ -163,6 +164,7 @@ def dot_general(
     precision: Any = None,
     preferred_element_type: Any = None,
     where: str = "",
+    record: RecordSink | None = None,
     op_key: str | None = None,
 ) -> tuple[jax.Array, RecipeState, RecipeStats]:
     """``lax.dot_general(lhs, rhs, dimension_numbers)`` with the activation and the weight (``lhs`` if
@@ -171,8 +173,8 @@ def dot_general(
     Without batch axes the contraction runs as :func:`jaxlowfp.qat.linear` on the transposed, flattened operands
     (module docstring): any recipe. With batch axes it runs as :func:`jaxlowfp.qat.matmul.dot_general`: per-tensor
     8-bit recipes only. Returns ``(out, new_state, stats)`` like those two. `state` None: ``recipe.init()`` (a
-    stateless call: current or static scaling). `where` names the op in errors; `op_key` (:func:`new_op_key`)
-    is recorded as executed when the call is traced.
+    stateless call: current or static scaling). `where` names the op in errors; `record` (the op's
+    `ExecutionRecord`) is set to "executed on <backend>" by the call. `op_key`: deprecated, ignored.
     """
     if state is None:
         state = recipe.init()
@@ -203,7 +205,7 @@ def dot_general(
             nb = len(xb)
             nx, nw = len(x_free), len(w_free)
             y = jnp.transpose(y, (*range(nb), *range(nb + nx, nb + nx + nw), *range(nb, nb + nx)))
-        _mark(op_key, gemm.plan(recipe, where=where).backend)
+        _mark(record, gemm.plan(recipe, where=where).backend)
         return y, new_state, stats
     k, m = contraction_sizes(w.shape, wc, ())
     check_blocks(recipe, k, m, where, k_name=f"the contraction size K (weight {_axes_name(wc)} of "
@@ -224,7 +226,7 @@ def dot_general(
     if weight == 0:
         nx, nw = len(x_free), len(w_free)
         y = jnp.transpose(y, (*range(nx, nx + nw), *range(nx)))
-    _mark(op_key, gemm.plan(recipe, where=where).backend)
+    _mark(record, gemm.plan(recipe, where=where).backend)
     return y, new_state, stats
 
 
@@ -241,6 +243,7 @@ def einsum(
     precision: Any = None,
     preferred_element_type: Any = None,
     where: str = "",
+    record: RecordSink | None = None,
     op_key: str | None = None,
 ) -> tuple[jax.Array, RecipeState, RecipeStats]:
     """``jnp.einsum(spec, lhs, rhs)`` quantized per `recipe`: :func:`parse_einsum`, then :func:`dot_general`,
@@ -248,7 +251,7 @@ def einsum(
     e = parse_einsum(spec, lhs, rhs)
     y, new_state, stats = dot_general(lhs, rhs, e.dimension_numbers, recipe=recipe, state=state, weight=weight,
                                       observe_only=observe_only, key=key, precision=precision,
-                                      preferred_element_type=preferred_element_type, where=where, op_key=op_key)
+                                      preferred_element_type=preferred_element_type, where=where, record=record)
     return (y if e.out_perm == tuple(range(y.ndim)) else jnp.transpose(y, e.out_perm)), new_state, stats
 
 
@@ -319,6 +322,7 @@ def ragged_dot(
     precision: Any = None,
     preferred_element_type: Any = None,
     where: str = "",
+    record: RecordSink | None = None,
     op_key: str | None = None,
 ) -> tuple[jax.Array, RecipeState, RecipeStats]:
     """``jax.lax.ragged_dot(lhs [M, K], rhs [G, K, N], group_sizes [G])`` (rows sorted by expert, ``group_sizes[g]``
@@ -430,7 +434,7 @@ def ragged_dot(
         out = real() if observe is False else lax.cond(observe, lambda: dot(a, b, group_sizes), real)
     else:
         out = dot(a, b, group_sizes)
-    _mark(op_key, backend if observe is not True else "dequant")
+    _mark(record, backend if observe is not True else "dequant")
     return out, state._replace(weight=new_w, activation=new_a), RecipeStats(weight=st_w, activation=st_a)
 
 

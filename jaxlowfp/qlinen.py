@@ -5,12 +5,17 @@
     variables = dense.init(key, x)             # {"params", "amax_state", "quant_phase", "quant_stats"}
     y, upd = dense.apply(variables, x, mutable=["amax_state"])    # histories recorded: merge `upd` back
     variables = set_observe_only(variables, flag)                  # warmup switch; a traced flag is fine
-    execution.check_executed(variables)        # after the first apply: names each quantized op that never ran
+    variables = {**variables, **upd}
+    execution.check_executed(variables)        # after an apply: names each quantized op that never ran
 
 Collections: `AMAX_COLLECTION` holds each layer's `RecipeState` (the functional scale state, not trained),
 `PHASE_COLLECTION` the observe-only flag (bool scalar), `STATS_COLLECTION` the last `RecipeStats`, written only
 when that collection is mutable. Nothing is recorded while initializing, so `init`'s dummy input leaves no trace
-in the histories. Same recipes and numerics as `jaxlowfp.qnnx.QuantLinear` (both call `jaxlowfp.qat`); any
+in the histories. Each op's execution record (`jaxlowfp.execution`: int32, 0 until an `apply` ran the op, then
+its GEMM backend's code) is a variable of the op's own state collection, ``<state name>_executed`` next to its
+`RecipeState` in `AMAX_COLLECTION` (written when the histories are), or, with ``carry="gradient"``, in
+`EXECUTED_COLLECTION` (written when that collection is mutable: an int32 cannot ride a gradient).
+Same recipes and numerics as `jaxlowfp.qnnx.QuantLinear` (both call `jaxlowfp.qat`); any
 `DenseGeneral` layout runs through `jaxlowfp.ops` (NVFP4 blocks along the flattened contraction axes).
 
 `carry="gradient"` keeps each layer's state in the `_overwrite_with_gradient` collection instead (`jaxlowfp.owg`):
@@ -40,6 +45,7 @@ from typing import Any, Mapping
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxlowfp import owg, qat
 from jaxlowfp._core.checks import bool_flag, one_of
@@ -50,6 +56,7 @@ __all__ = [
     "AMAX_COLLECTION",
     "PHASE_COLLECTION",
     "STATS_COLLECTION",
+    "EXECUTED_COLLECTION",
     "RNG_STREAM",
     "CARRIES",
     "QuantDotGeneral",
@@ -63,6 +70,7 @@ __all__ = [
 AMAX_COLLECTION = "amax_state"
 PHASE_COLLECTION = "quant_phase"
 STATS_COLLECTION = "quant_stats"
+EXECUTED_COLLECTION = "quant_executed"  # the execution records of carry="gradient" ops
 RNG_STREAM = "quant"  # only stochastic-rounding recipes draw from it: apply(..., rngs={"quant": key})
 CARRIES = ("mutable", "gradient")  # where the scale state lives: AMAX_COLLECTION (mutable) or owg.COLLECTION
 
@@ -72,10 +80,18 @@ def _check_recipe(recipe: Any) -> None:
         raise TypeError(f"recipe must be a jaxlowfp.qat.Recipe; got {type(recipe).__name__}: {recipe!r}")
 
 
-def linen_op_key(path: str, name: str) -> str:
-    """The execution-record key (`jaxlowfp.ops.executed`) of the Linen op whose state is variable `name` of the module
-    at `path` ("/"-joined scope path)."""
-    return f"linen:{path}:{name}"
+def record_name(name: str) -> str:
+    """The name of the execution-record variable of the Linen op whose state is variable `name`."""
+    return f"{name}_executed"
+
+
+class _Slot:
+    """Receives the record `jaxlowfp.ops` writes (its ``set_value``), for a Linen variable."""
+
+    value: Any = None
+
+    def set_value(self, value: Any) -> None:
+        self.value = value
 
 
 def contract_in(
@@ -112,11 +128,15 @@ def contract_in(
         phase = scope.variable(PHASE_COLLECTION, names[1], lambda: jnp.asarray(bool(observe_only)))
         state, observe = var.value, phase.value
     where = "/".join(map(str, module.path))
+    slot = _Slot()
     out, new_state, stats = contract(
         lhs, rhs, dimension_numbers, recipe=recipe, state=state, weight=weight, observe_only=observe, key=key,
-        precision=precision, preferred_element_type=preferred_element_type, where=where,
-        # `init` traces every op once: only `apply` counts as executed (`jaxlowfp.execution.check_executed`)
-        op_key=None if module.is_initializing() else linen_op_key(where, names[0]))
+        precision=precision, preferred_element_type=preferred_element_type, where=where, record=slot)
+    rec_collection = AMAX_COLLECTION if carry == "mutable" else EXECUTED_COLLECTION
+    if module.is_mutable_collection(rec_collection):  # `init` creates the record at 0: only `apply` counts
+        rec = scope.variable(rec_collection, record_name(names[0]), lambda: np.zeros((), np.int32))
+        if not module.is_initializing():
+            rec.value = slot.value
     if carry == "gradient":
         out = owg.overwrite(out, carried, owg.to_carried(new_state, observe))
     elif not module.is_initializing() and module.is_mutable_collection(AMAX_COLLECTION):

@@ -114,7 +114,8 @@ def not_executed_message(paths: Sequence[str], *, ran: bool, what: dict[str, str
                "inputs stayed in high precision. Call the layer (`layer(x)`), or exclude it from the rules "
                "(a Rule with no recipe / scheme) so the report says so")
     else:
-        why = "no quantized op of the model has executed yet: call the model once (under jit is fine) first"
+        why = ("no quantized op of the model has executed yet: call the model once first (eagerly or under nnx.jit; "
+               "a jitted call that drops the model's state leaves no record, as it leaves no amax history)")
     return f"{len(paths)} layer(s) reported quantized never ran quantized ({shown}{more}): {why}."
 
 
@@ -134,6 +135,9 @@ class QuantizeReport:
     already_quantized: paths of modules that were quantized before this call (left as they are)
     unused_rules:     regexes of the rules that decided no module (matched nothing, or only shadowed paths)
     quantized_fraction: quantized kernel elements / all candidate kernel elements
+    records:          (path, `jaxlowfp.execution.ExecutionRecord`) of each op quantized by this call: the op's own
+                      state, read by `executed` / `not_executed` (the model's Variables, so what a call of the
+                      model writes back, eagerly, by ``nnx.jit`` or by ``nnx.update``, shows here)
     """
 
     quantized: tuple[tuple[str, str], ...]
@@ -142,38 +146,43 @@ class QuantizeReport:
     already_quantized: tuple[str, ...]
     unused_rules: tuple[str, ...]
     quantized_fraction: float
-    op_keys: tuple[tuple[str, str], ...] = ()
+    records: tuple[tuple[str, Any], ...] = dataclasses.field(default=(), compare=False, repr=False)
+
+    def _ran(self, record: Any) -> bool:
+        return bool(_executed.read(record.get_value())[0])
 
     def executed(self) -> tuple[str, ...]:
-        """Paths of the layers quantized by this call whose quantized op has run (been traced) since: the
-        execution record of `jaxlowfp.ops`. "quantized" says what the rules configured; this says what ran."""
-        return tuple(p for p, k in self.op_keys if _executed.executed(k))
+        """Paths of the layers quantized by this call whose quantized op has run since: each op's execution record
+        (its own state, written by its forward). "quantized" says what the rules configured; this says what ran.
+        A call whose state is dropped (``jax.jit`` of a function that does not return the model's state) leaves
+        no record, as it leaves no amax history."""
+        return tuple(p for p, r in self.records if self._ran(r))
 
     def not_executed(self) -> tuple[str, ...]:
         """Paths quantized by this call whose quantized op has not run yet. After the model has been called, these
         are layers quantized on paper only: the layer is never called (its kernel is read directly, e.g.
         ``x @ layer.kernel[...]``), so their inputs are never quantized."""
-        return tuple(p for p, k in self.op_keys if not _executed.executed(k))
+        return tuple(p for p, r in self.records if not self._ran(r))
 
     def check_executed(self, *, strict: bool = False) -> tuple[str, ...]:
         """After the model's first call: a warning (`strict`: a RuntimeError) naming every layer reported quantized
         whose quantized op never executed, and why; returns their paths."""
         missing = self.not_executed()
         if missing:
-            msg = not_executed_message(missing, ran=len(missing) < len(self.op_keys))
+            msg = not_executed_message(missing, ran=len(missing) < len(self.records))
             if strict:
                 raise RuntimeError(msg)
             warnings.warn(msg, RuntimeWarning, stacklevel=2)
         return missing
 
     def __str__(self) -> str:
-        keys = dict(self.op_keys)
-        ran = any(_executed.executed(k) for k in keys.values())
+        keys = dict(self.records)
+        ran = any(self._ran(r) for r in keys.values())
 
         def state(p: str) -> str:
             if p not in keys:
                 return ""
-            return " (executed)" if _executed.executed(keys[p]) else (
+            return " (executed)" if self._ran(keys[p]) else (
                 " (NOT executed: the layer is never called)" if ran else " (not executed yet)")
 
         rows = [(p, "quantized", name + state(p)) for p, name in self.quantized]

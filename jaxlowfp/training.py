@@ -6,7 +6,8 @@ The model is split once into a ``graphdef`` and state pytrees (:func:`split`)::
     qstate   jaxlowfp.qnnx.AmaxState      amax histories of the quantized layers (delayed scaling); its
                                          ``scaling.PendingAmax`` slots (delayed gradient scaling) are differentiated
                                          too, and their gradient, the output-gradient amax, is their new value
-    rest     everything else             rng counters of stochastic rounding, the observe-only flags, last stats
+    rest     everything else             rng counters of stochastic rounding, the observe-only flags, last stats,
+                                         the ops' execution records (`jaxlowfp.execution`)
 
 One step, for ``k = microbatches``::
 
@@ -59,7 +60,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxlowfp.execution import check_executed
+from jaxlowfp.execution import checked_call
 from jaxlowfp import scaling
 from jaxlowfp._core.checks import integer
 from jaxlowfp.qnnx import AmaxState, QuantStatsState, set_observe_only
@@ -150,10 +151,13 @@ def _buffer_ids(x: jax.Array) -> set:
 
 
 def _own_buffers(tree: Any) -> Any:
-    """`tree` with every jax.Array leaf that shares a buffer with an earlier leaf replaced by a copy."""
+    """`tree` with every jax.Array leaf that shares a buffer with an earlier leaf replaced by a copy, and every
+    NumPy leaf put on the device (a buffer of its own)."""
     seen: set = set()
 
     def fresh(x: Any) -> Any:
+        if isinstance(x, np.ndarray | np.generic):  # host values (the ops' execution records): on the device
+            return jnp.array(x)
         if not isinstance(x, jax.Array):
             return x
         ids = _buffer_ids(x)
@@ -289,8 +293,8 @@ def make_step(
             q = qstate if pending is None else scaling.with_pending_amaxes(qstate, pending)
             model = nnx.merge(graphdef, p, q, rest, copy=True)  # fresh Variables: mutable in this trace
             set_observe_only(model, observe)
-            loss, aux = _loss_and_aux(loss_fn(model, batch), loss_fn)
-            check_executed(model)  # at trace time: a layer reported quantized whose op never ran is named
+            # at trace time: a layer reported quantized whose op never ran in this trace is named
+            loss, aux = _loss_and_aux(checked_call(model, loss_fn, batch), loss_fn)
             _, _, new_q, new_rest = split(model)
             return loss, (new_q, new_rest, aux)
 

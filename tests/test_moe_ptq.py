@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxlowfp import execution, nvfp4, ptq
 from jaxlowfp.models import load
@@ -49,7 +50,8 @@ def test_coverage_static_scales_and_execution(rtn):
     for path, r in res.experts.items():
         assert sum(r.tokens) == 4 * 16 * 2  # every token routed to top-2 experts
         assert r.input_amax is not None and all(np.isfinite(a) and a > 0 for a in r.input_amax)
-    logits = jax.jit(lambda m, x: m(x))(model, jnp.asarray(_calib(2, 8, 1)))
+    # nnx.jit: the ops' execution records are state, written back with the model's (jax.jit would drop them)
+    logits = nnx.jit(lambda m, x: m(x))(model, jnp.asarray(_calib(2, 8, 1)))
     assert np.isfinite(np.asarray(logits)).all()
     assert res.report.not_executed() == () and execution.check_executed(model) == ()
 

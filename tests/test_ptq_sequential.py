@@ -52,11 +52,11 @@ def _reference_uncached(method, tokens, *, act_quant: bool) -> Llama:
         quantized = {p: lin.dot_general for p, lin in lins.items() if isinstance(lin.dot_general, ptq.ActQuant)}
         if not act_quant:
             for p in quantized:
-                lins[p].dot_general = lax.dot_general
+                ptq.layers.install(lins[p], lax.dot_general)  # a Module hook made the attribute data: static again
         ptq.quantize_model(model, [ptq.Rule(path=rf"blocks/{i}/(attn|mlp)/\w+_proj", scheme=SCHEME)], method=method,
                      calibration=tokens, pipeline="one-pass")
         for p, dg in quantized.items():
-            lins[p].dot_general = dg
+            ptq.layers.install(lins[p], dg)
     return model
 
 

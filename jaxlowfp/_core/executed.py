@@ -1,48 +1,80 @@
-"""The execution record: which quantized ops have run (been traced) in this process.
+"""The execution record: whether a quantized op has run, held as state of the op itself.
 
-Every quantized contraction goes through `jaxlowfp.ops`, which adds the op's key here when it is traced; the
-adapters (QAT layers, PTQ hooks, the Qwix provider) keep their op's key as static data, so it survives
-``nnx.split`` / ``nnx.merge`` and ``jax.jit``. Reports read it to tell "configured" (a rule chose the layer) from
-"executed" (its quantized op really ran): a layer whose kernel is read directly (``x @ layer.kernel[...]``) is
-quantized on paper only.
+Every quantized op of jaxlowfp (a QAT layer's or the Qwix provider's `QuantOp`, a PTQ layer's activation quantizer)
+owns an :class:`ExecutionRecord`: an ``nnx.Variable`` holding an int32 scalar code, 0 until the op's forward has
+run, then ``1 + BACKENDS.index(backend)`` for the GEMM its forward product ran on. `jaxlowfp.ops` writes it in each
+call (:func:`write`), as a NumPy constant, so it is
+
+- a runtime value: it leaves ``nnx.jit`` (and ``jax.jit`` over ``nnx.split`` state, when the function returns the
+  state) with the model's other state, like the amax histories; a call whose state is dropped leaves no record;
+- concrete even inside a trace: code that inspects the model in the same trace (`jaxlowfp.training.make_step`'s
+  check) reads it without running anything;
+- not in the graph definition: two identically built quantized models have equal graphdefs and share one trace.
+
+Linen ops keep the same code as a variable of their own collection (`jaxlowfp.qlinen`).
 """
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterable
+from typing import Any, Protocol
 
-_EXECUTED: set[str] = set()
-_BACKEND: dict[str, str] = {}  # op key -> the backend its forward product was traced on (jaxlowfp.qat.gemm)
-_KEYS = itertools.count()
+import jax
+import numpy as np
+from flax import nnx
+
+__all__ = ["ExecutionRecord", "RecordSink", "BACKENDS", "new_record", "code", "write", "read", "new_op_key"]
+
+# the forward GEMMs (`jaxlowfp.qat.gemm`), in code order: code 1 + i; code 0: the op has not run
+BACKENDS = ("dequant", "fp8", "scaled_matmul")
+_OTHER = len(BACKENDS) + 1  # ran, on a backend this table does not name
+
+
+class ExecutionRecord(nnx.Variable):
+    """int32 scalar: 0 while the op has not run, else ``1 + BACKENDS.index(backend)`` of its last forward
+    (`jaxlowfp.execution`). State, not configuration: not trained, small, and never part of the graphdef."""
+
+
+class RecordSink(Protocol):
+    """What `jaxlowfp.ops` writes a record to: an `ExecutionRecord`, or a Linen variable's stand-in."""
+
+    def set_value(self, value: Any) -> Any: ...
+
+
+def new_record() -> ExecutionRecord:
+    """A fresh record: not executed. A NumPy value, as every value `write` sets: it lives on no device, so a model
+    placed on a mesh after (or before) its ops were made is still all on the mesh (`jaxlowfp.sharding`); a jitted
+    call takes it as any input and returns it on the call's devices."""
+    return ExecutionRecord(np.zeros((), np.int32))
+
+
+def code(backend: str | None) -> np.ndarray:
+    """The record's code for an op whose forward ran on `backend` (None: ran, backend not known): an int32 0-d
+    NumPy array, the kind `new_record` starts with (a jitted function's cache sees the same kind of input)."""
+    c = 1 + BACKENDS.index(backend) if backend in BACKENDS else _OTHER
+    return np.asarray(c, np.int32)
+
+
+def write(record: RecordSink | None, backend: str | None) -> None:
+    """Record on `record` (an `ExecutionRecord`, or None: nothing) that its op ran on `backend`. The value is a
+    NumPy constant, so it is concrete in a trace as well."""
+    if record is not None:
+        record.set_value(code(backend))
+
+
+def read(value: Any) -> tuple[bool | None, str | None]:
+    """``(executed, backend)`` from a record's value. A traced value that this trace did not write (the record
+    came in as an argument, or left a nested transform) gives ``(None, None)``: not known here. A stacked record
+    (an op inside ``nnx.scan`` / ``nnx.vmap``) counts as executed when any slice is."""
+    if isinstance(value, jax.core.Tracer):
+        return None, None
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:  # replicated over processes: ours suffices
+        value = value.addressable_data(0)
+    c = int(np.max(np.asarray(value))) if np.size(value) else 0
+    if c <= 0:
+        return False, None
+    return True, BACKENDS[c - 1] if c - 1 < len(BACKENDS) else None
 
 
 def new_op_key(path: str) -> str:
-    """A fresh key for one quantized op at `path` (unique in the process)."""
-    return f"{path}#{next(_KEYS)}"
-
-
-def mark(op_key: str | None, backend: str | None = None) -> None:
-    """Record that the op with this key executed (called by `jaxlowfp.ops` at trace time), and on which backend
-    its forward product ran."""
-    if op_key is not None:
-        _EXECUTED.add(op_key)
-        if backend is not None:
-            _BACKEND[op_key] = backend
-
-
-def executed(op_key: str) -> bool:
-    """Whether the op with this key has executed (been traced) since it was created."""
-    return op_key in _EXECUTED
-
-
-def backend(op_key: str) -> str | None:
-    """The backend the op's forward product last ran on ("dequant", "fp8", "scaled_matmul"; None: not run)."""
-    return _BACKEND.get(op_key)
-
-
-def forget(op_keys: Iterable[str]) -> None:
-    """Drop `op_keys` from the record."""
-    keys = list(op_keys)
-    _EXECUTED.difference_update(keys)
-    for k in keys:
-        _BACKEND.pop(k, None)
+    """Deprecated: ops no longer carry a key (the record is their own state). Returns `path` unchanged, so code
+    that still passes a key keeps working; the key is ignored."""
+    return str(path)

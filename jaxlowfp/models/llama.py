@@ -620,9 +620,12 @@ def _gen_embed(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, mask
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(5, 6))
 def _gen_block(graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, positions: jax.Array, mask: jax.Array,
-               k: jax.Array, v: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    x, (k, v) = nnx.merge(graphdef, state)(x, positions, mask, (k, v, index))
-    return x, k, v
+               k: jax.Array, v: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, nnx.State]:
+    from jaxlowfp.execution import records
+
+    block = nnx.merge(graphdef, state)
+    x, (k, v) = block(x, positions, mask, (k, v, index))
+    return x, k, v, records(block)  # the block's execution records: the only state that comes back
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
@@ -645,11 +648,11 @@ class _BlockwiseStep:
                  top_k: int) -> tuple[jax.Array, KVCache]:
         x, positions, amask, valid = _gen_embed(*self.embed, tokens, mask, cache.valid, cache.index)
         ks, vs = [], []
-        for (g, s), k, v in zip(self.blocks.split, cache.k, cache.v):
-            x, k, v = _gen_block(g, s, x, positions, amask, k, v, cache.index)
+        for i, ((g, s), k, v) in enumerate(zip(self.blocks.split, cache.k, cache.v)):
+            x, k, v, recs = _gen_block(g, s, x, positions, amask, k, v, cache.index)
+            self.blocks.record(i, recs)
             ks.append(k)
             vs.append(v)
-        self.blocks.mark_shared()
         nxt = _gen_head(*self.model, x, key, temperature, top_k)
         return nxt, KVCache(tuple(ks), tuple(vs), valid, cache.index + jnp.int32(tokens.shape[1]))
 
@@ -676,7 +679,8 @@ def generate(
     (included), or when ``stop(row, new_tokens)``, asked after each new token of a row, returns True (e.g. a stop
     string appeared in the decoded text). ``pad_to`` left-pads to at least that many prompt tokens, so batches of
     different prompt lengths share one compiled shape. Returns the new tokens of every prompt. Never changes the
-    model. ``mesh``: the model's parameters are on it (`jaxlowfp.models.load(..., mesh=...)`); the prompt rows and
+    model (block by block, its ops' execution records are written: `jaxlowfp.execution`).
+    ``mesh``: the model's parameters are on it (`jaxlowfp.models.load(..., mesh=...)`); the prompt rows and
     the KV cache are sharded (`cache_shardings`). ``blockwise``: run each step block by block, one compiled program
     shared by identical blocks (bounded compile memory for fake-quantized models), or as one program; default:
     block by block when the model has quantized ops (`jaxlowfp.execution.quantized_ops`).

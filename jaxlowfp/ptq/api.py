@@ -21,7 +21,7 @@ from jaxlowfp._core.deprecation import renamed_kwarg, warn
 from jaxlowfp._core.progress import progress_bar
 from jaxlowfp.ptq import calibrate, checks, experts, sequential, serving, smooth
 from jaxlowfp.qnnx.rules import grouped_weights
-from jaxlowfp.ptq.layers import act_quant, default_hook, hook_name, is_act_quant, layout
+from jaxlowfp.ptq.layers import act_quant, default_hook, hook_name, install, is_act_quant, layout
 from jaxlowfp.ptq.formats import ACTIVATION_SCALES, Scheme, rtn_weight
 from jaxlowfp.ptq.gptq import GPTQ, gptq_weight
 from jaxlowfp.ptq.smooth import AWQ, Fold, SmoothQuant
@@ -357,7 +357,7 @@ def _quantize(
     serving.check_convention(arithmetic, m.name, targets)
     act_scale = _activation_scale(activation_scale, calibration is not None or stats is not None)
     expert_results: dict[str, experts.ExpertResult] = {}
-    op_keys: dict[str, str] = {}
+    op_keys: dict[str, Any] = {}
     pipe = _pipeline(pipeline, propagate, model, m, forward, calibration, stats)
     batches = None if calibration is None else _batches(calibration, batch_size, forward is None, model)
     _round_high_precision(model, dtype, {f"{p}/kernel" for p in targets} | set(grouped))  # after the last refusal
@@ -456,20 +456,20 @@ quantize.__signature__ = inspect.signature(_quantize)  # type: ignore[attr-defin
 def _result(m: Method, grouped: Mapping[str, Any], kept: Any, unmatched: Any, already: Any, unused: Any, done: int,
             total: int, targets: Mapping[str, Scheme], packed: Any, act_amax: Any, folds: Any, skipped: Any,
             groups: Any, convention: str, pipe: str, peak: int, act_scale: str,
-            expert_results: Mapping[str, experts.ExpertResult], op_keys: Mapping[str, str], t0: float
+            expert_results: Mapping[str, experts.ExpertResult], op_keys: Mapping[str, Any], t0: float
             ) -> PTQResult:
     """The `PTQResult` of `quantize`, its report included."""
     op_keys = dict(op_keys)
     for p, (mod, name, _) in grouped.items():
         hook = getattr(mod, "quant_" + name, None)  # none for weights-only schemes
         if isinstance(hook, experts.RaggedActQuant):
-            op_keys[p] = hook.op_key
+            op_keys[p] = hook.record
     report = QuantizeReport(
         quantized=tuple((p, s.name) for p, s in targets.items()) + tuple((p, g[2].name) for p, g in grouped.items()),
         kept=tuple(kept), unmatched=tuple(unmatched), already_quantized=tuple(already),
         unused_rules=unused,
         quantized_fraction=float(done / total) if total else 0.0,
-        op_keys=tuple((p, op_keys[p]) for p in [*targets, *grouped] if p in op_keys),
+        records=tuple((p, op_keys[p]) for p in [*targets, *grouped] if p in op_keys),
     )
     return PTQResult(report=report, method=m.name, schemes=dict(targets), packed=packed, act_amax=act_amax,
                      folds=tuple(folds), skipped=tuple(skipped), seconds=time.perf_counter() - t0,
@@ -552,7 +552,7 @@ def _pipeline(pipeline: str, propagate: str, model: nnx.Module, m: Method, forwa
 
 def _quantize_weights(mods: Mapping[str, Any], m: Method, targets: Mapping[str, Scheme],
                       stats: Mapping[str, calibrate.LayerStats], shared: Mapping[str, jax.Array], convention: str,
-                      packed: dict, progress: bool, act_scale: str, op_keys: dict[str, str]) -> None:
+                      packed: dict, progress: bool, act_scale: str, op_keys: dict[str, Any]) -> None:
     """Quantize the kernels of `targets` in place (GPTQ with their Hessians, else RTN); NVFP4 arrays into `packed`;
     W4A4 / W8A8 layers get their run-time activation quantizer."""
     for path in progress_bar(list(targets), desc=f"{m.name} weights", enabled=progress):
@@ -580,8 +580,8 @@ def _quantize_weights(mods: Mapping[str, Any], m: Method, targets: Mapping[str, 
                                  f"amax; calibration gave {amax} (no calibration token reached the layer, or its "
                                  f"input is non-finite). Use activation_scale='token'")
             hook = act_quant(mod, sch.activation, activation_scale=act_scale, amax=amax, path=path)
-            setattr(mod, hook_name(mod), hook)
-            op_keys[path] = hook.op_key
+            install(mod, hook)
+            op_keys[path] = hook.record
 
 
 def _folds(model: nnx.Module, mods: dict, m: SmoothQuant | AWQ, targets: Mapping[str, Scheme]

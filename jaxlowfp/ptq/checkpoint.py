@@ -862,7 +862,7 @@ def load(model: nnx.Module, directory: str | Path, *, packed: bool = False, back
                                                             act_quant=aq))
                 else:
                     var.set_value(w8.dequantize(jnp.float32).astype(var.dtype))
-                    lin.dot_general = lax.dot_general if aq is None else aq
+                    lin.dot_general = lax.dot_general if aq is None else nnx.data(aq)  # a Module: its record is state
                 continue
             arr, s_enc = _nvfp4_array(m, tensors, w_fmt)
             out, half = arr.shape[0], arr.shape[1] // 2
@@ -881,7 +881,7 @@ def load(model: nnx.Module, directory: str | Path, *, packed: bool = False, back
                 raise ValueError(f"{m}: packed weight is {kernel.shape[::-1]} (PyTorch [out, in]); the model's "
                                  f"kernel {path} is {var.shape}")
             var.set_value(kernel.astype(var.dtype))
-            lin.dot_general = lax.dot_general if aq is None else aq
+            lin.dot_general = lax.dot_general if aq is None else nnx.data(aq)  # a Module: its record is state
             continue
         name = names[path]
         if name not in tensors:

@@ -39,6 +39,7 @@ from flax import nnx
 from jax import lax
 
 from jaxlowfp import ops, sharding
+from jaxlowfp._core.executed import new_record
 from jaxlowfp.ptq.formats import Scheme, activation_spec, rtn_weight
 from jaxlowfp.qat.spec import Recipe
 from jaxlowfp.qnnx.rules import grouped_weights
@@ -76,26 +77,25 @@ class ExpertResult:
     calib_amax: tuple[float, ...] | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class RaggedActQuant:
+class RaggedActQuant(nnx.Module):
     """The run-time activation quantizer of a PTQ'd expert weight (the module's ``quant_<name>``): its
     ``ragged_dot`` is `jaxlowfp.ops.ragged_dot` quantizing the routed rows only (the weight holds its quantized
-    values). `amax`: per expert, for static scaling."""
+    values). `amax`: per expert, for static scaling. An ``nnx.Module`` owning its execution record (`record`), as
+    `jaxlowfp.ptq.ActQuant`; `op_key`: deprecated, ignored."""
 
-    fmt: Any
-    activation_scale: str = "token"
-    amax: tuple[float, ...] | None = None
-    path: str = ""
-    op_key: str | None = None
-
-    @functools.cached_property
-    def recipe(self) -> Recipe:
-        return Recipe(activation=activation_spec(self.fmt, self.activation_scale, self.amax), name=self.fmt.name)
+    def __init__(self, fmt: Any, activation_scale: str = "token", amax: tuple[float, ...] | None = None,
+                 path: str = "", op_key: str | None = None):
+        self.fmt = fmt
+        self.activation_scale = activation_scale
+        self.amax = amax
+        self.path = path
+        self.recipe = Recipe(activation=activation_spec(fmt, activation_scale, amax), name=fmt.name)
+        self.record = new_record()
 
     def ragged_dot(self, lhs, rhs, group_sizes, *, precision=None, preferred_element_type=None, key=None):
         shared = "shared" if self.activation_scale == "tensor" else "per_expert"
         return ops.ragged_dot(lhs, rhs, group_sizes, recipe=self.recipe, expert_scales=shared, precision=precision,
-                              preferred_element_type=preferred_element_type, where=self.path, op_key=self.op_key)[0]
+                              preferred_element_type=preferred_element_type, where=self.path, record=self.record)[0]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -265,8 +265,8 @@ def quantize_experts(model: nnx.Module, tg: Mapping[str, tuple[nnx.Module, str, 
                 if not all(np.isfinite(a) and a > 0 for a in amax):
                     raise ValueError(f"{path}: calibrated input amaxes {amax} are not all finite and > 0 "
                                      f"(non-finite activations, or all-zero inputs)")
-            hook = RaggedActQuant(sch.activation, activation_scale, amax, path, ops.new_op_key(path))
-            setattr(mod, "quant_" + name, hook)
+            hook = RaggedActQuant(sch.activation, activation_scale, amax, path)
+            setattr(mod, "quant_" + name, nnx.data(hook))  # a Module holding its record: a graph child
         out[path] = ExpertResult(tokens=tuple(int(t) for t in tokens), fallback=low, input_amax=amax,
                                  packed=tuple(packed), scheme=sch, calib_amax=calib)
     return out

@@ -12,11 +12,16 @@ for a Linear kernel ``[in, out]`` (the same view as `jaxlowfp.ops`). The layer i
 
 Contractions with batch axes (a letter in the input, the kernel and the output, e.g. an expert axis) are not one
 GEMM: PTQ refuses them with an error that names the layer.
+
+The run-time activation quantizers (`ActQuant`, `EinsumActQuant`) are small ``nnx.Module`` s installed as the
+layer's hook (`install`): a module assigned to ``layer.dot_general`` is a graph child, so the execution record it
+owns (`jaxlowfp.execution.ExecutionRecord`) is state that ``nnx.split`` / ``nnx.merge``, ``nnx.jit`` and
+``jax.jit`` over split state carry, while its format, scale mode, calibrated amax and path are static and equal for
+identically quantized models (one trace for both). A frozen-dataclass hook would be static as a whole: it could
+hold the record only as a process-unique key, which kept identical models from sharing a trace.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 from typing import Any, NamedTuple
 
@@ -27,12 +32,13 @@ from flax import nnx
 from jax import lax
 
 from jaxlowfp import ops
+from jaxlowfp._core.executed import new_record
 from jaxlowfp.ops import parse_einsum
 from jaxlowfp.ptq.formats import activation_spec
 from jaxlowfp.qat.spec import Recipe
 
 __all__ = ["LAYER_TYPES", "Layout", "layout", "quantizable_modules", "contracted_axes", "input_rows", "ActQuant",
-           "EinsumActQuant", "act_quant", "hook_name", "default_hook", "is_act_quant", "require_linear"]
+           "EinsumActQuant", "act_quant", "install", "hook_name", "default_hook", "is_act_quant", "require_linear"]
 
 LAYER_TYPES = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)
 
@@ -136,37 +142,45 @@ def _contracted_last(lhs: jax.Array, contracted: tuple[int, ...]) -> tuple[jax.A
     return (lhs if perm == tuple(range(lhs.ndim)) else jnp.transpose(lhs, perm)), perm
 
 
-@dataclasses.dataclass(frozen=True)
-class ActQuant:
+class ActQuant(nnx.Module):
     """The ``dot_general`` of a PTQ'd ``nnx.Linear`` or ``nnx.LinearGeneral``: the one op layer
     (`jaxlowfp.ops.dot_general`) with the input fake-quantized by `fmt` (blocks along the contracted axes) and the
     kernel as it is (it already holds the quantized weights).
 
     activation_scale: where the input's amax comes from: "tensor" (the whole input, i.e. the batch), "token"
       (each token's own: a score never depends on its batch) or "static" (`amax`, calibrated: vLLM's static input
-      scale). `path` names the layer in errors and reports; `op_key` is its entry in the execution record
-      (`jaxlowfp.ops.executed`). Hashable, so models with the same layers share compiled code."""
+      scale). `path` names the layer in errors and reports.
 
-    fmt: Any
-    activation_scale: str = "tensor"
-    amax: float | None = None
-    path: str = ""
-    op_key: str | None = None
+    An ``nnx.Module``, so that it can own state: `record` (a `jaxlowfp.execution.ExecutionRecord`), written by
+    each call, is what `jaxlowfp.execution` reads to tell "configured" from "executed". Assigned to the layer's
+    ``dot_general`` (or ``einsum_op``) with `install` (``nnx.data``: the attribute held a function), it is a graph
+    child of the layer: its record is part of ``nnx.state(model)`` and leaves ``nnx.jit`` with the rest of the
+    state, while `fmt`, `activation_scale`, `amax` and `path` are static. So the graphdef holds nothing
+    process-specific, and two identically quantized models share compiled code. (A frozen dataclass, as before,
+    is static: it could not hold a runtime value.) `op_key`: deprecated, ignored."""
 
-    @functools.cached_property
-    def recipe(self) -> Recipe:
-        """The layer's activation-only recipe (the weight is quantized offline, in the kernel)."""
-        return Recipe(activation=activation_spec(self.fmt, self.activation_scale, self.amax), name=self.fmt.name)
+    def __init__(self, fmt: Any, activation_scale: str = "tensor", amax: Any = None, path: str = "",
+                 op_key: str | None = None):
+        self.fmt = fmt
+        self.activation_scale = activation_scale
+        self.amax = amax
+        self.path = path
+        # the layer's activation-only recipe (the weight is quantized offline, in the kernel)
+        self.recipe = Recipe(activation=activation_spec(fmt, activation_scale, amax), name=fmt.name)
+        self.record = new_record()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(fmt={self.fmt!r}, activation_scale={self.activation_scale!r}, "
+                f"amax={self.amax!r}, path={self.path!r})")
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None,
                  **kw):
         _no_extras(self.path, out_sharding, kw)
         return ops.dot_general(lhs, rhs, dimension_numbers, recipe=self.recipe, precision=precision,
                                preferred_element_type=preferred_element_type, where=self.path or "ActQuant",
-                               op_key=self.op_key)[0]
+                               record=self.record)[0]
 
 
-@dataclasses.dataclass(frozen=True)
 class EinsumActQuant(ActQuant):
     """The ``einsum_op`` of a PTQ'd ``nnx.Einsum``: `ActQuant` for an einsum (the input is the first operand),
     `jaxlowfp.ops.einsum`."""
@@ -175,7 +189,7 @@ class EinsumActQuant(ActQuant):
         _no_extras(self.path, out_sharding, kw)
         return ops.einsum(spec, lhs, rhs, recipe=self.recipe, precision=precision,
                           preferred_element_type=preferred_element_type, where=self.path or "EinsumActQuant",
-                          op_key=self.op_key)[0]
+                          record=self.record)[0]
 
 
 def _no_extras(where: str, out_sharding: Any, kw: dict) -> None:
@@ -187,9 +201,17 @@ def _no_extras(where: str, out_sharding: Any, kw: dict) -> None:
 
 def act_quant(mod: nnx.Module, fmt: Any, *, activation_scale: str = "tensor", amax: float | None = None,
               path: str = "") -> ActQuant:
-    """The run-time activation quantizer for `mod`'s hook, with a fresh execution-record key."""
+    """The run-time activation quantizer for `mod`'s hook (not executed yet)."""
     cls = EinsumActQuant if isinstance(mod, nnx.Einsum) else ActQuant
-    return cls(fmt, activation_scale, amax, path, ops.new_op_key(path or cls.__name__))
+    return cls(fmt, activation_scale, amax, path)
+
+
+def install(mod: nnx.Module, hook: Any) -> None:
+    """Set `mod`'s hook (``dot_general`` / ``einsum_op``) to `hook`, either way: an `ActQuant` (an ``nnx.Module``)
+    with ``nnx.data`` (the attribute held a function, static: the module becomes a graph child, its record state),
+    a function (``lax.dot_general``, to swap a quantizer out) with ``nnx.static`` (a plain assignment would keep the
+    attribute's data status, and ``nnx.split`` would then meet a function as an array leaf)."""
+    setattr(mod, hook_name(mod), nnx.data(hook) if isinstance(hook, nnx.Module) else nnx.static(hook))
 
 
 def require_linear(model: nnx.Module, paths: Any, what: str) -> None:

@@ -1,6 +1,7 @@
 """The quantized NNX layers: `QuantLinear`, `QuantEinsum`, `QuantLinearGeneral` (drop-ins for `nnx.Linear`,
 `nnx.Einsum`, `nnx.LinearGeneral`), their common base `QuantOp` (the QAT state of one quantized contraction), and
-the NNX variable types that hold that state."""
+the NNX variable types that hold that state (`ExecutionRecord`, the op's execution record, is
+`jaxlowfp.execution`'s)."""
 from __future__ import annotations
 
 import functools
@@ -19,6 +20,7 @@ from jax import lax
 from jaxlowfp import qat
 from jaxlowfp._core.checks import bool_flag
 from jaxlowfp import ops
+from jaxlowfp._core.executed import new_record
 from jaxlowfp.ops import check_blocks, needs_linear_layout, parse_einsum
 
 class AmaxState(nnx.Variable):
@@ -63,7 +65,8 @@ class QuantOp(nnx.Module):
     """The QAT state of one quantized contraction, and the contraction itself.
 
     Holds the recipe, the amax histories (`amax`, an `AmaxState`), the last stats (`stats`), the observe-only
-    flag (`observe_only`, a `QuantPhase`) and, for stochastic rounding, a forked 'quant' rng stream. The layers
+    flag (`observe_only`, a `QuantPhase`), its execution record (`record`, a `jaxlowfp.execution.ExecutionRecord`:
+    whether the op ran and on which GEMM) and, for stochastic rounding, a forked 'quant' rng stream. The layers
     (`QuantLinear`, `QuantEinsum`, `QuantLinearGeneral`) are QuantOps with parameters; the Qwix provider
     (`jaxlowfp.qwix_provider`) attaches a bare QuantOp to each module whose matmul it intercepts. Telemetry and
     the warmup switch (`jaxlowfp.qnnx.set_observe_only`) reach every QuantOp in a model.
@@ -89,7 +92,7 @@ class QuantOp(nnx.Module):
                             f"(its 'quant' stream, or 'default') to draw a key per call")
         self.recipe = recipe
         self.path = path
-        self.op_key = ops.new_op_key(path or where)  # this op's entry in the execution record (jaxlowfp.ops)
+        self.record = new_record()  # written by each forward (jaxlowfp.ops): state, not part of the graphdef
         self.amax = AmaxState(recipe.init())
         self.stats = QuantStatsState(_zero_stats(recipe, k, m, dtype, where))
         self.observe_only = QuantPhase(jnp.asarray(bool_flag(observe_only)))
@@ -106,7 +109,7 @@ class QuantOp(nnx.Module):
             lhs, rhs, dimension_numbers, recipe=self.recipe, state=self.amax.get_value(), weight=weight,
             observe_only=self.observe_only[...], key=key, precision=precision,
             preferred_element_type=preferred_element_type, where=self.path or type(self).__name__,
-            op_key=self.op_key)
+            record=self.record)
         self.amax.set_value(new_state)
         self.stats.set_value(stats)
         return y
@@ -161,7 +164,7 @@ class QuantRaggedOp(QuantOp):
         y, new_state, stats = ops.ragged_dot(
             lhs, rhs, group_sizes, recipe=self.recipe, state=self.amax.get_value(), expert_scales=self.expert_scales,
             observe_only=self.observe_only[...], key=key, precision=precision,
-            preferred_element_type=preferred_element_type, where=self.path, op_key=self.op_key)
+            preferred_element_type=preferred_element_type, where=self.path, record=self.record)
         self.amax.set_value(new_state)
         self.stats.set_value(stats)
         return y

@@ -145,7 +145,7 @@ def quantize(model: nnx.Module, rules: Sequence[Rule], *, rngs: nnx.Rngs | None 
                                dtype=getattr(module, "dtype", None) or w[...].dtype, path=path, rngs=rngs)
             attach.append((module, GROUPED_PREFIX + name, op))
             quantized.append((path, rules[idx].recipe.name))
-            keys.append((path, op.op_key))
+            keys.append((path, op.record))
             done += size
     for parts, node in nodes:
         if isinstance(node, _QUANTIZED):
@@ -171,7 +171,7 @@ def quantize(model: nnx.Module, rules: Sequence[Rule], *, rngs: nnx.Rngs | None 
                 f"replacing it by a quantized layer would drop its own behaviour. Exclude it or quantize it yourself."
             )
         replacements[id(node)] = convert(node, rule.recipe, path=path, rngs=rngs)
-        keys.append((path, replacements[id(node)].op_key))
+        keys.append((path, replacements[id(node)].record))
         quantized.append((path, rule.recipe.name))
         done += _kernel_size(node)
 
@@ -194,7 +194,7 @@ def quantize(model: nnx.Module, rules: Sequence[Rule], *, rngs: nnx.Rngs | None 
         already_quantized=tuple(already),
         unused_rules=unused,
         quantized_fraction=float(done / total) if total else 0.0,
-        op_keys=tuple(keys),
+        records=tuple(keys),
     )
 
 
