@@ -41,8 +41,14 @@ def test_the_same_ptq_run_writes_the_committed_codes(tmp_path):
     for n, a in got.items():
         if a.dtype == ml_dtypes.float8_e4m3fn:
             np.testing.assert_array_equal(a.view(np.uint8), committed[n].view(np.uint8), err_msg=n)
-        elif n.endswith(("weight_scale", "input_scale")):
+        elif n.endswith("weight_scale"):  # max |w| / 448 of the same float32 weights: one rounding
             np.testing.assert_allclose(a, committed[n], rtol=2e-7, err_msg=n)
+        elif n.endswith("input_scale"):
+            # max |x| / 448 of an activation computed through the blocks before it: float32 GEMMs whose summation
+            # order is the compiled program's (CPU ISA, fusion), so another machine's value differs by up to about
+            # K * eps relative (K <= 256 here: 3e-5); measured 6.8e-7 on this project's CI VM for
+            # model.layers.1.mlp.down_proj against the fixture's machine
+            np.testing.assert_allclose(a, committed[n], rtol=3e-5, err_msg=n)
     assert sum(n.endswith("input_scale") for n in got) == 14
 
 
