@@ -233,8 +233,12 @@ def _restore(snapshot: tuple[list, list]) -> None:
         for k in [k for k in vars(m) if not k.startswith("_") and k not in before]:
             delattr(m, k)
         for k, a in before.items():
-            if vars(m).get(k, _MISSING) is not a:
-                setattr(m, k, a)
+            now = vars(m).get(k, _MISSING)
+            if now is not a:
+                # a hook module replaced a static function (ptq.layers.install): the attribute is data now, so
+                # the function goes back as static, as install swaps it out
+                static = isinstance(now, nnx.Module) and not isinstance(a, (nnx.Module, nnx.Variable))
+                setattr(m, k, nnx.static(a) if static else a)
     for v, value in values:
         if v.get_value() is not value:
             v.set_value(value)
