@@ -23,6 +23,13 @@ An explicit backend that cannot run raises :class:`BackendUnavailableError` (the
 format), never falls back. :func:`plan` says what would run and why; ``return_backend=True`` returns it with the
 output.
 
+Memory (``tests/test_packed_memory.py``): every product first passes its input and the packed weight's arrays through
+one ``lax.optimization_barrier`` (:func:`after_input`), so the weight's decode (dequantize, or the emulated
+scaled_matmul's / float8 dot's conversions) depends on the layer's input and runs just before its product. Without
+it the decode depends only on the parameters, and XLA is free to schedule every layer's decode before the first
+matmul: the whole float32 model alive at once (SmolLM2-135M: 435 MB of XLA temp against float32's 15 MB). With it,
+only the weights of the layers sharing one input (q/k/v, gate/up) are decoded together.
+
 Exactness (``tests/test_packed.py``): every backend computes ``sum_k x̂_k ŵ_k`` for the same quantized values as the
 fake-quant path (``fake_quantize(x) @ dequantize(W)``); the block-scaled and FP8 backends factor the global scales out
 of the sum (``(sum (q s)(q s)) * (g_x g_w)`` instead of ``sum ((q s) g_x)((q s) g_w)``), and each product of
@@ -49,7 +56,7 @@ from jaxlowfp.packed import PER_TENSOR, PackedWeight, _per_tensor_scale, as_form
 
 __all__ = ["BACKENDS", "BackendUnavailableError", "Plan", "plan", "packed_dot_general", "packed_matmul",
            "SCALED_MATMUL_MIN_CC", "FP8_MIN_CC", "scaled_matmul_rows",
-           "block_scaled_product", "block_scaled_rows", "fp8_product", "fp8_rows"]
+           "block_scaled_product", "block_scaled_rows", "fp8_product", "fp8_rows", "after_input"]
 
 BACKENDS = ("auto", "scaled_matmul", "fp8", "dequant")
 SCALED_MATMUL_MIN_CC = 100  # cuDNN's block-scaled GEMM: Blackwell (sm_100)
@@ -218,6 +225,12 @@ def _scaled_matmul(x2: jax.Array, w: PackedWeight, act: Format) -> jax.Array:
     return block_scaled_product(xa, w.array)
 
 
+def after_input(x: Any, w: Any) -> tuple[Any, Any]:
+    """``(x, w)`` through one ``lax.optimization_barrier`` (values unchanged): whatever is computed from the returned
+    `w` (a packed weight's decode) depends on `x`, so XLA cannot schedule it before `x` exists (module docstring)."""
+    return lax.optimization_barrier((x, w))
+
+
 def scaled_matmul_rows(x2: jax.Array, w: PackedWeight, rule: str, amax: Any) -> jax.Array:
     """NVFP4 W4A4 on ``jax.nn.scaled_matmul`` with per-row (per-token) or static activation global scales: row m is
     quantized by our quantizer (`jaxlowfp.nvfp4.quantize`, `rule`, 4/6 included) with its own amax ``amax[m]`` (a
@@ -226,6 +239,7 @@ def scaled_matmul_rows(x2: jax.Array, w: PackedWeight, rule: str, amax: Any) -> 
     if w.format.kind != "nvfp4" or w.format.arithmetic != "jaxlowfp":
         raise ValueError(f"scaled_matmul with per-token / static activation scales takes NVFP4 weights in jaxlowfp's "
                          f"convention; got {w.format.name}")
+    (x2, amax), w = after_input((x2, amax), w)
     return block_scaled_rows(x2, w.array, rule, amax)
 
 
@@ -247,6 +261,7 @@ def fp8_rows(x2: jax.Array, w: PackedWeight, scaling: Any, amax: Any) -> jax.Arr
     ``out[m, n] = s_x[m] s_w sum_k q_x q_w``. float32 [M, N]."""
     if w.format.kind != "fp8":
         raise ValueError(f"fp8_rows takes FP8 weights; got {w.format.name}")
+    (x2, amax), w = after_input((x2, amax), w)
     elem, target = PER_TENSOR["fp8"]
     a = jnp.broadcast_to(jnp.asarray(amax, jnp.float32).reshape(-1), (x2.shape[0],))
     s = jax.vmap(scaling.scale)(a)[:, None]  # [M, 1]
@@ -295,6 +310,7 @@ def packed_matmul(x2: jax.Array, w: PackedWeight, *, backend: str = "auto", acti
         raise ValueError(f"{where or 'packed_matmul'}: activation format {act.name} has blocks of {act.group} along "
                          f"K; K = {w.k} is not a multiple")
     p = plan(w, act, backend, device=device, where=where)
+    x2, w = after_input(x2, w)  # the weight is decoded after its input exists, just before its product
     if p.backend == "scaled_matmul":
         return _scaled_matmul(x2, w, act), p
     if p.backend == "fp8":
