@@ -1,4 +1,4 @@
-"""Export of a packed model (issue 44): `ptq.export` (compressed-tensors) and `ptq.export_gguf` after `ptq.pack`
+"""Export of a packed model (issue 44): `ptq.export` (compressed-tensors) and `ptq.export_gguf` after `ptq.pack_model`
 write, from the packed codes and scales, the same files as the unpacked model's export, byte for byte; and every
 export checks that each quantized layer of the PTQ result is in the file, refusing (nothing written) otherwise.
 
@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxlowfp import ptq
 from jaxlowfp.models import Llama, ModelConfig, load
-from jaxlowfp.ptq.pack import packed_layers
+from jaxlowfp.ptq.packing import packed_layers
 
 CFG = ModelConfig(vocab=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=32)
 LINEARS = r"blocks/\d+/(attn|mlp)/\w+_proj"
@@ -50,7 +50,7 @@ def _quantized(scheme, seed=0, **kw):
 def test_packed_export_writes_the_unpacked_files(tmp_path, scheme, kw):
     model, res = _quantized(scheme, **kw)
     ptq.export(model, res, tmp_path / "float", dtype="float32")
-    ptq.pack(model, res)
+    ptq.pack_model(model, res)
     assert len(packed_layers(model)) == 14
     ptq.export(model, res, tmp_path / "packed", dtype="float32")
     _same_files(tmp_path / "float", tmp_path / "packed")
@@ -64,7 +64,7 @@ def test_packed_experts_export_writes_the_unpacked_files(tmp_path):
                              calibration=CALIB)
     assert len(res.experts) == 6
     ptq.export(model, res, tmp_path / "float")
-    ptq.pack(model, res)
+    ptq.pack_model(model, res)
     ptq.export(model, res, tmp_path / "packed")
     _same_files(tmp_path / "float", tmp_path / "packed")
 
@@ -80,7 +80,7 @@ def test_packed_gguf_export_writes_the_unpacked_file(tmp_path, name):
     model, res = _quantized(ptq.scheme(name, weights_only=True))
     tj = _tokenizer(tmp_path / "tok")
     ptq.export_gguf(model, res, tmp_path / "float.gguf", tokenizer_json=tj)
-    ptq.pack(model, res)
+    ptq.pack_model(model, res)
     ptq.export_gguf(model, res, tmp_path / "packed.gguf", tokenizer_json=tj)
     assert (tmp_path / "float.gguf").read_bytes() == (tmp_path / "packed.gguf").read_bytes()
 
@@ -106,7 +106,7 @@ def test_export_that_would_miss_a_layer_raises_and_writes_nothing(tmp_path):
 
 def test_export_with_two_layers_under_one_name_raises_and_writes_nothing(tmp_path):
     model, res = _quantized(ptq.scheme("nvfp4-mse", weights_only=True))
-    ptq.pack(model, res)
+    ptq.pack_model(model, res)
     names = {"blocks/0/attn/k_proj/kernel": "blocks.0.attn.q_proj.weight"}  # the others: default_name
     with pytest.raises(ValueError, match=r"two tensors would be written as 'blocks\.0\.attn\.q_proj\.weight_"):
         ptq.export(model, res, tmp_path / "a", tensor_names=names)
@@ -116,7 +116,7 @@ def test_export_with_two_layers_under_one_name_raises_and_writes_nothing(tmp_pat
 def test_export_of_a_packed_model_with_another_results_codes_raises(tmp_path):
     model, res = _quantized(ptq.scheme("nvfp4-mse", weights_only=True))
     _, res2 = _quantized(ptq.scheme("nvfp4-mse", weights_only=True), seed=1)  # another model's codes
-    ptq.pack(model, res)
+    ptq.pack_model(model, res)
     first = next(iter(res2.packed))
     with pytest.raises(ValueError, match=f"{first}: the packed model's NVFP4 codes and scales are not the PTQ"):
         ptq.export(model, res2, tmp_path / "a")

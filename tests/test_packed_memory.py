@@ -63,7 +63,7 @@ def test_packed_forward_temp_is_bounded_by_float32s(float_temp, name, weights_on
                              progress=False, **kw)
     bound = float_temp + _two_largest(model, res.schemes)
     _, fake = _forward(model)
-    ptq.pack(model, res, backend=backend)
+    ptq.pack_model(model, res, backend=backend)
     temp, logits = _forward(model)
     assert temp <= bound, f"packed temp {temp} B > float32 temp {float_temp} B + two projections = {bound} B"
     np.testing.assert_allclose(logits, fake, rtol=0, atol=2e-5)
@@ -82,7 +82,7 @@ def _moe(n_layers):
     assert len(res.experts) == 3 * n_layers
     two = _two_largest(model, [*res.schemes, *res.experts])
     _, fake = _forward(model)
-    ptq.pack(model, res)
+    ptq.pack_model(model, res)
     temp, logits = _forward(model)
     return float_temp, two, temp, logits, fake
 

@@ -170,9 +170,9 @@ def _params(model: nnx.Module) -> dict[str, nnx.Variable]:
 
 class PackedView:
     """A packed parameter (`jaxlowfp.packed.PackedParam`: a `PackedLinear`'s kernel, a `PackedKernel`, a
-    `PackedExperts`, after `jaxlowfp.ptq.pack`) seen by the exporters at its path as the float parameter of the
+    `PackedExperts`, after `jaxlowfp.ptq.pack_model`) seen by the exporters at its path as the float parameter of the
     unpacked model: ``shape`` is that parameter's, ``[...]`` decodes it (float32, then the dtype the float kernel was
-    stored in; bit for bit the fake-quant kernel, which `pack` checks), and ``packed`` is the `PackedWeight`, from
+    stored in; bit for bit the fake-quant kernel, which `pack_model` checks), and ``packed`` is the `PackedWeight`, from
     whose codes and scales the exporters write the quantized layers without decoding them."""
 
     def __init__(self, var: packing.PackedParam, layer: Any = None) -> None:
