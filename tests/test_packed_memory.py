@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxlowfp import ptq
+from jaxlowfp import backends, packed, ptq
 from jaxlowfp.models.llama import Llama, preset
 from jaxlowfp.models.moe import MoEConfig, MoEDecoder
 
@@ -95,3 +95,33 @@ def test_packed_experts_forward_temp_is_bounded_and_does_not_grow_with_depth():
     np.testing.assert_allclose(logits, fake, rtol=0, atol=2e-5)
     deeper = _moe(6)[2]
     assert deeper - temp <= two // 2, f"packed temp grows with depth: {temp} B at 3 layers, {deeper} B at 6"
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4-mse", "nvfp4-static_6-16x16", "hif8"])
+def test_dequant_backend_decode_is_the_numpy_decode(fmt):
+    # backends.decode (NVFP4: XLA's float4 / float8 conversions) against numpy + ml_dtypes, bit for bit (signed
+    # zeros included), eagerly and under jax.jit
+    from test_packed import _np_decode
+
+    w = jax.random.normal(jax.random.key(0), (64, 48), jnp.float32) * 3.0
+    w = w.at[:16, :3].set(0.0).at[16:32, :3].set(-0.0)
+    p = packed.pack(w, fmt)
+    want = _np_decode(p).view(np.uint32)
+    np.testing.assert_array_equal(np.asarray(backends.decode(p)).view(np.uint32), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(backends.decode)(p)).view(np.uint32), want)
+
+
+def test_decode_shaped_product_decodes_then_dots_and_plan_says_so():
+    w = jax.random.normal(jax.random.key(1), (576, 192), jnp.float32)
+    p = packed.pack(w, "nvfp4-mse")
+    assert backends.plan(p, None, "dequant", rows=1).form == "decode-then-dot"
+    assert backends.plan(p, None, "dequant", rows=64).form == "fused"
+    assert backends.plan(p, None, "dequant").form == ""
+    for m in (1, 64):
+        x = jax.random.normal(jax.random.key(m), (m, 576), jnp.float32)
+        out, pl = jax.jit(lambda x, p: backends.packed_matmul(x, p, backend="dequant"))(x, p)
+        assert pl.form == backends.dequant_form(m)
+        hlo = jax.jit(lambda x, p: backends.packed_matmul(x, p, backend="dequant")[0]).lower(x, p).as_text()
+        assert hlo.count("optimization_barrier") == (2 if m == 1 else 1)
+        ref = np.asarray(x, np.float64) @ np.asarray(p.dequantize(), np.float64)
+        np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-4)
