@@ -104,7 +104,9 @@ def whole_model(name: str, reps: int) -> tuple[list[list], str]:
         label = name
     vocab = cfg.vocab
     tok = {t: jnp.asarray(np.random.default_rng(t).integers(0, vocab, (1, t)), jnp.int32) for t in (1, 16)}
+    long = jax.ShapeDtypeStruct((4, min(256, cfg.max_seq_len)), jnp.int32)  # compiled only: its XLA temp
     progs: dict[tuple[str, int], tuple] = {}
+    long_temp: dict[str, int] = {}
 
     def build(key: str, m: nnx.Module, mode: str | None) -> None:
         graph, state = nnx.split(m)
@@ -113,6 +115,9 @@ def whole_model(name: str, reps: int) -> tuple[list[list], str]:
                 f = jax.jit(lambda s, x, graph=graph: nnx.merge(graph, s)(x))
                 temp = f.lower(state, tokens).compile().memory_analysis().temp_size_in_bytes
             progs[(key, t)] = (f, state, tokens, temp)
+        with form(mode):
+            f = jax.jit(lambda s, x, graph=graph: nnx.merge(graph, s)(x))
+            long_temp[key] = f.lower(state, long).compile().memory_analysis().temp_size_in_bytes
 
     build("float32", model, None)
     res = ptq.quantize_model(model, [ptq.Rule(path=r".*_proj", scheme=ptq.scheme("nvfp4-mse", weights_only=True))],
@@ -129,6 +134,9 @@ def whole_model(name: str, reps: int) -> tuple[list[list], str]:
             rows.append([t, k, f"{sec * 1e3:.1f}", f"{sec / f32:.2f}x", f"{t / sec:.0f}",
                          f"{progs[(k, t)][3] / 1e6:.1f}"])
             print(rows[-1], flush=True)
+    for k, temp in long_temp.items():
+        rows.append([f"{long.shape[0]}x{long.shape[1]}", k, "", "", "", f"{temp / 1e6:.1f}"])
+        print(rows[-1], flush=True)
     return rows, label
 
 
@@ -150,7 +158,8 @@ def main() -> None:
                          layer)
         + f"\n\nWhole model ({label}), NVFP4 4/6 W4A16 packed (`ptq.pack_model`), jitted forward of T tokens (batch "
         f"1, no cache); \"before issue 44\": the same packed model traced without the decode barrier and with the "
-        f"decode always fused. XLA temp: `compile().memory_analysis().temp_size_in_bytes`.\n\n"
+        f"decode always fused. XLA temp: `compile().memory_analysis().temp_size_in_bytes`; 4x256: compiled, "
+        f"not run.\n\n"
         + markdown_table(["T", "model", "ms / forward", "vs float32", "tokens / s", "XLA temp MB"], model_rows))
     print(body)
     if not a.no_write:
