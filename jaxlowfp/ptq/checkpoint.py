@@ -54,6 +54,12 @@ in, `PTQResult.dtype`: float32 unless `jaxlowfp.ptq.quantize_model` was given an
 tensor names and ``config.json`` (`jaxlowfp.ptq.protocol`, ``export_tensors("hf")`` / ``export_config("hf")``);
 other models get `default_name` and no config unless given. Before anything is written, every tensor is checked
 finite (the high-precision ones too) and every NVFP4 layer for finite, positive scales and a weight not all zero.
+
+A packed model (`jaxlowfp.ptq.pack_model`) exports as the model it was packed from, byte for byte: its quantized
+layers are written from their own codes and scales (checked equal to the result's, never decoded), its other
+parameters as they are. Every export checks that each quantized layer of the result is in the file (before writing,
+and in the written file's header) and that no two parameters are written under one name; otherwise it raises,
+naming them, and writes nothing.
 """
 from __future__ import annotations
 

@@ -22,13 +22,18 @@ as ``dtype`` (F16 by default, as llama.cpp's converter does; BF16 or F32 on requ
 (a model loaded from that file and not changed there, e.g. SmolLM2's Q4_1 embedding) is copied in the source's
 encoding: lossless and as small as the source.
 
+A packed model (`jaxlowfp.ptq.pack_model`) writes the file of the model it was packed from, byte for byte (NVFP4 layers
+from their own codes and scales, never decoded). After writing, the file's tensor index is read back: a quantized
+layer of the result missing from it removes the file and raises.
+
 Refused (nothing is written): a NaN / Inf in any tensor (or one that overflows ``dtype``); a W4A4 result without
 ``weights_only=True`` (GGUF has no activation quantization: llama.cpp would run the layers with high-precision
 inputs); a result quantized in the compressed-tensors convention without ``allow_reordered_decode=True`` (llama.cpp
 decodes ``(q * s) * S_dec``, 1 ulp off ``q * (s / g)`` for about a quarter of the weights); a ``source_gguf`` whose
 architecture, hyperparameters, tensor names / shapes or vocabulary differ from the model's; a tokenizer llama.cpp
 cannot represent (not byte-level BPE, no merges, a pre-tokenizer it does not name); files a consumer is known to
-misrun (`jaxlowfp.ptq.known_gaps`, ``allow_known_gaps=True`` to override).
+misrun (`jaxlowfp.ptq.known_gaps`, ``allow_known_gaps=True`` to override); a quantized layer of the result that no
+tensor of the model's ``export_tensors("gguf")`` writes.
 
 The tokenizer and the other metadata are copied from a source GGUF, or built from a ``tokenizer.json`` (or a
 `jaxlowfp.models.Tokenizer`): byte-level BPE, llama.cpp's pre-tokenizer name found from the pre-tokenizer's
