@@ -59,7 +59,7 @@ from jaxlowfp.packed import PER_TENSOR, PackedWeight, _per_tensor_scale, as_form
 __all__ = ["BACKENDS", "BackendUnavailableError", "Plan", "plan", "packed_dot_general", "packed_matmul",
            "SCALED_MATMUL_MIN_CC", "FP8_MIN_CC", "scaled_matmul_rows",
            "block_scaled_product", "block_scaled_rows", "fp8_product", "fp8_rows", "after_input",
-           "DECODE_THEN_DOT_ROWS", "dequant_form", "decode"]
+           "DECODE_THEN_DOT_ROWS", "dequant_form", "decode_weight"]
 
 BACKENDS = ("auto", "scaled_matmul", "fp8", "dequant")
 # "dequant" products of at most this many rows (decode: M = batch) decode the weight into a buffer, then dot. Left to
@@ -311,7 +311,7 @@ def _fp8(x2: jax.Array, w: PackedWeight) -> jax.Array:
     return fp8_product(xq, sx, w.array.codes, w.array.scale, (((1,), (1,)), ((), ())))
 
 
-def decode(w: PackedWeight, device: Any = None) -> jax.Array:
+def decode_weight(w: PackedWeight, device: Any = None) -> jax.Array:
     """``W' [K, N]`` in float32, bit for bit ``w.dequantize(jnp.float32)``: what the "dequant" backend multiplies.
     NVFP4 in jaxlowfp's arithmetic decodes through XLA's own float4_e2m1fn and float8_e4m3fn conversions on CPU and
     GPU, ``(q s) g`` in the order `jaxlowfp.nvfp4` decodes (q s exact, one rounding): on CPU a few times cheaper than
@@ -329,7 +329,7 @@ def decode(w: PackedWeight, device: Any = None) -> jax.Array:
 
 def _dequant(x2: jax.Array, w: PackedWeight, act: Format | None, weight_dtype: Any, device: Any = None) -> jax.Array:
     xq = x2 if act is None else fake_quantize(x2, act)
-    wd = decode(w, device)
+    wd = decode_weight(w, device)
     if weight_dtype is not None:
         wd = wd.astype(weight_dtype)
     wd = wd.astype(x2.dtype)

@@ -99,7 +99,7 @@ def test_packed_experts_forward_temp_is_bounded_and_does_not_grow_with_depth():
 
 @pytest.mark.parametrize("fmt", ["nvfp4-mse", "nvfp4-static_6-16x16", "hif8"])
 def test_dequant_backend_decode_is_the_numpy_decode(fmt):
-    # backends.decode (NVFP4: XLA's float4 / float8 conversions) against numpy + ml_dtypes, bit for bit (signed
+    # backends.decode_weight (NVFP4: XLA's float4 / float8 conversions) against numpy + ml_dtypes, bit for bit (signed
     # zeros included), eagerly and under jax.jit
     from test_packed import _np_decode
 
@@ -107,8 +107,8 @@ def test_dequant_backend_decode_is_the_numpy_decode(fmt):
     w = w.at[:16, :3].set(0.0).at[16:32, :3].set(-0.0)
     p = packed.pack(w, fmt)
     want = _np_decode(p).view(np.uint32)
-    np.testing.assert_array_equal(np.asarray(backends.decode(p)).view(np.uint32), want)
-    np.testing.assert_array_equal(np.asarray(jax.jit(backends.decode)(p)).view(np.uint32), want)
+    np.testing.assert_array_equal(np.asarray(backends.decode_weight(p)).view(np.uint32), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(backends.decode_weight)(p)).view(np.uint32), want)
 
 
 def test_decode_shaped_product_decodes_then_dots_and_plan_says_so():
