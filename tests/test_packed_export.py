@@ -44,7 +44,7 @@ def _quantized(scheme, seed=0, **kw):
 @pytest.mark.parametrize("scheme,kw", [
     (ptq.scheme("nvfp4-mse", weights_only=True), {}),  # W4A16
     (ptq.scheme("nvfp4-mse"), {}),  # W4A4: input_global_scale
-    (ptq.scheme("nvfp4-static_6", weights_only=True), {"convention": "compressed-tensors"}),
+    (ptq.scheme("nvfp4-static_6", weights_only=True), {"arithmetic": "compressed-tensors"}),
     (ptq.scheme("fp8"), {"activation_scale": "static"}),  # W8A8: E4M3 codes and input_scale
 ], ids=["nvfp4-w4a16", "nvfp4-w4a4", "nvfp4-ct", "fp8-static"])
 def test_packed_export_writes_the_unpacked_files(tmp_path, scheme, kw):

@@ -24,7 +24,7 @@ encoding: lossless and as small as the source.
 
 A packed model (`jaxlowfp.ptq.pack_model`) writes the file of the model it was packed from, byte for byte (NVFP4 layers
 from their own codes and scales, never decoded). After writing, the file's tensor index is read back: a quantized
-layer of the result missing from it removes the file and raises.
+layer of the result missing from it raises, and nothing is written.
 
 Refused (nothing is written): a NaN / Inf in any tensor (or one that overflows ``dtype``); a W4A4 result without
 ``weights_only=True`` (GGUF has no activation quantization: llama.cpp would run the layers with high-precision
