@@ -14,7 +14,8 @@ only). Backends, chosen like ``impl=``::
                      the pattern XLA's GEMM rewriter turns into cuBLASLt's FP8 GEMM on sm_89+
                      (``__cublas$lt$matmul$f8``).
     "dequant"        dequantize the weight and dot in the compute dtype (XLA fuses the dequantization into the
-                     GEMM's operand): every format, every device. HiF8 and IF4 have no hardware GEMM and always take it.
+                     GEMM's operand; at M <= DECODE_THEN_DOT_ROWS, decode, the weight in a buffer, then the GEMV:
+                     ``Plan.form``): every format, every device. HiF8 and IF4 have no hardware GEMM and always take it.
     "auto"           scaled_matmul on a CUDA GPU of compute capability >= 10.0 for NVFP4 W4A4 / MXFP8 W8A8; fp8 on
                      >= 8.9 for FP8 W8A8; else dequant. What it picked is logged once per (format, activation,
                      device kind).
@@ -22,6 +23,13 @@ only). Backends, chosen like ``impl=``::
 An explicit backend that cannot run raises :class:`BackendUnavailableError` (the device) or ``ValueError`` (the
 format), never falls back. :func:`plan` says what would run and why; ``return_backend=True`` returns it with the
 output.
+
+Memory (``tests/test_packed_memory.py``): every product first passes its input and the packed weight's arrays through
+one ``lax.optimization_barrier`` (:func:`after_input`), so the weight's decode (dequantize, or the emulated
+scaled_matmul's / float8 dot's conversions) depends on the layer's input and runs just before its product. Without
+it the decode depends only on the parameters, and XLA is free to schedule every layer's decode before the first
+matmul: the whole float32 model alive at once (SmolLM2-135M: 435 MB of XLA temp against float32's 15 MB). With it,
+only the weights of the layers sharing one input (q/k/v, gate/up) are decoded together.
 
 Exactness (``tests/test_packed.py``): every backend computes ``sum_k x̂_k ŵ_k`` for the same quantized values as the
 fake-quant path (``fake_quantize(x) @ dequantize(W)``); the block-scaled and FP8 backends factor the global scales out
@@ -33,6 +41,7 @@ from __future__ import annotations
 
 from jaxlowfp._core.surface import public_dir as _public_dir
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -49,9 +58,15 @@ from jaxlowfp.packed import PER_TENSOR, PackedWeight, _per_tensor_scale, as_form
 
 __all__ = ["BACKENDS", "BackendUnavailableError", "Plan", "plan", "packed_dot_general", "packed_matmul",
            "SCALED_MATMUL_MIN_CC", "FP8_MIN_CC", "scaled_matmul_rows",
-           "block_scaled_product", "block_scaled_rows", "fp8_product", "fp8_rows"]
+           "block_scaled_product", "block_scaled_rows", "fp8_product", "fp8_rows", "after_input",
+           "DECODE_THEN_DOT_ROWS", "dequant_form", "decode_weight"]
 
 BACKENDS = ("auto", "scaled_matmul", "fp8", "dequant")
+# "dequant" products of at most this many rows (decode: M = batch) decode the weight into a buffer, then dot. Left to
+# itself, XLA:CPU turns an M = 1 dot into a loop fusion that recomputes the decode inside the reduction
+# (bench/packed_decode.py: the fused form is 2-3x slower than decode-then-GEMV at M = 1, and faster from
+# M = 2 on, where the dot is a GEMM that reads the decoded operand once)
+DECODE_THEN_DOT_ROWS = 1
 SCALED_MATMUL_MIN_CC = 100  # cuDNN's block-scaled GEMM: Blackwell (sm_100)
 FP8_MIN_CC = 89  # cuBLASLt FP8: Ada (sm_89) and Hopper (sm_90)
 SCALED_KINDS = ("nvfp4", "mxfp4", "mxfp8")
@@ -63,15 +78,19 @@ class BackendUnavailableError(RuntimeError):
     """An explicit backend was asked for on a device that cannot run it."""
 
 
-@pytree_dataclass(data=(), meta=("backend", "native", "reason"))
+@pytree_dataclass(data=(), meta=("backend", "native", "reason", "form"))
 class Plan:
     """What a packed product runs: `backend` ("scaled_matmul", "fp8" or "dequant"), whether the low-precision GEMM is
-    the device's own (`native`: cuDNN / cuBLASLt) or emulated by jax / XLA in float32, and `reason`. A pytree with
-    no leaves, so a jitted function can return it."""
+    the device's own (`native`: cuDNN / cuBLASLt) or emulated by jax / XLA in float32, and `reason`. `form`, for
+    "dequant" when the rows M of the product are known (:func:`plan`'s ``rows``): "decode-then-dot" (M <=
+    `DECODE_THEN_DOT_ROWS`: the weight decoded into a buffer of its own, then an ordinary dot / GEMV) or "fused"
+    (the decode left to XLA, which fuses it into the dot's operand); "" otherwise. A pytree with no leaves, so a
+    jitted function can return it."""
 
     backend: str
     native: bool
     reason: str
+    form: str = ""
 
 
 def _device(device: Any) -> Any:
@@ -139,10 +158,23 @@ def _device_problem(backend: str, device: Any, kind: str | None = None) -> tuple
 
 
 def plan(w: PackedWeight | Format, activation: Any = None, backend: str = "auto", *, device: Any = None,
-         where: str = "") -> Plan:
+         where: str = "", rows: int | None = None) -> Plan:
     """The backend a product of `w` (a packed weight or its format) with `activation` runs on `device` (default JAX's
     first device). An explicit `backend` that cannot run raises (``ValueError`` for the formats,
-    :class:`BackendUnavailableError` for the device); "auto" logs its choice once."""
+    :class:`BackendUnavailableError` for the device); "auto" logs its choice once. `rows`: the product's M, which
+    decides the "dequant" form (``Plan.form``)."""
+    p = _plan(w, activation, backend, device=device, where=where)
+    if p.backend != "dequant" or rows is None:
+        return p
+    return dataclasses.replace(p, form=dequant_form(rows))
+
+
+def dequant_form(rows: int) -> str:
+    """The "dequant" backend's form for a product of `rows` rows (`Plan.form`)."""
+    return "decode-then-dot" if rows <= DECODE_THEN_DOT_ROWS else "fused"
+
+
+def _plan(w: PackedWeight | Format, activation: Any, backend: str, *, device: Any, where: str) -> Plan:
     one_of(backend, BACKENDS, "backend")
     fmt = w.format if isinstance(w, PackedWeight) else as_format(w, "w")
     act = None if activation is None else as_format(activation, "activation")
@@ -218,6 +250,12 @@ def _scaled_matmul(x2: jax.Array, w: PackedWeight, act: Format) -> jax.Array:
     return block_scaled_product(xa, w.array)
 
 
+def after_input(x: Any, w: Any) -> tuple[Any, Any]:
+    """``(x, w)`` through one ``lax.optimization_barrier`` (values unchanged): whatever is computed from the returned
+    `w` (a packed weight's decode) depends on `x`, so XLA cannot schedule it before `x` exists (module docstring)."""
+    return lax.optimization_barrier((x, w))
+
+
 def scaled_matmul_rows(x2: jax.Array, w: PackedWeight, rule: str, amax: Any) -> jax.Array:
     """NVFP4 W4A4 on ``jax.nn.scaled_matmul`` with per-row (per-token) or static activation global scales: row m is
     quantized by our quantizer (`jaxlowfp.nvfp4.quantize`, `rule`, 4/6 included) with its own amax ``amax[m]`` (a
@@ -226,6 +264,7 @@ def scaled_matmul_rows(x2: jax.Array, w: PackedWeight, rule: str, amax: Any) -> 
     if w.format.kind != "nvfp4" or w.format.arithmetic != "jaxlowfp":
         raise ValueError(f"scaled_matmul with per-token / static activation scales takes NVFP4 weights in jaxlowfp's "
                          f"convention; got {w.format.name}")
+    (x2, amax), w = after_input((x2, amax), w)
     return block_scaled_rows(x2, w.array, rule, amax)
 
 
@@ -247,6 +286,7 @@ def fp8_rows(x2: jax.Array, w: PackedWeight, scaling: Any, amax: Any) -> jax.Arr
     ``out[m, n] = s_x[m] s_w sum_k q_x q_w``. float32 [M, N]."""
     if w.format.kind != "fp8":
         raise ValueError(f"fp8_rows takes FP8 weights; got {w.format.name}")
+    (x2, amax), w = after_input((x2, amax), w)
     elem, target = PER_TENSOR["fp8"]
     a = jnp.broadcast_to(jnp.asarray(amax, jnp.float32).reshape(-1), (x2.shape[0],))
     s = jax.vmap(scaling.scale)(a)[:, None]  # [M, 1]
@@ -271,12 +311,31 @@ def _fp8(x2: jax.Array, w: PackedWeight) -> jax.Array:
     return fp8_product(xq, sx, w.array.codes, w.array.scale, (((1,), (1,)), ((), ())))
 
 
-def _dequant(x2: jax.Array, w: PackedWeight, act: Format | None, weight_dtype: Any) -> jax.Array:
+def decode_weight(w: PackedWeight, device: Any = None) -> jax.Array:
+    """``W' [K, N]`` in float32, bit for bit ``w.dequantize(jnp.float32)``: what the "dequant" backend multiplies.
+    NVFP4 in jaxlowfp's arithmetic decodes through XLA's own float4_e2m1fn and float8_e4m3fn conversions on CPU and
+    GPU, ``(q s) g`` in the order `jaxlowfp.nvfp4` decodes (q s exact, one rounding): on CPU a few times cheaper than
+    the portable bit arithmetic of `PackedWeight.dequantize`, which every other case takes."""
+    a, fmt = w.array, w.format
+    if fmt.kind != "nvfp4" or fmt.arithmetic != "jaxlowfp" or _device(device).platform not in ("cpu", "gpu"):
+        return w.dequantize(jnp.float32)
+    q = _e2m1_operand(a.codes, w.k).astype(jnp.float32)  # [N, K]
+    s = a.scales.astype(jnp.float32)
+    if a.block_shape[0] > 1:  # 16x16 tiles: the tile's scale on each of its 16 rows
+        s = jnp.repeat(s, a.block_shape[0], axis=0)
+    out = (q.reshape(w.n, w.k // 16, 16) * s[..., None]).reshape(w.n, w.k) * a.global_scale
+    return out.T
+
+
+def _dequant(x2: jax.Array, w: PackedWeight, act: Format | None, weight_dtype: Any, device: Any = None) -> jax.Array:
     xq = x2 if act is None else fake_quantize(x2, act)
-    wd = w.dequantize(jnp.float32)
+    wd = decode_weight(w, device)
     if weight_dtype is not None:
         wd = wd.astype(weight_dtype)
-    return lax.dot_general(xq, wd.astype(x2.dtype), (((1,), (0,)), ((), ())))
+    wd = wd.astype(x2.dtype)
+    if dequant_form(x2.shape[0]) == "decode-then-dot":  # the decoded weight in a buffer, then the GEMV
+        xq, wd = lax.optimization_barrier((xq, wd))
+    return lax.dot_general(xq, wd, (((1,), (0,)), ((), ())))
 
 
 def packed_matmul(x2: jax.Array, w: PackedWeight, *, backend: str = "auto", activation: Any = None,
@@ -294,12 +353,13 @@ def packed_matmul(x2: jax.Array, w: PackedWeight, *, backend: str = "auto", acti
     if act is not None and act.group is not None and w.k % act.group:
         raise ValueError(f"{where or 'packed_matmul'}: activation format {act.name} has blocks of {act.group} along "
                          f"K; K = {w.k} is not a multiple")
-    p = plan(w, act, backend, device=device, where=where)
+    p = plan(w, act, backend, device=device, where=where, rows=x2.shape[0])
+    x2, w = after_input(x2, w)  # the weight is decoded after its input exists, just before its product
     if p.backend == "scaled_matmul":
         return _scaled_matmul(x2, w, act), p
     if p.backend == "fp8":
         return _fp8(x2, w), p
-    return _dequant(x2, w, act, weight_dtype), p
+    return _dequant(x2, w, act, weight_dtype, device), p
 
 
 def packed_dot_general(

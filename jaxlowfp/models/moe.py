@@ -127,7 +127,9 @@ class Experts(nnx.Module):
     def grouped_matmul(self, x: jax.Array, name: str, group_sizes: jax.Array) -> jax.Array:
         """``x [M, K]`` (rows sorted by expert, ``group_sizes[e]`` rows for expert e) times weight ``name``
         ``[E, K, N]`` of each row's expert: ``jax.lax.ragged_dot``, the one grouped GEMM of the ragged path."""
-        w = getattr(self, name)[...]
+        var = getattr(self, name)
+        decode = getattr(var, "decode_after", None)  # packed experts (jaxlowfp.ptq.PackedExperts): decoded after x
+        x, w = decode(x) if decode is not None else (x, var[...])
         op = getattr(self, "quant_" + name, None)  # a jaxlowfp.qnnx.QuantRaggedOp (QAT), if quantized
         if op is not None:
             out = op.ragged_dot(x.astype(self.dtype), w.astype(self.dtype), group_sizes,

@@ -54,6 +54,12 @@ in, `PTQResult.dtype`: float32 unless `jaxlowfp.ptq.quantize_model` was given an
 tensor names and ``config.json`` (`jaxlowfp.ptq.protocol`, ``export_tensors("hf")`` / ``export_config("hf")``);
 other models get `default_name` and no config unless given. Before anything is written, every tensor is checked
 finite (the high-precision ones too) and every NVFP4 layer for finite, positive scales and a weight not all zero.
+
+A packed model (`jaxlowfp.ptq.pack_model`) exports as the model it was packed from, byte for byte: its quantized
+layers are written from their own codes and scales (checked equal to the result's, never decoded), its other
+parameters as they are. Every export checks that each quantized layer of the result is in the file (before writing,
+and in the written file's header) and that no two parameters are written under one name; otherwise it raises,
+naming them, and writes nothing.
 """
 from __future__ import annotations
 
@@ -166,6 +172,125 @@ def _namer(tensor_names: Mapping[str, str] | Callable[[str], str] | None) -> Cal
 
 def _params(model: nnx.Module) -> dict[str, nnx.Variable]:
     return {"/".join(map(str, p)): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
+
+
+class PackedView:
+    """A packed parameter (`jaxlowfp.packed.PackedParam`: a `PackedLinear`'s kernel, a `PackedKernel`, a
+    `PackedExperts`, after `jaxlowfp.ptq.pack_model`) seen by the exporters at its path as the float parameter of the
+    unpacked model: ``shape`` is that parameter's, ``[...]`` decodes it (float32, then the dtype the float kernel was
+    stored in; bit for bit the fake-quant kernel, which `pack_model` checks), and ``packed`` is the `PackedWeight`, from
+    whose codes and scales the exporters write the quantized layers without decoding them."""
+
+    def __init__(self, var: packing.PackedParam, layer: Any = None) -> None:
+        self.var, self.packed = var, var.get_value()
+        self.dtype = jnp.dtype(getattr(layer, "param_dtype", getattr(var, "kernel_dtype", jnp.float32)))
+        self.shape = tuple(jax.eval_shape(self._decode).shape)
+
+    def _decode(self) -> jax.Array:
+        if type(self.var) is packing.PackedParam:  # a PackedLinear's kernel: W' [K, N] = the Linear's [in, out]
+            return self.packed.dequantize(jnp.float32).astype(self.dtype)
+        return self.var[...]  # PackedKernel / PackedExperts decode to their layer's kernel layout
+
+    def __getitem__(self, key: Any) -> jax.Array:
+        return self._decode()[key]
+
+
+def export_params(model: nnx.Module) -> dict[str, Any]:
+    """What the exporters write, by parameter path in graph order: every ``nnx.Param``, and every packed parameter
+    as a :class:`PackedView` (so a packed model exports as the model it was packed from)."""
+    from jaxlowfp.packed_layer import PackedLinear
+
+    nodes = {"/".join(map(str, p)): v for p, v in nnx.iter_graph(model)}
+    out: dict[str, Any] = {}
+    for path, v in nodes.items():
+        if isinstance(v, nnx.Param):
+            out[path] = v
+        elif isinstance(v, packing.PackedParam):
+            layer = nodes.get(path.rsplit("/", 1)[0]) if "/" in path else None
+            out[path] = PackedView(v, layer if isinstance(layer, PackedLinear) else None)
+    return out
+
+
+def _linears(model: nnx.Module) -> dict[str, nnx.Module]:
+    """Every ``nnx.Linear`` and `PackedLinear` (an nnx.Linear stored packed) by path, in graph order."""
+    from jaxlowfp.packed_layer import PackedLinear
+
+    return {"/".join(map(str, p)): m for p, m in nnx.iter_graph(model) if isinstance(m, (nnx.Linear, PackedLinear))}
+
+
+def check_finite_param(var: Any, where: str) -> None:
+    """`checks.check_finite_tensor` of a parameter; of a :class:`PackedView`'s float leaves (codes of float8 formats,
+    scales) without decoding it."""
+    if isinstance(var, PackedView):
+        for leaf in jax.tree.leaves(var.packed):
+            if jnp.issubdtype(leaf.dtype, jnp.floating):
+                checks.check_finite_tensor(np.asarray(stream.fetch(leaf)).astype(np.float32), where)
+        return
+    checks.check_finite_tensor(var[...], where)
+
+
+def same_packed_nvfp4(where: str, w: packing.PackedWeight, arr: nvfp4.NVFP4Array, s_enc: Any
+                      ) -> tuple[nvfp4.NVFP4Array, Any]:
+    """The packed model's NVFP4 array and encode scale, checked to be the PTQ result's ``(arr, s_enc)`` (codes,
+    block scales and scales equal), without decoding either: what the exporters write for a packed layer."""
+    if w.format.kind != "nvfp4":
+        raise ValueError(f"{where}: the packed model holds {w.format.name} arrays; the PTQ result quantized this layer "
+                         f"to NVFP4 (is this another model's result?)")
+    a = w.array
+    same = (tuple(a.shape) == tuple(arr.shape) and a.block_shape == arr.block_shape
+            and np.array_equal(stream.fetch(a.codes), stream.fetch(arr.codes))
+            and np.array_equal(np.asarray(stream.fetch(a.scales)).view(np.uint8),
+                               np.asarray(stream.fetch(arr.scales)).view(np.uint8))
+            and float(a.global_scale) == float(arr.global_scale)
+            and (w.s_enc is None or s_enc is None or float(w.s_enc) == float(s_enc)))
+    if not same:
+        raise ValueError(f"{where}: the packed model's NVFP4 codes and scales are not the PTQ result's (was the model "
+                         f"changed after quantize and pack, or is this another model's result?)")
+    return a, (s_enc if w.s_enc is None else w.s_enc)
+
+
+class _Once(dict):
+    """The tensors of a file being assembled: a name given twice (two parameters written as one tensor: one of them
+    would be missing from the file) is a ValueError naming it, before anything is written."""
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key in self:
+            raise ValueError(f"export: two tensors would be written as {key!r} (check tensor_names); one of them would "
+                             f"be missing from the file. Nothing was written")
+        super().__setitem__(key, value)
+
+
+def _layer_tensors(m: str, kind: str, activation: bool) -> list[str]:
+    """The tensors module `m` of a quantized layer is written as (module docstring)."""
+    if kind == "fp8":
+        return [f"{m}.weight", f"{m}.weight_scale"]
+    return [f"{m}.{k}" for k in ("weight_packed", "weight_scale", "weight_global_scale")] + (
+        [f"{m}.input_global_scale"] if activation else [])
+
+
+def check_complete(schemes: Mapping[str, Scheme], layers: Mapping[str, Any], names: Any, what: str) -> None:
+    """ValueError naming the layers if a quantized layer of the result (`schemes`) is not written: not among the
+    written `layers`, or one of its tensors not among `names` (the file's tensor names)."""
+    names = set(names)
+    missing = [p for p in schemes if p not in layers]
+    for p, info in layers.items():
+        if p in schemes:
+            sch = schemes[p]
+            want = [t for m in info.get("names", [info["name"]])
+                    for t in _layer_tensors(m, sch.weight.kind, sch.activation is not None)]
+            if any(t not in names for t in want):
+                missing.append(p)
+    if missing:
+        raise ValueError(f"{what}: the quantized layers {missing[:4]}{' ...' if len(missing) > 4 else ''} of the PTQ "
+                         f"result would not be in the file (their parameters are not where the result says, or are "
+                         f"not nnx.Param / packed parameters of this model)")
+
+
+def _safetensors_names(path: Path) -> list[str]:
+    """The tensor names in a .safetensors file's header (the header only is read)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return [k for k in json.loads(f.read(n)) if k != "__metadata__"]
 
 
 def _fmt_json(f: Format | None) -> dict | None:
@@ -292,7 +417,7 @@ def check_export_inputs(params: Mapping[str, Any], result: PTQResult, name_of: C
     every packed NVFP4 layer with finite block scales, a finite positive global scale and a weight not all zero
     (an all-zero tensor has no meaningful global scale)."""
     for path, var in params.items():
-        checks.check_finite_tensor(var[...], f"{name_of(path)} (parameter {path})")
+        check_finite_param(var, f"{name_of(path)} (parameter {path})")
     for mod_path in result.schemes:
         if mod_path not in result.packed:
             continue
@@ -327,12 +452,16 @@ def _write_experts(path: str, var: Any, names: list[str], result: PTQResult, ten
                    dtype: str, spool: stream.Spool) -> tuple[int, int, int, int]:
     """One ``[out, in]`` tensor per expert of the grouped weight `path` [E, in, out]: NVFP4 (packed codes, block
     scales, the expert's global scale, W4A4: its input_global_scale) if PTQ quantized it, else `dtype`. Returns
-    (quantized values, their bits, rounded values, high-precision values)."""
-    w = np.asarray(stream.fetch(var[...]), np.float32)
-    if len(names) != w.shape[0]:
-        raise ValueError(f"{path}: {w.shape[0]} experts, and the model names {len(names)} per-expert tensors")
+    (quantized values, their bits, rounded values, high-precision values). A packed weight (:class:`PackedView`) is
+    written from its codes and scales, checked to be the result's, without decoding it."""
     res = result.experts.get(path)
+    view = var if isinstance(var, PackedView) and res is not None and res.scheme is not None else None
+    w = None if view is not None else np.asarray(stream.fetch(var[...]), np.float32)
+    n_exp, size = int(var.shape[0]), int(np.prod(var.shape))
+    if len(names) != n_exp:
+        raise ValueError(f"{path}: {n_exp} experts, and the model names {len(names)} per-expert tensors")
     if res is None or res.scheme is None:  # kept in high precision
+        assert w is not None
         rounded = 0
         for e, name in enumerate(names):
             value = np.ascontiguousarray(w[e].T)
@@ -343,10 +472,10 @@ def _write_experts(path: str, var: Any, names: list[str], result: PTQResult, ten
                 rounded += int(np.sum(low.astype(np.float32) != value))
                 value = low
             tensors[name] = spool.put(value)
-        return 0, 0, rounded, w.size
+        return 0, 0, rounded, size
     sch, conv = res.scheme, result.arithmetic
-    if len(res.packed) != w.shape[0]:
-        raise ValueError(f"{path}: the result holds {len(res.packed)} packed experts for {w.shape[0]}")
+    if len(res.packed) != n_exp:
+        raise ValueError(f"{path}: the result holds {len(res.packed)} packed experts for {n_exp}")
     pair = {"gate_proj": "up_proj", "up_proj": "gate_proj"}.get(path.rsplit("/", 1)[1])
     other = result.experts.get(path.rsplit("/", 1)[0] + "/" + pair) if pair else None
     bits, mods = 0, []
@@ -354,7 +483,9 @@ def _write_experts(path: str, var: Any, names: list[str], result: PTQResult, ten
         arr, s_enc = res.packed[e]
         where = f"{path}[expert {e}]"
         checks.check_packed_nvfp4(where, arr, s_enc)
-        if not np.array_equal(np.asarray(serving.decode(arr, s_enc, conv)).T, w[e]):
+        if view is not None:
+            arr, s_enc = same_packed_nvfp4(where, jax.tree.map(lambda x, e=e: x[e], view.packed), arr, s_enc)
+        elif not np.array_equal(np.asarray(serving.decode(arr, s_enc, conv)).T, w[e]):
             raise ValueError(f"{where}: the model's weight is not the packed NVFP4 weight (was the model changed "
                              f"after quantize?)")
         if other is not None and other.packed and float(other.packed[e][1]) != float(s_enc):
@@ -386,7 +517,7 @@ def _write_experts(path: str, var: Any, names: list[str], result: PTQResult, ten
         layers[path]["activation_scale"] = result.activation_scale
         if res.input_amax is not None:
             layers[path]["input_amax"] = list(res.input_amax)
-    return w.size, bits, 0, 0
+    return size, bits, 0, 0
 
 
 def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
@@ -450,8 +581,8 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
     if model_config is None and said is not None:
         model_config = require_exportable(model, "hf", "export")[1]
     name_of = _namer(tensor_names)
-    params = _params(model)
-    linears = linear_modules(model)
+    params = export_params(model)  # a packed model's packed parameters too (PackedView)
+    linears = _linears(model)
     check_export_inputs(params, result, name_of)
     # (FP8 needs no equal scales: vLLM requantizes a fused group's weights to its largest scale, and the group's
     # layers read one input, so their calibrated input amax is one value)
@@ -551,7 +682,7 @@ def _write(model: nnx.Module, result: PTQResult, directory: Path, spool: stream.
            linears: dict, name_of: Callable[[str], str], model_config: Mapping[str, Any] | None, tokenizer: Any,
            dtype: str, schemes: Mapping[str, Scheme], per_expert: Mapping[str, list[str]]) -> ExportReport:
     conv = result.arithmetic
-    tensors: dict[str, stream.SpoolEntry] = {}
+    tensors: dict[str, stream.SpoolEntry] = _Once()  # a name given twice raises: no layer silently overwritten
     layers: dict[str, Any] = {}
     n_quant = 0
     quant_bits = 0
@@ -571,7 +702,13 @@ def _write(model: nnx.Module, result: PTQResult, directory: Path, spool: stream.
 
             m = name[: -len(".weight")]
             sch = result.schemes[mod_path]
-            arr = _requantized(var[...], packing.as_format(sch.weight), mod_path).array  # E4M3 codes [out, in]
+            if isinstance(var, PackedView):  # a packed model: its own E4M3 codes [out, in] and scale
+                if var.packed.format.kind != "fp8":
+                    raise ValueError(f"{mod_path}: the packed model holds {var.packed.format.name} arrays; the PTQ "
+                                     f"result quantized this layer to FP8 (is this another model's result?)")
+                arr = var.packed.array
+            else:
+                arr = _requantized(var[...], packing.as_format(sch.weight), mod_path).array  # E4M3 codes [out, in]
             if not (np.isfinite(float(arr.scale)) and float(arr.scale) > 0):
                 raise ValueError(f"{m}: weight_scale is {float(arr.scale)}; refusing to export")
             tensors[f"{m}.weight"] = spool.put(np.asarray(stream.fetch(arr.codes)))
@@ -594,7 +731,9 @@ def _write(model: nnx.Module, result: PTQResult, directory: Path, spool: stream.
             if not name.endswith(".weight"):
                 raise ValueError(f"{path}: the checkpoint name {name!r} of a quantized kernel must end in '.weight'")
             arr, s_enc = result.packed[mod_path]
-            if not bool(jnp.all(serving.decode(arr, s_enc, conv).T == var[...])):
+            if isinstance(var, PackedView):  # a packed model: its own codes and scales, checked to be the result's
+                arr, s_enc = same_packed_nvfp4(mod_path, var.packed, arr, s_enc)
+            elif not bool(jnp.all(serving.decode(arr, s_enc, conv).T == var[...])):
                 raise ValueError(f"{mod_path}: the model's kernel is not the packed NVFP4 weight (was the model "
                                  f"changed after quantize?)")
             m = name[: -len(".weight")]
@@ -638,8 +777,11 @@ def _write(model: nnx.Module, result: PTQResult, directory: Path, spool: stream.
     notes = known_gaps.check("hf", "", {}, {p: schemes[p].activation is not None for p in layers
                                             if schemes[p].weight.kind == "nvfp4"},
                              allow_known_gaps=True, caller="export")
+    check_complete(schemes, layers, tensors, "export")  # every quantized layer of the result, before writing
     directory.mkdir(parents=True, exist_ok=True)
     stream.write_safetensors(directory / WEIGHTS_FILE, spool, tensors, metadata={"format": "pt"})
+    # and in the file as written (its header read back; on an error write_atomically deletes the directory)
+    check_complete(schemes, layers, _safetensors_names(directory / WEIGHTS_FILE), "export")
     groups = {}
     fp8 = any(schemes[p].weight.kind == "fp8" for p in layers)
     fmt = "float-quantized" if fp8 else "nvfp4-pack-quantized"

@@ -22,13 +22,18 @@ as ``dtype`` (F16 by default, as llama.cpp's converter does; BF16 or F32 on requ
 (a model loaded from that file and not changed there, e.g. SmolLM2's Q4_1 embedding) is copied in the source's
 encoding: lossless and as small as the source.
 
+A packed model (`jaxlowfp.ptq.pack_model`) writes the file of the model it was packed from, byte for byte (NVFP4 layers
+from their own codes and scales, never decoded). After writing, the file's tensor index is read back: a quantized
+layer of the result missing from it raises, and nothing is written.
+
 Refused (nothing is written): a NaN / Inf in any tensor (or one that overflows ``dtype``); a W4A4 result without
 ``weights_only=True`` (GGUF has no activation quantization: llama.cpp would run the layers with high-precision
 inputs); a result quantized in the compressed-tensors convention without ``allow_reordered_decode=True`` (llama.cpp
 decodes ``(q * s) * S_dec``, 1 ulp off ``q * (s / g)`` for about a quarter of the weights); a ``source_gguf`` whose
 architecture, hyperparameters, tensor names / shapes or vocabulary differ from the model's; a tokenizer llama.cpp
 cannot represent (not byte-level BPE, no merges, a pre-tokenizer it does not name); files a consumer is known to
-misrun (`jaxlowfp.ptq.known_gaps`, ``allow_known_gaps=True`` to override).
+misrun (`jaxlowfp.ptq.known_gaps`, ``allow_known_gaps=True`` to override); a quantized layer of the result that no
+tensor of the model's ``export_tensors("gguf")`` writes.
 
 The tokenizer and the other metadata are copied from a source GGUF, or built from a ``tokenizer.json`` (or a
 `jaxlowfp.models.Tokenizer`): byte-level BPE, llama.cpp's pre-tokenizer name found from the pre-tokenizer's
@@ -51,6 +56,7 @@ from jaxlowfp import mx
 from jaxlowfp._core.checks import optional_module
 from jaxlowfp.ptq import checks, known_gaps, serving, stream
 from jaxlowfp.ptq.api import PTQResult
+from jaxlowfp.ptq.checkpoint import PackedView, check_finite_param, export_params, same_packed_nvfp4
 from jaxlowfp.ptq.layers import require_linear
 from jaxlowfp.ptq.protocol import require_exportable
 
@@ -415,7 +421,7 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
         raise ValueError(f"GGUF has no type for the weight formats {sorted(set(bad.values()))} (layers "
                          f"{list(bad)[:3]}); allowed: NVFP4, MXFP4 (or float32=True)")
     hp_type = DTYPES["float32" if float32 else dtype]
-    params = {"/".join(map(str, p)): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
+    params = export_params(model)  # a packed model's packed parameters too (checkpoint.PackedView)
     covered = {t.path for t in specs if t.path is not None}
     left = sorted(set(params) - covered)
     if left:
@@ -426,8 +432,16 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
             raise ValueError(f"export_gguf: tensor {t.name} names parameter {t.path!r}, which the model does not have")
         if t.transform is not None and t.module in schemes:
             raise ValueError(f"export_gguf: tensor {t.name} transforms the quantized kernel of {t.module}")
-        checks.check_finite_tensor(params[t.path][...] if t.path is not None else t.value,
-                                   f"{t.name} ({'parameter ' + t.path if t.path else 'constant'})")
+        if t.path is not None:
+            check_finite_param(params[t.path], f"{t.name} (parameter {t.path})")
+        else:
+            checks.check_finite_tensor(t.value, f"{t.name} (constant)")
+    # every quantized layer of the result is written by one of the model's tensors
+    unwritten = sorted({*(p for p in schemes if f"{p}/kernel" not in covered),
+                        *(p for p in expert_schemes if p not in covered)})
+    if unwritten:
+        raise ValueError(f"export_gguf: the quantized layers {unwritten[:4]} of the PTQ result are not among the "
+                         f"tensors {type(model).__name__}.export_tensors('gguf') writes; the file would miss them")
 
     # every tensor in file layout, decided before the file is opened
     # (name, its bytes in the spool, raw dtype or None, type name): made tensor by tensor, one on the host at a time
@@ -443,18 +457,25 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
     notes_pre: list[str] = []
     host = {p: _Host(v) for p, v in params.items()}  # what t.array reads: a host copy per tensor, none cached
     for t in specs:
-        w = t.array(host)
-        shapes[t.name] = tuple(w.shape)
         mod = t.module
         sch = schemes.get(mod) if mod is not None else None
-        if (mod is not None and sch is not None and sch.weight.kind == "nvfp4" and w.ndim == 2
-                and w.shape[1] % NVFP4_BLOCK == 0):
+        view = params.get(t.path) if t.path is not None else None
+        # a packed NVFP4 layer is written from its codes and scales, never decoded
+        direct = (isinstance(view, PackedView) and sch is not None and sch.weight.kind == "nvfp4"
+                  and t.expert is None and t.transform is None and len(view.shape) == 2)
+        w = None if direct else t.array(host)
+        shape = (tuple(view.shape[::-1]) if t.transpose else tuple(view.shape)) if direct else tuple(w.shape)
+        shapes[t.name] = shape
+        if (mod is not None and sch is not None and sch.weight.kind == "nvfp4" and len(shape) == 2
+                and shape[1] % NVFP4_BLOCK == 0):
             arr, s_enc = packed[mod]
             checks.check_packed_nvfp4(mod, arr, s_enc)
+            if direct:  # the packed model's own codes and scales, checked to be the result's
+                arr, s_enc = same_packed_nvfp4(mod, view.packed, arr, s_enc)
             # host copies of this layer's codes and scales (gathered when they span processes: a collective)
             arr = jax.tree.map(stream.fetch, arr)
             s_enc = None if s_enc is None else stream.fetch(s_enc)
-            if not np.array_equal(np.asarray(serving.decode(arr, s_enc, conv)), w):
+            if not direct and not np.array_equal(np.asarray(serving.decode(arr, s_enc, conv)), w):
                 raise ValueError(f"{mod}: the model's kernel is not the packed NVFP4 weight (was the model changed "
                                  f"after quantize?)")
             codes, scales = np.asarray(arr.codes), np.asarray(arr.scales)
@@ -474,6 +495,8 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
             shapes[t.name.replace(".weight", ".scale")] = (1,)
             bits += raw.nbytes * 8 + 32
             continue
+        if w is None:
+            w = t.array(host)
         if t.permute_heads is not None:
             w = permute_rope_rows(w, t.permute_heads)
         if sch is not None and sch.weight.kind == "mxfp4" and w.ndim == 2 and w.shape[1] % MXFP4_BLOCK == 0:
@@ -563,6 +586,14 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
             writer.write_tensor_data(spool.get(e))
         writer.close()
         spool.close()
+        # every quantized layer of the result is in the file as written (its tensor index read back, before the
+        # temporary file is renamed: on an error it is deleted)
+        want = {t.name for t in specs if t.module in schemes or t.path in expert_schemes}
+        want |= {n.replace(".weight", ".scale") for n, _, _, tn in planned if tn == "NVFP4"}
+        found = {x.name for x in gguf.GGUFReader(tmp).tensors}
+        if not want <= found:
+            raise ValueError(f"export_gguf: the written file lacks the quantized tensors {sorted(want - found)[:4]}; "
+                             f"nothing was written")
     except BaseException as e:
         if not atomic.__exit__(type(e), e, e.__traceback__):
             raise

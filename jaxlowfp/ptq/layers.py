@@ -215,8 +215,17 @@ def install(mod: nnx.Module, hook: Any) -> None:
 
 
 def require_linear(model: nnx.Module, paths: Any, what: str) -> None:
-    """A ValueError if a layer at `paths` is not an ``nnx.Linear``: what `what` (a file format) stores."""
+    """A ValueError if a layer at `paths` is not an ``nnx.Linear`` (or a `jaxlowfp.ptq.PackedLinear`, one stored
+    packed), or is not in `model` at all: what `what` (a file format) stores."""
+    from jaxlowfp.packed_layer import PackedLinear
+
     mods = quantizable_modules(model)
+    packed = {"/".join(map(str, p)) for p, m in nnx.iter_graph(model) if isinstance(m, PackedLinear)}
+    absent = [p for p in paths if p not in mods and p not in packed]
+    if absent:
+        raise ValueError(f"{what}: the quantized layers {absent[:3]}{' ...' if len(absent) > 3 else ''} are not in "
+                         f"this model (no nnx.Linear, LinearGeneral, Einsum or PackedLinear at those paths; is this "
+                         f"the model the PTQ result came from?)")
     general = [p for p in paths if p in mods and not isinstance(mods[p], nnx.Linear)]
     if general:
         raise ValueError(f"{what} stores nnx.Linear weights ([out, in] matrices, as serving engines load them); "

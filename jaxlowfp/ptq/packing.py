@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxlowfp import packed, sharding
+from jaxlowfp import backends, packed, sharding
 from jaxlowfp.packed_layer import PackedLinear, replace_modules
 from jaxlowfp.ptq.api import PTQResult
 from jaxlowfp.ptq.layers import ActQuant, layout, quantizable_modules
@@ -149,8 +149,17 @@ class PackedExperts(packed.PackedParam):
     activation quantizer run as before; only the storage is packed (the "dequant" backend)."""
 
     def __getitem__(self, key: Any) -> jax.Array:
-        w = self.get_value()
-        return jax.vmap(lambda x: x.dequantize(jnp.float32))(w).astype(self.kernel_dtype)[key]
+        return self._decode(self.get_value())[key]
+
+    def _decode(self, w: packed.PackedWeight) -> jax.Array:
+        return jax.vmap(lambda x: x.dequantize(jnp.float32))(w).astype(self.kernel_dtype)
+
+    def decode_after(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``(x, weight[...])`` with the decode made to depend on `x` (`jaxlowfp.backends.after_input`), so the
+        experts' float weight exists only from their input on, not from the start of the program: what the experts'
+        forward (`jaxlowfp.models.moe.Experts.grouped_matmul`) reads."""
+        x, w = backends.after_input(x, self.get_value())
+        return x, self._decode(w)
 
     @property
     def shape(self) -> tuple[int, int, int]:
