@@ -1,6 +1,6 @@
 """Execution backends for a packed (or W4A4 / W8A8) product ``x @ W'``: where the low-precision GEMM really runs.
 
-``packed_dot_general(x, w, dimension_numbers, backend=..., activation=...)`` takes a
+``packed_dot_general(x, w, dimension_numbers, gemm=..., activation=...)`` takes a
 :class:`~jaxlowfp.packed.PackedWeight` (the GEMM matrix ``W' [K, N]``) and the activation format (None: weights
 only). Backends, chosen like ``impl=``::
 
@@ -39,6 +39,7 @@ summation order.
 """
 from __future__ import annotations
 
+from jaxlowfp._core.deprecation import renamed_kwarg
 from jaxlowfp._core.surface import public_dir as _public_dir
 
 import dataclasses
@@ -157,12 +158,13 @@ def _device_problem(backend: str, device: Any, kind: str | None = None) -> tuple
             f"(emulated); the device is {where}. Use backend='dequant' or 'auto'"), False, where
 
 
-def plan(w: PackedWeight | Format, activation: Any = None, backend: str = "auto", *, device: Any = None,
-         where: str = "", rows: int | None = None) -> Plan:
+def plan(w: PackedWeight | Format, activation: Any = None, gemm: str = "auto", *, device: Any = None,
+         where: str = "", rows: int | None = None, backend: str | None = None) -> Plan:
     """The backend a product of `w` (a packed weight or its format) with `activation` runs on `device` (default JAX's
     first device). An explicit `backend` that cannot run raises (``ValueError`` for the formats,
     :class:`BackendUnavailableError` for the device); "auto" logs its choice once. `rows`: the product's M, which
     decides the "dequant" form (``Plan.form``)."""
+    backend = renamed_kwarg("backends.plan", "backend", backend, "gemm", gemm, "auto")
     p = _plan(w, activation, backend, device=device, where=where)
     if p.backend != "dequant" or rows is None:
         return p
@@ -338,12 +340,14 @@ def _dequant(x2: jax.Array, w: PackedWeight, act: Format | None, weight_dtype: A
     return lax.dot_general(xq, wd, (((1,), (0,)), ((), ())))
 
 
-def packed_matmul(x2: jax.Array, w: PackedWeight, *, backend: str = "auto", activation: Any = None,
-                  weight_dtype: Any = None, device: Any = None, where: str = "") -> tuple[jax.Array, Plan]:
+def packed_matmul(x2: jax.Array, w: PackedWeight, *, gemm: str = "auto", activation: Any = None,
+                  weight_dtype: Any = None, device: Any = None, where: str = "", backend: str | None = None
+                  ) -> tuple[jax.Array, Plan]:
     """``x2 [M, K] @ W' [K, N]`` on `backend`: (output, the :class:`Plan` that ran). The output is float32 from the
     low-precision GEMMs and x2's dtype from "dequant" (where the weight is dequantized to float32, then, if given,
     rounded to `weight_dtype` (the dtype a float kernel was stored in), then cast to x2's dtype, as a float layer
     promotes it)."""
+    backend = renamed_kwarg("backends.packed_matmul", "backend", backend, "gemm", gemm, "auto")
     if not isinstance(w, PackedWeight):
         raise TypeError(f"{where or 'w'}: expected a jaxlowfp.packed.PackedWeight; got {type(w).__name__}")
     act = None if activation is None else as_format(activation, "activation")
@@ -367,18 +371,20 @@ def packed_dot_general(
     w: PackedWeight,
     dimension_numbers: Any,
     *,
-    backend: str = "auto",
+    gemm: str = "auto",
     activation: Any = None,
     preferred_element_type: Any = None,
     weight_dtype: Any = None,
     device: Any = None,
     return_backend: bool = False,
     where: str = "",
+    backend: str | None = None,
 ) -> jax.Array | tuple[jax.Array, Plan]:
     """``lax.dot_general(x, W', dimension_numbers)`` for a packed ``W' [K, N]``: one contracted axis of `x` with the
     weight's axis 0, no batch axes (``(((a,), (0,)), ((), ()))``, an ``nnx.Linear``'s). The output has x's other axes
     then N, in `preferred_element_type` (default x's dtype). `activation`: the format `x` is quantized to at run
     time (its current amax), None for weights only. ``return_backend=True`` returns ``(out, Plan)``."""
+    backend = renamed_kwarg("backends.packed_dot_general", "backend", backend, "gemm", gemm, "auto")
     (lc, rc), (lb, rb) = dimension_numbers
     lc, rc = tuple(lc), tuple(rc)
     if len(lc) != 1 or rc != (0,) or tuple(lb) or tuple(rb):
@@ -388,7 +394,7 @@ def packed_dot_general(
     a = lc[0] % x.ndim
     xt = x if a == x.ndim - 1 else jnp.moveaxis(x, a, -1)
     lead = xt.shape[:-1]
-    out, p = packed_matmul(xt.reshape(-1, xt.shape[-1]), w, backend=backend, activation=activation,
+    out, p = packed_matmul(xt.reshape(-1, xt.shape[-1]), w, gemm=backend, activation=activation,
                            weight_dtype=weight_dtype, device=device, where=where)
     out = out.reshape(*lead, w.n).astype(x.dtype if preferred_element_type is None else preferred_element_type)
     return (out, p) if return_backend else out

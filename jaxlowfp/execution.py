@@ -47,7 +47,7 @@ import numpy as np
 from flax import nnx
 
 from jaxlowfp._core import executed as _record
-from jaxlowfp._core.executed import BACKENDS, ExecutionRecord
+from jaxlowfp._core.executed import ExecutionRecord
 from jaxlowfp.rules import not_executed_message
 
 __all__ = ["ExecutionRecord", "QuantizedOp", "quantized_ops", "check_executed", "records",

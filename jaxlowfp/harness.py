@@ -307,7 +307,7 @@ class JaxLowFPLM(TemplateLM):
         if a["ptq_export"] is not None:
             from jaxlowfp import ptq
 
-            schemes = ptq.load(self.model, a["ptq_export"], packed=packed, backend=a["packed"] if packed else "auto")
+            schemes = ptq.load(self.model, a["ptq_export"], packed=packed, gemm=a["packed"] if packed else "auto")
             notes.append(f"PTQ export {a['ptq_export']}: {len(schemes)} quantized layers "
                          f"({', '.join(sorted({s.name for s in schemes.values()}))})")
         elif packed and a["model"] is not None:

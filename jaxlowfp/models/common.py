@@ -214,6 +214,6 @@ def install_packed(model: nnx.Module, weights: Mapping[str, Any], *, backend: st
             w = jax.device_put(w, sharding.packed_shardings(w, specs[f"{path}/kernel"].spec, mesh,
                                                             where=f"{source}: layer {path}"))
         fn = (act_fns or {}).get(path)
-        layers[path] = (lin, PackedLinear(w, lin.bias, activation=None, backend=backend, dtype=lin.dtype,
+        layers[path] = (lin, PackedLinear(w, lin.bias, activation=None, gemm=backend, dtype=lin.dtype,
                                           param_dtype=lin.param_dtype, path=path, act_fn=fn))
     replace_modules(model, layers)

@@ -80,6 +80,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from jaxlowfp._core.deprecation import renamed_kwarg
 from jaxlowfp import nvfp4
 from jaxlowfp import packed as packing
 from jaxlowfp._core import ct_nvfp4
@@ -912,8 +913,8 @@ def _load_experts(model: nnx.Module, path: str, var: Any, names: list[str], meta
     return Scheme(weight=_fmt_from(info["weight"]), activation=a_fmt)
 
 
-def load(model: nnx.Module, directory: str | Path, *, packed: bool = False, backend: str = "auto"
-         ) -> dict[str, Scheme]:
+def load(model: nnx.Module, directory: str | Path, *, packed: bool = False, gemm: str = "auto",
+         backend: str | None = None) -> dict[str, Scheme]:
     """Load a directory written by `export` into `model` (same architecture), in place: every parameter, NVFP4
     kernels decoded in the convention they were made in (``(q * s) * (1 / S_enc)`` or ``q * (s / S_enc)``), and the
     activation quantization of W4A4 layers. Returns {path: Scheme} of the quantized layers.
@@ -923,6 +924,7 @@ def load(model: nnx.Module, directory: str | Path, *, packed: bool = False, back
     (`jaxlowfp.backends`), with the activation quantizer the float load sets. `model` may be abstract
     (``nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))``): then no float copy of the quantized kernels is ever
     made, and the other parameters are filled from the file."""
+    backend = renamed_kwarg("ptq.load", "backend", backend, "gemm", gemm, "auto")
     from jaxlowfp import packed as packing
     from jaxlowfp.ptq.packing import PackedLinear, replace_modules
 
@@ -999,7 +1001,7 @@ def load(model: nnx.Module, directory: str | Path, *, packed: bool = False, back
                                      f"{path} is {tuple(var.shape)}")
                 if packed:
                     act = None if a_fmt is None else packing.as_format(a_fmt, f"{mod_path} activation")
-                    replaced[mod_path] = (lin, PackedLinear(w8, lin.bias, activation=act, backend=backend,
+                    replaced[mod_path] = (lin, PackedLinear(w8, lin.bias, activation=act, gemm=backend,
                                                             dtype=lin.dtype, param_dtype=var.dtype, path=mod_path,
                                                             act_quant=aq))
                 else:
@@ -1014,7 +1016,7 @@ def load(model: nnx.Module, directory: str | Path, *, packed: bool = False, back
                                      f"kernel {path} is {tuple(var.shape)}")
                 w = packing.from_nvfp4(arr, s_enc, arithmetic=meta.get("convention", "jaxlowfp"))
                 act = None if a_fmt is None else packing.as_format(a_fmt, f"{mod_path} activation")
-                replaced[mod_path] = (lin, PackedLinear(w, lin.bias, activation=act, backend=backend,
+                replaced[mod_path] = (lin, PackedLinear(w, lin.bias, activation=act, gemm=backend,
                                                         dtype=lin.dtype, param_dtype=var.dtype, path=mod_path,
                                                         act_quant=aq))
                 continue
@@ -1038,12 +1040,14 @@ def load(model: nnx.Module, directory: str | Path, *, packed: bool = False, back
     return schemes
 
 
-def load_model(directory: str | Path, *, packed: bool = False, backend: str = "auto", dtype: str = "float32",
-               param_dtype: str = "float32", tokenizer: Any = "auto") -> tuple[nnx.Module, Any]:
+def load_model(directory: str | Path, *, packed: bool = False, gemm: str = "auto", dtype: str = "float32",
+               param_dtype: str = "float32", tokenizer: Any = "auto", backend: str | None = None
+               ) -> tuple[nnx.Module, Any]:
     """``(model, tokenizer)`` of a directory written by `export`, the model built from its ``config.json``: a
     `jaxlowfp.models.Llama` or, for Qwen3-MoE / Mixtral, a `jaxlowfp.models.MoEDecoder`, created abstract
     (``nnx.eval_shape``) and filled by `load` (NVFP4 / FP8 decoded, or ``packed=True``: the file's codes and scales
     as they are, nothing decoded). `tokenizer`: "auto" (the directory's ``tokenizer.json``), a path, or None."""
+    backend = renamed_kwarg("ptq.load_model", "backend", backend, "gemm", gemm, "auto")
     from jaxlowfp.models import hf_loader, moe_loader
     from jaxlowfp.models.llama import Llama
     from jaxlowfp.models.moe import MoEDecoder
@@ -1059,5 +1063,5 @@ def load_model(directory: str | Path, *, packed: bool = False, backend: str = "a
         config, make = hf_loader.read_config(directory, dtype=dtype, param_dtype=param_dtype), Llama
     tok = hf_loader.checkpoint_tokenizer(directory, tokenizer, config.vocab)
     model = nnx.eval_shape(lambda: make(config, rngs=nnx.Rngs(0)))
-    load(model, directory, packed=packed, backend=backend)
+    load(model, directory, packed=packed, gemm=backend)
     return model, tok

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxlowfp._core.deprecation import renamed_kwarg
 from jaxlowfp import backends, packed, sharding
 from jaxlowfp.packed_layer import PackedLinear, replace_modules
 from jaxlowfp.ptq.api import PTQResult
@@ -217,8 +218,8 @@ def _weight(path: str, mod: nnx.Module, result: PTQResult) -> packed.PackedWeigh
     return w
 
 
-def pack(model: nnx.Module, result: PTQResult, *, backend: str = "auto", paths: Sequence[str] | None = None,
-         device: Any = None) -> PackReport:
+def pack(model: nnx.Module, result: PTQResult, *, gemm: str = "auto", paths: Sequence[str] | None = None,
+         device: Any = None, backend: str | None = None) -> PackReport:
     """Replace the quantized ``nnx.Linear`` layers of a PTQ'd `model` by :class:`PackedLinear` layers holding packed
     arrays, in place (module docstring).
 
@@ -232,6 +233,7 @@ def pack(model: nnx.Module, result: PTQResult, *, backend: str = "auto", paths: 
 
     Returns a :class:`PackReport`. Every check runs before the model changes, so an error leaves it as it was.
     """
+    backend = renamed_kwarg("ptq.pack_model", "backend", backend, "gemm", gemm, "auto")
     if not isinstance(model, nnx.Module):
         raise TypeError(f"model must be an nnx.Module; got {type(model).__name__}")
     if not isinstance(result, PTQResult):
@@ -294,7 +296,7 @@ def pack(model: nnx.Module, result: PTQResult, *, backend: str = "auto", paths: 
         sch = result.schemes[path]
         act = None if sch.activation is None else packed.as_format(sch.activation, f"{path} activation")
         hook = getattr(mod, "dot_general", None)
-        layer = PackedLinear(w, mod.bias, activation=act, backend=backend, dtype=mod.dtype,
+        layer = PackedLinear(w, mod.bias, activation=act, gemm=backend, dtype=mod.dtype,
                              param_dtype=mod.kernel[...].dtype, path=path,
                              act_quant=hook if isinstance(hook, ActQuant) else None)
         p = layer.plan(device)
