@@ -23,10 +23,10 @@ test: setup
 	wait $$checks; crc=$$?; cat .make-test-checks.log; rm -f .make-test-checks.log; \
 	if [ $$crc -ne 0 ]; then echo "make test: docs or lint failed (above)"; exit 1; fi; exit $$rc
 
-# ruff (pyflakes, pycodestyle) and mypy on the library ([tool.ruff] / [tool.mypy] in pyproject.toml); `make test`
-# runs it first
+# ruff (pyflakes, pycodestyle) on the library, the kernels, train, tests, bench and scripts, and mypy on the library
+# ([tool.ruff] / [tool.mypy] in pyproject.toml); `make test` runs it first
 lint: setup
-	$(PY) -m ruff check jaxlowfp pallas_kernels
+	$(PY) -m ruff check jaxlowfp pallas_kernels train tests bench scripts
 	$(PY) -m mypy
 
 # The API reference site (mkdocs.yml: mkdocs-material + mkdocstrings), warnings as errors; `make test` runs it first.

@@ -31,7 +31,8 @@ def time_call(fn: Callable, *args, reps: int = 7, warmup: int = 2) -> float:
 
 def machine() -> str:
     d = jax.devices()[0]
-    return f"{platform.processor() or platform.machine()}, {len(jax.devices())} x {d.device_kind}, jax {jax.__version__}"
+    return (f"{platform.processor() or platform.machine()}, {len(jax.devices())} x {d.device_kind}, "
+            f"jax {jax.__version__}")
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:

@@ -4,11 +4,12 @@ Writes the ``## NVFP4`` section of bench/RESULTS.md (replacing an older one) and
 
     .venv/bin/python bench/nvfp4.py [--rows 2048] [--cols 4096] [--reps 15] [--no-write]
 
-Error: ||Q(x) - x||^2 / ||x||^2 (float64) on bf16-rounded tensors (numpy seed 0, docs/formats/nvfp4.md section 9), per-tensor
-amax. Qwix's nvfp4 (one E4M3 scale = amax/6 per 1x16 block, no FP32 tensor scale; configured as Qwix's own tests and
-its dot_general providers do: every non-tiled axis channelwise, the last axis tiled by 16) runs on the same bf16 tensors,
-also scaled by 1e-4 and 1e4. Throughput: jitted fake-quantize of a bf16 / f32 tensor, all candidates interleaved in one loop;
-wall-clock median and best of `reps` calls, and the process CPU time per call (the machine may be shared).
+Error: ||Q(x) - x||^2 / ||x||^2 (float64) on bf16-rounded tensors (numpy seed 0, docs/formats/nvfp4.md section 9),
+per-tensor amax. Qwix's nvfp4 (one E4M3 scale = amax/6 per 1x16 block, no FP32 tensor scale; configured as Qwix's own
+tests and its dot_general providers do: every non-tiled axis channelwise, the last axis tiled by 16) runs on the same
+bf16 tensors, also scaled by 1e-4 and 1e4. Throughput: jitted fake-quantize of a bf16 / f32 tensor, all candidates
+interleaved in one loop; wall-clock median and best of `reps` calls, and the process CPU time per call (the machine may
+be shared).
 
 Beyond 4/6 (issue 24): the same tensors through NVFP4's per-block scale search (rule "search"), IF4 / IF6 / IF3
 (jaxlowfp.if4, each rule, and the share of blocks on the INT grid), and the gradient roundings behind a random-sign

@@ -3,12 +3,12 @@
     .venv/bin/python bench/ptq_memory.py [--d-model 128] [--d-ff 4096] [--no-write]
 
 Each configuration runs in a fresh interpreter (so one run's allocations cannot hide another's): build the model
-(d_model 128, d_ff 4096, so the down_proj Hessians [4096, 4096] dominate the statistics), run one jitted forward
-pass, record the resident set (RSS), then ``ptq.quantize_model(method=GPTQ(), calibration=tokens, pipeline=...)`` of every
-projection to NVFP4 (mse) and read the process's peak RSS (``getrusage`` ru_maxrss). The table gives the peak minus
-the RSS before PTQ, and ``PTQResult.peak_stats_bytes`` (the statistics and calibration activations PTQ held at
-once, counted). Sequential holds one block's statistics, so both stay flat in the number of blocks; one pass holds
-every block's.
+(d_model 128, d_ff 4096, so the down_proj Hessians [4096, 4096] dominate the statistics), run one jitted forward pass,
+record the resident set (RSS), then ``ptq.quantize_model(method=GPTQ(), calibration=tokens, pipeline=...)`` of every
+projection to NVFP4 (mse) and read the process's peak RSS (``getrusage`` ru_maxrss). The table gives the peak minus the
+RSS before PTQ, and ``PTQResult.peak_stats_bytes`` (the statistics and calibration activations PTQ held at once,
+counted). Sequential holds one block's statistics, so both stay flat in the number of blocks; one pass holds every
+block's.
 
 Writes the ``## PTQ peak memory (tiny models)`` section of bench/RESULTS.md.
 """

@@ -77,7 +77,8 @@ def prepare(args) -> dict:
     res = RUN / "llmc" / "results.json"
     if not (args.reuse and res.is_file() and set(json.loads(res.read_text())["runs"]) >= {"rtn", "gptq", "awq"}):
         subprocess.run(["nice", str(py), str(ROOT / "scripts" / "llmcompressor_ptq.py"), "--model", str(hf),
-                        "--calib", str(RUN / "calib.npy"), "--out", str(RUN / "llmc"), "--blocks", str(args.blocks)], check=True)
+                        "--calib", str(RUN / "calib.npy"), "--out", str(RUN / "llmc"), "--blocks", str(args.blocks)],
+                       check=True)
     return json.loads(res.read_text())
 
 

@@ -1,8 +1,8 @@
 """Train-step time of the Qwix-provider path against our own QAT path and high precision, on the same model.
 
 The demo Llama ("small") and a larger one, trained with `jaxlowfp.training.make_step` (forward, backward, AdamW,
-non-finite guard, telemetry) in four variants: high precision; our QAT (`qnnx.quantize_model`: the MLP projections of the
-middle blocks become `QuantLinear`, as `paper_rules` selects them); the same selection quantized by interception
+non-finite guard, telemetry) in four variants: high precision; our QAT (`qnnx.quantize_model`: the MLP projections of
+the middle blocks become `QuantLinear`, as `paper_rules` selects them); the same selection quantized by interception
 (`qwix.quantize_model` with `jaxlowfp.qwix_provider.RecipeProvider`, the rules' regexes as `module_path`); and, for
 the recipe NVFP4 4/6, both paths again. Calls are interleaved so machine load hits all variants alike. Both paths
 run the same `jaxlowfp.qat` op, so the provider should cost what our layers cost (the interception happens at

@@ -35,7 +35,8 @@ def report(name: str, x: np.ndarray, got: np.ndarray, want: np.ndarray) -> int:
     bad = np.flatnonzero(got != want)
     for i in bad[:5]:
         bits = x.view(np.uint16 if x.itemsize == 2 else np.uint32)[i]
-        print(f"  MISMATCH {name}: bits=0x{int(bits):0{2 * x.itemsize}x} x={x[i]!r} ours=0x{got[i]:02x} en_dtypes=0x{want[i]:02x}")
+        print(f"  MISMATCH {name}: bits=0x{int(bits):0{2 * x.itemsize}x} x={x[i]!r} ours=0x{got[i]:02x} "
+              f"en_dtypes=0x{want[i]:02x}")
     return int(bad.size)
 
 

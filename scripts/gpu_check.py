@@ -657,7 +657,8 @@ def main(argv: list[str] | None = None) -> int:
         from _results import markdown_table
 
         parts.append(
-            f"**(c) Train step**, `jaxlowfp.models.llama` preset \"{preset}\", bfloat16 compute, batch {batch} x {seq}, HiF8 "
+            f"**(c) Train step**, `jaxlowfp.models.llama` preset \"{preset}\", bfloat16 compute, "
+            f"batch {batch} x {seq}, HiF8 "
             "W8A8 QAT (delayed scaling, MLP projections of the middle blocks as `paper_rules` selects them) "
             "against high precision, and the same layers under FP8 delayed scaling and NVFP4 4/6 W4A4 with the "
             "forward product on each GEMM backend (`Recipe(gemm=...)`; the backward is the same). \"first loss\" "

@@ -16,8 +16,9 @@ padding) and the recipe
 
 (``--blocks N``: GPTQ of the first N decoder layers' projections only, the rest in high precision, and AWQ's
 mappings (llm-compressor's default Llama mappings) restricted to those layers, the RTN after it on every layer: its
-GPTQ took about 30 s per 576-column projection and its AWQ grid 7 s per point here, on a loaded 2-core CPU) and saves the compressed-tensors checkpoint
-(``save_compressed=True``) under ``<out>/<method>``. On a machine without an accelerator the AWQ cache's
+GPTQ took about 30 s per 576-column projection and its AWQ grid 7 s per point here, on a loaded 2-core CPU) and saves
+the compressed-tensors checkpoint (``save_compressed=True``) under ``<out>/<method>``. On a machine without an
+accelerator the AWQ cache's
 ``pin_memory`` (for host-to-device copies; it raises without a device) is made a no-op. ``results.json``
 there records each run's wall time (oneshot only), the versions and the logits of the float model on the first
 calibration row (its first 8 positions, first 16 vocabulary entries) for the bench's cross-check of the conversion.

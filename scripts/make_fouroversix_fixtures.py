@@ -57,8 +57,8 @@ if HEAD:
     from fouroversix.quantize.pytorch.reference import quantize as ref_quantize
 else:
     from fouroversix.quantize.pytorch.reference import quantize_to_fp4 as ref_quantize
-from fouroversix.quantize.pytorch.backend import PyTorchQuantizeBackend
-from fouroversix.quantize.quantized_tensor import QuantizedTensor
+from fouroversix.quantize.pytorch.backend import PyTorchQuantizeBackend  # noqa: E402
+from fouroversix.quantize.quantized_tensor import QuantizedTensor  # noqa: E402
 
 RULES = ("mse", "mae", "abs_max")
 # PyPI 1.0.5 records IF4; the HEAD records IF6 and checks that its IF4 equals 1.0.5's byte for byte (FORMATS_CHECKED)

@@ -154,7 +154,8 @@ def test_no_import_cycle():
     assert not cycles, f"import cycles: {cycles}"
 
 
-KERNEL_MODULES = sorted(m.name for m in pkgutil.iter_modules([str(ROOT / "pallas_kernels")]) if not m.name.startswith("_"))
+KERNEL_MODULES = sorted(m.name for m in pkgutil.iter_modules([str(ROOT / "pallas_kernels")])
+                        if not m.name.startswith("_"))
 
 
 @pytest.mark.parametrize("name", KERNEL_MODULES)

@@ -56,7 +56,8 @@ def test_ptq_layer_read_directly_is_named():
     res = ptq.quantize_model(model, [ptq.Rule(path=".*", scheme=ptq.scheme("nvfp4-mse"))], activation_scale="token")
     model(_x())  # eager: the ops trace (run) here too
     assert res.report.not_executed() == ("qkv",)
-    with pytest.raises(RuntimeError, match=r"qkv \(PTQ nvfp4-mse: weights quantized, activation quantization never ran"):
+    with pytest.raises(RuntimeError,
+                       match=r"qkv \(PTQ nvfp4-mse: weights quantized, activation quantization never ran"):
         execution.check_executed(model, strict=True)
 
 
@@ -82,7 +83,8 @@ def test_linen_layer_read_directly_is_named(via):
     if via == "qlinen":
         model = LinenDirectRead(dot_general_cls=qlinen.quant_dot_general_cls(qat.hif8_w8a8()))
     else:
-        provider = qwix_provider.RecipeProvider([qwix_provider.RecipeRule(module_path="qkv|mlp", recipe=qat.hif8_w8a8())])
+        provider = qwix_provider.RecipeProvider(
+            [qwix_provider.RecipeRule(module_path="qkv|mlp", recipe=qat.hif8_w8a8())])
         model = qwix.quantize_model(LinenDirectRead(), provider)
     variables = model.init(jax.random.key(0), _x())
     ops = execution.quantized_ops(variables)
@@ -188,7 +190,8 @@ def test_static_scale_is_the_calibrated_amax():
     x = jnp.asarray(np.random.default_rng(4).standard_normal((3, 192)), jnp.float32)
     from jaxlowfp import nvfp4
 
-    want = nvfp4.fake_quantize(x, rule="mse", global_amax=jnp.float32(hook.amax)) @ model.blocks[1].mlp.down_proj.kernel[...]
+    want = (nvfp4.fake_quantize(x, rule="mse", global_amax=jnp.float32(hook.amax))
+            @ model.blocks[1].mlp.down_proj.kernel[...])
     got = hook(x, model.blocks[1].mlp.down_proj.kernel[...], (((1,), (0,)), ((), ())))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 

@@ -6,7 +6,6 @@ the page gives. Fake-quantized operands must equal the library bit for bit (ever
 operation, so they are integer-exact functions of the inputs); the layer outputs, a float32 matmul whose summation
 order numpy and XLA choose differently, to 1e-6 relative."""
 import en_dtypes
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -70,7 +69,8 @@ def test_hif8_w8a8_layer_by_hand():
     np.testing.assert_array_equal(np.asarray(got_x), xq)
     np.testing.assert_allclose(_quant_linear(recipe, x, w), xq @ wq, rtol=1e-6, atol=1e-6)
     # PTQ's activation quantizer: the same per-tensor formula with the current amax
-    np.testing.assert_array_equal(np.asarray(ptq_formats.fake_quantize(jnp.asarray(x), jaxlowfp.Format(kind="hif8"))), xq)
+    np.testing.assert_array_equal(
+        np.asarray(ptq_formats.fake_quantize(jnp.asarray(x), jaxlowfp.Format(kind="hif8"))), xq)
 
 
 @pytest.mark.parametrize("convention", ["te", "flax"])

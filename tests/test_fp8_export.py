@@ -56,9 +56,9 @@ def test_the_same_ptq_run_writes_the_committed_codes(tmp_path):
 def test_load_model_gives_what_compressed_tensors_and_transformers_compute(packed, backend):
     """Decoded: every kernel is compressed-tensors' decompression (f32(q) * s, one IEEE rounding each side: within
     one float32 ulp). Log-probs of our load, decoded or packed (the fp8 backend's emulation on CPU multiplies the
-    codes and applies the scales to the output), within 2e-5 (measured 1.9e-6) of transformers + compressed-tensors: the same quantized
-    values in two programs, float32 rounding of the summation order, and compressed-tensors divides by the input
-    scale where we multiply by its reciprocal (an activation code at a rounding tie may differ)."""
+    codes and applies the scales to the output), within 2e-5 (measured 1.9e-6) of transformers + compressed-tensors:
+    the same quantized values in two programs, float32 rounding of the summation order, and compressed-tensors divides
+    by the input scale where we multiply by its reciprocal (an activation code at a rounding tie may differ)."""
     model, _ = ptq.load_model(EXPORT, packed=packed, backend=backend, tokenizer=None)  # no tokenizer written
     if packed:
         layers = packed_layers(model)

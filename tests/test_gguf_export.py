@@ -98,7 +98,8 @@ def test_qwen2_nvfp4_mlp_is_a_known_llamacpp_gap(tmp_path):
         rep = ptq.export_gguf(model, res, tmp_path / "a.gguf", tokenizer_json=tj, allow_known_gaps=True)
     assert any("qwen2 graph" in n for n in rep.notes)
     attn = Llama(qwen, rngs=nnx.Rngs(0))  # NVFP4 on attention only: llama.cpp runs it
-    res = ptq.quantize_model(attn, [ptq.Rule(path=r".*/attn/\w+_proj", scheme=ptq.scheme("nvfp4-mse", weights_only=True))])
+    res = ptq.quantize_model(attn, [ptq.Rule(path=r".*/attn/\w+_proj",
+                                             scheme=ptq.scheme("nvfp4-mse", weights_only=True))])
     rep = ptq.export_gguf(attn, res, tmp_path / "b.gguf", tokenizer_json=tj)
     assert rep.types["blk.0.attn_q.weight"] == "NVFP4" and not any("qwen2" in n for n in rep.notes)
 
@@ -133,7 +134,8 @@ def test_high_precision_dtype(tmp_path, dtype):
     """Embeddings and other 2-D high-precision tensors in `dtype` (F16 default), 1-D ones F32; gguf's dequantizer
     reads back ours rounded to nearest by numpy / ml_dtypes."""
     model = Llama(CFG, rngs=nnx.Rngs(0))
-    res = ptq.quantize_model(model, [ptq.Rule(path=r".*/mlp/\w+_proj", scheme=ptq.scheme("nvfp4-mse", weights_only=True))])
+    res = ptq.quantize_model(model, [ptq.Rule(path=r".*/mlp/\w+_proj",
+                                              scheme=ptq.scheme("nvfp4-mse", weights_only=True))])
     kw = {} if dtype == "float16" else {"dtype": dtype}
     rep = ptq.export_gguf(model, res, tmp_path / "a.gguf", tokenizer_json=_tokenizer(tmp_path / "tok"), **kw)
     name = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}[dtype]
@@ -243,7 +245,8 @@ def test_gguf_nvfp4_is_exact_up_to_the_sign_of_zero(tmp_path):
     """gguf's NVFP4 dequantizer (its E2M1 table has no negative zero) reads our -0.0 weights as +0.0; every other
     value is bit for bit ours."""
     model = Llama(CFG, rngs=nnx.Rngs(0))
-    res = ptq.quantize_model(model, [ptq.Rule(path=r".*/mlp/\w+_proj", scheme=ptq.scheme("nvfp4-mse", weights_only=True))])
+    res = ptq.quantize_model(model, [ptq.Rule(path=r".*/mlp/\w+_proj",
+                                              scheme=ptq.scheme("nvfp4-mse", weights_only=True))])
     ptq.export_gguf(model, res, tmp_path / "a.gguf", tokenizer_json=_tokenizer(tmp_path / "tok"))
     _, t = _fields(tmp_path / "a.gguf")
     x = t["blk.0.ffn_up.weight"]

@@ -29,7 +29,8 @@ ck = _script()
 
 # Real `ptxas -v` output (12.9, sm_90a) for a kernel that spills and one that does not.
 PTXAS_SPILL = """\
-ptxas warning : Registers are spilled to local memory in function 'nvfp4_fake_quantize_mse', 17208 bytes spill stores, 22496 bytes spill loads
+ptxas warning : Registers are spilled to local memory in function 'nvfp4_fake_quantize_mse', 17208 bytes spill stores, \
+22496 bytes spill loads
 ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function 'nvfp4_fake_quantize_mse' for 'sm_90a'
 ptxas info    : Function properties for nvfp4_fake_quantize_mse
@@ -49,8 +50,10 @@ ptxas info    : Function properties for loop_select_fusion
 ptxas info    : Used 12 registers, used 0 barriers, 376 bytes cmem[0]
 """
 THUNKS = """\
-001: kCustomKernel [source       | next=002 (1)] input_concatenate_fusion grid: [1, 1, 1] threads: [1, 1, 1]  shared_memory: 0 bytes
-002: kCustomKernel [prev=001 (1) | next=003 (1)] hif8_scaled_fake_quant grid: [256, 1, 1] threads: [256, 1, 1]  shared_memory: 32 bytes
+001: kCustomKernel [source       | next=002 (1)] input_concatenate_fusion grid: [1, 1, 1] threads: [1, 1, 1]  \
+shared_memory: 0 bytes
+002: kCustomKernel [prev=001 (1) | next=003 (1)] hif8_scaled_fake_quant grid: [256, 1, 1] threads: [256, 1, 1]  \
+shared_memory: 32 bytes
 """
 
 

@@ -81,7 +81,8 @@ def test_fouroversix_arms_train_every_blocks_mlp_with_nvfp4_training():
         model = Llama(PRESETS["tiny"], rngs=nnx.Rngs(0))
         quantize_arm(model, a, keep_first=1, keep_last=1)  # keep_* do not apply: every block's MLP
         layers = dict(iter_quant_linears(model))
-        assert sorted(layers) == [f"blocks/{i}/mlp/{p}" for i in range(4) for p in ("down_proj", "gate_proj", "up_proj")]
+        assert sorted(layers) == [f"blocks/{i}/mlp/{p}" for i in range(4)
+                                  for p in ("down_proj", "gate_proj", "up_proj")]
         assert {q.recipe.name for q in layers.values()} == {recipe.name}
         assert all(q.rngs is not None for q in layers.values())  # stochastic rounding draws from the layer's stream
 
@@ -115,7 +116,8 @@ def test_final_gaps_and_the_share_of_static_6_gap_closed():
     assert out[2]["gap_closed"] == pytest.approx(60.0) and "gap_closed" not in out[1]
     assert out[1]["val_gap"] == pytest.approx(0.3)
     assert out[2]["vs_reference"] == pytest.approx(-0.06) and out[2]["vs_reference_se"] == pytest.approx(0, abs=1e-12)
-    noisy = [dict(arms[0]), dict(arms[1]), {"name": "mae", "metrics": _rows(base + 0.10 + 0.01 * (-1) ** np.arange(50))}]
+    noisy = [dict(arms[0]), dict(arms[1]),
+             {"name": "mae", "metrics": _rows(base + 0.10 + 0.01 * (-1) ** np.arange(50))}]
     paired = add_final_gaps(rows, noisy)[2]  # +-0.01 alternating over 5 steps: mean +0.002, sd 0.011
     d = 0.01 * (-1) ** np.arange(45, 50)
     assert paired["vs_reference"] == pytest.approx(d.mean())

@@ -57,7 +57,8 @@ def test_gguf_export_is_what_the_gguf_dequantizer_reads(tmp_path):
     rules = [ptq.Rule(path=r"blocks/0/attn/.*", scheme=ptq.scheme("nvfp4-static_4", weights_only=True)),
              ptq.Rule(path=r"blocks/0/.*", scheme=ptq.scheme("nvfp4-static_6", weights_only=True)),
              ptq.Rule(path=r"blocks/1/mlp/(gate|up)_proj", scheme=ptq.scheme("mxfp4", weights_only=True)),
-             ptq.Rule(path=r"blocks/1/.*", scheme=ptq.scheme("nvfp4-static_6", weights_only=True, weight_block=(16, 16)))]
+             ptq.Rule(path=r"blocks/1/.*",
+                      scheme=ptq.scheme("nvfp4-static_6", weights_only=True, weight_block=(16, 16)))]
     res = ptq.quantize_model(model, rules, method="rtn")
     tj = _byte_tokenizer_json(tmp_path / "tokenizer.json")
     rep = gguf_export.export_gguf(model, res, tmp_path / "m.gguf", tokenizer_json=tj, eos_id=0)
@@ -92,7 +93,8 @@ def test_gguf_export_is_what_the_gguf_dequantizer_reads(tmp_path):
     assert set(control) == {s.gguf for s in tensor_specs(CFG)}
     assert {t.tensor_type.name for t in control.values()} == {"F32"}
     q = np.asarray(control["blk.0.attn_q.weight"].data, np.float32)
-    np.testing.assert_array_equal(unpermute_rope_rows(q, CFG.n_heads), np.asarray(model.blocks[0].attn.q_proj.kernel[...]).T)
+    np.testing.assert_array_equal(unpermute_rope_rows(q, CFG.n_heads),
+                                  np.asarray(model.blocks[0].attn.q_proj.kernel[...]).T)
     with pytest.raises(ValueError, match="exactly one of source_gguf"):
         gguf_export.export_gguf(model, res, tmp_path / "x.gguf")
 
@@ -253,7 +255,8 @@ def test_export_fuses_refuses_and_reports(tmp_path):
                   block_shape=arr.block_shape, dtype=arr.dtype, shape=arr.shape), s)}})
     with pytest.raises(ValueError, match="(up_proj).*(NaN|kernel is not)"):
         ptq.export(model, r4, tmp_path / "d")
-    mixed = [ptq.Rule(path=r".*/q_proj", scheme=ptq.scheme("nvfp4-static_6")), ptq.Rule(path=LINEARS, scheme=ptq.scheme("nvfp4-mse"))]
+    mixed = [ptq.Rule(path=r".*/q_proj", scheme=ptq.scheme("nvfp4-static_6")),
+             ptq.Rule(path=LINEARS, scheme=ptq.scheme("nvfp4-mse"))]
     with pytest.raises(ValueError, match="mixes NVFP4 weight formats"):
         ptq.quantize_model(Llama(CFG, rngs=nnx.Rngs(1)), mixed)
     with pytest.raises(ValueError, match="arithmetic='compressed-tensors' reproduces llm-compressor's RTN"):

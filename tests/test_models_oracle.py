@@ -1,5 +1,5 @@
-"""A Llama-family forward pass in numpy float64, written from the papers as the test oracle for jaxlowfp.models.llama and the
-checkpoint loaders, and tests of the oracle itself.
+"""A Llama-family forward pass in numpy float64, written from the papers as the test oracle for jaxlowfp.models.llama
+and the checkpoint loaders, and tests of the oracle itself.
 
 It shares no code with train/: its own file readers (``gguf.GGUFReader`` / ``safetensors`` plus ``config.json``), its
 own RoPE (complex rotation of pairs, Su et al. 2021), RMSNorm (Zhang & Sennrich 2019), SwiGLU (Shazeer 2020) and

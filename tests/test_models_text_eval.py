@@ -1,5 +1,6 @@
-"""jaxlowfp.evaluation, train.text_eval and the eval/generate commands: lm-eval's rolling windows, log-likelihoods against the numpy
-oracle, word/byte/token perplexity bookkeeping, the token-level multiple-choice task, the prose text."""
+"""jaxlowfp.evaluation, train.text_eval and the eval/generate commands: lm-eval's rolling windows, log-likelihoods
+against the numpy oracle, word/byte/token perplexity bookkeeping, the token-level multiple-choice task, the prose
+text."""
 from __future__ import annotations
 
 import io

@@ -203,8 +203,8 @@ def test_hif8_matches_twin(shape, dtype, block):
 
 
 def test_public_api_routes_to_mosaic(monkeypatch):
-    """``impl="pallas", pallas_backend="mosaic"`` runs these kernels, in jaxlowfp.nvfp4 and in QAT (interpret mode forced
-    by the environment, as on a host without a GPU)."""
+    """``impl="pallas", pallas_backend="mosaic"`` runs these kernels, in jaxlowfp.nvfp4 and in QAT (interpret mode
+    forced by the environment, as on a host without a GPU)."""
     monkeypatch.setenv(dispatch.INTERPRET_ENV, "1")
     assert dispatch.kernel("nvfp4.quantize", "mosaic") is mosaic_nvfp4.quantize
     assert dispatch.kernel("nvfp4.fake_quantize", "mosaic") is mosaic_nvfp4.fake_quantize

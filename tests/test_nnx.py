@@ -98,7 +98,8 @@ MIDDLE = [f"blocks/{i}/mlp/{n}" for i in (1, 2) for n in MLP_NAMES]
 
 def quantized_model(recipe=None, **kw):
     model = TinyLM(**kw)
-    report = jnnx.quantize_model(model, jnnx.paper_rules(NB, keep_first=1, keep_last=1, recipe=recipe or qat.hif8_w8a8()))
+    report = jnnx.quantize_model(model,
+                                 jnnx.paper_rules(NB, keep_first=1, keep_last=1, recipe=recipe or qat.hif8_w8a8()))
     return model, report
 
 
@@ -206,9 +207,11 @@ def test_nvfp4_quantizes_compatible_layers():
 def test_nvfp4_training_needs_whole_tiles_and_rngs_and_trains():
     recipe = qat.nvfp4_training(rule="mse")  # 16x16 weight tiles, stochastic rounding of gradients
     with pytest.raises(ValueError, match=r"proj: .*out_features=40 is not a multiple of the tile height 16"):
-        jnnx.quantize_model(nnx.Dict(proj=nnx.Linear(32, 40, rngs=nnx.Rngs(0))), [jnnx.Rule(path="proj", recipe=recipe)])
+        jnnx.quantize_model(nnx.Dict(proj=nnx.Linear(32, 40, rngs=nnx.Rngs(0))),
+                            [jnnx.Rule(path="proj", recipe=recipe)])
     with pytest.raises(TypeError, match="proj: .*stochastic rounding and needs rngs"):
-        jnnx.quantize_model(nnx.Dict(proj=nnx.Linear(32, 32, rngs=nnx.Rngs(0))), [jnnx.Rule(path="proj", recipe=recipe)])
+        jnnx.quantize_model(nnx.Dict(proj=nnx.Linear(32, 32, rngs=nnx.Rngs(0))),
+                            [jnnx.Rule(path="proj", recipe=recipe)])
     model = nnx.Dict(proj=nnx.Linear(32, 32, rngs=nnx.Rngs(0)))
     jnnx.quantize_model(model, [jnnx.Rule(path="proj", recipe=recipe)], rngs=nnx.Rngs(quant=7))
     x = jax.random.normal(jax.random.key(1), (16, 32))  # 16 tokens: whole wgrad blocks

@@ -61,7 +61,8 @@ def ref_block_error(d, rule):
 
 
 def ref_quantize(x, rule, block_shape=(1, 16), global_amax=None):
-    """(packed codes, scales as float32, global decode scale, map4) exactly as docs/formats/nvfp4.md sections 0 / 4.1."""
+    """(packed codes, scales as float32, global decode scale, map4) exactly as
+    docs/formats/nvfp4.md sections 0 / 4.1."""
     m, e = ME[rule]
     rows = block_shape[0]
     xf = np.asarray(x).astype(F32)
@@ -199,7 +200,8 @@ def test_inside_jit_bit_exact_on_larger_tensors():
         out = {}
         for rule, (block_shape, v) in cases.items():
             q = nvfp4.quantize(xs[rule], rule=rule, block_shape=block_shape)
-            out[rule] = q, nvfp4.fake_quantize(xs[rule], rule=rule, block_shape=block_shape) * 1  # fused into other work
+            # fused into other work
+            out[rule] = q, nvfp4.fake_quantize(xs[rule], rule=rule, block_shape=block_shape) * 1
         return out
 
     got = f({r: v for r, (_, v) in cases.items()})
@@ -432,7 +434,8 @@ def test_e2m1_rounding_and_index_against_ml_dtypes():
     edges = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 8.0], F32)
     near = (edges.view(np.uint32)[:, None] + np.arange(-3, 4, dtype=np.int64)[None, :].astype(np.uint32))
     rng = np.random.default_rng(3)
-    a = np.concatenate([near.view(F32).ravel(), np.exp2(np.arange(-30, 40, dtype=F32)), [0.0, 7.0, 1e30, 3.4e38, np.inf],
+    a = np.concatenate([near.view(F32).ravel(), np.exp2(np.arange(-30, 40, dtype=F32)),
+                        [0.0, 7.0, 1e30, 3.4e38, np.inf],
                         rng.uniform(0, 7, 200_000).astype(F32), np.exp2(rng.uniform(-20, 20, 50_000)).astype(F32)])
     a = a.astype(F32)
     got_v, got_i = jax.jit(lambda v: (e2m1_rne(v), e2m1_index(e2m1_rne(v))))(a)

@@ -26,7 +26,7 @@ import pytest
 from flax import nnx
 
 import jaxlowfp
-from jaxlowfp import backends, mx, nvfp4, packed
+from jaxlowfp import backends, packed
 from jaxlowfp.ptq import formats as ptq_formats
 from jaxlowfp.ptq import serving
 
@@ -301,7 +301,8 @@ class _Layer(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((w.shape[1],), jnp.float32))
 
     def __call__(self, x):
-        return backends.packed_dot_general(x, self.kernel.get_value(), DN, activation="nvfp4-mse") + self.bias[...][None]
+        return (backends.packed_dot_general(x, self.kernel.get_value(), DN, activation="nvfp4-mse")
+                + self.bias[...][None])
 
 
 def test_packed_param_splits_jits_and_shards():

@@ -7,9 +7,9 @@ it, and each packed kernel must dequantize to those values bit for bit (E2M1 x E
 the NVFP4 ``.scale`` multiply rounds once in both). The MXFP4 files are written by gguf-py's own quantizer. gguf-py
 has no NVFP4 quantizer, so the NVFP4 tensors are random bytes in the block layout, scale bytes drawn from a
 realistic range plus the edge cases gguf-py decodes specially (a sign bit set, which it ignores; 0x7F, which it
-reads as 0; 0xFF, 480 to gguf-py and no E4M3 value, is refused). Log-probs of the packed and float models are two XLA programs over the same values (the float one's
-kernels are constants, the packed one decodes them inside): compared relative to the largest log-prob, within float32
-rounding (measured 1.5e-6 NVFP4, 7e-7 MXFP4).
+reads as 0; 0xFF, 480 to gguf-py and no E4M3 value, is refused). Log-probs of the packed and float models are two
+XLA programs over the same values (the float one's kernels are constants, the packed one decodes them inside): compared
+relative to the largest log-prob, within float32 rounding (measured 1.5e-6 NVFP4, 7e-7 MXFP4).
 """
 from __future__ import annotations
 

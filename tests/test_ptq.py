@@ -234,7 +234,8 @@ def test_bad_options(tokens):
     with pytest.raises(ValueError, match="no nnx.Linear layer matches a rule"):
         ptq.quantize_model(model, [ptq.Rule(path="encoder/.*", scheme=ptq.scheme("hif8"))])
     with pytest.raises(ValueError, match="in_features to be a multiple of 32"):
-        ptq.quantize_model(nnx.Sequential(nnx.Linear(48, 32, rngs=nnx.Rngs(0))), [ptq.Rule(path=".*", scheme=ptq.scheme("mxfp4"))])
+        ptq.quantize_model(nnx.Sequential(nnx.Linear(48, 32, rngs=nnx.Rngs(0))),
+                           [ptq.Rule(path=".*", scheme=ptq.scheme("mxfp4"))])
     with pytest.raises(TypeError, match="must be a jaxlowfp.rules.Rule"):
         ptq.quantize_model(model, ["blocks/.*"])
     # nothing was changed by the failed calls

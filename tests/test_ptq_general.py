@@ -4,7 +4,6 @@ layers is quantized exactly as the same model written with ``nnx.Linear`` layers
 (numpy reshapes and transposes of the kernels), not by the library's layout code."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

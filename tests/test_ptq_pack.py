@@ -186,7 +186,8 @@ def test_pack_for_a_device_without_the_backend_is_refused_before_any_change():
     model = _MLP(nnx.Rngs(0))
     res = ptq.quantize_model(model, [ptq.Rule(path=r".*_proj", scheme=ptq.scheme("nvfp4-mse"))],
                              activation_scale="tensor", progress=False)
-    with pytest.raises(backends.BackendUnavailableError, match=r"_proj: backend=.scaled_matmul.: .*compute capability >= 10.0.*H100"):
+    with pytest.raises(backends.BackendUnavailableError,
+                       match=r"_proj: backend=.scaled_matmul.: .*compute capability >= 10.0.*H100"):
         ptq.pack_model(model, res, backend="scaled_matmul", device=gpu("NVIDIA H100 80GB HBM3", "9.0"))
     assert packed_layers(model) == {} and isinstance(model.up_proj.kernel, nnx.Param)
     rep = ptq.pack_model(model, res, backend="scaled_matmul", device=gpu("NVIDIA B200", "10.0"))

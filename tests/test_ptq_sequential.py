@@ -89,7 +89,8 @@ def test_sequential_matches_block_by_block_reference(method, tokens):
     np.testing.assert_allclose(_logits(seq, tokens), _logits(ref, tokens), atol=1e-3, rtol=1e-3)
     if isinstance(method, ptq.GPTQ):  # the test can tell: one pass over the unquantized model gives other weights
         one = _model()
-        assert ptq.quantize_model(one, ALL, method=method, calibration=tokens, pipeline="one-pass").pipeline == "one-pass"
+        res = ptq.quantize_model(one, ALL, method=method, calibration=tokens, pipeline="one-pass")
+        assert res.pipeline == "one-pass"
         later = {p: v for p, v in _agree(one, ref).items() if p.startswith(f"blocks/{N - 1}/")}
         assert min(later.values()) < 0.99, later
         first = {p: v for p, v in _agree(one, ref).items() if p.startswith("blocks/0/")}
@@ -142,8 +143,10 @@ def test_pipeline_errors(tokens):
     x = [jnp.ones((2, 4, 32), jnp.float32)]
     rule = [ptq.Rule(path="up_proj", scheme=SCHEME)]
     with pytest.raises(ValueError, match="no ptq_blocks"):
-        ptq.quantize_model(Plain(), rule, method="gptq", calibration=x, forward=lambda m, b: m(b), pipeline="sequential")
-    assert ptq.quantize_model(Plain(), rule, method="gptq", calibration=x, forward=lambda m, b: m(b)).pipeline == "one-pass"
+        ptq.quantize_model(Plain(), rule, method="gptq", calibration=x, forward=lambda m, b: m(b),
+                           pipeline="sequential")
+    assert ptq.quantize_model(Plain(), rule, method="gptq", calibration=x,
+                              forward=lambda m, b: m(b)).pipeline == "one-pass"
     assert ptq.quantize_model(_model(1), ALL, method="rtn").pipeline == "none"
 
 
@@ -204,7 +207,8 @@ def test_gptq_original_scales_and_clipping():
     x = rng.standard_normal((256, 64)).astype(np.float32)
     c = np.asarray(smooth.clip_weight(k, x, fmt))
     assert np.all(np.abs(c) <= np.abs(np.asarray(k)) + 0)
-    err = lambda w: float(np.mean((x @ np.asarray(k) - x @ np.asarray(ptq.rtn_weight(jnp.asarray(w), fmt).kernel)) ** 2))  # noqa: E731
+    err = lambda w: float(  # noqa: E731
+        np.mean((x @ np.asarray(k) - x @ np.asarray(ptq.rtn_weight(jnp.asarray(w), fmt).kernel)) ** 2))
     assert err(c) <= err(np.asarray(k))
 
 

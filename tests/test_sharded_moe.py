@@ -86,10 +86,10 @@ def test_a_mesh_axis_that_divides_no_expert_count_is_a_clear_error():
 
 
 def test_pack_on_a_mesh_keeps_each_weight_where_its_kernel_was():
-    """`ptq.pack_model` of a sharded MoE model: each packed expert stack is placed as its float weight was (codes and block
-    scales ``P('expert', n_axes, k_axes)`` of ``W'^T``, the per-expert global scales over 'expert'), the packed dense
-    layers as their kernels (`sharding.packed_shardings`); the log-probs equal the one-device packed model's within
-    float32 rounding (two XLA programs). W4A4: the routed activations' NVFP4 block maxima are reduced across the
+    """`ptq.pack_model` of a sharded MoE model: each packed expert stack is placed as its float weight was (codes and
+    block scales ``P('expert', n_axes, k_axes)`` of ``W'^T``, the per-expert global scales over 'expert'), the packed
+    dense layers as their kernels (`sharding.packed_shardings`); the log-probs equal the one-device packed model's
+    within float32 rounding (two XLA programs). W4A4: the routed activations' NVFP4 block maxima are reduced across the
     devices that hold their K shards (a plain max and an any-NaN reduction, which XLA:CPU partitions)."""
     rr = [ptq.Rule(path=r".*(router|lm_head).*", scheme=None), ptq.Rule(path=r".*", scheme=ptq.scheme("nvfp4-mse"))]
     out = {}
@@ -104,7 +104,8 @@ def test_pack_on_a_mesh_keeps_each_weight_where_its_kernel_was():
     assert w.array.scales.sharding.spec == P("expert", "tensor", "fsdp")
     assert w.array.global_scale.sharding.spec == P("expert")
     q = model.blocks[0].attn.q_proj.kernel.get_value()
-    kernel_spec = load(FIX / "qwen3_moe", mesh=sharding.make_mesh(MESH))[0].blocks[0].attn.q_proj.kernel[...].sharding.spec
+    loaded = load(FIX / "qwen3_moe", mesh=sharding.make_mesh(MESH))[0]
+    kernel_spec = loaded.blocks[0].attn.q_proj.kernel[...].sharding.spec
     assert q.array.codes.sharding.spec == P(kernel_spec[1], kernel_spec[0])
     f = jax.jit(lambda m, x: jax.nn.log_softmax(m(x), -1))
     a, b = np.asarray(f(out["one"], jnp.asarray(TOKENS))), np.asarray(f(model, jnp.asarray(TOKENS)))

@@ -120,7 +120,8 @@ def test_nonfinite_leaves_names_paths():
 
 
 def _assert_same_run(a, b) -> None:
-    """Bitwise equality of two RunResults' final states (params, amax state, the rest of the model state, optimizer, counters, data)."""
+    """Bitwise equality of two RunResults' final states (params, amax state, the rest of the model state, optimizer,
+    counters, data)."""
     for name in ("params", "qstate", "rest", "opt_state", "step", "skipped"):
         _same(jax.device_get(getattr(a.state, name)), jax.device_get(getattr(b.state, name)))
     _same(a.data_state, b.data_state)
@@ -178,7 +179,8 @@ def test_run_killed_with_sigkill_resumes_from_its_last_checkpoint(tokens, tmp_pa
     try:
         deadline = time.monotonic() + 240
         while True:
-            done = [int(p.name) for p in (out / "ckpt").glob("*") if p.name.isdigit()] if (out / "ckpt").exists() else []
+            ckpt = out / "ckpt"
+            done = [int(p.name) for p in ckpt.glob("*") if p.name.isdigit()] if ckpt.exists() else []
             if done and max(done) >= 6 or child.poll() is not None or time.monotonic() > deadline:
                 break
             time.sleep(0.05)

@@ -51,7 +51,8 @@ def tiny_model(*, quantized: bool = True, seed: int = 0) -> Llama:
 
 def run(model, tokens, out: Path, *, steps: int, warmup: int | None = None, **kw):
     return train(model, BatchStream(tokens, batch_size=B, seq_len=T, seed=0), steps=steps, tx=TX, schedule=SCHEDULE,
-                 loss_fn=kw.pop("loss_fn", loss_fn), out_dir=out, warmup=None if warmup is None else Warmup(steps=warmup),
+                 loss_fn=kw.pop("loss_fn", loss_fn), out_dir=out,
+                 warmup=None if warmup is None else Warmup(steps=warmup),
                  stats_layer=LAYER, mesh=kw.pop("mesh", one_device()), progress=False, **kw)
 
 

@@ -163,7 +163,8 @@ def test_quantized_arms_use_the_paper_selection(fmt, recipe):
     cfg = TrainConfig(preset="tiny", format=fmt)
     for arm in arm_specs(cfg)[1:]:
         model = Llama(PRESETS["tiny"], rngs=nnx.Rngs(0))
-        quantize_model(model, paper_rules(4, keep_first=cfg.keep_first, keep_last=cfg.keep_last, recipe=make_recipe(arm)))
+        quantize_model(model, paper_rules(4, keep_first=cfg.keep_first, keep_last=cfg.keep_last,
+                                          recipe=make_recipe(arm)))
         layers = dict(iter_quant_linears(model))
         assert sorted(layers) == [f"blocks/{i}/mlp/{p}" for i in (1, 2) for p in ("down_proj", "gate_proj", "up_proj")]
         assert {q.recipe.name for q in layers.values()} == {recipe}

@@ -1,4 +1,5 @@
-"""jaxlowfp.models.llama: the Llama-style decoder against an independent numpy float64 forward pass, causality, paths."""
+"""jaxlowfp.models.llama: the Llama-style decoder against an independent numpy float64 forward pass, causality,
+paths."""
 import dataclasses
 import importlib.util
 from pathlib import Path
@@ -150,7 +151,7 @@ def test_config_validation(change, match):
 
 def test_config_is_frozen_keyword_only_hashable():
     with pytest.raises(TypeError):
-        ModelConfig(256, 64, 2, 4, 2, 128, 64)  # noqa: keyword-only
+        ModelConfig(256, 64, 2, 4, 2, 128, 64)  # keyword-only
     with pytest.raises(dataclasses.FrozenInstanceError):
         CFG.d_model = 1
     assert preset("tiny", dtype=jnp.float32, n_layers=2) == CFG

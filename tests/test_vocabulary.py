@@ -157,7 +157,8 @@ def test_one_format_type():
     assert qat.QuantSpec(format=jaxlowfp.Format.parse("nvfp4-mse-16x16")).block_shape == (16, 16)
     assert set(registry.FORMATS) == set(jaxlowfp.FORMATS) and len(set(registry.FORMATS)) == len(registry.FORMATS)
     for name, fmt in jaxlowfp.FORMATS.items():
-        assert jaxlowfp.Format.parse(name) == fmt and fmt.name == name and hash(fmt) == hash(jaxlowfp.Format.parse(name))
+        assert (jaxlowfp.Format.parse(name) == fmt and fmt.name == name
+                and hash(fmt) == hash(jaxlowfp.Format.parse(name)))
     with pytest.warns(DeprecationWarning):
         legacy = ptq.TensorFormat(kind="nvfp4")
     assert legacy == jaxlowfp.Format.parse("nvfp4-mse")  # the old name keeps its old default, and is the one type

@@ -14,8 +14,9 @@ held-out texts of `train.text_eval` (word perplexity) and the multiple-choice ta
 library's backend (`jaxlowfp.harness`; the report names lm-eval's version and the tasks); the report
 ``<out>/report.md`` (default ``runs/ptq-<model>/``) has the table, ``perplexity.png`` (word perplexity by format,
 one line per method) and, per method, whether Four Over Six beat static_6 and by how much of the gap to high
-precision. ``--formats`` (``all`` for every format) and ``--methods`` choose the part of the grid. ``--export`` also writes the GPTQ + nvfp4-mse model as a compressed-tensors NVFP4 checkpoint and checks
-that it reloads to bit-identical logits.
+precision. ``--formats`` (``all`` for every format) and ``--methods`` choose the part of the grid. ``--export`` also
+writes the GPTQ + nvfp4-mse model as a compressed-tensors NVFP4 checkpoint and checks that it reloads to bit-identical
+logits.
 """
 from __future__ import annotations
 
@@ -364,14 +365,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                "tensor": "the batch's per-tensor amax (the Four Over Six paper's setting)"}[args.act_scale]
     scheme_txt = ("weights only (W4A16 / W8A16)" if args.weights_only else
                   f"W4A4 (HiF8: W8A8), activations fake-quantized with {act_txt}")
+    calib_txt = ("block by block through the quantized prefix, per quantize call" if args.pipeline == "sequential"
+                 else "one pass over the unquantized model")
+    gptq_scales_txt = "when a block is reached" if args.gptq_scales == "as-reached" else "from the original weights"
     report = "\n\n".join([
         f"# Post-training quantization of {args.model}",
         f"Layers: every Linear matching `{args.layers}` ({len(layers)} of "
         f"{len(linear_modules(model))}); {scheme_txt}; NVFP4 weight blocks "
         f"{'x'.join(map(str, args.weight_block))}. Calibration: {args.pipeline} ("
-        f"{'block by block through the quantized prefix, per quantize call' if args.pipeline == 'sequential' else 'one pass over the unquantized model'}). "
+        f"{calib_txt}). "
         f"Methods: RTN; GPTQ (damp {args.damp} %, act-order {args.act_order}, block size {args.block_size}, "
-        f"NVFP4-aware: scale and 4/6 choice fixed {'when a block is reached' if args.gptq_scales == 'as-reached' else 'from the original weights'}); "
+        f"NVFP4-aware: scale and 4/6 choice fixed {gptq_scales_txt}); "
         f"SmoothQuant (alpha {args.alpha_search or args.alpha}) and AWQ (grid {args.awq_grid}, duo scaling "
         f"{args.awq_duo}, clipping {args.awq_clip}), both folded into the preceding RMSNorm / up_proj, then RTN. "
         f"{sizes}.",
