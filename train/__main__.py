@@ -15,7 +15,8 @@ grid in step 2 (scalings x high/low learning rate x warmup, each arm's loss APE 
 its learning rate); ``--grid fouroversix`` replaces steps 1-2 by pretraining from scratch with NVFP4 training
 (static_6 against the Four Over Six rules against high precision); ``--model smollm2-135m`` continues a real
 checkpoint on the Python domain (`train.real_qat`). Subcommands (`SUBCOMMANDS`): ``eval``, ``generate``,
-``stream`` (delayed scaling on a real model without training, `train.stream_cli`).
+``stream`` (delayed scaling on a real model without training, `train.stream_cli`), ``tasks`` (lm-eval tasks on
+real validation sets, arms evaluated on them and compared item by item, `train.tasks_cli`).
 """
 from __future__ import annotations
 
@@ -261,6 +262,7 @@ SUBCOMMANDS: dict[str, str] = {
     "generate": ".generate_cli",
     "ptq": ".ptq_cli",
     "stream": ".stream_cli",
+    "tasks": ".tasks_cli",
 }
 
 
