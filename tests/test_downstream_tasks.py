@@ -156,3 +156,16 @@ def test_the_ptq_record(tiny):
     assert (q["kind"], q["method"], q["scheme"], q["activation_scale"], q["gemm"]) == (
         "ptq", "rtn", "nvfp4-static_6", "token", "dequant")
     assert q["layers"]["quantized"] == 14 and "blocks/0/attn/q_proj" in q["layers"]["paths"]  # 2 blocks x 7
+
+
+def test_scoring_pads_by_less_than_a_quarter():
+    """The backend's padded lengths (jaxlowfp.evaluation._bucket): at least the sequence, less than a quarter of it
+    (or 16, the shortest) more, multiples of 8, and few distinct shapes (one compilation each): 4 per doubling."""
+    from jaxlowfp.evaluation import _bucket
+
+    ns = np.arange(1, 4097)
+    b = np.array([_bucket(int(n)) for n in ns])
+    assert (b >= ns).all() and (b - ns < np.maximum(ns / 4, 16)).all() and (b % 8 == 0).all()
+    assert (np.diff(b) >= 0).all()
+    assert len(set(b[(ns > 256) & (ns <= 512)])) == 4 and len(set(b)) <= 4 * 12 + 2
+    assert [_bucket(n) for n in (16, 17, 33, 63, 65, 100)] == [16, 24, 40, 64, 80, 112]
