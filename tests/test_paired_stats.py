@@ -85,6 +85,8 @@ def test_items_that_do_not_pair_are_refused():
         paired(a, b)
     with pytest.raises(ValueError, match="log_samples=True"):
         load_samples({"results": {}})
+    copa = dict(_sample(0, 0, [-1.0, -2.5]), target=" he ran.", arguments=[["ctx", " she sat."], ["ctx", " he ran."]])
+    assert item_scores([copa])[0]["gold_ll"] == -2.5  # a target given as the gold choice's text
     with pytest.raises(ValueError, match="twice"):
         item_scores([_sample(0, 0, [-1.0, -2.0]), _sample(0, 0, [-1.0, -2.0])])
 

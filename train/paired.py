@@ -94,6 +94,10 @@ def _gold_ll(s: Mapping[str, Any]) -> float | None:
         return None
     if isinstance(target, str) and target.strip().lstrip("-").isdigit():
         target = int(target)
+    elif isinstance(target, str):  # a target given as the gold choice's text (COPA): its index among the choices
+        conts = [a[1].strip() if isinstance(a, (list, tuple)) and len(a) > 1 and isinstance(a[1], str) else None
+                 for a in s.get("arguments") or []]
+        target = conts.index(target.strip()) if conts.count(target.strip()) == 1 else None
     if isinstance(target, list):
         if len(target) != 1:
             return None
