@@ -232,7 +232,7 @@ def vs_forward(args) -> str:
         notes.append(f"{label}: padded lengths {shapes} (powers of two: {sorted({pow2(len(s)) for s in seqs})})")
         print(rows[-1], flush=True)
     header = ["SmolLM2-135M", "requests", "input tokens", "plain forward tok/s", "backend tok/s",
-              "backend / plain (median)", "backend, power-of-two padding, tok/s", "that / plain (median)",
+              "backend / plain: best (median)", "backend, power-of-two padding, tok/s", "that / plain: best (median)",
               "first pass s: lm-eval run / power-of-two compile / plain compile"]
     return (f"{n} real items ({n // 2} ARC-Easy + {n - n // 2} PIQA validation rows, seed 0, lm-eval's own prompts),"
             f" batch {BATCH}, {args.reps} interleaved passes after compilation (best pass; median in brackets); "
