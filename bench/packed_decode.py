@@ -84,7 +84,7 @@ def per_layer(reps: int) -> list[list]:
         fns = {}
         for name in ("chosen", "fused", "decode-then-dot"):
             with form(None if name == "chosen" else name):
-                f = jax.jit(lambda x, p: backends.packed_matmul(x, p, backend="dequant", activation=act)[0])
+                f = jax.jit(lambda x, p: backends.packed_matmul(x, p, gemm="dequant", activation=act)[0])
                 f.lower(x, pw)  # traced under the form
                 fns[name] = (lambda f=f: f(x, pw))
         xq = x if act is None else packed.fake_quantize(x, act)

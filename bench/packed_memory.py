@@ -1,4 +1,5 @@
-"""Memory and decode speed of SmolLM2-135M in float32, bfloat16, packed NVFP4 and packed HiF8 (`jaxlowfp.ptq.pack_model`),
+"""Memory and decode speed of SmolLM2-135M in float32, bfloat16, packed NVFP4 and packed HiF8
+(`jaxlowfp.ptq.pack_model`),
 and the log-prob difference between a packed model and its fake-quant twin.
 
     .venv/bin/python bench/packed_memory.py [--model smollm2-135m] [--configs float32 bfloat16 nvfp4 hif8] [--no-write]
@@ -6,7 +7,8 @@ and the log-prob difference between a packed model and its fake-quant twin.
 Each configuration runs in a fresh interpreter (one run's allocations cannot hide another's):
   - float32 / bfloat16: ``models.load(name, dtype=..., param_dtype=...)``;
   - nvfp4: float32 load, ``ptq.quantize`` RTN of every ``*_proj`` layer to W4A4 NVFP4 4/6 (``scheme("nvfp4-mse")``),
-    the fake-quant model's log-probs on a 128-token text, then ``ptq.pack_model`` (backend "auto": dequantize + dot on this
+    the fake-quant model's log-probs on a 128-token text, then ``ptq.pack_model`` (gemm "auto": dequantize + dot
+    on this
     CPU), the packed model's log-probs (max |difference| reported);
   - hif8: the same with ``scheme("hif8")`` (W8A8, per-tensor scales);
   - nvfp4-load: the nvfp4 model exported (``ptq.export``, float32 high-precision tensors, by a process of its own)
@@ -110,7 +112,8 @@ if config in ("nvfp4", "hif8", "export"):
         out["disk_bytes"] = sum(f.stat().st_size for f in pathlib.Path(tmp).rglob("*") if f.is_file())
         back = ckpt.restore(pathlib.Path(tmp) / "c", jax.tree.map(ocp.utils.to_shape_dtype_struct, st))
         out["orbax_bitwise"] = all(
-            a.dtype == b.dtype and bool(np.array_equal(np.atleast_1d(a).view(np.uint8), np.atleast_1d(b).view(np.uint8)))
+            a.dtype == b.dtype
+            and bool(np.array_equal(np.atleast_1d(a).view(np.uint8), np.atleast_1d(b).view(np.uint8)))
             for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(back), strict=True))
         del st, back, ckpt
 trim()
@@ -163,7 +166,7 @@ def tiny_llama_diffs() -> dict[str, float]:
         model = Llama(PRESETS["tiny"], rngs=nnx.Rngs(0))
         res = ptq.quantize(model, [ptq.Rule(path=r".*_proj", scheme=ptq.scheme(scheme))], progress=False)
         fake = jax.nn.log_softmax(model(tokens), -1)
-        ptq.pack_model(model, res, backend=backend)
+        ptq.pack_model(model, res, gemm=backend)
         out[f"{scheme} ({backend})"] = float(jnp.max(jnp.abs(jax.nn.log_softmax(model(tokens), -1) - fake)))
     return out
 
@@ -198,7 +201,8 @@ def render(results: list[dict], tiny: dict[str, float], model: str, loads: tuple
                                [[k, f"{v:.1e}"] for k, v in tiny.items()])
     return (f"`.venv/bin/python bench/packed_memory.py` ({model}, jax {jax.__version__}, CPU; each row a fresh "
             "process). nvfp4 = RTN W4A4 NVFP4 4/6 (mse) of every projection, hif8 = RTN W8A8 HiF8, both "
-            "`ptq.pack_model`ed (backend auto: dequantize + dot on a CPU); embeddings (tied with the head) and norms stay "
+            "packed by `ptq.pack_model` (gemm auto: dequantize + dot on a CPU); embeddings (tied with the head) and "
+            "norms stay "
             "float32. RSS is VmRSS with the model built (after gc and malloc_trim); the nvfp4 and hif8 rows' "
             "processes also ran PTQ and the fake-quant forward for the log-prob check and keep those compiled "
             "programs, so their RSS and peaks are not the packed model's alone (param MiB is); nvfp4-load is the "

@@ -83,9 +83,19 @@ def rolling_requests(tokens: Sequence[int], *, prefix_token: int, max_length: in
     return out
 
 
+BUCKET_MIN, BUCKET_STEPS = 16, 4
+
+
 def _bucket(n: int) -> int:
-    """Padded sequence length: a power of two >= 64 (few distinct shapes, so few compilations)."""
-    return max(64, 1 << (n - 1).bit_length())
+    """Padded sequence length: ``BUCKET_STEPS`` (4) lengths per octave above ``BUCKET_MIN`` (16), multiples of 8:
+    16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, ... A sequence is padded by less than a quarter of its
+    length (a power of two wastes up to half, and short multiple-choice requests then cost twice their tokens), with
+    few distinct shapes (one compilation each): 4 per doubling of the length."""
+    if n <= BUCKET_MIN:
+        return BUCKET_MIN
+    half = 1 << ((n - 1).bit_length() - 1)  # the largest power of two < n
+    step = max(half // BUCKET_STEPS, 8)
+    return half + -(-(n - half) // step) * step
 
 
 def _sums(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -176,7 +186,8 @@ def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size
     """Log-likelihood (float64 [n]) of every request, and throughput stats.
 
     Requests are sorted by length and batched with right padding (a causal model never looks right, so padding
-    needs no attention mask) to a power of two >= 64, capped at ``max_seq_len``; every batch has ``batch_size``
+    needs no attention mask) to one of 4 lengths per octave (`_bucket`: 16, 24, 32, ..., 64, 80, 96, 112, 128, 160,
+    ...), capped at ``max_seq_len``; every batch has ``batch_size``
     rows (fewer for long sequences when ``max_batch_tokens`` caps rows x padded length, the logits' memory), so the
     forward pass compiles once per padded length. A model with ``ptq_blocks()`` (`jaxlowfp.models.Llama`) runs
     block by block, one compiled program per distinct block structure shared by the identical blocks (the

@@ -59,6 +59,10 @@ Model arguments (``--model_args k=v,...``; `ARGUMENTS` lists them):
   device, max_batch_size, trust_remote_code: accepted from lm-eval's command line and unused (JAX places the
   computation on its default backend).
 
+The results lm-eval returns (and its ``--output_path`` JSON) hold ``config.quantization``, a record of what was
+evaluated (`JaxLowFPLM.get_model_info`): kind, scheme, PTQ method, layers, activation scale, forward GEMM backend,
+dtype and the jaxlowfp and lm-eval versions.
+
 In-process (what ``python -m train eval`` does): ``JaxLowFPLM(model=model, tokenizer=tok)`` wraps a loaded (and
 possibly quantized) model, then ``lm_eval.simple_evaluate(model=lm, tasks=[...])``.
 
@@ -200,6 +204,15 @@ def _bucket(n: int, cap: int) -> int:
     return min(max(16, 1 << (max(n, 1) - 1).bit_length()), cap)
 
 
+def _layers_record(selection: Any, paths: Any, **extra: Any) -> dict[str, Any]:
+    """The ``layers`` entry of the quantization record: the selection asked for, how many layers and which."""
+    paths = sorted(paths)
+    out = {"pattern": selection, "quantized": len(paths), "paths": paths}
+    if selection == "paper":
+        out.update(extra)
+    return out
+
+
 # every model argument and its default (the constructor's keyword arguments)
 ARGUMENTS: dict[str, Any] = {
     "pretrained": None, "model": None, "tokenizer": None, "dtype": "float32", "ptq_export": None, "packed": "fake",
@@ -304,12 +317,18 @@ class JaxLowFPLM(TemplateLM):
             raise ValueError("the tokenizer has neither a BOS nor an EOS token; give prefix_token_id")
         self._prefix = int(prefix)
         notes = []
+        record: dict[str, Any] = {"kind": [], "scheme": None, "method": None, "layers": None,
+                                  "activation_scale": None, "gemm": None}
         if a["ptq_export"] is not None:
             from jaxlowfp import ptq
 
             schemes = ptq.load(self.model, a["ptq_export"], packed=packed, gemm=a["packed"] if packed else "auto")
+            names = sorted({s.name for s in schemes.values()})
             notes.append(f"PTQ export {a['ptq_export']}: {len(schemes)} quantized layers "
-                         f"({', '.join(sorted({s.name for s in schemes.values()}))})")
+                         f"({', '.join(names)})")
+            record.update(kind=["ptq_export"], scheme=", ".join(names), export=str(a["ptq_export"]),
+                          layers=_layers_record(None, schemes), activation_scale="as exported (static)",
+                          gemm="dequant")
         elif packed and a["model"] is not None:
             raise ValueError("packed= loads a checkpoint packed; with model= pack it first (jaxlowfp.ptq.pack_model)")
         if packed:
@@ -320,6 +339,10 @@ class JaxLowFPLM(TemplateLM):
             notes.append(f"packed: {len(rep.layers)} layers at {rep.bits_per_param:.3f} bits per weight, backend "
                          + ", ".join(f"{b}{' (native)' if n else ''}" for b, n in ran))
             self.backends = {p: b for p, _, b, _ in rep.layers}
+            record["kind"].append("packed")
+            record["gemm"] = ", ".join(f"{b}{' (native)' if n else ''}" for b, n in ran)
+            if record["layers"] is None:
+                record["layers"] = _layers_record(None, self.backends)
         else:
             self.backends = {}
         if a["quantize"] != "none":
@@ -334,6 +357,10 @@ class JaxLowFPLM(TemplateLM):
                          f"({100 * report.quantized_fraction:.1f} % of linear weights, layers={a['layers']}), "
                          f"activation scale: {act}, forward GEMM: {ran.backend}"
                          + (" (native)" if ran.native else ""))
+            record.update(kind=["fake"], scheme=a["quantize"], activation_scale=act,
+                          gemm=ran.backend + (" (native)" if ran.native else ""),
+                          layers=_layers_record(a["layers"], [p for p, _ in report.quantized],
+                                                keep_first=int(a["keep_first"]), keep_last=int(a["keep_last"])))
         if a["ptq"] != "none":
             res = _ptq(self.model, self.tokenizer, a["ptq"], scheme=a["ptq_scheme"], layers=a["ptq_layers"],
                        weights_only=bool(a["weights_only"]), calibration=a["calibration"],
@@ -342,17 +369,37 @@ class JaxLowFPLM(TemplateLM):
                        mesh=self.mesh)
             notes.append(f"PTQ {res.method} to {a['ptq_scheme']} of {len(res.schemes)} layers, activation scale: "
                          f"{res.activation_scale or 'none (weights only)'}")
+            record.update(kind=["ptq"], scheme=a["ptq_scheme"] + (" (weights only)" if a["weights_only"] else ""),
+                          method=res.method, activation_scale=res.activation_scale or "none (weights only)",
+                          gemm="dequant", layers=_layers_record(a["ptq_layers"], res.schemes),
+                          calibration=None if a["calibration"] is None else {
+                              "file": str(a["calibration"]), "seqs": int(a["calib_seqs"]),
+                              "len": int(a["calib_len"])})
         if self.mesh is not None and notes and not packed:  # the quantized layers' new variables: onto the mesh
             from jaxlowfp.models import MoEDecoder  # (a packed load placed its packed arrays itself)
 
             moe = isinstance(self.model, MoEDecoder)
             sharding.shard_model(self.model, self.mesh, sharding.moe_rules() if moe else sharding.llama_rules())
         self.quantization = "; ".join(notes) or "none"
+        import jaxlowfp
+
+        record["kind"] = "+".join(record["kind"]) or "none"
+        self.quantization_record = {**record, "summary": self.quantization, "dtype": a["dtype"],
+                                    "source": self.source, "jaxlowfp": jaxlowfp.__version__,
+                                    "lm_eval": LM_EVAL_VERSION}
         self._warned_truncation = False
         self.calls: list[dict[str, Any]] = []
         log.info("jaxlowfp backend: %s (%s), max_length %d, batch %d; quantization: %s", self.source,
                  np.dtype(getattr(self.model, "dtype", np.float32)).name, self._max_length, self._batch_size,
                  self.quantization)
+
+    def get_model_info(self) -> dict[str, Any]:
+        """What lm-eval adds to its results' ``config`` (``simple_evaluate`` calls it): ``quantization``, the record
+        of what this model is: ``kind`` (``none``, ``fake``, ``ptq``, ``ptq_export``, ``packed``, joined by ``+``),
+        ``scheme``, ``method`` (PTQ), ``layers`` (the selection, how many and which were quantized),
+        ``activation_scale``, ``gemm`` (the forward GEMM backend that ran), ``dtype``, ``source``, and the
+        ``jaxlowfp`` and ``lm_eval`` versions."""
+        return {"quantization": dict(self.quantization_record)}
 
     # -- lm-eval's TemplateLM interface -------------------------------------------------------------------------
 

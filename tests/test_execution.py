@@ -13,7 +13,7 @@ from flax import nnx
 
 import jaxlowfp
 from jaxlowfp import execution, ptq, qat, qlinen, qnnx, qwix_provider
-from jaxlowfp.evaluation import Request, score_requests
+from jaxlowfp.evaluation import Request, _bucket, score_requests
 from jaxlowfp.models.llama import PRESETS, Llama
 
 
@@ -146,10 +146,16 @@ def _alone_and_batched(model, requests, alone_batch=8):
 @pytest.mark.parametrize("how", ["token", "static", "qat-token"])
 def test_scores_do_not_depend_on_the_batch(requests, how):
     """Each request scored alone (its batch of 8 filled with zero rows) and with the others in one padded batch of
-    8: bit for bit the same log-likelihoods, since it is the same [8, 64] program and the activations get their
-    amax per token or from calibration, so no other row and no padding reaches a request's scales."""
+    8: the activations get their amax per token or from calibration, so no other row and no padding reaches a
+    request's scales. A request padded to the batch's length alone runs the same [8, 64] program: bit for bit the
+    same log-likelihood; the shorter ones alone are padded less (`jaxlowfp.evaluation._bucket`), another program:
+    equal to float32 rounding of the reductions (the control below moves by more than 1e-3)."""
     alone, batched = _alone_and_batched(_quantized(how), requests)
-    np.testing.assert_array_equal(batched, alone)
+    longest = _bucket(max(len(r.tokens) for r in requests) - 1)
+    same = [i for i, r in enumerate(requests) if _bucket(len(r.tokens) - 1) == longest]
+    assert same
+    np.testing.assert_array_equal(batched[same], alone[same])
+    np.testing.assert_allclose(batched, alone, rtol=2e-6, atol=2e-5)
 
 
 def test_scores_alone_in_a_batch_of_one(requests):

@@ -15,7 +15,8 @@ grid in step 2 (scalings x high/low learning rate x warmup, each arm's loss APE 
 its learning rate); ``--grid fouroversix`` replaces steps 1-2 by pretraining from scratch with NVFP4 training
 (static_6 against the Four Over Six rules against high precision); ``--model smollm2-135m`` continues a real
 checkpoint on the Python domain (`train.real_qat`). Subcommands (`SUBCOMMANDS`): ``eval``, ``generate``,
-``stream`` (delayed scaling on a real model without training, `train.stream_cli`).
+``stream`` (delayed scaling on a real model without training, `train.stream_cli`), ``tasks`` (lm-eval tasks on
+real validation sets, arms evaluated on them and compared item by item, `train.tasks_cli`).
 """
 from __future__ import annotations
 
@@ -96,7 +97,8 @@ def pretrain(cfg: TrainConfig, domain_a: Domain, mesh: mesh_lib.Mesh) -> tuple[n
         final.close()
 
 
-def evaluate(model: nnx.Module, cfg: TrainConfig, domain_a: Domain, domain_b: Domain, task: ev.ChoiceTask) -> dict[str, float]:
+def evaluate(model: nnx.Module, cfg: TrainConfig, domain_a: Domain, domain_b: Domain, task: ev.ChoiceTask
+             ) -> dict[str, float]:
     kw = dict(batch_size=cfg.batch_size, seq_len=cfg.seq_len, max_batches=cfg.eval_batches)
     b = ev.validation_loss(model, domain_b.val, **kw)
     a = ev.validation_loss(model, domain_a.val, **kw)
@@ -261,6 +263,7 @@ SUBCOMMANDS: dict[str, str] = {
     "generate": ".generate_cli",
     "ptq": ".ptq_cli",
     "stream": ".stream_cli",
+    "tasks": ".tasks_cli",
 }
 
 
