@@ -30,7 +30,7 @@ import functools
 import math
 import re
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Literal, Sequence, cast, overload
 
 import jax
 import jax.numpy as jnp
@@ -108,7 +108,7 @@ def _sums(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[ja
 
 @functools.partial(jax.jit, static_argnums=0)
 def _ll_sums(graphdef: nnx.GraphDef, state: nnx.State, inputs: jax.Array, targets: jax.Array,
-             weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+             weights: jax.Array) -> tuple[tuple[jax.Array, jax.Array], nnx.State]:
     """`_sums` of ``model(inputs)``: the whole forward pass as one program (models without ``ptq_blocks()``); and
     the execution records it wrote (`jaxlowfp.execution.records`: the only state that comes back)."""
     model = nnx.merge(graphdef, state)
@@ -179,6 +179,25 @@ class _Forward:
         return out
 
 
+@overload
+def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size: int = 8, progress: bool = False,
+                   desc: str = "score", greedy: Literal[False] = False, max_batch_tokens: int | None = None,
+                   mesh: jax.sharding.Mesh | None = None) -> tuple[np.ndarray, dict[str, float]]: ...
+
+
+@overload
+def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size: int = 8, progress: bool = False,
+                   desc: str = "score", greedy: Literal[True], max_batch_tokens: int | None = None,
+                   mesh: jax.sharding.Mesh | None = None) -> tuple[np.ndarray, np.ndarray, dict[str, float]]: ...
+
+
+@overload
+def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size: int = 8, progress: bool = False,
+                   desc: str = "score", greedy: bool = False, max_batch_tokens: int | None = None,
+                   mesh: jax.sharding.Mesh | None = None
+                   ) -> tuple[np.ndarray, dict[str, float]] | tuple[np.ndarray, np.ndarray, dict[str, float]]: ...
+
+
 def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size: int = 8, progress: bool = False,
                    desc: str = "score", greedy: bool = False, max_batch_tokens: int | None = None,
                    mesh: jax.sharding.Mesh | None = None
@@ -206,7 +225,8 @@ def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size
     if max_batch_tokens is not None and (isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int)
                                          or max_batch_tokens < 1):
         raise ValueError(f"max_batch_tokens must be a positive int or None; got {max_batch_tokens!r}")
-    vocab, max_len = model.config.vocab, model.config.max_seq_len
+    config = cast(Any, model).config  # any module with a config (module docstring); nnx.Module declares none
+    vocab, max_len = config.vocab, config.max_seq_len
     for i, r in enumerate(requests):
         if not 1 <= r.n_pred < len(r.tokens):
             raise ValueError(f"a request needs 1 <= n_pred < len(tokens); got n_pred={r.n_pred}, "
@@ -332,8 +352,9 @@ def perplexity(model: nnx.Module, tokenizer: Any, docs: Iterable[str], *, name: 
     ``mesh``: a sharded model's mesh (`score_requests`).
     """
     stride = max_length if stride is None else stride
-    if max_length > model.config.max_seq_len:
-        raise ValueError(f"max_length={max_length} exceeds the model's max_seq_len={model.config.max_seq_len}")
+    max_seq_len = cast(Any, model).config.max_seq_len  # nnx.Module declares no config (module docstring)
+    if max_length > max_seq_len:
+        raise ValueError(f"max_length={max_length} exceeds the model's max_seq_len={max_seq_len}")
     prefix = prefix_token if prefix_token is not None else (
         tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id)
     if prefix is None:

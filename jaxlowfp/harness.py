@@ -84,9 +84,12 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import jax
 
 try:
     import lm_eval
@@ -175,7 +178,7 @@ def _ptq(model: Any, tokenizer: Any, method: str, *, scheme: str, layers: str, w
     from jaxlowfp import ptq, sharding
 
     m = ptq.method_from_name(method)
-    tokens = None
+    tokens: np.ndarray | jax.Array | None = None
     if calibration is not None:
         text = Path(calibration).read_text(encoding="utf-8")
         ids = tokenizer.encode(text)
@@ -352,13 +355,13 @@ class JaxLowFPLM(TemplateLM):
                                          act_scale=act, gemm=a["gemm"])
             from jaxlowfp import qat
 
-            ran = qat.gemm.plan(dataclasses.replace(eval_recipe(_recipe(a["quantize"]), act), gemm=a["gemm"]))
+            gemm_plan = qat.gemm.plan(dataclasses.replace(eval_recipe(_recipe(a["quantize"]), act), gemm=a["gemm"]))
             notes.append(f"fake quantization {a['quantize']} of {len(report.quantized)} layers "
                          f"({100 * report.quantized_fraction:.1f} % of linear weights, layers={a['layers']}), "
-                         f"activation scale: {act}, forward GEMM: {ran.backend}"
-                         + (" (native)" if ran.native else ""))
+                         f"activation scale: {act}, forward GEMM: {gemm_plan.backend}"
+                         + (" (native)" if gemm_plan.native else ""))
             record.update(kind=["fake"], scheme=a["quantize"], activation_scale=act,
-                          gemm=ran.backend + (" (native)" if ran.native else ""),
+                          gemm=gemm_plan.backend + (" (native)" if gemm_plan.native else ""),
                           layers=_layers_record(a["layers"], [p for p, _ in report.quantized],
                                                 keep_first=int(a["keep_first"]), keep_last=int(a["keep_last"])))
         if a["ptq"] != "none":

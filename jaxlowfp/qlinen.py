@@ -120,8 +120,8 @@ def contract_in(
     scope = module.scope
     key = module.make_rng(RNG_STREAM) if recipe.needs_key else None
     if carry == "gradient":
-        var = scope.variable(owg.COLLECTION, names[0], lambda: owg.init_carried(recipe, observe_only))
-        carried = var.value
+        carried_var = scope.variable(owg.COLLECTION, names[0], lambda: owg.init_carried(recipe, observe_only))
+        carried = carried_var.value
         state, observe = owg.from_carried(carried)
     else:
         var = scope.variable(AMAX_COLLECTION, names[0], recipe.init)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -18,6 +18,9 @@ from jaxlowfp._core.checks import optional_module
 from jaxlowfp.models.common import (CheckpointError, LazyTensor, TensorSpec, Tokenizer, build_model,
                                     tensor_specs)
 from jaxlowfp.models.llama import Llama, ModelConfig, llama3_rope_factors
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as HFTokenizer
 
 tokenizers = optional_module("tokenizers", extra="models", feature="loading a Hugging Face checkpoint")
 
@@ -112,7 +115,7 @@ def config_fields(cfg: dict[str, Any], where: Path, mt: str) -> dict[str, Any]:
     )
 
 
-def _token_id(cfg: dict[str, Any], tok_cfg: dict[str, Any], tk: tokenizers.Tokenizer, name: str) -> int | None:
+def _token_id(cfg: dict[str, Any], tok_cfg: dict[str, Any], tk: HFTokenizer, name: str) -> int | None:
     v = cfg.get(f"{name}_token_id")
     if isinstance(v, list):
         v = v[0] if v else None
@@ -174,7 +177,7 @@ def _weight_files(directory: Path) -> dict[str, Path]:
         weight_map = _json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index}: no 'weight_map'")
-        files = {name: directory / f for name, f in weight_map.items()}
+        files: dict[str, Path] = {name: directory / f for name, f in weight_map.items()}
         for f in sorted(set(files.values())):
             if not f.is_file():
                 raise CheckpointError(f"{f}: shard listed in {index.name} not found")
@@ -182,7 +185,7 @@ def _weight_files(directory: Path) -> dict[str, Path]:
     shards = sorted(directory.glob("*.safetensors"))
     if not shards:
         raise CheckpointError(f"{directory}: no *.safetensors weights (and no model.safetensors.index.json)")
-    files: dict[str, Path] = {}
+    files = {}
     for f in shards:
         with _open(f) as handle:
             names = list(handle.keys())
@@ -212,7 +215,7 @@ def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str =
         raise CheckpointError(f"{directory}: a quantized checkpoint; load it with jaxlowfp.models.load (NVFP4 of "
                               "compressed-tensors and ModelOpt: jaxlowfp.models.quantized)")
     config = read_config(directory, dtype=dtype, param_dtype=param_dtype)
-    tokenizer = checkpoint_tokenizer(directory, tokenizer, config.vocab)
+    tok = checkpoint_tokenizer(directory, tokenizer, config.vocab)
     files = _weight_files(directory)
     specs = tensor_specs(config)
     wanted = {s.hf for s in specs}
@@ -246,4 +249,4 @@ def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str =
         return LazyTensor(shape, where, read)
 
     with contextlib.ExitStack() as stack:  # closes the shard files
-        return build_model(config, fetch, directory / "config.json", mesh=mesh, rules=rules), tokenizer
+        return build_model(config, fetch, directory / "config.json", mesh=mesh, rules=rules), tok

@@ -9,7 +9,7 @@ import inspect
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -185,15 +185,16 @@ def _split_batches(calibration: Any, batch_size: int, forward_is_default: bool) 
     raise TypeError(f"calibration must be a token array or an iterable of batches; got {type(calibration).__name__}")
 
 
-def _select(model: nnx.Module, rules: Sequence[Rule]) -> tuple[dict, list, list, list, tuple[str, ...], int, int]:
+def _select(model: nnx.Module, rules: Sequence[Rule]
+            ) -> tuple[dict, list, list, Sequence[str], tuple[str, ...], int, int]:
     layers = calibrate.quantizable_modules(model)
     fresh = [p for p, mod in layers.items() if not is_act_quant(getattr(mod, hook_name(mod)))]
-    decided, unused = select(rules, fresh)
-    decided = dict(zip(fresh, decided))
+    picks, unused = select(rules, fresh)
+    decided = dict(zip(fresh, picks))
     targets, kept, unmatched, already = {}, [], [], []
     total = done = 0
     for path, mod in layers.items():
-        size = int(np.prod(mod.kernel.shape))
+        size = int(np.prod(cast(Any, mod).kernel.shape))  # a LAYER_TYPES module: it has a kernel
         total += size
         hook = getattr(mod, hook_name(mod))
         if is_act_quant(hook):
@@ -338,8 +339,8 @@ def _quantize(
     grouped, g_kept, g_unmatched, g_used, g_before = experts.targets(model, rules)
     already = (*already, *g_before)
     if grouped or g_kept:  # rules that decided an expert weight are used
-        unused = tuple(r for i, r in enumerate(rules) if r.path in unused and i not in g_used)
-        unused = tuple(r.path for r in unused)
+        unused_rules = tuple(r for i, r in enumerate(rules) if r.path in unused and i not in g_used)
+        unused = tuple(r.path for r in unused_rules)
     kept, unmatched = [*kept, *g_kept], [*unmatched, *g_unmatched]
     for mod, name, _ in grouped.values():
         size = int(np.prod(getattr(mod, name).shape))
@@ -365,7 +366,7 @@ def _quantize(
     pipe = _pipeline(pipeline, propagate, model, m, forward, calibration, stats)
     batches = None if calibration is None else _batches(calibration, batch_size, forward is None, model)
     _round_high_precision(model, dtype, {f"{p}/kernel" for p in targets} | set(grouped))  # after the last refusal
-    mods = {"/".join(map(str, p)): x for p, x in nnx.iter_graph(model) if isinstance(x, nnx.Module)}
+    mods: dict[str, Any] = {"/".join(map(str, p)): x for p, x in nnx.iter_graph(model) if isinstance(x, nnx.Module)}
     expert_hooks: dict[str, Any] = {}
     if grouped and stats is not None and calibration is None:
         raise ValueError(f"the expert weights {list(grouped)[:3]} are calibrated from `calibration` (stats from "
@@ -384,7 +385,8 @@ def _quantize(
                 dtype=dtype)
     groups = serving.fused_groups(model, targets, fused)
 
-    folds, skipped = [], []
+    folds: list[Fold] = []
+    skipped: list[tuple[str, str]] = []
     if isinstance(m, (SmoothQuant, AWQ)):
         general = [p for p in targets if not isinstance(mods[p], nnx.Linear)]
         if general:
@@ -418,7 +420,8 @@ def _quantize(
             for p in sub:
                 if not re.fullmatch(m.clip_skip, p):
                     k = mods[p].kernel
-                    k.set_value(smooth.clip_weight(k[...], st[p].samples, sub[p].weight, clip_grid=m.clip_grid,
+                    x_host = cast(jax.Array, st[p].samples)  # host numpy: clip_weight moves it (jnp.asarray)
+                    k.set_value(smooth.clip_weight(k[...], x_host, sub[p].weight, clip_grid=m.clip_grid,
                                                    max_shrink=m.max_shrink).astype(k[...].dtype))
         grp = [g for g in groups if any(p in sub for p in g)]
         split = [g for g in grp if not all(p in sub for p in g)]
@@ -564,8 +567,8 @@ def _quantize_weights(mods: Mapping[str, Any], m: Method, targets: Mapping[str, 
         view = layout(mod, path)
         kernel = view.to_matrix(mod.kernel[...])  # [K, N]
         if isinstance(m, GPTQ):  # factorized on the host (float64); the column loop where the kernel lives
-            qw = gptq_weight(kernel, stats[path].gptq_hessian(), sch.weight, m, where=path,
-                             global_amax=shared.get(path))
+            hessian = cast(jax.Array, stats[path].gptq_hessian())  # host numpy, which gptq_weight reads as such
+            qw = gptq_weight(kernel, hessian, sch.weight, m, where=path, global_amax=shared.get(path))
         elif convention == "compressed-tensors":
             qw = serving.ct_weight(kernel, sch.weight, shared.get(path))
         else:
@@ -617,7 +620,7 @@ def smooth_model(model: nnx.Module, method: SmoothQuant | AWQ, folds: Sequence[F
     """Apply SmoothQuant or AWQ scales to `folds` in place (no quantization: the model computes the same function
     up to float32 rounding). AWQ's search uses `schemes[layer]` of the fold's first quantized layer. Returns the
     statistics of the layers' new inputs (X / s)."""
-    mods = {"/".join(map(str, p)): x for p, x in nnx.iter_graph(model) if isinstance(x, nnx.Module)}
+    mods: dict[str, Any] = {"/".join(map(str, p)): x for p, x in nnx.iter_graph(model) if isinstance(x, nnx.Module)}
     stats = dict(stats)
     for f in progress_bar(list(folds), desc=f"{method.name} scales", enabled=progress):
         first = next(p for p in f.layers if p in schemes)
@@ -633,7 +636,9 @@ def smooth_model(model: nnx.Module, method: SmoothQuant | AWQ, folds: Sequence[F
             else:
                 w_mean = smooth.awq_w_mean(kernels, schemes[first].weight.group)
                 cands = smooth.awq_candidates(st.abs_mean, w_mean, method.grid_params())
-            losses = np.asarray(smooth.awq_losses(st.samples, kernels, cands, scheme=schemes[first]))
+            # host numpy samples and candidates: awq_losses moves them (jnp.asarray)
+            losses = np.asarray(smooth.awq_losses(cast(jax.Array, st.samples), kernels, cast(jax.Array, cands),
+                                                  scheme=schemes[first]))
             if not np.isfinite(losses).any():
                 raise ValueError(f"{method.name}: no finite loss for the fold into {f.prev} (non-finite activations?)")
             s = cands[int(np.nanargmin(np.where(np.isfinite(losses), losses, np.nan)))]

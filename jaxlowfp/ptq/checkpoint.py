@@ -7,7 +7,8 @@ scale, ``quantization/lifecycle/forward_helpers.py`` dequantizes with ``scale / 
 an NNX kernel is ``[in, out]``, so everything is written for ``kernel.T``)::
 
     <m>.weight_packed        uint8          [out, in / 2]   two E2M1 codes a byte, element 2j in the low nibble,
-                                                             code = sign << 3 | magnitude index (0, .5, 1, 1.5, 2, 3, 4, 6)
+                                                             code = sign << 3 | magnitude index
+                                                             (0, .5, 1, 1.5, 2, 3, 4, 6)
     <m>.weight_scale         float8_e4m3fn  [out, in / 16]  one E4M3 block scale per 16 inputs (16x16 tiles: repeated
                                                              over the tile's 16 rows, since the format has 1x16 groups)
     <m>.weight_global_scale  float32        [1]             the ENCODE scale S_enc = M*E / amax (compressed-tensors
@@ -445,7 +446,8 @@ def _expert_names(model: nnx.Module) -> dict[str, list[str]]:
             out.setdefault(t.path, {})[t.expert] = t.name
     bad = [p for p, d in out.items() if sorted(d) != list(range(len(d)))]
     if bad:
-        raise ValueError(f"export: {type(model).__name__}.export_tensors('hf') does not name experts 0..E-1 of {bad[0]}")
+        raise ValueError(f"export: {type(model).__name__}.export_tensors('hf') does not name experts 0..E-1 of "
+                         f"{bad[0]}")
     return {p: [d[e] for e in range(len(d))] for p, d in out.items()}
 
 
@@ -693,7 +695,8 @@ def _write(model: nnx.Module, result: PTQResult, directory: Path, spool: stream.
         if path in per_expert:
             n_q, b_q, r_hp, n_hp = _write_experts(path, var, per_expert[path], result, tensors, layers, dtype,
                                                   spool)
-            n_quant, quant_bits, rounded, written_hp = n_quant + n_q, quant_bits + b_q, rounded + r_hp, written_hp + n_hp
+            n_quant, quant_bits = n_quant + n_q, quant_bits + b_q
+            rounded, written_hp = rounded + r_hp, written_hp + n_hp
             continue
         name = name_of(path)
         if mod_path in result.schemes and leaf == "kernel" and result.schemes[mod_path].weight.kind == "fp8":
@@ -783,7 +786,7 @@ def _write(model: nnx.Module, result: PTQResult, directory: Path, spool: stream.
     stream.write_safetensors(directory / WEIGHTS_FILE, spool, tensors, metadata={"format": "pt"})
     # and in the file as written (its header read back; on an error write_atomically deletes the directory)
     check_complete(schemes, layers, _safetensors_names(directory / WEIGHTS_FILE), "export")
-    groups = {}
+    groups: dict[str, dict[str, Any]] = {}
     fp8 = any(schemes[p].weight.kind == "fp8" for p in layers)
     fmt = "float-quantized" if fp8 else "nvfp4-pack-quantized"
     for act in (True, False):
@@ -969,7 +972,8 @@ def load(model: nnx.Module, directory: str | Path, *, packed: bool = False, gemm
         raise CheckpointError(f"{weights}: tensors {absent[:5]} are missing ({len(absent)} in all)")
     extra = sorted(set(tensors) - need - optional)
     if extra:
-        raise CheckpointError(f"{weights}: tensors this model does not have: {extra[:5]}{' ...' if len(extra) > 5 else ''}"
+        more = " ..." if len(extra) > 5 else ""
+        raise CheckpointError(f"{weights}: tensors this model does not have: {extra[:5]}{more}"
                               f" ({len(extra)} in all; config.json describes a smaller model than the weights, or the "
                               f"directory mixes two exports)")
     for path, info in meta["layers"].items():

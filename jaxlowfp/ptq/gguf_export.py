@@ -468,6 +468,7 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
         shapes[t.name] = shape
         if (mod is not None and sch is not None and sch.weight.kind == "nvfp4" and len(shape) == 2
                 and shape[1] % NVFP4_BLOCK == 0):
+            s_enc: Any  # the device scale, then its host copy (stream.fetch), which serving.decode reads too
             arr, s_enc = packed[mod]
             checks.check_packed_nvfp4(mod, arr, s_enc)
             if direct:  # the packed model's own codes and scales, checked to be the result's
@@ -577,13 +578,13 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
                  if kinds == {"mxfp4"} else {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
                                              "BF16": gguf.LlamaFileType.MOSTLY_BF16}[hp_type])
         writer.add_file_type(int(ftype))
-        for n, e, raw_dtype, _ in planned:  # what add_tensor records, without the data
-            writer.add_tensor_info(n, e.shape, e.dtype, e.nbytes, raw_dtype=raw_dtype)
+        for n, entry, raw_dtype, _ in planned:  # what add_tensor records, without the data
+            writer.add_tensor_info(n, entry.shape, entry.dtype, entry.nbytes, raw_dtype=raw_dtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for _, e, _, _ in planned:  # in order, one tensor at a time (the bytes write_tensors_to_file writes)
-            writer.write_tensor_data(spool.get(e))
+        for _, entry, _, _ in planned:  # in order, one tensor at a time (the bytes write_tensors_to_file writes)
+            writer.write_tensor_data(spool.get(entry))
         writer.close()
         spool.close()
         # every quantized layer of the result is in the file as written (its tensor index read back, before the

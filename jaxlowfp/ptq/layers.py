@@ -23,7 +23,8 @@ hold the record only as a process-unique key, which kept identical models from s
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +59,8 @@ class Layout(NamedTuple):
     def from_matrix(self, w: jax.Array) -> jax.Array:
         permuted = tuple(self.shape[i] for i in self.perm)
         w = w if w.shape == permuted else jnp.reshape(w, permuted)
-        return w if self.perm == tuple(range(len(self.perm))) else jnp.transpose(w, np.argsort(self.perm))
+        return w if self.perm == tuple(range(len(self.perm))) else jnp.transpose(
+            w, cast(Sequence[int], np.argsort(self.perm)))
 
 
 class _Shape(NamedTuple):  # an operand for parse_einsum, which reads only shapes
@@ -81,7 +83,7 @@ def _einsum_spec(mod: nnx.Einsum, where: str) -> str:
 
 def layout(mod: nnx.Module, where: str) -> Layout:
     """The GEMM view of `mod`'s kernel (module docstring); a ValueError for a contraction PTQ cannot quantize."""
-    shape = tuple(int(d) for d in mod.kernel.shape)
+    shape = tuple(int(d) for d in cast(Any, mod).kernel.shape)  # every LAYER_TYPES module has a kernel
     if isinstance(mod, nnx.Linear):
         return Layout(shape[0], shape[1], (0, 1), shape)
     if isinstance(mod, nnx.LinearGeneral):
@@ -185,7 +187,9 @@ class EinsumActQuant(ActQuant):
     """The ``einsum_op`` of a PTQ'd ``nnx.Einsum``: `ActQuant` for an einsum (the input is the first operand),
     `jaxlowfp.ops.einsum`."""
 
-    def __call__(self, spec, lhs, rhs, precision=None, preferred_element_type=None, out_sharding=None, **kw):
+    # an einsum_op's signature, not a dot_general's: the hooks are installed on different attributes
+    def __call__(  # type: ignore[override]
+            self, spec, lhs, rhs, precision=None, preferred_element_type=None, out_sharding=None, **kw):
         _no_extras(self.path, out_sharding, kw)
         return ops.einsum(spec, lhs, rhs, recipe=self.recipe, precision=precision,
                           preferred_element_type=preferred_element_type, where=self.path or "EinsumActQuant",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -176,7 +176,7 @@ def _refuse_sharding(out_sharding: Any, where: str) -> None:
                                   f"inputs and parameters instead")
 
 
-def _adopt_params(dst: nnx.Module, src: nnx.Module) -> None:
+def _adopt_params(dst: QuantEinsum | QuantLinearGeneral, src: nnx.Einsum | nnx.LinearGeneral) -> None:
     """`dst` holds `src`'s kernel and bias `nnx.Param` objects (the same arrays, no copy)."""
     dst.kernel = src.kernel
     dst.bias = src.bias if src.bias is not None else nnx.data(None)
@@ -327,6 +327,18 @@ class QuantEinsum(QuantOp):
     8-bit recipes only; block-scaled ones raise at construction when the spec shows it, else at the first call.
     """
 
+    if TYPE_CHECKING:  # set in __init__ from the nnx.Einsum (adopted Params, then a setattr loop)
+        kernel: nnx.Param[jax.Array]
+        bias: nnx.Param[jax.Array] | None
+        einsum_str: str | None
+        kernel_shape: Any
+        bias_shape: Any
+        dtype: Any
+        param_dtype: Any
+        precision: Any
+        promote_dtype: Any
+        preferred_element_type: Any
+
     def __init__(self, einsum_str: str, kernel_shape: Any, bias_shape: Any = None, *, recipe: qat.Recipe,
                  observe_only: bool = False, path: str = "", rngs: nnx.Rngs | None = None,
                  _from: nnx.Einsum | None = None, **einsum_kwargs: Any):
@@ -376,7 +388,8 @@ class QuantEinsum(QuantOp):
         if spec is None:
             raise ValueError(f"{self.path or 'QuantEinsum'}: no einsum_str, neither at construction nor in the call")
         spec = spec.replace(" ", "")
-        nnx.Einsum._einsum_str_check(self, spec)
+        as_einsum = cast(nnx.Einsum, self)  # nnx.Einsum's helpers read only kernel_shape, copied from it
+        nnx.Einsum._einsum_str_check(as_einsum, spec)
         bias = self.bias[...] if self.bias is not None else None
         inputs, kernel, bias = self.promote_dtype((inputs, self.kernel[...], bias), dtype=self.dtype)
         e = parse_einsum(spec, inputs, kernel)
@@ -385,7 +398,7 @@ class QuantEinsum(QuantOp):
         if e.out_perm != tuple(range(y.ndim)):
             y = jnp.transpose(y, e.out_perm)
         if bias is not None:
-            y += jnp.reshape(bias, nnx.Einsum._infer_broadcasted_bias_shape(self, spec, inputs, kernel))
+            y += jnp.reshape(bias, nnx.Einsum._infer_broadcasted_bias_shape(as_einsum, spec, inputs, kernel))
         return y
 
 
@@ -398,6 +411,20 @@ class QuantLinearGeneral(QuantOp):
     *out_features]) with input and kernel fake-quantized by a `qat.Recipe`, as the GEMM of
     `jaxlowfp.ops` (K = prod(in_features), M = prod(out_features)). Same Params and initialization as
     `nnx.LinearGeneral` (built by it). A `batch_axis` takes the per-tensor 8-bit recipes only."""
+
+    if TYPE_CHECKING:  # set in __init__ from the nnx.LinearGeneral (adopted Params, then a setattr loop)
+        kernel: nnx.Param[jax.Array]
+        bias: nnx.Param[jax.Array] | None
+        in_features: tuple[int, ...]
+        out_features: tuple[int, ...]
+        axis: tuple[int, ...]
+        batch_axis: Mapping[int, int]
+        use_bias: bool
+        dtype: Any
+        param_dtype: Any
+        precision: Any
+        promote_dtype: Any
+        preferred_element_type: Any
 
     def __init__(self, in_features: Any, out_features: Any, *, recipe: qat.Recipe, observe_only: bool = False,
                  path: str = "", rngs: nnx.Rngs | None = None, _from: nnx.LinearGeneral | None = None,

@@ -4,8 +4,8 @@ modules for `QuantLinear`, `QuantEinsum` and `QuantLinearGeneral` in place, and 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, MutableMapping, MutableSequence, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, MutableMapping, MutableSequence, Sequence
+from typing import Any, cast
 
 import numpy as np
 from flax import nnx
@@ -17,19 +17,21 @@ from jaxlowfp.rules import QuantizeReport, Rule, check_rules, select
 _PathParts = tuple[Any, ...]
 
 # the module types quantize() replaces, and how (each builds the quantized layer around the same Params)
-_CONVERT = {
+_CONVERT: dict[type[nnx.Module], Callable[..., QuantOp]] = {
     nnx.Linear: QuantLinear.from_linear,
     nnx.Einsum: QuantEinsum.from_einsum,
     nnx.LinearGeneral: QuantLinearGeneral.from_linear_general,
 }
 _QUANTIZED = (QuantLinear, QuantEinsum, QuantLinearGeneral)
+# a module quantize() replaces or finds already replaced: each has a `kernel` Param
+_Layer = nnx.Linear | nnx.Einsum | nnx.LinearGeneral | QuantLinear | QuantEinsum | QuantLinearGeneral
 
 
 def _join(path: _PathParts) -> str:
     return "/".join(str(p) for p in path)
 
 
-def _kernel_size(m: nnx.Module) -> int:
+def _kernel_size(m: _Layer) -> int:
     return int(np.prod(m.kernel.shape))
 
 
@@ -116,13 +118,15 @@ def quantize(model: nnx.Module, rules: Sequence[Rule], *, rngs: nnx.Rngs | None 
         raise TypeError(f"quantize() replaces modules inside a model; for a bare {type(model).__name__} use "
                         f"QuantLinear.from_linear, QuantEinsum.from_einsum or QuantLinearGeneral.from_linear_general")
 
-    nodes = [(p, n) for p, n in nnx.iter_graph(model) if isinstance(n, (*_CONVERT, *_QUANTIZED))]
+    # the isinstance filter keeps _Layer nodes only (mypy does not narrow on a tuple built by unpacking _CONVERT)
+    nodes = cast(list[tuple[_PathParts, _Layer]],
+                 [(p, n) for p, n in nnx.iter_graph(model) if isinstance(n, (*_CONVERT, *_QUANTIZED))])
     grouped = grouped_weights(model)
     fresh_grouped = [g for g in grouped if not isinstance(getattr(g[1], GROUPED_PREFIX + g[2], None), QuantRaggedOp)]
     decided, unused = select(rules, [_join(p) for p, n in nodes if not isinstance(n, _QUANTIZED)]
                              + [g[0] for g in fresh_grouped])
     decided_grouped = decided[len(decided) - len(fresh_grouped):]
-    decided = iter(decided[:len(decided) - len(fresh_grouped)])
+    decided_layers = iter(decided[:len(decided) - len(fresh_grouped)])
     quantized, kept, unmatched, already, keys = [], [], [], [], []
     replacements: dict[int, QuantOp] = {}
     attach: list[tuple[nnx.Module, str, QuantRaggedOp]] = []
@@ -155,7 +159,7 @@ def quantize(model: nnx.Module, rules: Sequence[Rule], *, rngs: nnx.Rngs | None 
             continue
         path = _join(parts)
         total += _kernel_size(node)
-        idx = next(decided)
+        idx = next(decided_layers)
         if idx is None:
             unmatched.append(path)
             continue
