@@ -23,8 +23,8 @@ as ``dtype`` (F16 by default, as llama.cpp's converter does; BF16 or F32 on requ
 encoding: lossless and as small as the source.
 
 A packed model (`jaxlowfp.ptq.pack_model`) writes the file of the model it was packed from, byte for byte (NVFP4 layers
-from their own codes and scales, never decoded). After writing, the tensor index written to the header is checked: a quantized
-layer of the result missing from it raises, and nothing is written.
+from their own codes and scales, never decoded). After writing, the tensor index written to the header is checked: a
+quantized layer of the result missing from it raises, and nothing is written.
 
 Refused (nothing is written): a NaN / Inf in any tensor (or one that overflows ``dtype``); a W4A4 result without
 ``weights_only=True`` (GGUF has no activation quantization: llama.cpp would run the layers with high-precision
