@@ -323,7 +323,7 @@ def test_global_amax_supplied_and_saturation():
         deq = np.asarray(nvfp4.dequantize(q3))
         top = 6 * 448 * float(q3.global_scale)
         assert np.abs(deq).max() == pytest.approx(top, rel=1e-6)
-    with pytest.raises(ValueError, match=r"global_amax must be finite and >= 0 .*got -1.0"):  # a concrete one
+    with pytest.raises(ValueError, match=r"global_amax must be >= 0 .*got -1.0"):  # a concrete one
         nvfp4.quantize(x, rule="mse", global_amax=np.float32(-1.0))
     bad = jax.jit(lambda v, a: nvfp4.quantize(v, rule="mse", global_amax=a))(x, np.float32(-1.0))  # traced: NaN
     assert np.isnan(np.asarray(bad.global_scale)) and np.isnan(np.asarray(bad.scales).astype(F32)).all()
