@@ -36,7 +36,7 @@ _NAMES = {
     "Format": "_core.format", "FORMATS": "_core.format", "quantize": "packed", "dequantize": "packed",
     "fake_quantize": "packed",
     "ElementFormat": "formats", "HIF8": "formats", "E4M3": "formats", "E5M2": "formats", "E2M1": "formats",
-    "NVFP4Array": "nvfp4",
+    "QArray": "_core.qarray",
     "AmaxHistory": "scaling", "PendingAmax": "scaling", "DelayedScaling": "scaling", "CurrentScaling": "scaling",
     "StaticScaling": "scaling",
     "merge": "scaling",

@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 
 from jaxlowfp._core import minifloat as formats
 from jaxlowfp._core import nvfp4_blocks as ref
+from jaxlowfp._core.qarray import QArray
 from jaxlowfp._core.bits import FLT_MAX, div_by_3_pow2, true_divide
 from jaxlowfp._core.reduce import abs_max
 from ._common import (
@@ -276,7 +277,7 @@ def quantize(
     interpret: bool | None = None,
     tile_shape: tuple[int, int] | None = None,
     num_warps: int | None = None,
-) -> ref.NVFP4Array:
+) -> QArray:
     """``jaxlowfp.nvfp4.quantize`` as a Pallas kernel (same arguments and result, bit for bit; nearest rounding).
 
     Extra keyword arguments:
