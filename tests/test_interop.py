@@ -108,9 +108,9 @@ def test_decoding_in_compressed_tensors_order_equals_its_decompressor():
         codes = fx[f"ct/{k}/weight_packed"]
         scales = fx[f"ct/{k}/weight_scale"].view(ml_dtypes.float8_e4m3fn)
         g = fx[f"ct/{k}/weight_global_scale"][0]
-        arr = nvfp4.NVFP4Array(codes=jnp.asarray(codes), scales=jnp.asarray(scales), global_scale=jnp.float32(1 / g),
-                               rule="static_6", block_shape=(1, 16), dtype=jnp.dtype(jnp.float32),
-                               shape=(codes.shape[0], 2 * codes.shape[1]))
+        arr = jaxlowfp.QArray(codes=jnp.asarray(codes), scales=jnp.asarray(scales), global_scale=jnp.float32(1 / g),
+                              format=jaxlowfp.Format(kind="nvfp4"), dtype=jnp.dtype(jnp.float32),
+                              shape=(codes.shape[0], 2 * codes.shape[1]))
         ct = np.asarray(serving.decode(arr, jnp.float32(g), "compressed-tensors"))
         # bitwise: E2M1 * E4M3 values and one IEEE division and one product, correctly rounded on any CPU
         np.testing.assert_array_equal(ct.view(np.uint32), fx[f"ct/{k}/decoded"].view(np.uint32))

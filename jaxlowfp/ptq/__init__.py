@@ -86,8 +86,7 @@ __getattr__ = deprecated_getattr(__name__, {
     "pack": ("jaxlowfp.ptq.pack_model", lambda: pack_model),
     "TensorFormat": ("jaxlowfp.Format", _tensor_format),
     # the result record of rtn_weight / gptq_weight, not a second array type: its .packed is a jaxlowfp.QArray
-    "QuantizedWeight": ("rtn_weight / gptq_weight's result as returned (its .packed is a jaxlowfp.QArray)",
-                        lambda: _quantized_weight()),
+    "QuantizedWeight": ("jaxlowfp.ptq.rtn_weight", lambda: _quantized_weight()),
 })
 
 
