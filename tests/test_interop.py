@@ -101,8 +101,6 @@ def test_gguf_export_is_what_the_gguf_dequantizer_reads(tmp_path):
 
 def test_decoding_in_compressed_tensors_order_equals_its_decompressor():
     fx = np.load(FIX / "smollm2_consumers.npz")
-    from jaxlowfp import nvfp4
-
     n_diff_ours = 0
     for k in ("model.layers.0.self_attn.q_proj", "model.layers.3.mlp.down_proj"):
         codes = fx[f"ct/{k}/weight_packed"]
