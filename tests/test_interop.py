@@ -249,8 +249,8 @@ def test_export_fuses_refuses_and_reports(tmp_path):
     arr, s = res.packed["blocks/1/mlp/up_proj"]
     bad = arr.scales.at[0, 0].set(jnp.nan)
     r4 = type(res)(**{**res.__dict__, "packed": {**res.packed, "blocks/1/mlp/up_proj": (
-        type(arr)(codes=arr.codes, scales=bad, global_scale=arr.global_scale, rule=arr.rule,
-                  block_shape=arr.block_shape, dtype=arr.dtype, shape=arr.shape), s)}})
+        type(arr)(codes=arr.codes, scales=bad, global_scale=arr.global_scale, format=arr.format,
+                  dtype=arr.dtype, shape=arr.shape), s)}})
     with pytest.raises(ValueError, match="(up_proj).*(NaN|kernel is not)"):
         ptq.export(model, r4, tmp_path / "d")
     mixed = [ptq.Rule(path=r".*/q_proj", scheme=ptq.scheme("nvfp4-static_6")),
