@@ -35,7 +35,7 @@ from jaxlowfp import formats, registry
 from jaxlowfp._core.bits import div_const, materialize, pow2
 from jaxlowfp._core.checks import float_dtype, float_input, one_of
 from jaxlowfp._core.deprecation import deprecated_getattr, renamed_kwarg
-from jaxlowfp._core.nvfp4_blocks import block_amax, pack_nibbles, unpack_nibbles
+from jaxlowfp._core.nvfp4_blocks import block_amax, pack_nibbles
 from jaxlowfp._core.format import MX_ELEMENT
 from jaxlowfp._core.format import Format as _Format
 from jaxlowfp._core.qarray import MXArray as _MXArray
@@ -132,18 +132,6 @@ def quantize(x: ArrayLike, *, format: MXFormat = "e2m1", rule: MXRule = "floor",
     codes, scales = _run(x, cfg=cfg, out="q")
     return QArray(codes=codes, scales=scales, global_scale=None, format=_Format(kind=_KIND[cfg.format], rule=cfg.rule),
                   dtype=x.dtype, shape=x.shape)
-
-
-@functools.partial(jax.jit, static_argnames=("fmt", "shape", "dtype"))
-def decode(codes: jax.Array, scales: jax.Array, *, fmt: str, shape: tuple[int, ...], dtype: DTypeLike
-                ) -> jax.Array:
-    """``P_i * 2^e`` of MX codes (uint8, E2M1 two a byte) and E8M0 scales, `fmt` the element format, in `dtype`."""
-    if fmt == "e2m1":
-        codes = unpack_nibbles(codes)
-    v = formats.get(fmt).decode(codes).reshape(*shape[:-1], shape[-1] // BLOCK, BLOCK)
-    sb = lax.bitcast_convert_type(scales, jnp.uint8).astype(jnp.int32)
-    scale = jnp.where(sb == 255, jnp.nan, pow2(jnp.minimum(sb - 127, 127), subnormal=True))
-    return (v * scale[..., None]).reshape(shape).astype(dtype)
 
 
 def dequantize(q: QArray, dtype: DTypeLike = jnp.float32) -> jax.Array:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -28,9 +28,6 @@ from jaxlowfp._core.bits import FLT_MAX, SIGN, div_const, from_bits, ieee_div, m
 from jaxlowfp._core.reduce import abs_max
 from jaxlowfp._core.checks import float_input, one_of
 from jaxlowfp._core.minifloat import _E2M1_THRESHOLDS, E2M1, E4M3
-
-if TYPE_CHECKING:
-    from jaxlowfp._core.qarray import QArray
 
 
 class BlockConfig(Protocol):
@@ -552,23 +549,6 @@ def validate_kernel_args(
     if x.size >= 2**31:
         raise ValueError(f"x has {x.size} elements; the kernel indexes with int32 and supports fewer than 2^31")
     return cfg, x, ga
-
-
-def kernel_array(
-    x: jax.Array, cfg: NVFP4Config, codes: jax.Array, scale_bytes: jax.Array, global_scale: jax.Array
-) -> QArray:
-    """The `jaxlowfp.QArray` of `x` from a kernel's outputs: packed codes and E4M3 scale bytes in any layout."""
-    from jaxlowfp._core.format import Format
-    from jaxlowfp._core.qarray import QArray  # imports this module
-
-    k = x.shape[-1]
-    scales = lax.bitcast_convert_type(scale_bytes, jnp.float8_e4m3fn)
-    tile = cfg.rows > 1
-    sshape = (*x.shape[:-2], x.shape[-2] // cfg.rows, k // 16) if tile else (*x.shape[:-1], k // 16)
-    return QArray(
-        codes=codes.reshape(*x.shape[:-1], k // 2), scales=scales.reshape(sshape), global_scale=global_scale,
-        format=Format(kind="nvfp4", rule=cfg.rule, block_shape=cfg.block_shape), dtype=x.dtype, shape=x.shape,
-    )
 
 
 def pack_nibbles(nib: jax.Array) -> jax.Array:

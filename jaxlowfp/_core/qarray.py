@@ -22,6 +22,7 @@ scaling); the compressed-tensors arithmetic's decode ``q * (s / g)`` needs the e
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -30,12 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxlowfp._core import if4_blocks, nvfp4_blocks
+from jaxlowfp._core import if4_blocks, minifloat, nvfp4_blocks
+from jaxlowfp._core.bits import pow2
 from jaxlowfp._core.checks import float_dtype
 from jaxlowfp._core.format import IF_KINDS, MX_ELEMENT, PER_TENSOR, Format
 from jaxlowfp._core.pytree import pytree_dataclass
 
-__all__ = ["QArray"]
+__all__ = ["QArray", "kernel_array", "mx_decode"]
 
 
 @pytree_dataclass(data=("codes", "scales", "global_scale"), meta=("format", "dtype", "shape"))
@@ -74,9 +76,7 @@ class QArray:
             return if4_blocks.dequantize_blocks(self.codes, self.scales, self.global_scale, fmt=kind,
                                                 rows=self.format.rows, shape=self.shape, dtype=dtype)
         if kind in MX_ELEMENT:
-            from jaxlowfp import mx  # the MX decode lives with its quantizer (jaxlowfp.mx imports this module)
-
-            return mx.decode(self.codes, self.scales, fmt=MX_ELEMENT[kind], shape=self.shape, dtype=dtype)
+            return mx_decode(self.codes, self.scales, fmt=MX_ELEMENT[kind], shape=self.shape, dtype=dtype)
         return (self.values() * self.global_scale).astype(dtype)
 
     def values(self) -> jax.Array:
@@ -84,9 +84,7 @@ class QArray:
         if not self.format.per_tensor:
             raise ValueError(f"values() reads the codes of a per-tensor format (fp8, hif8); this is {self.format!r}")
         if PER_TENSOR[self.format.kind][0] == "hif8":
-            from jaxlowfp import formats
-
-            return formats.HIF8.decode(self.codes, jnp.float32)
+            return minifloat.HIF8.decode(self.codes, jnp.float32)
         return self.codes.astype(jnp.float32)
 
     @property
@@ -118,6 +116,35 @@ class QArray:
     def nbytes(self) -> int:
         """Bytes of every leaf (codes, scales, global scale)."""
         return int(sum(np.dtype(a.dtype).itemsize * math.prod(a.shape) for a in jax.tree.leaves(self)))
+
+
+MX_BLOCK = 32
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "shape", "dtype"))
+def mx_decode(codes: jax.Array, scales: jax.Array, *, fmt: str, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """``P_i * 2^e`` of MX codes (uint8, E2M1 two a byte) and E8M0 scales (0xFF: NaN), `fmt` the element format
+    ("e2m1", "e4m3", "e5m2"), in `dtype`: `jaxlowfp.mx`'s decode step."""
+    if fmt == "e2m1":
+        codes = nvfp4_blocks.unpack_nibbles(codes)
+    v = minifloat.get(fmt).decode(codes).reshape(*shape[:-1], shape[-1] // MX_BLOCK, MX_BLOCK)
+    sb = lax.bitcast_convert_type(scales, jnp.uint8).astype(jnp.int32)
+    scale = jnp.where(sb == 255, jnp.nan, pow2(jnp.minimum(sb - 127, 127), subnormal=True))
+    return (v * scale[..., None]).reshape(shape).astype(dtype)
+
+
+def kernel_array(
+    x: jax.Array, cfg: nvfp4_blocks.NVFP4Config, codes: jax.Array, scale_bytes: jax.Array, global_scale: jax.Array
+) -> QArray:
+    """The `jaxlowfp.QArray` of `x` from a kernel's outputs: packed codes and E4M3 scale bytes in any layout."""
+    k = x.shape[-1]
+    scales = lax.bitcast_convert_type(scale_bytes, jnp.float8_e4m3fn)
+    tile = cfg.rows > 1
+    sshape = (*x.shape[:-2], x.shape[-2] // cfg.rows, k // 16) if tile else (*x.shape[:-1], k // 16)
+    return QArray(
+        codes=codes.reshape(*x.shape[:-1], k // 2), scales=scales.reshape(sshape), global_scale=global_scale,
+        format=Format(kind="nvfp4", rule=cfg.rule, block_shape=cfg.block_shape), dtype=x.dtype, shape=x.shape,
+    )
 
 
 # ---- the old array types (one release): constructors that build a QArray, and isinstance by format kind
