@@ -96,7 +96,8 @@ class Format:
             _one_of(bs, tuple(names.NVFP4_BLOCK_SHAPES), "block_shape")
             object.__setattr__(self, "block_shape", bs)
         elif self.block_shape is not None:
-            raise ValueError(f"block_shape={self.block_shape!r} applies to kind 'nvfp4' or 'if4' only; got "
+            raise ValueError(f"block_shape={self.block_shape!r} applies to kind 'nvfp4' or the IF kinds ('if4', "
+                             f"'if6_e2m3', 'if6_e3m2', 'if3') only; got "
                              f"kind={self.kind!r}")
         if self.kind == "nvfp4":
             arith = "jaxlowfp" if self.arithmetic is None else self.arithmetic
@@ -135,7 +136,7 @@ class Format:
         if rest == "16x16" or rest.endswith("-16x16"):
             bs, rest = (16, 16), rest[:-len("16x16")].rstrip("-")
         if kind not in ARRAY_KINDS:
-            raise ValueError(f"unknown format {name!r} (kind={kind!r} is not one of {', '.join(KINDS)}); allowed "
+            raise ValueError(f"unknown format {name!r} (kind={kind!r} is not one of {', '.join(ARRAY_KINDS)}); allowed "
                              f"names: {', '.join(FORMATS)}, and -16x16 tiles for nvfp4 / if4")
         return cls(kind=kind, rule=rest or None, block_shape=bs, arithmetic=arith)
 
