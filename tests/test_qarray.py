@@ -141,6 +141,8 @@ def test_old_names_warn_build_qarrays_and_answer_isinstance():
         qs = packed.scaled_quantize(x, "fp8")
         rs = packed.ScaledArray(codes=qs.codes, scale=qs.scale, elem="e4m3", dtype=qs.dtype, shape=qs.shape)
         assert rs.format == jaxlowfp.Format(kind="fp8") and rs.scales is None
+        rp = packed.ScaledArray(qs.codes, qs.scale, "e4m3", qs.dtype, qs.shape)  # positionally, as the dataclass
+        assert rp.format == rs.format and rp.global_scale is qs.global_scale
         with pytest.raises(ValueError, match="MXArray format='e9m9'"):
             mx.MXArray(codes=qm.codes, scales=qm.scales, format="e9m9", rule="ceil", dtype=qm.dtype, shape=qm.shape)
     # the rebuilt arrays decode as the originals (one jit program each)

@@ -154,8 +154,16 @@ class _LegacyArrayMeta(type):
     """``Old(**old_kwargs)`` builds a :class:`QArray`; ``isinstance(q, Old)`` is True for a QArray of its kinds."""
 
     _kinds: tuple[str, ...]
+    _fields: tuple[str, ...]  # the old dataclass's field order (positional arguments)
 
-    def __call__(cls, **kwargs: Any) -> QArray:  # type: ignore[override]
+    def __call__(cls, *args: Any, **kwargs: Any) -> QArray:  # type: ignore[override]
+        if len(args) > len(cls._fields):
+            raise TypeError(f"{cls.__name__} takes at most {len(cls._fields)} arguments ({', '.join(cls._fields)}); "
+                            f"got {len(args)}")
+        for name, value in zip(cls._fields, args):
+            if name in kwargs:
+                raise TypeError(f"{cls.__name__} got {name}= twice (positionally and as a keyword)")
+            kwargs[name] = value
         return cls._build(**kwargs)  # type: ignore[attr-defined, no-any-return]
 
     def __instancecheck__(cls, obj: Any) -> bool:
@@ -166,6 +174,7 @@ class NVFP4Array(metaclass=_LegacyArrayMeta):
     """Deprecated: :class:`QArray` of kind "nvfp4"."""
 
     _kinds = ("nvfp4",)
+    _fields = ("codes", "scales", "global_scale", "rule", "block_shape", "dtype", "shape")
 
     @staticmethod
     def _build(*, codes: Any, scales: Any, global_scale: Any, rule: str, block_shape: tuple[int, int] = (1, 16),
@@ -178,6 +187,7 @@ class IFArray(metaclass=_LegacyArrayMeta):
     """Deprecated: :class:`QArray` of kind "if4", "if6_e2m3", "if6_e3m2" or "if3"."""
 
     _kinds = tuple(IF_KINDS)
+    _fields = ("codes", "scales", "global_scale", "format", "rule", "block_shape", "dtype", "shape")
 
     @staticmethod
     def _build(*, codes: Any, scales: Any, global_scale: Any, format: str, rule: str,  # noqa: A002
@@ -190,6 +200,7 @@ class MXArray(metaclass=_LegacyArrayMeta):
     """Deprecated: :class:`QArray` of kind "mxfp4", "mxfp8" or "mxfp8_e5m2"."""
 
     _kinds = tuple(MX_ELEMENT)
+    _fields = ("codes", "scales", "format", "rule", "dtype", "shape")
 
     @staticmethod
     def _build(*, codes: Any, scales: Any, format: str, rule: str, dtype: Any,  # noqa: A002
@@ -206,6 +217,7 @@ class ScaledArray(metaclass=_LegacyArrayMeta):
     """Deprecated: :class:`QArray` of kind "fp8" or "hif8"."""
 
     _kinds = tuple(PER_TENSOR)
+    _fields = ("codes", "scale", "elem", "dtype", "shape")
 
     @staticmethod
     def _build(*, codes: Any, scale: Any, elem: str, dtype: Any, shape: tuple[int, ...]) -> QArray:
