@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import machine, markdown_table, write_section  # noqa: E402
 
-from jaxlowfp import dispatch, nvfp4, qat  # noqa: E402
+from jaxlowfp import QArray, dispatch, nvfp4, qat  # noqa: E402
 from pallas_kernels import hif8 as phif8  # noqa: E402
 from pallas_kernels import nvfp4 as pnvfp4  # noqa: E402
 
@@ -114,7 +114,7 @@ def hif8_case(quick: bool) -> Case:
 
 
 def _nvfp4_leaves(out) -> list:
-    if isinstance(out, nvfp4.NVFP4Array):
+    if isinstance(out, QArray):
         return [out.codes, out.scales, out.global_scale]
     return [out]
 

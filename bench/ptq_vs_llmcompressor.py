@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "bench")]
 
 from _results import machine, markdown_table, write_section  # noqa: E402
-from jaxlowfp import Format, nvfp4, ptq  # noqa: E402
+from jaxlowfp import Format, QArray, ptq  # noqa: E402
 from jaxlowfp.evaluation import budget_docs, rolling_requests, score_requests  # noqa: E402
 from jaxlowfp.models import load  # noqa: E402
 from jaxlowfp.ptq import serving  # noqa: E402
@@ -99,8 +99,9 @@ def load_llmc(model: nnx.Module, directory: Path, act_rule: str = "static_6") ->
             scales = jnp.asarray(tensors[f"{base}.weight_scale"])
             g = jnp.asarray(np.asarray(tensors[f"{base}.weight_global_scale"], np.float32).reshape(-1)[0])
             out, half = codes.shape
-            arr = nvfp4.NVFP4Array(codes=codes, scales=scales, global_scale=1.0 / g, rule="static_6",
-                                   block_shape=(1, 16), dtype=jnp.dtype(jnp.float32), shape=(out, 2 * half))
+            arr = QArray(codes=codes, scales=scales, global_scale=1.0 / g,
+                         format=Format(kind="nvfp4", arithmetic="compressed-tensors"), dtype=jnp.dtype(jnp.float32),
+                         shape=(out, 2 * half))
             var.set_value(serving.decode(arr, g, "compressed-tensors").T)
             lins[spec.path.rsplit("/", 1)[0]].dot_general = ptq.ActQuant(act)
         else:

@@ -14,6 +14,9 @@ which the kernels use) does not pull in optax or Flax.
     16.0
     >>> jaxlowfp.Format.parse("nvfp4-mse")                 # "nvfp4" is standard NVFP4; Four Over Six is named
     Format('nvfp4-mse')
+    >>> q = jaxlowfp.quantize(jnp.ones((2, 32)), "mxfp4")   # one quantized array type for every format
+    >>> type(q).__name__, q.format, q.codes.shape, jaxlowfp.dequantize(q)[0, 0].item()
+    ('QArray', Format('mxfp4'), (2, 16), 1.0)
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ _NAMES = {
     "Format": "_core.format", "FORMATS": "_core.format", "quantize": "packed", "dequantize": "packed",
     "fake_quantize": "packed",
     "ElementFormat": "formats", "HIF8": "formats", "E4M3": "formats", "E5M2": "formats", "E2M1": "formats",
-    "NVFP4Array": "nvfp4",
+    "QArray": "_core.qarray",
     "AmaxHistory": "scaling", "PendingAmax": "scaling", "DelayedScaling": "scaling", "CurrentScaling": "scaling",
     "StaticScaling": "scaling",
     "merge": "scaling",

@@ -54,7 +54,8 @@ from jaxlowfp import formats, mx, nvfp4
 from jaxlowfp._core.capability import compute_capability
 from jaxlowfp._core.checks import one_of
 from jaxlowfp._core.pytree import pytree_dataclass
-from jaxlowfp._core.format import Format
+from jaxlowfp._core.format import MX_ELEMENT, Format
+from jaxlowfp._core.qarray import QArray
 from jaxlowfp.packed import PER_TENSOR, PackedWeight, _per_tensor_scale, as_format, fake_quantize
 
 __all__ = ["BACKENDS", "BackendUnavailableError", "Plan", "plan", "packed_dot_general", "packed_matmul",
@@ -216,29 +217,32 @@ def _e2m1_operand(codes: jax.Array, k: int) -> jax.Array:
     return lax.bitcast_convert_type(codes, jnp.float4_e2m1fn).reshape(codes.shape[0], k)
 
 
-def _nvfp4_operand(arr: nvfp4.NVFP4Array, k: int) -> tuple[jax.Array, jax.Array]:
+def _nvfp4_operand(arr: QArray, k: int) -> tuple[jax.Array, jax.Array]:
     """(float4_e2m1fn [R, K], float8_e4m3fn scales [R, K/16]); 16x16 tiles repeat their scale over the 16 rows."""
-    s = arr.scales if arr.block_shape[0] == 1 else jnp.repeat(arr.scales, arr.block_shape[0], axis=0)
+    assert arr.scales is not None
+    rows = arr.format.rows
+    s = arr.scales if rows == 1 else jnp.repeat(arr.scales, rows, axis=0)
     return _e2m1_operand(arr.codes, k), s
 
 
-def _mx_operand(arr: mx.MXArray, k: int) -> tuple[jax.Array, jax.Array]:
-    if arr.format == "e2m1":
+def _mx_operand(arr: QArray, k: int) -> tuple[jax.Array, jax.Array]:
+    assert arr.scales is not None
+    if arr.format.kind == "mxfp4":
         return _e2m1_operand(arr.codes, k), arr.scales
-    dt = jnp.float8_e4m3fn if arr.format == "e4m3" else jnp.float8_e5m2
+    dt = jnp.float8_e4m3fn if arr.format.kind == "mxfp8" else jnp.float8_e5m2
     return lax.bitcast_convert_type(arr.codes, dt), arr.scales
 
 
-def block_scaled_product(xa: nvfp4.NVFP4Array | mx.MXArray, wa: nvfp4.NVFP4Array | mx.MXArray) -> jax.Array:
+def block_scaled_product(xa: QArray, wa: QArray) -> jax.Array:
     """``jax.nn.scaled_matmul`` of two quantized arrays of one format with blocks along K: ``xa`` of ``x [M, K]``
     (NVFP4 1x16 blocks, or MX) and ``wa`` of ``W'^T [N, K]`` (NVFP4 1x16 or 16x16, or MX) -> float32 [M, N]. NVFP4's
     two float32 decode scales multiply the output (``g_x g_w sum_k (s_x q_x)(s_w q_w)``)."""
     k = xa.shape[-1]
-    if isinstance(xa, nvfp4.NVFP4Array):
-        (xq, xs), (wq, ws) = _nvfp4_operand(xa, k), _nvfp4_operand(wa, k)  # type: ignore[arg-type]
-        g = xa.global_scale * wa.global_scale  # type: ignore[union-attr]
+    if xa.format.kind == "nvfp4":
+        (xq, xs), (wq, ws) = _nvfp4_operand(xa, k), _nvfp4_operand(wa, k)
+        g = xa.global_scale * wa.global_scale  # type: ignore[operator]
     else:
-        (xq, xs), (wq, ws) = _mx_operand(xa, k), _mx_operand(wa, k)  # type: ignore[arg-type]
+        (xq, xs), (wq, ws) = _mx_operand(xa, k), _mx_operand(wa, k)
         g = None
     out = jax.nn.scaled_matmul(xq[None], wq[None], xs[None], ws[None], preferred_element_type=jnp.float32)[0]
     return out if g is None else out * g
@@ -248,7 +252,7 @@ def _scaled_matmul(x2: jax.Array, w: PackedWeight, act: Format) -> jax.Array:
     if w.format.kind == "nvfp4":
         xa = nvfp4.quantize(x2, rule=act.rule)  # type: ignore[arg-type]  # ours: Four Over Six included
     else:
-        xa = mx.quantize(x2, format=w.array.format)  # type: ignore[assignment]
+        xa = mx.quantize(x2, format=MX_ELEMENT[w.array.format.kind])  # type: ignore[arg-type]
     return block_scaled_product(xa, w.array)
 
 
@@ -270,7 +274,7 @@ def scaled_matmul_rows(x2: jax.Array, w: PackedWeight, rule: str, amax: Any) -> 
     return block_scaled_rows(x2, w.array, rule, amax)
 
 
-def block_scaled_rows(x2: jax.Array, wa: nvfp4.NVFP4Array, rule: str, amax: Any) -> jax.Array:
+def block_scaled_rows(x2: jax.Array, wa: QArray, rule: str, amax: Any) -> jax.Array:
     """:func:`scaled_matmul_rows` on the NVFP4 array ``wa`` of ``W'^T [N, K]`` (1x16 or 16x16 blocks)."""
     a = jnp.broadcast_to(jnp.asarray(amax, jnp.float32).reshape(-1), (x2.shape[0],))
     rows = jax.vmap(lambda r, m: nvfp4.quantize(r[None], rule=rule, global_amax=m))(x2, a)  # type: ignore[arg-type]
@@ -278,7 +282,7 @@ def block_scaled_rows(x2: jax.Array, wa: nvfp4.NVFP4Array, rule: str, amax: Any)
     xq, xs = _e2m1_operand(rows.codes[:, 0], k), rows.scales[:, 0]
     wq, ws = _nvfp4_operand(wa, k)
     out = jax.nn.scaled_matmul(xq[None], wq[None], xs[None], ws[None], preferred_element_type=jnp.float32)[0]
-    return out * (rows.global_scale.reshape(-1, 1) * wa.global_scale)
+    return out * (rows.global_scale.reshape(-1, 1) * wa.global_scale)  # type: ignore[union-attr, operator]
 
 
 def fp8_rows(x2: jax.Array, w: PackedWeight, scaling: Any, amax: Any) -> jax.Array:
@@ -322,10 +326,10 @@ def decode_weight(w: PackedWeight, device: Any = None) -> jax.Array:
     if fmt.kind != "nvfp4" or fmt.arithmetic != "jaxlowfp" or _device(device).platform not in ("cpu", "gpu"):
         return w.dequantize(jnp.float32)
     q = _e2m1_operand(a.codes, w.k).astype(jnp.float32)  # [N, K]
-    s = a.scales.astype(jnp.float32)
-    if a.block_shape[0] > 1:  # 16x16 tiles: the tile's scale on each of its 16 rows
-        s = jnp.repeat(s, a.block_shape[0], axis=0)
-    out = (q.reshape(w.n, w.k // 16, 16) * s[..., None]).reshape(w.n, w.k) * a.global_scale
+    s = a.scales.astype(jnp.float32)  # type: ignore[union-attr]
+    if a.format.rows > 1:  # 16x16 tiles: the tile's scale on each of its 16 rows
+        s = jnp.repeat(s, a.format.rows, axis=0)
+    out = (q.reshape(w.n, w.k // 16, 16) * s[..., None]).reshape(w.n, w.k) * a.global_scale  # type: ignore[operator]
     return out.T
 
 

@@ -51,13 +51,15 @@ from jaxlowfp._core.if4_blocks import (
     FORMATS,
     GRIDS,
     RULES,
-    IFArray,
     IFConfig,
     IFFormat,
     IFRule,
     global_scales,
     if_blocks,
 )
+from jaxlowfp._core.format import Format as _Format
+from jaxlowfp._core.qarray import IFArray as _IFArray
+from jaxlowfp._core.qarray import QArray
 from jaxlowfp._core.nvfp4_blocks import (
     BLOCK,
     BLOCK_SHAPES,
@@ -72,11 +74,12 @@ from jaxlowfp._core.nvfp4_blocks import (
     validate_args,
 )
 
-__all__ = ["IFArray", "IFConfig", "IFFormat", "IFRule", "Rounding", "FORMATS", "RULES", "ROUNDINGS", "BLOCK_SHAPES",
+__all__ = ["IFConfig", "IFFormat", "IFRule", "Rounding", "FORMATS", "RULES", "ROUNDINGS", "BLOCK_SHAPES",
            "GRIDS", "quantize", "dequantize", "fake_quantize", "selected_int", "global_scales"]
 
 # old names (one release): `Rule` clashed with the class jaxlowfp.Rule, `Format` with jaxlowfp.Format
-_DEPRECATED = {"Rule": ("jaxlowfp.if4.IFRule", lambda: IFRule), "Format": ("jaxlowfp.if4.IFFormat", lambda: IFFormat)}
+_DEPRECATED = {"Rule": ("jaxlowfp.if4.IFRule", lambda: IFRule), "Format": ("jaxlowfp.if4.IFFormat", lambda: IFFormat),
+               "IFArray": ("jaxlowfp.QArray", lambda: _IFArray)}
 __getattr__ = deprecated_getattr(__name__, _DEPRECATED)
 
 
@@ -129,7 +132,7 @@ def quantize(
     global_amax: ArrayLike | None = None,
     rounding: Rounding = "nearest",
     key: jax.Array | None = None,
-) -> IFArray:
+) -> QArray:
     """IF-quantize `x` (float32/bfloat16/float16, last axis a multiple of 16).
 
     Args:
@@ -144,15 +147,17 @@ def quantize(
     """
     cfg, x, global_amax = _prepare(x, format, rule, block_shape, rounding, global_amax, key)
     codes, scales, s_dec = _run(x, global_amax, key, cfg=cfg, out="q")
-    return IFArray(codes=codes, scales=scales, global_scale=s_dec, format=cfg.format, rule=cfg.rule,
-                   block_shape=cfg.block_shape, dtype=x.dtype, shape=x.shape)
+    return QArray(codes=codes, scales=scales, global_scale=s_dec,
+                  format=_Format(kind=cfg.format, rule=cfg.rule, block_shape=cfg.block_shape), dtype=x.dtype,
+                  shape=x.shape)
 
 
-def dequantize(q: IFArray, dtype: DTypeLike = jnp.float32) -> jax.Array:
-    """``x̂`` of an :class:`IFArray` in `dtype`: ``(q * |s|) * S_dec`` (FP blocks), ``((q * |s|) * step) * S_dec``
-    (INT blocks)."""
-    if not isinstance(q, IFArray):
-        raise TypeError(f"dequantize expects an IFArray; got {type(q).__name__}")
+def dequantize(q: QArray, dtype: DTypeLike = jnp.float32) -> jax.Array:
+    """``x̂`` of an IF `jaxlowfp.QArray` in `dtype`: ``(q * |s|) * S_dec`` (FP blocks), ``((q * |s|) * step) *
+    S_dec`` (INT blocks)."""
+    if not isinstance(q, QArray) or q.format.kind not in FORMATS:
+        got = f"a QArray of {q.format!r}" if isinstance(q, QArray) else type(q).__name__
+        raise TypeError(f"if4.dequantize expects an IF jaxlowfp.QArray (if4.quantize's result); got {got}")
     return q.dequantize(dtype)
 
 
@@ -181,7 +186,7 @@ def selected_int(
     rounding: Rounding = "nearest",
     key: jax.Array | None = None,
 ) -> jax.Array:
-    """bool per block (the shape of `IFArray.scales`): True where the block uses the INT grid, for the same
+    """bool per block (the shape of the `QArray`'s scales): True where the block uses the INT grid, for the same
     arguments as :func:`quantize` (telemetry: ``selected_int(x).mean()`` is the INT share)."""
     cfg, x, global_amax = _prepare(x, format, rule, block_shape, rounding, global_amax, key)
     return _run(x, global_amax, key, cfg=cfg, out="int")

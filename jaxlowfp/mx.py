@@ -34,11 +34,14 @@ from jax.typing import ArrayLike, DTypeLike
 from jaxlowfp import formats, registry
 from jaxlowfp._core.bits import div_const, materialize, pow2
 from jaxlowfp._core.checks import float_dtype, float_input, one_of
-from jaxlowfp._core.deprecation import deprecated_getattr, renamed_kwarg, warn
-from jaxlowfp._core.nvfp4_blocks import block_amax, pack_nibbles, unpack_nibbles
-from jaxlowfp._core.pytree import pytree_dataclass
+from jaxlowfp._core.deprecation import deprecated_getattr, renamed_kwarg
+from jaxlowfp._core.nvfp4_blocks import block_amax, pack_nibbles
+from jaxlowfp._core.format import MX_ELEMENT
+from jaxlowfp._core.format import Format as _Format
+from jaxlowfp._core.qarray import MXArray as _MXArray
+from jaxlowfp._core.qarray import QArray
 
-__all__ = ["MXArray", "MXConfig", "MXFormat", "MXRule", "FORMATS", "RULES", "BLOCK", "quantize", "dequantize",
+__all__ = ["MXConfig", "MXFormat", "MXRule", "FORMATS", "RULES", "BLOCK", "quantize", "dequantize",
            "fake_quantize", "shared_exponent"]
 
 MXFormat = Literal["e2m1", "e4m3", "e5m2"]
@@ -49,9 +52,11 @@ BLOCK = 32
 # old names (one release): the keywords were elem= / scale_rule=, the lists ELEMENTS / SCALE_RULES; the same
 # meaning is format= / rule= in jaxlowfp.if4 and jaxlowfp.nvfp4
 _DEPRECATED = {"ELEMENTS": ("jaxlowfp.mx.FORMATS", lambda: FORMATS),
-               "SCALE_RULES": ("jaxlowfp.mx.RULES", lambda: RULES)}
+               "SCALE_RULES": ("jaxlowfp.mx.RULES", lambda: RULES),
+               "MXArray": ("jaxlowfp.QArray", lambda: _MXArray)}
 __getattr__ = deprecated_getattr(__name__, _DEPRECATED)
 _EMAX = {"e2m1": 2, "e4m3": 8, "e5m2": 15}
+_KIND = {e: k for k, e in MX_ELEMENT.items()}  # element format -> jaxlowfp.Format kind
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,39 +73,6 @@ class MXConfig:
     @property
     def fmt(self) -> formats.MiniFloat:
         return formats.get(self.format)  # type: ignore[return-value]
-
-
-@pytree_dataclass(data=("codes", "scales"), meta=("format", "rule", "dtype", "shape"))
-class MXArray:
-    """An MX-quantized tensor (pytree).
-
-    Attributes:
-      codes: uint8; E2M1 packed two a byte (element 2j in the low nibble) [..., K // 2], E4M3/E5M2 [..., K].
-      scales: float8_e8m0fnu [..., K // 32], the block scales 2^e (0xFF = NaN).
-      format, rule, dtype, shape: static metadata (``elem`` / ``scale_rule``: deprecated names of the first two).
-    """
-
-    codes: jax.Array
-    scales: jax.Array
-    format: str
-    rule: str
-    dtype: DTypeLike
-    shape: tuple[int, ...]
-
-    def dequantize(self, dtype: DTypeLike | None = None) -> jax.Array:
-        return dequantize(self, self.dtype if dtype is None else dtype)
-
-    @property
-    def elem(self) -> str:
-        """Deprecated: :attr:`format`."""
-        warn("MXArray.elem", "MXArray.format")
-        return self.format
-
-    @property
-    def scale_rule(self) -> str:
-        """Deprecated: :attr:`rule`."""
-        warn("MXArray.scale_rule", "MXArray.rule")
-        return self.rule
 
 
 def shared_exponent(blk_amax: jax.Array, format: str, rule: str) -> jax.Array:  # noqa: A002
@@ -151,33 +123,23 @@ def _cfg(where: str, format: str, rule: str, elem: str | None, scale_rule: str |
 
 
 def quantize(x: ArrayLike, *, format: MXFormat = "e2m1", rule: MXRule = "floor",  # noqa: A002 (as if4.quantize)
-             elem: str | None = None, scale_rule: str | None = None) -> MXArray:
+             elem: str | None = None, scale_rule: str | None = None) -> QArray:
     """MX-quantize `x` (float32/bfloat16/float16, last axis a multiple of 32): `format` elements ("e2m1": MXFP4,
     "e4m3" / "e5m2": MXFP8), the shared exponent by `rule` ("floor": OCP, "ceil": RCEIL). ``elem=`` /
     ``scale_rule=`` are the deprecated names of ``format=`` / ``rule=``."""
     cfg = _cfg("mx.quantize", format, rule, elem, scale_rule)
     x = _check_x(x)
     codes, scales = _run(x, cfg=cfg, out="q")
-    return MXArray(codes=codes, scales=scales, format=cfg.format, rule=cfg.rule, dtype=x.dtype, shape=x.shape)
+    return QArray(codes=codes, scales=scales, global_scale=None, format=_Format(kind=_KIND[cfg.format], rule=cfg.rule),
+                  dtype=x.dtype, shape=x.shape)
 
 
-@functools.partial(jax.jit, static_argnames=("fmt", "shape", "dtype"))
-def _dequantize(codes: jax.Array, scales: jax.Array, *, fmt: str, shape: tuple[int, ...], dtype: DTypeLike
-                ) -> jax.Array:
-    if fmt == "e2m1":
-        codes = unpack_nibbles(codes)
-    v = formats.get(fmt).decode(codes).reshape(*shape[:-1], shape[-1] // BLOCK, BLOCK)
-    sb = lax.bitcast_convert_type(scales, jnp.uint8).astype(jnp.int32)
-    scale = jnp.where(sb == 255, jnp.nan, pow2(jnp.minimum(sb - 127, 127), subnormal=True))
-    return (v * scale[..., None]).reshape(shape).astype(dtype)
-
-
-def dequantize(q: MXArray, dtype: DTypeLike = jnp.float32) -> jax.Array:
+def dequantize(q: QArray, dtype: DTypeLike = jnp.float32) -> jax.Array:
     """``x̂ = P_i * 2^e`` in float32, cast to `dtype`."""
-    if not isinstance(q, MXArray):
-        raise TypeError(f"dequantize expects an MXArray; got {type(q).__name__}")
-    dtype = float_dtype(dtype)
-    return _dequantize(q.codes, q.scales, fmt=q.format, shape=q.shape, dtype=dtype)
+    if not isinstance(q, QArray) or q.format.kind not in MX_ELEMENT:
+        got = f"a QArray of {q.format!r}" if isinstance(q, QArray) else type(q).__name__
+        raise TypeError(f"mx.dequantize expects an MX jaxlowfp.QArray (mx.quantize's result); got {got}")
+    return q.dequantize(float_dtype(dtype))
 
 
 def fake_quantize(x: ArrayLike, *, format: MXFormat = "e2m1", rule: MXRule = "floor",  # noqa: A002

@@ -109,7 +109,6 @@ from jaxlowfp._core.nvfp4_blocks import (
     ROUNDINGS,
     RULES,
     STOCHASTIC,
-    NVFP4Array,
     NVFP4Config,
     NVFP4Rule,
     Rounding,
@@ -125,17 +124,21 @@ from jaxlowfp._core.nvfp4_blocks import (
     unpack_nibbles,
     validate_args,
 )
+from jaxlowfp._core.format import Format
+from jaxlowfp._core.qarray import NVFP4Array as _NVFP4Array
+from jaxlowfp._core.qarray import QArray
 from jaxlowfp.hadamard import hadamard16, hadamard_matrix
 
 __all__ = [
-    "NVFP4Array", "NVFP4Config", "NVFP4Rule", "Rounding", "RULES", "KERNEL_RULES", "ROUNDINGS", "BLOCK_SHAPES",
+    "NVFP4Config", "NVFP4Rule", "Rounding", "RULES", "KERNEL_RULES", "ROUNDINGS", "BLOCK_SHAPES",
     "quantize", "dequantize", "fake_quantize", "selected_map4", "global_scales", "rule_constants", "unpack_nibbles",
     "hadamard16", "hadamard_matrix",
 ]
 
 # old names (one release): `Rule` clashed with the class jaxlowfp.Rule; ALL_RULES is RULES now ("search" included)
 _DEPRECATED = {"Rule": ("jaxlowfp.nvfp4.NVFP4Rule", lambda: NVFP4Rule),
-               "ALL_RULES": ("jaxlowfp.nvfp4.RULES", lambda: RULES)}
+               "ALL_RULES": ("jaxlowfp.nvfp4.RULES", lambda: RULES),
+               "NVFP4Array": ("jaxlowfp.QArray", lambda: _NVFP4Array)}
 __getattr__ = deprecated_getattr(__name__, _DEPRECATED)
 
 
@@ -202,7 +205,7 @@ def quantize(
     impl: Literal["auto", "xla", "pallas"] = "auto",
     pallas_backend: Literal["triton", "mosaic"] = "triton",
     backend: str | None = None,
-) -> NVFP4Array:
+) -> QArray:
     """NVFP4-quantize `x` (float32/bfloat16/float16, last axis a multiple of 16).
 
     Args:
@@ -229,14 +232,16 @@ def quantize(
     cfg = NVFP4Config(rule=rule, block_shape=block_shape, rounding=rounding)
     x, global_amax = validate_args(x, cfg, global_amax, key)
     codes, scales, s_dec = _run(x, global_amax, key, cfg=cfg, out="q")
-    return NVFP4Array(codes=codes, scales=scales, global_scale=s_dec, rule=cfg.rule, block_shape=cfg.block_shape,
-                      dtype=x.dtype, shape=x.shape)
+    return QArray(codes=codes, scales=scales, global_scale=s_dec,
+                  format=Format(kind="nvfp4", rule=cfg.rule, block_shape=cfg.block_shape), dtype=x.dtype,
+                  shape=x.shape)
 
 
-def dequantize(q: NVFP4Array, dtype: DTypeLike = jnp.float32) -> jax.Array:
+def dequantize(q: QArray, dtype: DTypeLike = jnp.float32) -> jax.Array:
     """``x̂ = (q_i * s_b) * global_scale`` (one float32 rounding: q * s is exact), cast to `dtype`."""
-    if not isinstance(q, NVFP4Array):
-        raise TypeError(f"dequantize expects an NVFP4Array; got {type(q).__name__}")
+    if not isinstance(q, QArray) or q.format.kind != "nvfp4":
+        got = f"a QArray of {q.format!r}" if isinstance(q, QArray) else type(q).__name__
+        raise TypeError(f"nvfp4.dequantize expects an NVFP4 jaxlowfp.QArray (nvfp4.quantize's result); got {got}")
     return q.dequantize(dtype)
 
 
@@ -272,7 +277,7 @@ def selected_map4(
     rounding: Rounding = "nearest",
     key: jax.Array | None = None,
 ) -> jax.Array:
-    """bool per block (shape of `NVFP4Array.scales`): True where the block maps its max to 4 (telemetry), for the
+    """bool per block (shape of the `QArray`'s scales): True where the block maps its max to 4 (telemetry), for the
     same arguments as :func:`quantize` (the choice of rounding="stochastic" depends on `key`); for rule="search",
     True where the search chose another scale than the map-to-6 one."""
     cfg = NVFP4Config(rule=rule, block_shape=block_shape, rounding=rounding)

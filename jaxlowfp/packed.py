@@ -4,14 +4,14 @@ A weight is packed as the GEMM matrix ``W' [K, N]`` of `jaxlowfp.ptq.layers` (co
 stored is the format's array of ``W'^T [N, K]``, blocks along the reduction axis K, which is also the operand layout
 of ``jax.nn.scaled_matmul`` (``[B, N, K]``) and of PyTorch / serving checkpoints (``[out, in]``)::
 
-    nvfp4   NVFP4Array: uint8 [N, K/2] (two E2M1 codes a byte), float8_e4m3fn scales [N, K/16] (or [N/16, K/16] for
+    nvfp4   QArray: uint8 [N, K/2] (two E2M1 codes a byte), float8_e4m3fn scales [N, K/16] (or [N/16, K/16] for
             16x16 tiles), float32 S_dec                     W^T = (q * s) * S_dec
             arithmetic "compressed-tensors" decodes q * (s / g) with g = s_enc (jaxlowfp.ptq.serving)
-    mxfp4   MXArray: uint8 [N, K/2], float8_e8m0fnu scales [N, K/32]        W^T = q * 2^e
-    mxfp8   MXArray: uint8 E4M3 codes [N, K], float8_e8m0fnu scales [N, K/32]
-    fp8     ScaledArray: float8_e4m3fn [N, K], float32 scale s = amax / 448  W^T = f32(q) * s
-    hif8    ScaledArray: uint8 HiF8 codes [N, K], float32 scale s = amax / 15 W^T = HiF8(q) * s
-    if4     IFArray: uint8 [N, K/2], flagged float8_e4m3fn scales, float32 S_dec
+    mxfp4   QArray: uint8 [N, K/2], float8_e8m0fnu scales [N, K/32]        W^T = q * 2^e
+    mxfp8   QArray: uint8 E4M3 codes [N, K], float8_e8m0fnu scales [N, K/32]
+    fp8     QArray: float8_e4m3fn [N, K], float32 scale s = amax / 448  W^T = f32(q) * s
+    hif8    QArray: uint8 HiF8 codes [N, K], float32 scale s = amax / 15 W^T = HiF8(q) * s
+    if4     QArray: uint8 [N, K/2], flagged float8_e4m3fn scales, float32 S_dec
 
 Every ``dequantize`` is bit for bit the fake-quant function of the same format (``nvfp4.fake_quantize``,
 ``mx.fake_quantize``, ``if4.fake_quantize``, ``qat.scaled_round`` with a current per-tensor scale), because it *is*
@@ -45,12 +45,14 @@ from jaxlowfp import formats, if4, mx, nvfp4
 from jaxlowfp._core import ct_nvfp4
 from jaxlowfp._core.checks import float_dtype, float_input, one_of
 from jaxlowfp._core.deprecation import deprecated_getattr, renamed_kwarg
-from jaxlowfp._core.format import ARITHMETICS, KINDS, PER_TENSOR, TWO_LEVEL, Format, as_format
+from jaxlowfp._core.format import ARITHMETICS, IF_KINDS, KINDS, MX_ELEMENT, PER_TENSOR, TWO_LEVEL, Format, as_format
 from jaxlowfp._core.pytree import pytree_dataclass
+from jaxlowfp._core.qarray import QArray
+from jaxlowfp._core.qarray import ScaledArray as _ScaledArray
 from jaxlowfp._core.scaled import scaled_round_mask
 from jaxlowfp.scaling import CurrentScaling
 
-__all__ = ["FORMATS", "Format", "as_format", "ScaledArray", "PackedWeight", "PackedParam", "pack", "from_nvfp4",
+__all__ = ["FORMATS", "Format", "as_format", "PackedWeight", "PackedParam", "pack", "from_nvfp4",
            "scaled_quantize", "quantize", "dequantize", "fake_quantize"]
 
 FORMATS = KINDS  # the format kinds (jaxlowfp.Format.kind)
@@ -68,33 +70,6 @@ def _legacy_packed_format(*, kind: str, rule: str | None = None, block_shape: tu
 # ---- per-tensor 8-bit: FP8 E4M3 and HiF8
 
 
-@pytree_dataclass(data=("codes", "scale"), meta=("elem", "dtype", "shape"))
-class ScaledArray:
-    """A per-tensor scaled 8-bit tensor (pytree).
-
-    Attributes:
-      codes: float8_e4m3fn (elem "e4m3") or uint8 HiF8 codes (elem "hif8"), the shape of the tensor.
-      scale: float32 scalar decode multiplier ``amax / target`` (448 for E4M3, 15 for HiF8).
-      elem, dtype, shape: static metadata.
-    """
-
-    codes: jax.Array
-    scale: jax.Array
-    elem: str
-    dtype: Any
-    shape: tuple[int, ...]
-
-    def values(self) -> jax.Array:
-        """The element values ``f32(q)`` (exact)."""
-        if self.elem == "hif8":
-            return formats.HIF8.decode(self.codes, jnp.float32)
-        return self.codes.astype(jnp.float32)
-
-    def dequantize(self, dtype: Any = None) -> jax.Array:
-        """``f32(q) * scale`` cast to `dtype` (default: the original dtype): `qat.scaled_round`'s decode step."""
-        return (self.values() * self.scale).astype(float_dtype(self.dtype if dtype is None else dtype))
-
-
 def _per_tensor_scale(x: jax.Array, target: float) -> jax.Array:
     return CurrentScaling(target_max=target).scale(jnp.max(jnp.abs(x.astype(jnp.float32))))
 
@@ -109,24 +84,24 @@ def _scaled_codes(x: jax.Array, kind: str, scale: Any = None):
     return codes, scale
 
 
-def scaled_quantize(x: Any, kind: str, *, scale: Any = None) -> ScaledArray:
+def scaled_quantize(x: Any, kind: str, *, scale: Any = None) -> QArray:
     """FP8 E4M3 (``kind="fp8"``) or HiF8 (``"hif8"``) codes of `x` with the per-tensor scale `scale` (default the
     current one, ``s = amax / target``): ``q = round(clip(x * (1 / s), +-target))``, exactly the values
     `qat.scaled_round` rounds to (``dequantize`` is its output bit for bit)."""
     one_of(kind, tuple(PER_TENSOR), "kind")
     x = float_input(x, "x")
     codes, scale = _scaled_codes(x, kind, scale)
-    return ScaledArray(codes=codes, scale=scale, elem=PER_TENSOR[kind][0], dtype=x.dtype, shape=x.shape)
+    return QArray(codes=codes, scales=None, global_scale=scale, format=Format(kind=kind), dtype=x.dtype, shape=x.shape)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt",))
 def _fake(x: jax.Array, fmt: Format) -> jax.Array:
     if fmt.kind == "nvfp4":
         return nvfp4.fake_quantize(x, rule=fmt.rule, block_shape=fmt.block_shape)  # type: ignore[arg-type]
-    if fmt.kind == "if4":
-        return if4.fake_quantize(x, rule=fmt.rule, block_shape=fmt.block_shape)  # type: ignore[arg-type]
-    if fmt.kind in ("mxfp4", "mxfp8"):
-        return mx.fake_quantize(x, format="e2m1" if fmt.kind == "mxfp4" else "e4m3", rule=fmt.rule)  # type: ignore[arg-type]
+    if fmt.kind in IF_KINDS:
+        return if4.fake_quantize(x, format=fmt.kind, rule=fmt.rule, block_shape=fmt.block_shape)  # type: ignore[arg-type]
+    if fmt.kind in MX_ELEMENT:
+        return mx.fake_quantize(x, format=MX_ELEMENT[fmt.kind], rule=fmt.rule)  # type: ignore[arg-type]
     elem, target = PER_TENSOR[fmt.kind]
     scale = _per_tensor_scale(x, target)
     return scaled_round_mask(x, scale, target, formats.get(elem), scale)[0]
@@ -149,9 +124,9 @@ def fake_quantize(x: ArrayLike, format: Format | str) -> jax.Array:  # noqa: A00
 
 
 def quantize(x: ArrayLike, format: Format | str, *, global_amax: ArrayLike | None = None  # noqa: A002
-             ) -> nvfp4.NVFP4Array | if4.IFArray | mx.MXArray | ScaledArray:
-    """The codes and scales of `x` in `format` (a :class:`~jaxlowfp.Format` or its name), blocks along the last
-    axis: an ``NVFP4Array`` (NVFP4, either arithmetic), ``IFArray``, ``MXArray`` or ``ScaledArray`` (FP8, HiF8).
+             ) -> QArray:
+    """The :class:`~jaxlowfp.QArray` of `x` in `format` (a :class:`~jaxlowfp.Format` or its name), blocks along
+    the last axis (every kind of ``jaxlowfp.Format``, IF6 / IF3 and MXFP8 E5M2 included).
     `global_amax` (NVFP4 / IF4; FP8 / HiF8: the amax the one scale is made from): the tensor amax to scale with,
     default ``max |x|``. The per-format modules (`jaxlowfp.nvfp4`, `jaxlowfp.if4`, `jaxlowfp.mx`) take their
     rounding and kernel options.
@@ -168,27 +143,27 @@ def quantize(x: ArrayLike, format: Format | str, *, global_amax: ArrayLike | Non
     if fmt.kind == "nvfp4":
         return nvfp4.quantize(x, rule=fmt.rule, block_shape=fmt.block_shape,  # type: ignore[arg-type]
                               global_amax=global_amax)
-    if fmt.kind == "if4":
-        return if4.quantize(x, rule=fmt.rule, block_shape=fmt.block_shape,  # type: ignore[arg-type]
+    if fmt.kind in IF_KINDS:
+        return if4.quantize(x, format=fmt.kind, rule=fmt.rule, block_shape=fmt.block_shape,  # type: ignore[arg-type]
                             global_amax=global_amax)
     if global_amax is not None and not fmt.per_tensor:
         raise ValueError(f"global_amax applies to formats with a tensor scale (nvfp4, if4, fp8, hif8); got {fmt.name}")
     if fmt.is_mx:
-        return mx.quantize(x, format="e2m1" if fmt.kind == "mxfp4" else "e4m3", rule=fmt.rule)  # type: ignore[arg-type]
+        return mx.quantize(x, format=MX_ELEMENT[fmt.kind], rule=fmt.rule)  # type: ignore[arg-type]
     scale = None if global_amax is None else _per_tensor_scale(jnp.asarray(global_amax, jnp.float32), fmt.target)
     return scaled_quantize(x, fmt.kind, scale=scale)
 
 
-def dequantize(q: nvfp4.NVFP4Array | if4.IFArray | mx.MXArray | ScaledArray, dtype: DTypeLike | None = None
-               ) -> jax.Array:
-    """The values of quantized `q` (what :func:`quantize` returns) in `dtype` (default: the dtype it was quantized
-    from), computed in float32: bit for bit :func:`fake_quantize` of the same format."""
+def dequantize(q: QArray, dtype: DTypeLike | None = None) -> jax.Array:
+    """The values of quantized `q` (a :class:`~jaxlowfp.QArray`, what :func:`quantize` returns) in `dtype`
+    (default: the dtype it was quantized from), computed in float32: bit for bit :func:`fake_quantize` of the same
+    format."""
     if isinstance(q, PackedWeight):
-        raise TypeError("dequantize takes a quantized array; a PackedWeight's is its .array (W'^T), and "
+        raise TypeError("dequantize takes a jaxlowfp.QArray; a PackedWeight's is its .array (W'^T), and "
                         "PackedWeight.dequantize() gives the GEMM matrix W' [K, N]")
-    if not isinstance(q, (nvfp4.NVFP4Array, if4.IFArray, mx.MXArray, ScaledArray)):
-        raise TypeError(f"dequantize takes what jaxlowfp.quantize returns (NVFP4Array, IFArray, MXArray, "
-                        f"ScaledArray); got {type(q).__name__}")
+    if not isinstance(q, QArray):
+        raise TypeError(f"dequantize takes a jaxlowfp.QArray (what jaxlowfp.quantize returns); got "
+                        f"{type(q).__name__}")
     return q.dequantize(q.dtype if dtype is None else dtype)
 
 
@@ -197,17 +172,18 @@ def dequantize(q: nvfp4.NVFP4Array | if4.IFArray | mx.MXArray | ScaledArray, dty
 
 @pytree_dataclass(data=("array", "s_enc"), meta=("format", "k", "n"))
 class PackedWeight:
-    """A packed weight (pytree): the format's array of ``W'^T [N, K]`` for the GEMM matrix ``W' [K, N]``.
+    """A packed weight (pytree): the :class:`~jaxlowfp.QArray` of ``W'^T [N, K]`` for the GEMM matrix ``W' [K, N]``,
+    with what the GEMM needs beside it. Not a second array type: the quantized values are ``.array``.
 
     Attributes:
-      array: `nvfp4.NVFP4Array`, `mx.MXArray`, `if4.IFArray` or :class:`ScaledArray` of shape [N, K].
+      array: the :class:`~jaxlowfp.QArray` of ``W'^T``, shape [N, K].
       s_enc: NVFP4 only: the float32 encode scale ``g`` the weights were quantized with (the compressed-tensors
         arithmetic decodes with it; ``array.global_scale == 1 / g``); None for the other formats.
       format: the :class:`~jaxlowfp.Format` (static).
       k, n: the GEMM matrix's shape (static).
     """
 
-    array: Any
+    array: QArray
     s_enc: jax.Array | None
     format: Format
     k: int
@@ -265,6 +241,9 @@ def pack(w: Any, fmt: Any, *, global_amax: Any = None, where: str = "w") -> Pack
     `global_amax` (NVFP4 / IF4): the tensor amax the global scale is made from (a fused group's shared one); default
     ``max |w|``. ``pack(w, f).dequantize()`` equals the fake-quantized weight of `f` bit for bit."""
     fmt = as_format(fmt)
+    if fmt.kind not in KINDS:
+        raise ValueError(f"{where}: pack takes the formats of a packed GEMM weight (kinds {', '.join(KINDS)}); got "
+                         f"{fmt.name} (jaxlowfp.quantize gives its QArray)")
     wt = _check_matrix(w, fmt, where).T
     k, n = wt.shape[1], wt.shape[0]
     if global_amax is not None and fmt.kind not in TWO_LEVEL:
@@ -278,11 +257,11 @@ def pack(w: Any, fmt: Any, *, global_amax: Any = None, where: str = "w") -> Pack
         arr = nvfp4.quantize(wt, rule=fmt.rule, block_shape=fmt.block_shape, global_amax=amax)
         s_enc = nvfp4.global_scales(amax, fmt.rule)[0]
     elif fmt.kind == "if4":
-        arr = if4.quantize(wt, rule=fmt.rule, block_shape=fmt.block_shape, global_amax=global_amax)  # type: ignore[assignment]
+        arr = if4.quantize(wt, rule=fmt.rule, block_shape=fmt.block_shape, global_amax=global_amax)  # type: ignore[arg-type]
     elif fmt.kind in ("mxfp4", "mxfp8"):
-        arr = mx.quantize(wt, format="e2m1" if fmt.kind == "mxfp4" else "e4m3", rule=fmt.rule)  # type: ignore[assignment, arg-type]
+        arr = mx.quantize(wt, format=MX_ELEMENT[fmt.kind], rule=fmt.rule)  # type: ignore[arg-type]
     else:
-        arr = scaled_quantize(wt, fmt.kind)  # type: ignore[assignment]
+        arr = scaled_quantize(wt, fmt.kind)
     return PackedWeight(array=arr, s_enc=s_enc, format=fmt, k=k, n=n)
 
 
@@ -291,27 +270,29 @@ def _pack_ct(wt: jax.Array, fmt: Format, global_amax: Any) -> PackedWeight:
     amax = jnp.max(jnp.abs(wt.astype(jnp.float32))) if global_amax is None else jnp.asarray(global_amax, jnp.float32)
     g = ct_nvfp4.global_scale(amax)
     q, s = ct_nvfp4.quantize_tensor(wt, g)
-    codes = nvfp4.NVFP4Array(codes=_pack_e2m1(q), scales=s.astype(jnp.float8_e4m3fn), global_scale=1.0 / g,
-                             rule=fmt.rule, block_shape=fmt.block_shape, dtype=wt.dtype, shape=wt.shape)
+    codes = QArray(codes=_pack_e2m1(q), scales=s.astype(jnp.float8_e4m3fn), global_scale=1.0 / g, format=fmt,
+                   dtype=wt.dtype, shape=wt.shape)
     return PackedWeight(array=codes, s_enc=g, format=fmt, k=wt.shape[1], n=wt.shape[0])
 
 
 def _pack_e2m1(q: jax.Array) -> jax.Array:
     c = formats.E2M1.encode(q)
-    return c[..., 0::2] | (c[..., 1::2] << 4)  # element 2j in the low nibble, as NVFP4Array stores them
+    return c[..., 0::2] | (c[..., 1::2] << 4)  # element 2j in the low nibble, as QArray stores them
 
 
-def from_nvfp4(arr: nvfp4.NVFP4Array, s_enc: Any = None, *, arithmetic: str = "jaxlowfp",
+def from_nvfp4(arr: QArray, s_enc: Any = None, *, arithmetic: str = "jaxlowfp",
                convention: str | None = None) -> PackedWeight:
-    """A :class:`PackedWeight` from an `nvfp4.NVFP4Array` of ``W'^T [N, K]`` (what ``PTQResult.packed[path][0]``
-    holds for an ``nnx.Linear``: its ``kernel.T``) and its encode scale (``PTQResult.packed[path][1]``, needed for
-    ``arithmetic="compressed-tensors"``). No requantization: the codes are taken as they are."""
-    if not isinstance(arr, nvfp4.NVFP4Array):
-        raise TypeError(f"from_nvfp4 takes an nvfp4.NVFP4Array; got {type(arr).__name__}")
+    """A :class:`PackedWeight` from the NVFP4 :class:`~jaxlowfp.QArray` of ``W'^T [N, K]`` (what
+    ``PTQResult.packed[path][0]`` holds for an ``nnx.Linear``: its ``kernel.T``) and its encode scale
+    (``PTQResult.packed[path][1]``, needed for ``arithmetic="compressed-tensors"``). No
+    requantization: the codes are taken as they are."""
+    if not isinstance(arr, QArray) or arr.format.kind != "nvfp4":
+        got = f"a QArray of {arr.format!r}" if isinstance(arr, QArray) else type(arr).__name__
+        raise TypeError(f"from_nvfp4 takes an NVFP4 jaxlowfp.QArray; got {got}")
     if len(arr.shape) != 2:
         raise ValueError(f"from_nvfp4 takes the array of W'^T [N, K] (2-D); got shape {arr.shape}")
     arithmetic = renamed_kwarg("packed.from_nvfp4", "convention", convention, "arithmetic", arithmetic, "jaxlowfp")
-    fmt = Format(kind="nvfp4", rule=arr.rule, block_shape=arr.block_shape, arithmetic=arithmetic)
+    fmt = Format(kind="nvfp4", rule=arr.format.rule, block_shape=arr.format.block_shape, arithmetic=arithmetic)
     if arithmetic == "compressed-tensors" and s_enc is None:
         raise ValueError("arithmetic='compressed-tensors' decodes q * (s / g): give s_enc (g)")
     s = None if s_enc is None else jnp.asarray(s_enc, jnp.float32)
@@ -327,6 +308,7 @@ class PackedParam(nnx.Variable):
 __getattr__ = deprecated_getattr(__name__, {
     "PackedFormat": ("jaxlowfp.Format", lambda: _legacy_packed_format),
     "CONVENTIONS": ("jaxlowfp.packed.ARITHMETICS", lambda: ARITHMETICS),
+    "ScaledArray": ("jaxlowfp.QArray", lambda: _ScaledArray),
 })
 
 

@@ -4,7 +4,7 @@ backend (`jaxlowfp.harness`), the command lines of `python -m train` and the doc
 Importing it loads no jax (the command lines read it for ``--help``). The vocabulary (one verb per meaning, the same
 keyword for the same meaning in every format module):
 
-- ``quantize(x, ...)`` returns codes (an ``NVFP4Array``, ``IFArray``, ``MXArray``, or HiF8 ``encode``'s uint8),
+- ``quantize(x, ...)`` returns codes (a :class:`jaxlowfp.QArray`; HiF8 ``encode``: uint8),
   ``dequantize(q)`` their values, ``fake_quantize(x, ...)`` the values of ``dequantize(quantize(x))`` in x's dtype.
 - Model-level calls say so: ``qnnx.quantize_model(model, rules)`` (QAT layers in place), ``ptq.quantize_model(model,
   rules)`` (PTQ) and ``harness.fake_quantize_model`` (the lm-eval backend's recipes on a whole model).

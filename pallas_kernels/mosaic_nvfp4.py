@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 
 from jaxlowfp._core import minifloat as formats
 from jaxlowfp._core import nvfp4_blocks as ref
+from jaxlowfp._core.qarray import QArray, kernel_array
 from jaxlowfp._core.bits import FLT_MAX, SIGN, div_by_3_pow2, no_contract, u32
 from jaxlowfp._core.reduce import abs_max
 from . import _mosaic as mg
@@ -311,7 +312,7 @@ def quantize(
     tile_shape: tuple[int, int] | None = None,
     num_warps: int | None = None,
     blocks_per_program: int | None = None,
-) -> ref.NVFP4Array:
+) -> QArray:
     """``jaxlowfp.nvfp4.quantize`` as a Mosaic GPU kernel (same arguments and result, bit for bit; nearest rounding).
 
     Extra keyword arguments (those of :func:`pallas_kernels.nvfp4.quantize`, where they apply):
@@ -325,7 +326,7 @@ def quantize(
     cfg, x, amax, static = _prepare(x, rule, block_shape, global_amax, rounding, key, interpret, tile_shape,
                                     num_warps, blocks_per_program, KERNEL_QUANTIZE)
     (codes, scale_bytes), s_dec = _run(x, amax, fake=False, **static)
-    return ref.kernel_array(x, cfg, codes, scale_bytes, s_dec)
+    return kernel_array(x, cfg, codes, scale_bytes, s_dec)
 
 
 def fake_quantize(

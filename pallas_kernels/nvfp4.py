@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 
 from jaxlowfp._core import minifloat as formats
 from jaxlowfp._core import nvfp4_blocks as ref
+from jaxlowfp._core.qarray import QArray, kernel_array
 from jaxlowfp._core.bits import FLT_MAX, div_by_3_pow2, true_divide
 from jaxlowfp._core.reduce import abs_max
 from ._common import (
@@ -276,7 +277,7 @@ def quantize(
     interpret: bool | None = None,
     tile_shape: tuple[int, int] | None = None,
     num_warps: int | None = None,
-) -> ref.NVFP4Array:
+) -> QArray:
     """``jaxlowfp.nvfp4.quantize`` as a Pallas kernel (same arguments and result, bit for bit; nearest rounding).
 
     Extra keyword arguments:
@@ -291,7 +292,7 @@ def quantize(
     )
     with triton_lowering(static["interpret"]):
         (codes, scale_bytes), s_dec = _run(x2, amax, fake=False, **static)
-    return ref.kernel_array(x, cfg, codes, scale_bytes, s_dec)
+    return kernel_array(x, cfg, codes, scale_bytes, s_dec)
 
 
 def fake_quantize(

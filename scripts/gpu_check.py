@@ -48,7 +48,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxlowfp import dispatch, nvfp4, qat  # noqa: E402
+from jaxlowfp import QArray, dispatch, nvfp4, qat  # noqa: E402
 
 SECTION = "GPU check"
 VERIFIED = ROOT / "jaxlowfp" / "verified_kernels.json"
@@ -186,7 +186,7 @@ def _twin_call(case: Case) -> Callable:
 
 
 def _leaves(out: Any) -> list:
-    if isinstance(out, nvfp4.NVFP4Array):
+    if isinstance(out, QArray):
         return [out.codes, out.scales, out.global_scale]
     return jax.tree.leaves(out)
 

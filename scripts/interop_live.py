@@ -321,11 +321,11 @@ def stage_compare() -> None:
         for k, w in dec.items():
             m = k[: -len(".weight")]
             codes, scales, g = t[f"{m}.weight_packed"], t[f"{m}.weight_scale"], t[f"{m}.weight_global_scale"]
-            from jaxlowfp import nvfp4
+            import jaxlowfp
 
-            arr = nvfp4.NVFP4Array(codes=jnp.asarray(codes), scales=jnp.asarray(scales), global_scale=1.0 / g[0],
-                                   rule="static_6", block_shape=(1, 16), dtype=jnp.dtype(jnp.float32),
-                                   shape=(codes.shape[0], codes.shape[1] * 2))
+            arr = jaxlowfp.QArray(codes=jnp.asarray(codes), scales=jnp.asarray(scales), global_scale=1.0 / g[0],
+                                  format=jaxlowfp.Format(kind="nvfp4", arithmetic="compressed-tensors"),
+                                  dtype=jnp.dtype(jnp.float32), shape=(codes.shape[0], codes.shape[1] * 2))
             mine = np.asarray(serving.decode(arr, jnp.float32(g[0]), "compressed-tensors"))
             same += int((mine.view(np.uint32) == w.view(np.uint32)).sum())
             total += w.size

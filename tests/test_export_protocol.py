@@ -189,7 +189,7 @@ def test_compressed_tensors_decodes_the_foreign_export():
     export's stored tensors (fixture by ``scripts/interop_live.py v31-ct``): ours in its order, bit for bit."""
     import jax.numpy as jnp
 
-    from jaxlowfp import nvfp4
+    import jaxlowfp
     from jaxlowfp.ptq import serving
 
     fx = np.load(FIX / "mamba2_ct_decoded.npz")
@@ -199,8 +199,8 @@ def test_compressed_tensors_decodes_the_foreign_export():
         m = key[: -len("/ct_decoded")]
         codes, g = fx[f"{m}/weight_packed"], fx[f"{m}/weight_global_scale"]
         scales = fx[f"{m}/weight_scale"].view(ml_dtypes.float8_e4m3fn)
-        arr = nvfp4.NVFP4Array(codes=jnp.asarray(codes), scales=jnp.asarray(scales), global_scale=1.0 / g[0],
-                               rule="static_6", block_shape=(1, 16), dtype=jnp.dtype(jnp.float32),
-                               shape=(codes.shape[0], codes.shape[1] * 2))
+        arr = jaxlowfp.QArray(codes=jnp.asarray(codes), scales=jnp.asarray(scales), global_scale=1.0 / g[0],
+                              format=jaxlowfp.Format(kind="nvfp4"), dtype=jnp.dtype(jnp.float32),
+                              shape=(codes.shape[0], codes.shape[1] * 2))
         ours = np.asarray(serving.decode(arr, jnp.float32(g[0]), "compressed-tensors"))
         np.testing.assert_array_equal(ours.view(np.uint32), fx[key].view(np.uint32), err_msg=m)

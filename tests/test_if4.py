@@ -285,7 +285,7 @@ def test_validation_messages():
         if4.quantize(x, rule="mae", rounding="ms_eden", key=jax.random.key(0))
     with pytest.raises(ValueError, match="multiple of 16"):
         if4.quantize(jnp.ones((2, 24)))
-    with pytest.raises(TypeError, match="IFArray"):
+    with pytest.raises(TypeError, match="IF jaxlowfp.QArray"):
         if4.dequantize(nvfp4.quantize(x))
 
 

@@ -101,16 +101,14 @@ def test_gguf_export_is_what_the_gguf_dequantizer_reads(tmp_path):
 
 def test_decoding_in_compressed_tensors_order_equals_its_decompressor():
     fx = np.load(FIX / "smollm2_consumers.npz")
-    from jaxlowfp import nvfp4
-
     n_diff_ours = 0
     for k in ("model.layers.0.self_attn.q_proj", "model.layers.3.mlp.down_proj"):
         codes = fx[f"ct/{k}/weight_packed"]
         scales = fx[f"ct/{k}/weight_scale"].view(ml_dtypes.float8_e4m3fn)
         g = fx[f"ct/{k}/weight_global_scale"][0]
-        arr = nvfp4.NVFP4Array(codes=jnp.asarray(codes), scales=jnp.asarray(scales), global_scale=jnp.float32(1 / g),
-                               rule="static_6", block_shape=(1, 16), dtype=jnp.dtype(jnp.float32),
-                               shape=(codes.shape[0], 2 * codes.shape[1]))
+        arr = jaxlowfp.QArray(codes=jnp.asarray(codes), scales=jnp.asarray(scales), global_scale=jnp.float32(1 / g),
+                              format=jaxlowfp.Format(kind="nvfp4"), dtype=jnp.dtype(jnp.float32),
+                              shape=(codes.shape[0], 2 * codes.shape[1]))
         ct = np.asarray(serving.decode(arr, jnp.float32(g), "compressed-tensors"))
         # bitwise: E2M1 * E4M3 values and one IEEE division and one product, correctly rounded on any CPU
         np.testing.assert_array_equal(ct.view(np.uint32), fx[f"ct/{k}/decoded"].view(np.uint32))
@@ -251,8 +249,8 @@ def test_export_fuses_refuses_and_reports(tmp_path):
     arr, s = res.packed["blocks/1/mlp/up_proj"]
     bad = arr.scales.at[0, 0].set(jnp.nan)
     r4 = type(res)(**{**res.__dict__, "packed": {**res.packed, "blocks/1/mlp/up_proj": (
-        type(arr)(codes=arr.codes, scales=bad, global_scale=arr.global_scale, rule=arr.rule,
-                  block_shape=arr.block_shape, dtype=arr.dtype, shape=arr.shape), s)}})
+        type(arr)(codes=arr.codes, scales=bad, global_scale=arr.global_scale, format=arr.format,
+                  dtype=arr.dtype, shape=arr.shape), s)}})
     with pytest.raises(ValueError, match="(up_proj).*(NaN|kernel is not)"):
         ptq.export(model, r4, tmp_path / "d")
     mixed = [ptq.Rule(path=r".*/q_proj", scheme=ptq.scheme("nvfp4-static_6")),

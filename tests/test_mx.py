@@ -102,7 +102,7 @@ def test_non_finite_blocks_are_nan():
 def test_pytree_and_bad_inputs():
     q = mx.quantize(jnp.ones((2, 64), jnp.bfloat16), format="e5m2", rule="ceil")
     leaves, tree = jax.tree_util.tree_flatten(q)
-    assert len(leaves) == 2 and jax.tree_util.tree_unflatten(tree, leaves).format == "e5m2"
+    assert len(leaves) == 2 and jax.tree_util.tree_unflatten(tree, leaves).format.element == "e5m2"
     assert q.dequantize().dtype == jnp.bfloat16
     with pytest.raises(ValueError, match="multiple of 32"):
         mx.quantize(jnp.ones((2, 48)))
@@ -114,7 +114,7 @@ def test_pytree_and_bad_inputs():
         mx.quantize(np.ones((2, 32)))
     with pytest.raises(TypeError, match="int32"):
         mx.quantize(jnp.ones((2, 32), jnp.int32))
-    with pytest.raises(TypeError, match="MXArray"):
+    with pytest.raises(TypeError, match="MX jaxlowfp.QArray"):
         mx.dequantize(jnp.ones(3))
 
 
@@ -126,8 +126,9 @@ def test_the_old_keywords_still_work_with_a_deprecation_warning():
         old_fq = mx.fake_quantize(x, scale_rule="ceil")
     np.testing.assert_array_equal(np.asarray(old.codes), np.asarray(mx.quantize(x, format="e4m3").codes))
     np.testing.assert_array_equal(np.asarray(old_fq), np.asarray(mx.fake_quantize(x, rule="ceil")))
-    with pytest.warns(DeprecationWarning, match="MXArray.elem"):
-        assert old.elem == "e4m3"
+    assert old.format.element == "e4m3"  # MXArray.elem (deprecated) is gone with MXArray: QArray.format says it
+    with pytest.warns(DeprecationWarning, match=r"jaxlowfp.mx.MXArray is deprecated .* use jaxlowfp.QArray"):
+        assert isinstance(old, mx.MXArray)
     with pytest.warns(DeprecationWarning, match="jaxlowfp.mx.FORMATS"):
         assert mx.ELEMENTS == mx.FORMATS
     with pytest.raises(TypeError, match="pass format= only"):

@@ -374,7 +374,7 @@ def test_bad_inputs_raise_clearly():
             nvfp4.quantize(x, block_shape=bs)
     with pytest.raises(ValueError, match="global_amax must be a scalar"):
         nvfp4.quantize(x, global_amax=jnp.ones(2))
-    with pytest.raises(TypeError, match="NVFP4Array"):
+    with pytest.raises(TypeError, match="NVFP4 jaxlowfp.QArray"):
         nvfp4.dequantize(x)
     with pytest.raises(TypeError):
         nvfp4.NVFP4Config("mse")  # keyword-only

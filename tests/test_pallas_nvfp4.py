@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import jaxlowfp
 from jaxlowfp import nvfp4
 from jaxlowfp.dispatch import INTERPRET_ENV, PallasUnavailableError
 from jaxlowfp_pallas import nvfp4 as pk
@@ -132,7 +133,7 @@ def _nan_block_mask(nan_blocks: np.ndarray, shape, rows: int) -> np.ndarray:
     return per_elem[..., 0::2]
 
 
-def _check_against(got: nvfp4.NVFP4Array, want_codes, want_scale_bytes, want_nan, nan_blocks, x, rows, what):
+def _check_against(got: jaxlowfp.QArray, want_codes, want_scale_bytes, want_nan, nan_blocks, x, rows, what):
     gs = _scale_bytes(got.scales)
     gnan = np.isnan(np.asarray(got.scales.astype(jnp.float32)))
     np.testing.assert_array_equal(gnan, nan_blocks, err_msg=f"{what}: NaN scales must be exactly the NaN/Inf blocks")
@@ -225,7 +226,7 @@ def test_fake_quantize_matches_oracle_and_twin(rule, block_shape, dtype, tile):
 
 
 def test_packaging_dequantize_and_user_jit():
-    """The kernel's NVFP4Array dequantizes (jaxlowfp.nvfp4.dequantize) to the twin's fake-quant, inside a user jit
+    """The kernel's QArray dequantizes (jaxlowfp.nvfp4.dequantize) to the twin's fake-quant, inside a user jit
     with a traced global amax; the kernel wrapper's jit is reused across amax values."""
     x = jnp.asarray(make_x((48, 320), np.float32, specials=False, seed=2))
     f = jax.jit(lambda v, a: nvfp4.dequantize(

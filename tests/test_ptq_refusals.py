@@ -125,7 +125,7 @@ def test_export_refuses_zero_and_nonfinite_scales(tmp_path):
     res = ptq.quantize_model(model, _rules(weights_only=True), method="rtn")
     arr, s = res.packed["blocks/0/mlp/gate_proj"]
     zero = type(arr)(codes=jnp.zeros_like(arr.codes), scales=arr.scales, global_scale=arr.global_scale,
-                     rule=arr.rule, block_shape=arr.block_shape, dtype=arr.dtype, shape=arr.shape)
+                     format=arr.format, dtype=arr.dtype, shape=arr.shape)
     r = type(res)(**{**res.__dict__, "packed": {**res.packed, "blocks/0/mlp/gate_proj": (zero, s)}})
     with pytest.raises(ValueError, match=r"blocks/0/mlp/gate_proj: the quantized weight is all zero"):
         ptq.export(model, r, tmp_path / "a")

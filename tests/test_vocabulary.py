@@ -4,6 +4,7 @@ A name that two public modules both define means one thing: the same object, an 
 per-module names documented below (one meaning, each module's own instance: ``nvfp4.quantize`` and ``mx.quantize``
 both return codes). The verbs are checked by what they return, old names warn and still work, and every name list
 is the registry's."""
+import dataclasses
 import importlib
 import inspect
 import re
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxlowfp
 from jaxlowfp import if4, mx, nvfp4, registry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +32,7 @@ PUBLIC_MODULES = [
 
 # The names that several modules define on purpose, each module its own object, with the one meaning they share.
 PER_MODULE = {
-    "quantize": "x -> codes (an NVFP4Array / IFArray / MXArray) in the module's format",
+    "quantize": "x -> codes (a jaxlowfp.QArray) in the module's format",
     "fake_quantize": "x -> dequantize(quantize(x)) in x's dtype, in the module's format",
     "quantize_model": "quantize a model's layers in place by path rules and report what was done: qnnx with QAT "
                       "recipes (fake-quant layers that train), ptq with PTQ schemes (weights quantized once)",
@@ -286,6 +288,11 @@ def _deprecated():
 LEGACY_SHIMS = {("jaxlowfp.packed", "PackedFormat"), ("jaxlowfp.ptq", "TensorFormat")}
 # old names that keep their old object (the new name is a different, broader one)
 KEPT = {("jaxlowfp.qat", "dot_general")}
+# the old quantized-array types: constructors (old keywords) that build a jaxlowfp.QArray; isinstance by format kind
+LEGACY_ARRAYS = {("jaxlowfp.nvfp4", "NVFP4Array"), ("jaxlowfp.if4", "IFArray"), ("jaxlowfp.mx", "MXArray"),
+                 ("jaxlowfp.packed", "ScaledArray")}
+# a PTQ result record, no longer public: rtn_weight / gptq_weight return it (its .packed is a jaxlowfp.QArray)
+RESULT_RECORDS = {("jaxlowfp.ptq", "QuantizedWeight")}
 
 
 def test_deprecated_names_warn_and_still_work():
@@ -297,7 +304,7 @@ def test_deprecated_names_warn_and_still_work():
         ("jaxlowfp.owg", "encode"), ("jaxlowfp.owg", "decode"),
         ("jaxlowfp.owg", "init"), ("jaxlowfp.ptq", "TensorFormat"), ("jaxlowfp.packed", "PackedFormat"),
         ("jaxlowfp.formats", "Format"), ("jaxlowfp.ptq", "pack"), ("jaxlowfp.dispatch", "BACKENDS"),
-        ("jaxlowfp.sharding", "resolve"), ("jaxlowfp.qat", "dot_general")}
+        ("jaxlowfp.sharding", "resolve"), ("jaxlowfp.qat", "dot_general"), *LEGACY_ARRAYS, *RESULT_RECORDS}
     changelog = (ROOT / "CHANGELOG.md").read_text()
     for m, old, new, get in found:
         mod = importlib.import_module(m)
@@ -309,8 +316,10 @@ def test_deprecated_names_warn_and_still_work():
         new_obj = getattr(importlib.import_module(new_module), new_name)  # the new name is public
         if (m, old) in LEGACY_SHIMS:  # the old name keeps its old defaults and builds the new type
             assert isinstance(obj(kind="nvfp4"), new_obj)
-        elif (m, old) in KEPT:
+        elif (m, old) in KEPT or (m, old) in RESULT_RECORDS:
             assert callable(obj) and callable(new_obj) and obj is not new_obj
+        elif (m, old) in LEGACY_ARRAYS:
+            assert new_obj is jaxlowfp.QArray and obj is not new_obj
         else:
             assert obj is new_obj
         assert f"`{m}.{old}`" in changelog and f"`{new}`" in changelog, f"CHANGELOG.md does not list {m}.{old}"
@@ -327,3 +336,18 @@ def test_the_qat_function_is_not_shadowed_by_a_module():
 
     assert callable(qat.fake_quant) and not isinstance(qat.fake_quant, types.ModuleType)
     assert not (ROOT / "jaxlowfp" / "qat" / "fake_quant.py").exists()
+
+
+def test_one_public_quantized_array_type():
+    """Every public class holding codes is jaxlowfp.QArray (PackedWeight holds one as .array: a GEMM weight
+    container, not a second array type); the old array types are deprecated names only (not in any dir())."""
+    arrays = {}
+    for m in PUBLIC_MODULES:
+        for name, obj in _public(importlib.import_module(m)).items():
+            if isinstance(obj, type) and dataclasses.is_dataclass(obj) and "codes" in {
+                    f.name for f in dataclasses.fields(obj)}:
+                arrays[f"{m}.{name}"] = obj
+    assert set(arrays.values()) == {jaxlowfp.QArray}, arrays
+    assert "QArray" in dir(jaxlowfp) and "NVFP4Array" not in dir(jaxlowfp)
+    for m, old in LEGACY_ARRAYS | RESULT_RECORDS:
+        assert old not in dir(importlib.import_module(m))

@@ -7,6 +7,7 @@ and its jnp twin share one copy of the math without an import cycle (docs/archit
 
 Modules: ``bits`` (float32 bit helpers, exact division), ``checks`` (argument validation), ``reduce`` (NaN-aware
 amax), ``hif8`` (the HiF8 codec), ``minifloat`` (format descriptors: HiF8, E4M3, E5M2, E2M1), ``nvfp4_blocks`` (the
-per-block NVFP4 / Four Over Six math and the ``NVFP4Array`` type), ``scaled`` (per-tensor scaled rounding and the
+per-block NVFP4 / Four Over Six math), ``qarray`` (``QArray``, the one quantized array), ``format``
+(``Format``), ``scaled`` (per-tensor scaled rounding and the
 saturation bound), ``pytree`` (frozen dataclass pytrees), ``capability`` (which kernel runs where).
 """

@@ -13,6 +13,11 @@ and, for the two-level formats, the block-scale rule (Four Over Six among them):
     fp8     E4M3                none                 FP32, amax/448       -
     hif8    HiF8                none                 FP32, amax/15        -
 
+and, for the arrays of the per-format modules only (not in :data:`FORMATS`, the CLI or PTQ lists, :data:`KINDS`)::
+
+    if6_e2m3, if6_e3m2, if3   FP6 / FP3 or INT6 / INT3   as if4 (``jaxlowfp.if4.quantize(format=...)``)
+    mxfp8_e5m2                E5M2                       as mxfp8 (``jaxlowfp.mx.quantize(format="e5m2")``)
+
 Names (:data:`FORMATS`, what every command line, the lm-eval backend's ``quantize=`` and the docs list): ``nvfp4``
 is standard NVFP4 (rule static_6); Four Over Six and the other rules are always named: ``nvfp4-mse``,
 ``nvfp4-mae``, ``nvfp4-abs_max``, ``nvfp4-static_4``, ``nvfp4-search``; ``-16x16`` names 16x16 weight tiles.
@@ -31,17 +36,24 @@ from typing import Any
 
 from jaxlowfp._core import names
 
-__all__ = ["Format", "FORMATS", "KINDS", "ARITHMETICS", "as_format"]
+__all__ = ["Format", "FORMATS", "KINDS", "ARRAY_KINDS", "ARITHMETICS", "as_format"]
 
-KINDS = ("nvfp4", "if4", "mxfp4", "mxfp8", "fp8", "hif8")
-TWO_LEVEL = ("nvfp4", "if4")  # E4M3 block scales under an FP32 tensor scale
+KINDS = ("nvfp4", "if4", "mxfp4", "mxfp8", "fp8", "hif8")  # the kinds PTQ, pack and the command lines take
+IF_KINDS = names.IF_FORMATS  # jaxlowfp.if4.quantize(format=...): "if4", "if6_e2m3", "if6_e3m2", "if3"
+MX_KINDS = ("mxfp4", "mxfp8", "mxfp8_e5m2")  # jaxlowfp.mx.quantize(format="e2m1" | "e4m3" | "e5m2")
+ARRAY_KINDS = (*KINDS, *(k for k in IF_KINDS if k not in KINDS), "mxfp8_e5m2")  # every kind a jaxlowfp.QArray has
+TWO_LEVEL = ("nvfp4", "if4")  # E4M3 block scales under an FP32 tensor scale (the kinds of KINDS)
 MX = ("mxfp4", "mxfp8")
 PER_TENSOR = {"fp8": ("e4m3", 448.0), "hif8": ("hif8", 15.0)}  # element, the value the amax maps to (clip bound)
-ELEMENT = {"nvfp4": "e2m1", "if4": "e2m1", "mxfp4": "e2m1", "mxfp8": "e4m3", "fp8": "e4m3", "hif8": "hif8"}
-GROUP = {"nvfp4": 16, "if4": 16, "mxfp4": 32, "mxfp8": 32}
+ELEMENT = {"nvfp4": "e2m1", "if4": "e2m1", "mxfp4": "e2m1", "mxfp8": "e4m3", "fp8": "e4m3", "hif8": "hif8",
+           "if6_e2m3": "e2m3", "if6_e3m2": "e3m2", "if3": "e2m0", "mxfp8_e5m2": "e5m2"}
+MX_ELEMENT = {"mxfp4": "e2m1", "mxfp8": "e4m3", "mxfp8_e5m2": "e5m2"}  # jaxlowfp.mx's format= of each MX kind
+GROUP = {"nvfp4": 16, **{k: 16 for k in IF_KINDS}, **{k: 32 for k in MX_KINDS}}
 ARITHMETICS = ("jaxlowfp", "compressed-tensors")
-_DEFAULT_RULE = {"nvfp4": "static_6", "if4": "mse", "mxfp4": "floor", "mxfp8": "floor"}
-_RULES = {"nvfp4": names.NVFP4_RULES, "if4": names.IF_RULES, "mxfp4": names.MX_RULES, "mxfp8": names.MX_RULES}
+_DEFAULT_RULE = {"nvfp4": "static_6", **{k: "mse" for k in IF_KINDS}, **{k: "floor" for k in MX_KINDS}}
+_RULES = {"nvfp4": names.NVFP4_RULES, **{k: names.IF_RULES for k in IF_KINDS}, **{k: names.MX_RULES for k in MX_KINDS}}
+_BLOCK_SHAPED = ("nvfp4", *IF_KINDS)  # (1, 16) blocks or (16, 16) tiles
+_TARGET = {"if6_e2m3": 7.5, "if6_e3m2": 28.0, "if3": 4.0, "mxfp8": 448.0, "mxfp8_e5m2": 57344.0}  # the FP grid's max
 
 
 def _one_of(value: Any, allowed: tuple, what: str) -> None:
@@ -54,7 +66,8 @@ class Format:
     """How a tensor is quantized (module docstring). Frozen and hashable, so it is static configuration under jit.
 
     Attributes:
-      kind: "nvfp4", "if4", "mxfp4", "mxfp8", "fp8" (E4M3, one scale amax / 448) or "hif8" (one scale amax / 15).
+      kind: "nvfp4", "if4", "mxfp4", "mxfp8", "fp8" (E4M3, one scale amax / 448) or "hif8" (one scale amax / 15);
+        the arrays of the per-format modules also "if6_e2m3", "if6_e3m2", "if3" and "mxfp8_e5m2" (module docstring).
       rule: the block-scale rule: NVFP4 "static_6" (default, standard NVFP4), "static_4", the Four Over Six rules
         "mse", "mae", "abs_max", or "search"; IF4 "mse" (default), "mae", "abs_max"; MX "floor" (default, OCP) or
         "ceil". None for the per-tensor formats.
@@ -69,7 +82,7 @@ class Format:
     arithmetic: str | None = None
 
     def __post_init__(self) -> None:
-        _one_of(self.kind, KINDS, "kind")
+        _one_of(self.kind, ARRAY_KINDS, "kind")
         if self.kind in _RULES:
             rule = _DEFAULT_RULE[self.kind] if self.rule is None else self.rule
             _one_of(rule, tuple(_RULES[self.kind]), "rule")
@@ -77,13 +90,14 @@ class Format:
         elif self.rule is not None:
             raise ValueError(f"rule={self.rule!r} applies to the block-scaled formats (nvfp4, if4, mxfp4, mxfp8); "
                              f"got kind={self.kind!r}")
-        if self.kind in TWO_LEVEL:
+        if self.kind in _BLOCK_SHAPED:
             bs: Any = (1, 16) if self.block_shape is None else self.block_shape
             bs = tuple(bs) if isinstance(bs, (list, tuple)) else bs
             _one_of(bs, tuple(names.NVFP4_BLOCK_SHAPES), "block_shape")
             object.__setattr__(self, "block_shape", bs)
         elif self.block_shape is not None:
-            raise ValueError(f"block_shape={self.block_shape!r} applies to kind 'nvfp4' or 'if4' only; got "
+            raise ValueError(f"block_shape={self.block_shape!r} applies to kind 'nvfp4' or the IF kinds ('if4', "
+                             f"'if6_e2m3', 'if6_e3m2', 'if3') only; got "
                              f"kind={self.kind!r}")
         if self.kind == "nvfp4":
             arith = "jaxlowfp" if self.arithmetic is None else self.arithmetic
@@ -121,8 +135,8 @@ class Format:
         bs = None
         if rest == "16x16" or rest.endswith("-16x16"):
             bs, rest = (16, 16), rest[:-len("16x16")].rstrip("-")
-        if kind not in KINDS:
-            raise ValueError(f"unknown format {name!r} (kind={kind!r} is not one of {', '.join(KINDS)}); allowed "
+        if kind not in ARRAY_KINDS:
+            raise ValueError(f"unknown format {name!r} (kind={kind!r} is not one of {', '.join(ARRAY_KINDS)}); allowed "
                              f"names: {', '.join(FORMATS)}, and -16x16 tiles for nvfp4 / if4")
         return cls(kind=kind, rule=rest or None, block_shape=bs, arithmetic=arith)
 
@@ -133,9 +147,9 @@ class Format:
         compressed-tensors arithmetic."""
         if self.kind == "nvfp4":
             base = "nvfp4" if self.rule == "static_6" else f"nvfp4-{self.rule}"
-        elif self.kind == "if4":
-            base = f"if4-{self.rule}"
-        elif self.kind in MX:
+        elif self.kind in IF_KINDS:
+            base = f"{self.kind}-{self.rule}"
+        elif self.kind in MX_KINDS:
             base = self.kind if self.rule == "floor" else f"{self.kind}-{self.rule}"
         else:
             base = self.kind
@@ -144,18 +158,19 @@ class Format:
 
     @property
     def element(self) -> str:
-        """The element format's name (``jaxlowfp.formats.get`` gives its descriptor): "e2m1", "e4m3" or "hif8"."""
+        """The element format's name: "e2m1", "e4m3", "e5m2" or "hif8" (``jaxlowfp.formats.get`` gives their
+        descriptors); the FP grid of IF6 / IF3: "e2m3", "e3m2", "e2m0"."""
         return ELEMENT[self.kind]
 
     @property
     def two_level(self) -> bool:
-        """E4M3 block scales under an FP32 tensor scale (NVFP4, IF4)."""
-        return self.kind in TWO_LEVEL
+        """E4M3 block scales under an FP32 tensor scale (NVFP4, IF4, IF6, IF3)."""
+        return self.kind in _BLOCK_SHAPED
 
     @property
     def is_mx(self) -> bool:
         """OCP MX: E8M0 block scales, no tensor scale."""
-        return self.kind in MX
+        return self.kind in MX_KINDS
 
     @property
     def per_tensor(self) -> bool:
@@ -173,7 +188,7 @@ class Format:
         HiF8 (the Max-Window paper's target, which keeps HiF8's 3-bit-mantissa band)."""
         if self.kind in PER_TENSOR:
             return PER_TENSOR[self.kind][1]
-        return 448.0 if self.kind == "mxfp8" else 6.0
+        return _TARGET.get(self.kind, 6.0)
 
     @property
     def group(self) -> int | None:
@@ -188,7 +203,7 @@ class Format:
     @property
     def bits(self) -> float:
         """Storage bits per element, block scales included (the tensor scale left out)."""
-        elem = 4 if self.element == "e2m1" else 8
+        elem = 4 if self.element == "e2m1" else 8  # IF6 / IF3 codes take a byte each
         return elem + (8 / (self.group * self.rows) if self.group else 0.0)
 
 

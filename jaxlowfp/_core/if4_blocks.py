@@ -42,7 +42,7 @@ from jax import lax
 
 from jaxlowfp._core import names as _names
 from jaxlowfp._core.bits import FLT_MAX, SIGN, div_const, from_bits, ieee_div, materialize, pow2, u32
-from jaxlowfp._core.checks import float_dtype, one_of
+from jaxlowfp._core.checks import one_of
 from jaxlowfp._core.minifloat import E2M1, E4M3, MiniFloat
 from jaxlowfp._core.nvfp4_blocks import (
     BLOCK,
@@ -67,7 +67,6 @@ from jaxlowfp._core.nvfp4_blocks import (
     to_blocks,
     unpack_nibbles,
 )
-from jaxlowfp._core.pytree import pytree_dataclass
 
 IFFormat = Literal["if4", "if6_e2m3", "if6_e3m2", "if3"]
 IFRule = Literal["abs_max", "mae", "mse"]
@@ -383,44 +382,6 @@ def if_ms_eden_blocks(xb: jax.Array, s_dec: jax.Array, blk: jax.Array, u: jax.Ar
     return _element_result(xb, ay, a_fp, a_int, s2, is_int, "if4")
 
 
-# ---- the array type
-
-
-@pytree_dataclass(data=("codes", "scales", "global_scale"), meta=("format", "rule", "block_shape", "dtype", "shape"))
-class IFArray:
-    """An IF-quantized tensor (pytree).
-
-    Attributes:
-      codes: uint8; IF4: [..., K // 2], two 4-bit codes a byte (element 2j in the low nibble): an FP block's
-        ``sign<<3 | E2M1 index``, an INT block's two's-complement integer; IF6 / IF3: [..., K], one code a byte,
-        ``sign << (bits-1) | magnitude`` (FP6 exponent-mantissa bits, or the integer).
-      scales: float8_e4m3fn, one per block ([..., K // 16], or [..., M // 16, K // 16] for 16x16 tiles); the sign
-        bit flags an INT block (``|scale|`` is the block scale), as fouroversix stores it.
-      global_scale: float32 scalar decode scale ``S_dec``.
-      format, rule, block_shape, dtype, shape: static metadata.
-    """
-
-    codes: jax.Array
-    scales: jax.Array
-    global_scale: jax.Array
-    format: str
-    rule: str
-    block_shape: tuple[int, int]
-    dtype: Any
-    shape: tuple[int, ...]
-
-    @property
-    def is_int(self) -> jax.Array:
-        """bool per block: the block uses the INT grid (the scale's sign bit)."""
-        return (lax.bitcast_convert_type(self.scales, jnp.uint8) >> 7) == 1
-
-    def dequantize(self, dtype: Any = None) -> jax.Array:
-        """``x̂`` in `dtype` (default: the original dtype): (q * |s|) * S_dec, or ((q * |s|) * step) * S_dec."""
-        dtype = float_dtype(self.dtype if dtype is None else dtype)
-        return dequantize_blocks(self.codes, self.scales, self.global_scale, fmt=self.format,
-                                 rows=self.block_shape[0], shape=self.shape, dtype=dtype)
-
-
 def decode_values(codes: jax.Array, fmt: str) -> tuple[jax.Array, jax.Array]:
     """(FP value, INT value) float32 of unpacked codes (one per element): both readings of every code."""
     g = GRIDS[fmt]
@@ -440,7 +401,7 @@ def decode_values(codes: jax.Array, fmt: str) -> tuple[jax.Array, jax.Array]:
 @functools.partial(jax.jit, static_argnames=("fmt", "rows", "shape", "dtype"))
 def dequantize_blocks(codes, scales, global_scale, *, fmt: str, rows: int, shape: tuple[int, ...],
                       dtype: Any) -> jax.Array:
-    """x̂ from codes and flagged E4M3 scales (:class:`IFArray`), in `dtype`."""
+    """x̂ from codes and flagged E4M3 scales (`jaxlowfp.QArray` of an IF kind), in `dtype`."""
     g = GRIDS[fmt]
     flat = unpack_nibbles(codes) if fmt == "if4" else codes
     fv, iv = decode_values(flat, fmt)

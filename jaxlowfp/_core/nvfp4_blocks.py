@@ -26,9 +26,8 @@ from jax import lax
 from jaxlowfp._core import names as _names
 from jaxlowfp._core.bits import FLT_MAX, SIGN, div_const, from_bits, ieee_div, materialize, no_contract, u32
 from jaxlowfp._core.reduce import abs_max
-from jaxlowfp._core.checks import float_dtype, float_input, one_of
+from jaxlowfp._core.checks import float_input, one_of
 from jaxlowfp._core.minifloat import _E2M1_THRESHOLDS, E2M1, E4M3
-from jaxlowfp._core.pytree import pytree_dataclass
 
 
 class BlockConfig(Protocol):
@@ -132,32 +131,6 @@ class NVFP4Config:
     @property
     def rows(self) -> int:
         return self.block_shape[0]
-
-
-@pytree_dataclass(data=("codes", "scales", "global_scale"), meta=("rule", "block_shape", "dtype", "shape"))
-class NVFP4Array:
-    """A quantized tensor (pytree).
-
-    Attributes:
-      codes: uint8 [..., K // 2], two E2M1 codes a byte (``sign<<3 | idx``), element 2j in the low nibble.
-      scales: float8_e4m3fn, one per block: [..., K // 16] for (1, 16) blocks, [..., M // 16, K // 16] for tiles.
-      global_scale: float32 scalar decode scale ``S_dec = 1 / S_enc`` (= amax / (M * E) to within an ulp).
-      rule, block_shape, dtype, shape: static metadata (rule used, block shape, original dtype and shape).
-    """
-
-    codes: jax.Array
-    scales: jax.Array
-    global_scale: jax.Array
-    rule: str
-    block_shape: tuple[int, int]
-    dtype: Any
-    shape: tuple[int, ...]
-
-    def dequantize(self, dtype: Any = None) -> jax.Array:
-        """``x̂ = (q_i * s_b) * global_scale`` in `dtype` (default: the original dtype)."""
-        dtype = float_dtype(self.dtype if dtype is None else dtype)
-        return dequantize_blocks(self.codes, self.scales, self.global_scale, rows=self.block_shape[0],
-                                 shape=self.shape, dtype=dtype)
 
 
 def global_scales(amax: jax.Array, rule: str, rounding: str = "nearest") -> tuple[jax.Array, jax.Array]:
@@ -576,20 +549,6 @@ def validate_kernel_args(
     if x.size >= 2**31:
         raise ValueError(f"x has {x.size} elements; the kernel indexes with int32 and supports fewer than 2^31")
     return cfg, x, ga
-
-
-def kernel_array(
-    x: jax.Array, cfg: NVFP4Config, codes: jax.Array, scale_bytes: jax.Array, global_scale: jax.Array
-) -> NVFP4Array:
-    """The `NVFP4Array` of `x` from a kernel's outputs: packed codes and E4M3 scale bytes in any layout."""
-    k = x.shape[-1]
-    scales = lax.bitcast_convert_type(scale_bytes, jnp.float8_e4m3fn)
-    tile = cfg.rows > 1
-    sshape = (*x.shape[:-2], x.shape[-2] // cfg.rows, k // 16) if tile else (*x.shape[:-1], k // 16)
-    return NVFP4Array(
-        codes=codes.reshape(*x.shape[:-1], k // 2), scales=scales.reshape(sshape), global_scale=global_scale,
-        rule=cfg.rule, block_shape=cfg.block_shape, dtype=x.dtype, shape=x.shape,
-    )
 
 
 def pack_nibbles(nib: jax.Array) -> jax.Array:

@@ -203,8 +203,9 @@ def packed_weight(tensor: Any, path: Path, rope_heads: int | None = None, scale:
     that many heads (on codes and scales: whole rows move); ``scale``: NVFP4's ``<name>.scale`` tensor, or None."""
     import ml_dtypes
 
-    from jaxlowfp import mx, nvfp4
     from jaxlowfp import packed as packing
+    from jaxlowfp._core.format import Format
+    from jaxlowfp._core.qarray import QArray
 
     kind, (n, k) = tensor.tensor_type.name, _shape(tensor)
     where = f"{path}: tensor {tensor.name}"
@@ -233,16 +234,16 @@ def packed_weight(tensor: Any, path: Path, rope_heads: int | None = None, scale:
     if rope_heads is not None:
         codes, d = unpermute_rope_rows(codes, rope_heads), unpermute_rope_rows(d, rope_heads)
     if kind == "MXFP4":
-        mxa = mx.MXArray(codes=jnp.asarray(codes), scales=jnp.asarray(d.view(ml_dtypes.float8_e8m0fnu)),
-                         format="e2m1", rule="floor", dtype=jnp.dtype(jnp.float32), shape=(n, k))
+        mxa = QArray(codes=jnp.asarray(codes), scales=jnp.asarray(d.view(ml_dtypes.float8_e8m0fnu)), global_scale=None,
+                     format=Format(kind="mxfp4"), dtype=jnp.dtype(jnp.float32), shape=(n, k))
         return packing.PackedWeight(array=mxa, s_enc=None, format=packing.Format(kind="mxfp4"), k=k, n=n)
     s_dec = np.float32(1.0) if scale is None else np.float32(_dequantize(scale, path).reshape(-1)[0])
     if not (np.isfinite(s_dec) and s_dec > 0):
         raise CheckpointError(f"{path}: tensor {scale.name} is {float(s_dec)}; an NVFP4 decode scale must be finite "
                               f"and > 0")
-    arr = nvfp4.NVFP4Array(codes=jnp.asarray(codes), scales=jnp.asarray(d.view(ml_dtypes.float8_e4m3fn)),
-                           global_scale=jnp.float32(s_dec), rule="static_6", block_shape=(1, 16),
-                           dtype=jnp.dtype(jnp.float32), shape=(n, k))
+    arr = QArray(codes=jnp.asarray(codes), scales=jnp.asarray(d.view(ml_dtypes.float8_e4m3fn)),
+                 global_scale=jnp.float32(s_dec), format=Format(kind="nvfp4"), dtype=jnp.dtype(jnp.float32),
+                 shape=(n, k))
     return packing.from_nvfp4(arr)
 
 

@@ -160,12 +160,15 @@ class _Input:
 def _packed_weight(kind: str, codes: np.ndarray, scales: np.ndarray, g: float) -> Any:
     """The `jaxlowfp.packed.PackedWeight` of W'^T = [out, in] from the file's arrays as they are (no decoding):
     compressed-tensors decodes ``q * (s / g)`` (g the encode scale), ModelOpt ``(q * s) * weight_scale_2``."""
-    from jaxlowfp import nvfp4, packed
+    from jaxlowfp import packed
+    from jaxlowfp._core.format import Format
+    from jaxlowfp._core.qarray import QArray
 
     out, half = codes.shape
     s_dec = np.float32(1.0) / np.float32(g) if kind == "compressed-tensors" else np.float32(g)
-    arr = nvfp4.NVFP4Array(codes=jnp.asarray(codes), scales=jnp.asarray(scales), global_scale=jnp.float32(s_dec),
-                           rule="static_6", block_shape=(1, 16), dtype=jnp.dtype(jnp.float32), shape=(out, 2 * half))
+    fmt = Format(kind="nvfp4", arithmetic="compressed-tensors" if kind == "compressed-tensors" else None)
+    arr = QArray(codes=jnp.asarray(codes), scales=jnp.asarray(scales), global_scale=jnp.float32(s_dec), format=fmt,
+                 dtype=jnp.dtype(jnp.float32), shape=(out, 2 * half))
     if kind == "compressed-tensors":
         return packed.from_nvfp4(arr, jnp.float32(g), arithmetic="compressed-tensors")
     return packed.from_nvfp4(arr)

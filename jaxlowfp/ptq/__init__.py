@@ -47,7 +47,7 @@ from jaxlowfp.ptq.api import quantize as quantize_model
 from jaxlowfp.ptq.layers import ActQuant, EinsumActQuant
 from jaxlowfp.ptq.calibrate import LayerStats, collect
 from jaxlowfp.ptq.checkpoint import ExportReport, export, load, load_model
-from jaxlowfp.ptq.formats import SCHEMES, QuantizedWeight, Scheme, activation_spec, rtn_weight, scheme
+from jaxlowfp.ptq.formats import SCHEMES, Scheme, activation_spec, rtn_weight, scheme
 from jaxlowfp.ptq.gguf_export import GGUFReport, export_gguf
 from jaxlowfp.ptq.packing import PackedExperts, PackedLinear, PackReport
 from jaxlowfp.ptq.packing import pack as pack_model
@@ -57,7 +57,7 @@ from jaxlowfp.ptq.smooth import AWQ, Fold, SmoothQuant
 
 __all__ = [
     "METHODS", "SCHEMES", "RTN", "GPTQ", "SmoothQuant", "AWQ", "Rule", "Scheme", "activation_spec", "Fold",
-    "ActQuant", "EinsumActQuant", "PTQResult", "QuantizedWeight", "LayerStats", "quantize_model", "scheme",
+    "ActQuant", "EinsumActQuant", "PTQResult", "LayerStats", "quantize_model", "scheme",
     "method_from_name",
     "rtn_weight", "gptq_weight", "smooth_model", "collect", "export", "load", "load_model", "ExportReport",
     "export_gguf",
@@ -75,10 +75,18 @@ def _tensor_format() -> type:
     return formats._LegacyTensorFormat
 
 
+def _quantized_weight() -> type:
+    from jaxlowfp.ptq import formats
+
+    return formats.QuantizedWeight
+
+
 __getattr__ = deprecated_getattr(__name__, {
     "quantize": ("jaxlowfp.ptq.quantize_model", lambda: quantize_model),
     "pack": ("jaxlowfp.ptq.pack_model", lambda: pack_model),
     "TensorFormat": ("jaxlowfp.Format", _tensor_format),
+    # the result record of rtn_weight / gptq_weight, not a second array type: its .packed is a jaxlowfp.QArray
+    "QuantizedWeight": ("jaxlowfp.ptq.rtn_weight", lambda: _quantized_weight()),
 })
 
 

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxlowfp import nvfp4, sharding
+from jaxlowfp import sharding
+from jaxlowfp._core.qarray import QArray
 from jaxlowfp._core.deprecation import renamed_kwarg, warn
 from jaxlowfp._core.progress import progress_bar
 from jaxlowfp.ptq import calibrate, checks, experts, sequential, serving, smooth
@@ -58,7 +59,7 @@ class PTQResult:
     report:   a `jaxlowfp.rules.QuantizeReport` (quantized: (path, scheme name); kept; unmatched; unused_rules)
     method:   the method's name
     schemes:  {path: Scheme} of the quantized layers
-    packed:   {path: (NVFP4Array of kernel.T [out, in], S_enc float32)} for NVFP4 weights (what `export` writes)
+    packed:   {path: (NVFP4 QArray of kernel.T [out, in], S_enc float32)} for NVFP4 weights (what `export` writes)
     act_amax: {path: max |input|} over the calibration data (empty without calibration)
     folds:    the folds applied (SmoothQuant / AWQ), and skipped: [(layer, reason)]
     seconds:  wall time, calibration included
@@ -78,7 +79,7 @@ class PTQResult:
     report: QuantizeReport
     method: str
     schemes: dict[str, Scheme]
-    packed: dict[str, tuple[nvfp4.NVFP4Array, jax.Array]]
+    packed: dict[str, tuple[QArray, jax.Array]]
     act_amax: dict[str, float]
     folds: tuple[Fold, ...] = ()
     skipped: tuple[tuple[str, str], ...] = ()
@@ -415,7 +416,7 @@ def _quantize(
             raise ValueError(f"{m.name} needs stats collected with samples_per_batch > 0")
     else:
         stats = {}
-    packed: dict[str, tuple[nvfp4.NVFP4Array, jax.Array]] = {}
+    packed: dict[str, tuple[QArray, jax.Array]] = {}
 
     def process(paths: list[str], st: dict[str, calibrate.LayerStats]) -> None:
         """Folds that reach `paths`, then their weights (fused groups: one amax after the folds)."""

@@ -91,6 +91,7 @@ from jaxlowfp.ptq.api import PTQResult
 from jaxlowfp.ptq.layers import act_quant, require_linear
 from jaxlowfp.ptq.calibrate import linear_modules
 from jaxlowfp._core.format import Format
+from jaxlowfp._core.qarray import QArray
 from jaxlowfp.ptq.formats import Scheme
 from jaxlowfp.scaling import CurrentScaling
 
@@ -231,15 +232,15 @@ def check_finite_param(var: Any, where: str) -> None:
     checks.check_finite_tensor(var[...], where)
 
 
-def same_packed_nvfp4(where: str, w: packing.PackedWeight, arr: nvfp4.NVFP4Array, s_enc: Any
-                      ) -> tuple[nvfp4.NVFP4Array, Any]:
+def same_packed_nvfp4(where: str, w: packing.PackedWeight, arr: QArray, s_enc: Any
+                      ) -> tuple[QArray, Any]:
     """The packed model's NVFP4 array and encode scale, checked to be the PTQ result's ``(arr, s_enc)`` (codes,
     block scales and scales equal), without decoding either: what the exporters write for a packed layer."""
     if w.format.kind != "nvfp4":
         raise ValueError(f"{where}: the packed model holds {w.format.name} arrays; the PTQ result quantized this layer "
                          f"to NVFP4 (is this another model's result?)")
     a = w.array
-    same = (tuple(a.shape) == tuple(arr.shape) and a.block_shape == arr.block_shape
+    same = (tuple(a.shape) == tuple(arr.shape) and a.format.block_shape == arr.format.block_shape
             and np.array_equal(stream.fetch(a.codes), stream.fetch(arr.codes))
             and np.array_equal(np.asarray(stream.fetch(a.scales)).view(np.uint8),
                                np.asarray(stream.fetch(arr.scales)).view(np.uint8))
@@ -837,13 +838,13 @@ def _fp8_weight(m: str, tensors: Mapping[str, np.ndarray]) -> Any:
                          f"{codes.shape}")
     if scale.size != 1 or not (np.isfinite(scale[0]) and scale[0] > 0):
         raise ValueError(f"{m}.weight_scale: one finite value > 0 per tensor; got {scale.tolist()[:4]}")
-    arr = packing.ScaledArray(codes=jnp.asarray(codes), scale=jnp.float32(scale[0]), elem="e4m3",
-                              dtype=jnp.dtype(jnp.float32), shape=tuple(codes.shape))
+    arr = QArray(codes=jnp.asarray(codes), scales=None, global_scale=jnp.float32(scale[0]), format=Format(kind="fp8"),
+                 dtype=jnp.dtype(jnp.float32), shape=tuple(codes.shape))
     return packing.PackedWeight(array=arr, s_enc=None, format=packing.Format(kind="fp8"),
                                 k=int(codes.shape[1]), n=int(codes.shape[0]))
 
 
-def _nvfp4_array(m: str, tensors: Mapping[str, np.ndarray], w_fmt: Format) -> tuple[nvfp4.NVFP4Array, jax.Array]:
+def _nvfp4_array(m: str, tensors: Mapping[str, np.ndarray], w_fmt: Format) -> tuple[QArray, jax.Array]:
     """The NVFP4 codes and scales of packed module `m` as written ([out, in]), and its encode scale S_enc."""
     codes, scales = tensors[f"{m}.weight_packed"], tensors[f"{m}.weight_scale"]
     g = tensors[f"{m}.weight_global_scale"]
@@ -857,9 +858,8 @@ def _nvfp4_array(m: str, tensors: Mapping[str, np.ndarray], w_fmt: Format) -> tu
     if w_fmt.rows > 1:
         scales = scales[:: w_fmt.rows]
     out, half = codes.shape
-    arr = nvfp4.NVFP4Array(codes=jnp.asarray(codes), scales=jnp.asarray(scales), global_scale=1.0 / s_enc,
-                           rule=w_fmt.rule, block_shape=w_fmt.block_shape, dtype=jnp.dtype(jnp.float32),
-                           shape=(out, 2 * half))
+    arr = QArray(codes=jnp.asarray(codes), scales=jnp.asarray(scales), global_scale=1.0 / s_enc, format=w_fmt,
+                 dtype=jnp.dtype(jnp.float32), shape=(out, 2 * half))
     return arr, s_enc
 
 

@@ -65,7 +65,7 @@ class ExpertResult:
     """What PTQ did to one expert weight: ``tokens`` per expert (the coverage), the experts that fell back
     (``fallback``: fewer than ``min_tokens``: RTN weights, input amax from the other experts), and the input amax per
     expert the run-time quantizer uses (static scaling; None otherwise). For NVFP4 weights, ``packed``: per expert
-    the `nvfp4.NVFP4Array` of ``W_e^T`` [out, in] and its encode scale S_enc (what `jaxlowfp.ptq.export` writes; a
+    the NVFP4 `jaxlowfp.QArray` of ``W_e^T`` [out, in] and its encode scale S_enc (what `jaxlowfp.ptq.export` writes; a
     gate/up pair's S_enc are equal), ``scheme``, the weight's `Scheme`, and ``calib_amax``, per expert the calibration
     input amax with the same fallback whatever the run-time scaling (an export's ``input_global_scale``)."""
 

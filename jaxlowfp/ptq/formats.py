@@ -27,6 +27,7 @@ import numpy as np
 from jaxlowfp import formats, if4, mx, nvfp4, qat, registry
 from jaxlowfp._core.deprecation import deprecated_getattr
 from jaxlowfp._core.format import PER_TENSOR, TWO_LEVEL, Format
+from jaxlowfp._core.qarray import QArray
 from jaxlowfp.scaling import CurrentScaling, StaticScaling
 
 KINDS = registry.PTQ_KINDS
@@ -203,13 +204,13 @@ def scheme(name: str, *, weights_only: bool = False, weight_block: tuple[int, in
 
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
-    """A quantized kernel: `kernel` [in, out] float32 (the dequantized values the model computes with) and, for
-    NVFP4, `packed`, the `nvfp4.NVFP4Array` of ``kernel.T`` ([out, in]: codes, E4M3 scales, global scale)
-    whose ``dequantize().T`` is `kernel` bit for bit, and `s_enc`, the encode scale ``M*E / amax`` it was made
-    with (``packed.global_scale == 1 / s_enc``)."""
+    """What `rtn_weight` / `gptq_weight` return (a PTQ result record, not an array type): `kernel` [in, out] float32
+    (the dequantized values the model computes with) and, for NVFP4, `packed`, the `jaxlowfp.QArray` of
+    ``kernel.T`` ([out, in]: codes, E4M3 scales, global scale) whose ``dequantize().T`` is `kernel` bit for bit, and
+    `s_enc`, the encode scale ``M*E / amax`` it was made with (``packed.global_scale == 1 / s_enc``)."""
 
     kernel: jax.Array
-    packed: nvfp4.NVFP4Array | None = None
+    packed: QArray | None = None
     s_enc: jax.Array | None = None
 
 
@@ -314,16 +315,16 @@ def mx_column(col: jax.Array, x: jax.Array, kind: str = "mxfp4") -> tuple[jax.Ar
     return q, q * x
 
 
-def pack_nvfp4(q: jax.Array, scales: jax.Array, s_dec: jax.Array, fmt: Format) -> nvfp4.NVFP4Array:
-    """An `nvfp4.NVFP4Array` of [out, in] from E2M1 values `q` [out, in], per-row block scales `scales`
+def pack_nvfp4(q: jax.Array, scales: jax.Array, s_dec: jax.Array, fmt: Format) -> QArray:
+    """The NVFP4 `jaxlowfp.QArray` of [out, in] from E2M1 values `q` [out, in], per-row block scales `scales`
     [out, in / 16] (float32 E4M3 values) and the decode scale."""
     out, k = q.shape
-    codes = formats.E2M1.encode(q)  # sign << 3 | magnitude index, as NVFP4Array stores them
+    codes = formats.E2M1.encode(q)  # sign << 3 | magnitude index, as QArray stores them
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)  # element 2j in the low nibble
     if fmt.rows > 1:
         scales = scales[:: fmt.rows]
-    return nvfp4.NVFP4Array(codes=packed, scales=scales.astype(jnp.float8_e4m3fn), global_scale=s_dec,
-                            rule=fmt.rule, block_shape=fmt.block_shape, dtype=jnp.dtype(jnp.float32), shape=(out, k))
+    return QArray(codes=packed, scales=scales.astype(jnp.float8_e4m3fn), global_scale=s_dec, format=fmt,
+                  dtype=jnp.dtype(jnp.float32), shape=(out, k))
 
 
 # old names (one release): ptq.TensorFormat is jaxlowfp.Format (its NVFP4 rule defaulted to "mse")

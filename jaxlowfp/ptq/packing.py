@@ -34,6 +34,7 @@ from flax import nnx
 
 from jaxlowfp._core.deprecation import renamed_kwarg
 from jaxlowfp import backends, packed, sharding
+from jaxlowfp._core.qarray import QArray
 from jaxlowfp.packed_layer import PackedLinear, replace_modules
 from jaxlowfp.ptq.api import PTQResult
 from jaxlowfp.ptq.layers import ActQuant, layout, quantizable_modules
@@ -80,7 +81,7 @@ def _near(v: np.float32, ulps: int = 4) -> list[np.float32]:
 
 
 @functools.partial(jax.jit, static_argnames=("kind",))
-def _per_tensor_try(wt: jax.Array, scale: jax.Array, kind: str) -> tuple[packed.ScaledArray, jax.Array]:
+def _per_tensor_try(wt: jax.Array, scale: jax.Array, kind: str) -> tuple[QArray, jax.Array]:
     """(the codes of wt with the per-tensor `scale`, whether they decode to wt everywhere)."""
     arr = packed.scaled_quantize(wt, kind, scale=scale)
     return arr, jnp.all(arr.dequantize(jnp.float32) == wt)

@@ -35,6 +35,7 @@ from jaxlowfp import formats, nvfp4
 from jaxlowfp._core import ct_nvfp4
 from jaxlowfp._core.nvfp4_blocks import pack_nibbles
 from jaxlowfp._core.format import Format
+from jaxlowfp._core.qarray import QArray
 from jaxlowfp.ptq.formats import QuantizedWeight, Scheme
 
 CONVENTIONS = ("jaxlowfp", "compressed-tensors")
@@ -130,21 +131,21 @@ def _ct_rtn(kernel, global_amax, *, fmt):
     g = ct_nvfp4.global_scale(amax)
     q, s = ct_nvfp4.quantize_tensor(wt, g)
     codes = pack_nibbles(formats.E2M1.encode(q))
-    arr = nvfp4.NVFP4Array(codes=codes, scales=s.astype(jnp.float8_e4m3fn), global_scale=1.0 / g, rule=fmt.rule,
-                           block_shape=fmt.block_shape, dtype=jnp.dtype(jnp.float32), shape=wt.shape)
+    arr = QArray(codes=codes, scales=s.astype(jnp.float8_e4m3fn), global_scale=1.0 / g, format=fmt,
+                 dtype=jnp.dtype(jnp.float32), shape=wt.shape)
     return decode(arr, g, "compressed-tensors").T, arr, g
 
 
-def decode(arr: nvfp4.NVFP4Array, s_enc: jax.Array, convention: str) -> jax.Array:
+def decode(arr: QArray, s_enc: jax.Array, convention: str) -> jax.Array:
     """The float32 weight [out, in] a packed NVFP4 array stands for in `convention`: ``(q * s) * (1 / g)`` or
     ``q * (s / g)`` (g = `s_enc`)."""
     if convention == "jaxlowfp":
         return arr.dequantize(jnp.float32)
     q = formats.E2M1.decode(nvfp4.unpack_nibbles(arr.codes))
     out, k = q.shape
-    s = arr.scales.astype(jnp.float32)
-    if arr.block_shape[0] > 1:
-        s = jnp.repeat(s, arr.block_shape[0], axis=-2)
+    s = arr.scales.astype(jnp.float32)  # type: ignore[union-attr]
+    if arr.format.rows > 1:
+        s = jnp.repeat(s, arr.format.rows, axis=-2)
     return ct_nvfp4.dequantize(q.reshape(out, k // 16, 16), s, jnp.asarray(s_enc, jnp.float32)).reshape(out, k)
 
 
