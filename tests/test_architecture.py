@@ -45,6 +45,9 @@ FLOORS = {
     "jaxlowfp.evaluation": 6,
     "jaxlowfp.ptq": 7,
     "jaxlowfp.harness": 7,  # the lm-eval backend (jaxlowfp[lm-eval])
+    "jaxlowfp.eval_quantize": 7,  # how the backend quantizes the model it evaluates (fake quantization, PTQ)
+    "jaxlowfp.lm_eval_tasks": 7,  # in-memory lm-eval tasks and evaluate()
+    "jaxlowfp.lm_eval_cli": 7,  # the jaxlowfp-lm-eval command line
     "jaxlowfp": 8,  # the package's own __init__ (lazy: imports nothing of its own)
     "train": 9,
 }
