@@ -103,6 +103,18 @@ def positive_int(value: Any, what: str) -> int:
     return int(value)
 
 
+def dimension_numbers_of(dn: Any) -> tuple:
+    """``dot_general`` dimension numbers ``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))`` as tuples of
+    ints (hashable: usable as static configuration); a ValueError naming what was given otherwise."""
+    try:
+        (lc, rc), (lb, rb) = dn
+        return (tuple(int(i) for i in lc), tuple(int(i) for i in rc)), (tuple(int(i) for i in lb),
+                                                                         tuple(int(i) for i in rb))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"dimension_numbers must be ((lhs_contract, rhs_contract), (lhs_batch, rhs_batch)); "
+                         f"got {dn!r}") from e
+
+
 def bool_flag(flag: Any, what: str = "observe_only") -> bool | jax.Array:
     """A Python bool stays static; anything else must be a boolean scalar array (traced is fine)."""
     if isinstance(flag, (bool, np.bool_)):

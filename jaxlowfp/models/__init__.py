@@ -49,7 +49,7 @@ def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "f
     from jaxlowfp.models import gguf_loader, moe_loader  # needs the jaxlowfp[models] extra
 
     path = Path(path)
-    if path.is_file() and moe_loader.is_moe_gguf(gguf_loader._open(path), path):  # Qwen3-MoE, Mixtral
+    if path.is_file() and moe_loader.is_moe_gguf(gguf_loader.open_reader(path), path):  # Qwen3-MoE, Mixtral
         _not_packed(packed, path, "a mixture-of-experts GGUF file (packed experts are not implemented)")
         return moe_loader.load_gguf(path, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules)
     return gguf_loader.load_gguf(path, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules, packed=packed,

@@ -72,7 +72,7 @@ from jaxlowfp._core.deprecation import deprecated_getattr  # noqa: E402
 def _tensor_format() -> type:
     from jaxlowfp.ptq import formats
 
-    return formats._LegacyTensorFormat
+    return formats.LegacyTensorFormat
 
 
 __getattr__ = deprecated_getattr(__name__, {
