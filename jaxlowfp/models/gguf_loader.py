@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlowfp._core.checks import optional_module
+from jaxlowfp._core.pretokenizers import PRE_TOKENIZERS
 from jaxlowfp.models.common import (CheckpointError, LazyTensor, TensorSpec, Tokenizer, build_model,
                                     install_packed, tensor_specs)
 from jaxlowfp.models.llama import Llama, ModelConfig
@@ -54,22 +55,6 @@ __all__ = ["ARCHITECTURES", "PACKED_TYPES", "PRE_TOKENIZERS", "config_fields", "
 # architecture -> whether the converter permuted the q/k rows (llama.cpp RoPE type NORM vs NEOX)
 ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
 
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-          r"|\s+(?!\S)|\s+")
-_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-           r"|\s+(?!\S)|\s+")
-# tokenizer.ggml.pre -> the regexes llama.cpp splits with (llama-vocab.cpp), applied in order
-PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
-    "default": (_GPT2,),
-    "gpt2": (_GPT2,),
-    "gpt-2": (_GPT2,),
-    "smollm": (r"\p{N}", _GPT2),
-    "starcoder": (r"\p{N}", _GPT2),
-    "refact": (r"\p{N}", _GPT2),
-    "qwen2": (_QWEN2,),
-    "llama-bpe": (_LLAMA3,),
-}
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types that are matched verbatim in text
 
 

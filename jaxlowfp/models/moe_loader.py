@@ -183,7 +183,7 @@ def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str =
     if (directory / "hf_quant_config.json").is_file() or hf_loader.read_json(directory / "config.json").get(
             "quantization_config"):
         raise CheckpointError(f"{directory}: a quantized mixture-of-experts checkpoint; models.load reads float "
-                              f"checkpoints of Qwen3-MoE / Mixtral, and jaxlowfp.ptq.load_model(directory) the "
+                              f"checkpoints of Qwen3-MoE / Mixtral, and jaxlowfp.models.load_export(directory) the "
                               f"quantized ones jaxlowfp.ptq.export wrote")
     config = read_hf_config(directory, dtype=dtype, param_dtype=param_dtype)
     mt = hf_loader.read_json(directory / "config.json")["model_type"]

@@ -20,7 +20,7 @@ from jaxlowfp import nvfp4, sharding
 from jaxlowfp._core.deprecation import renamed_kwarg, warn
 from jaxlowfp._core.progress import progress_bar
 from jaxlowfp.ptq import calibrate, checks, experts, sequential, serving, smooth
-from jaxlowfp.qnnx.rules import grouped_weights
+from jaxlowfp.rules import grouped_weights
 from jaxlowfp.ptq.layers import act_quant, default_hook, hook_name, install, is_act_quant, layout
 from jaxlowfp.ptq.formats import ACTIVATION_SCALES, Scheme, rtn_weight
 from jaxlowfp.ptq.gptq import GPTQ, gptq_weight

@@ -1,7 +1,7 @@
 """PTQ of mixture-of-experts weights: every expert quantized as its own GEMM matrix, calibrated on the tokens the
 router sends to it.
 
-An experts module declares its [E, K, N] weights (``grouped_weights``, `jaxlowfp.qnnx.rules.grouped_weights`) and
+An experts module declares its [E, K, N] weights (``grouped_weights``, `jaxlowfp.rules.grouped_weights`) and
 computes each grouped GEMM through the hook it finds at ``quant_<name>``. PTQ uses that hook twice:
 
 - calibration: a recorder sees the rows routed to each expert (``lhs [M, K]`` sorted by expert, ``group_sizes``)
@@ -43,7 +43,7 @@ from jaxlowfp._core.executed import new_record
 from jaxlowfp._core.reduce import group_ids, segment_amax
 from jaxlowfp.ptq.formats import Scheme, activation_spec, rtn_weight
 from jaxlowfp.qat.spec import Recipe
-from jaxlowfp.qnnx.rules import grouped_weights
+from jaxlowfp.rules import grouped_weights
 
 __all__ = ["ExpertStats", "ExpertResult", "RaggedActQuant", "grouped_weights", "targets", "collect", "check",
            "quantize_experts"]

@@ -54,6 +54,7 @@ from flax import nnx
 
 from jaxlowfp import mx
 from jaxlowfp._core.checks import optional_module
+from jaxlowfp._core.pretokenizers import PRE_TOKENIZERS  # the regexes llama.cpp applies
 from jaxlowfp.ptq import checks, known_gaps, serving, stream
 from jaxlowfp.ptq.api import PTQResult
 from jaxlowfp.ptq.checkpoint import PackedView, check_finite_param, export_params, same_packed_nvfp4
@@ -70,7 +71,7 @@ NVFP4_BLOCK = 64  # values per GGUF NVFP4 super-block
 MXFP4_BLOCK = 32
 DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}  # dtype= -> GGUF type of high-precision tensors
 _SKIP_KEYS = ("GGUF.", "general.architecture", "general.file_type", "general.alignment")
-# llama.cpp pre-tokenizer names (src/llama-vocab.cpp) whose regexes jaxlowfp.models.gguf_loader knows, in the
+# llama.cpp pre-tokenizer names (src/llama-vocab.cpp) whose regexes jaxlowfp._core.pretokenizers knows, in the
 # order they are tried when the pre-tokenizer's regexes are matched ("default" is not one: llama.cpp splits it
 # with regexes of its own, which the reader does not reproduce; SmolLM2 written as "default" tokenized otherwise
 # than the original file in 3 of 5 texts, issue 31)
@@ -243,7 +244,6 @@ def _copy_metadata(writer: Any, reader: Any, meta: Mapping[str, Any]) -> None:
 def _pre_pieces(pt: Any) -> tuple[str, ...] | None:
     """The regexes a ``tokenizers`` pre-tokenizer (its JSON) splits with, in order; None where it does something
     else (then llama.cpp has no name for it)."""
-    from jaxlowfp.models.gguf_loader import PRE_TOKENIZERS  # the regexes llama.cpp applies
 
     gpt2 = PRE_TOKENIZERS["gpt-2"][0]
     if pt is None:
@@ -277,7 +277,6 @@ def _is_byte_level(pt: Any) -> bool:
 
 def pre_tokenizer_name(tj: Mapping[str, Any], where: str) -> str:
     """llama.cpp's ``tokenizer.ggml.pre`` for a ``tokenizer.json`` (module docstring); ValueError if none fits."""
-    from jaxlowfp.models.gguf_loader import PRE_TOKENIZERS
 
     pieces = _pre_pieces(tj.get("pre_tokenizer"))
     for name in PRE_NAMES:
@@ -291,7 +290,6 @@ def _tokenizer_metadata(writer: Any, tokenizer: Any, vocab_rows: int, *, pre: st
                         eos_id: int | None, add_bos: bool | None, chat_template: str | None) -> list[str]:
     """A byte-level BPE tokenizer from a ``tokenizer.json`` path or a `jaxlowfp.models.Tokenizer` (module
     docstring); returns notes for the report."""
-    from jaxlowfp.models.gguf_loader import PRE_TOKENIZERS
 
     gguf = _gguf()
     tok_cfg: dict[str, Any] = {}

@@ -37,7 +37,7 @@ from jaxlowfp import backends, packed, sharding
 from jaxlowfp.packed_layer import PackedLinear, replace_modules
 from jaxlowfp.ptq.api import PTQResult
 from jaxlowfp.ptq.layers import ActQuant, layout, quantizable_modules
-from jaxlowfp.qnnx.rules import grouped_weights
+from jaxlowfp.rules import grouped_weights
 
 __all__ = ["PackedLinear", "PackedKernel", "PackedExperts", "PackReport", "pack", "packed_layers", "replace_modules",
            "report_of"]
