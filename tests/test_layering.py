@@ -21,7 +21,6 @@ MAX_LINES = 600
 LONG_MODULES = {
     "jaxlowfp/ptq/checkpoint.py": "pending split into writer / readers / HF config shim; the QArray refactor (issue 42 "
                                   "item 2) edits it at the same time",
-    "jaxlowfp/ptq/api.py": "pending split (rules and methods vs quantize_model)",
     "jaxlowfp/_core/nvfp4_blocks.py": "owned by the QArray refactor (issue 42 item 2), which rewrites the block math",
 }
 
