@@ -56,7 +56,7 @@ from jaxlowfp._core.checks import one_of
 from jaxlowfp._core.pytree import pytree_dataclass
 from jaxlowfp._core.format import MX_ELEMENT, Format
 from jaxlowfp._core.qarray import QArray
-from jaxlowfp.packed import PER_TENSOR, PackedWeight, _per_tensor_scale, as_format, fake_quantize
+from jaxlowfp.packed import PER_TENSOR, PackedWeight, per_tensor_scale, as_format, fake_quantize
 
 __all__ = ["BACKENDS", "BackendUnavailableError", "Plan", "plan", "packed_dot_general", "packed_matmul",
            "SCALED_MATMUL_MIN_CC", "FP8_MIN_CC", "scaled_matmul_rows",
@@ -311,7 +311,7 @@ def fp8_product(xq: jax.Array, sx: jax.Array, wq: jax.Array, sw: jax.Array, dime
 
 def _fp8(x2: jax.Array, w: PackedWeight) -> jax.Array:
     elem, target = PER_TENSOR["fp8"]
-    sx = _per_tensor_scale(x2, target)
+    sx = per_tensor_scale(x2, target)
     xq = formats.get(elem).round(jnp.clip(x2.astype(jnp.float32) * (1.0 / sx), -target, target))
     xq = xq.astype(jnp.float8_e4m3fn)  # exact: xq is an E4M3 value
     return fp8_product(xq, sx, w.array.codes, w.array.scale, (((1,), (1,)), ((), ())))

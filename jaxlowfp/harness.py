@@ -29,9 +29,9 @@ Model arguments (``--model_args k=v,...``; `ARGUMENTS` lists them):
                    ``ptq_export`` layers, or a compressed-tensors / ModelOpt NVFP4 ``pretrained`` directory, load as
                    packed layers holding the file's codes and scales (`jaxlowfp.ptq.load` / `jaxlowfp.models.load`
                    with ``packed=True``); the backend each layer ran is in ``quantization``
-  quantize         fake quantization (`jaxlowfp.qnnx.quantize`): ``none``, ``hif8`` (HiF8 W8A8, the Max-Window
-                   recipe), ``nvfp4`` (NVFP4 W4A4 with Four Over Six, MSE rule), ``nvfp4-<rule>`` (static_6,
-                   static_4, abs_max, mae, mse), ``fp8`` (E4M3/E5M2 delayed scaling)
+  quantize         fake quantization (`jaxlowfp.eval_quantize.fake_quantize_model`): ``none``, ``hif8`` (HiF8
+                   W8A8, the Max-Window recipe), ``nvfp4`` (NVFP4 W4A4 with Four Over Six, MSE rule),
+                   ``nvfp4-<rule>`` (static_6, static_4, abs_max, mae, mse), ``fp8`` (E4M3/E5M2 delayed scaling)
   layers           which Linear layers ``quantize`` takes: ``paper`` (default: the MLPs of blocks keep_first ..
                    n - keep_last - 1, `jaxlowfp.qnnx.paper_rules`), ``all`` (every attention and MLP projection)
                    or a regex of module paths; ``keep_first`` (3), ``keep_last`` (2)
@@ -43,7 +43,7 @@ Model arguments (``--model_args k=v,...``; `ARGUMENTS` lists them):
                    (``ptq`` with calibration: each layer's calibrated input amax, what the export writes and vLLM
                    applies), ``tensor`` (the whole batch's: scores then depend on the other requests of a batch and
                    on padding), ``auto`` (default: token); recorded in ``quantization``
-  ptq              post-training quantization (`jaxlowfp.ptq.quantize`): ``none``, ``rtn``, ``gptq``,
+  ptq              post-training quantization (`jaxlowfp.eval_quantize.ptq_model`): ``none``, ``rtn``, ``gptq``,
                    ``smoothquant``, ``awq``, to ``ptq_scheme`` (default ``nvfp4-mse``; ``weights_only=true`` for
                    W4A16) of the layers matching ``ptq_layers``; all but RTN calibrate on ``calibration`` (a UTF-8
                    text file) cut into ``calib_seqs`` x ``calib_len`` tokens (8 x 256)
@@ -64,11 +64,12 @@ evaluated (`JaxLowFPLM.get_model_info`): kind, scheme, PTQ method, layers, activ
 dtype and the jaxlowfp and lm-eval versions.
 
 In-process (what ``python -m train eval`` does): ``JaxLowFPLM(model=model, tokenizer=tok)`` wraps a loaded (and
-possibly quantized) model, then ``lm_eval.simple_evaluate(model=lm, tasks=[...])``.
+possibly quantized: `jaxlowfp.eval_quantize`) model, then ``lm_eval.simple_evaluate(model=lm, tasks=[...])`` or
+`jaxlowfp.lm_eval_tasks.evaluate` (in-memory tasks: `jaxlowfp.lm_eval_tasks.rolling_task`, ``choice_task``).
 
 From the command line, lm-eval 0.4.13 has no plugin mechanism that would let ``lm_eval --model jaxlowfp`` import
-this module; ``python -m jaxlowfp.harness`` (console script ``jaxlowfp-lm-eval``) registers the backend and runs
-lm-eval's own command line with the same arguments::
+this module; ``python -m jaxlowfp.harness`` (console script ``jaxlowfp-lm-eval``, `jaxlowfp.lm_eval_cli`) registers
+the backend and runs lm-eval's own command line with the same arguments::
 
     python -m jaxlowfp.harness --model jaxlowfp --model_args pretrained=smollm2-135m,quantize=hif8 \\
         --tasks hellaswag,arc_challenge,mmlu --batch_size 8
@@ -83,13 +84,9 @@ import dataclasses
 import json
 import logging
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
-
-if TYPE_CHECKING:
-    import jax
 
 try:
     import lm_eval
@@ -101,105 +98,23 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("jaxlowfp.harness needs lm-eval (EleutherAI's lm-evaluation-harness, no PyTorch): "
                       "pip install 'jaxlowfp[lm-eval]'") from e
 
-from jaxlowfp import registry
+from jaxlowfp._core.checks import positive_int
 from jaxlowfp._core.deprecation import deprecated_getattr
-from jaxlowfp.evaluation import budget_docs, pair_request, rolling_requests, score_requests
+from jaxlowfp.eval_quantize import ACT_SCALES, PTQ_LAYERS, QUANTIZE, eval_recipe, fake_quantize_model, ptq_model
+from jaxlowfp.evaluation import pair_request, rolling_requests, score_requests
+from jaxlowfp.lm_eval_cli import main
+from jaxlowfp.lm_eval_tasks import choice_task, evaluate, rolling_task
 
+# the backend (JaxLowFPLM, its ARGUMENTS) and, re-exported from the modules that hold them, what its callers use
+# with it: jaxlowfp.eval_quantize (QUANTIZE, ACT_SCALES, eval_recipe, fake_quantize_model), jaxlowfp.lm_eval_tasks
+# (rolling_task, choice_task, evaluate) and jaxlowfp.lm_eval_cli (main)
 __all__ = ["ACT_SCALES", "ARGUMENTS", "LM_EVAL_VERSION", "QUANTIZE", "JaxLowFPLM", "choice_task", "eval_recipe",
-           "evaluate", "fake_quantize_model", "main",
-           "rolling_task"]
+           "evaluate", "fake_quantize_model", "main", "rolling_task"]
 
 log = logging.getLogger(__name__)
 
 LM_EVAL_VERSION: str = lm_eval.__version__
-PTQ_LAYERS = r".*(attn|mlp)/\w+_proj"  # every attention and MLP projection (not the embedding, not lm_head)
-QUANTIZE = registry.EVAL_QUANTIZE  # none, hif8, nvfp4, nvfp4-<rule>, if4-<rule>, fp8
 _GEN_KEYS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p")
-
-
-def _recipe(name: str) -> Any:
-    from jaxlowfp import qat
-
-    return qat.named_recipe(name)
-
-
-ACT_SCALES = ("auto", "token", "static", "tensor")
-
-
-def eval_recipe(recipe: Any, act_scale: str) -> Any:
-    """`recipe` as evaluated: ``act_scale="token"`` gives its activations one amax per token (current scaling), so a
-    request's score never depends on the other requests in its batch or on padding; ``"tensor"`` keeps the recipe
-    as it is (a fresh model's delayed or current estimate is then the batch's amax). Evaluation computes no
-    gradients, so the recipe's gradient quantization is dropped."""
-
-    from jaxlowfp.scaling import CurrentScaling
-
-    if act_scale == "tensor" or recipe.activation is None:
-        return recipe
-    if act_scale != "token":
-        raise ValueError(f"act_scale={act_scale!r} for fake quantization; allowed: token (per token, dynamic) or "
-                         f"tensor (the batch's amax); static needs calibration: use ptq=")
-    a = recipe.activation
-    act = dataclasses.replace(a, scaling=CurrentScaling(target_max=a.scaling.target_max, granularity="token"),
-                              target_max=None)
-    return dataclasses.replace(recipe, activation=act, grad=None)  # the recipe's gemm= and name kept
-
-
-def fake_quantize_model(model: Any, quantize: str, *, layers: str = "paper", keep_first: int = 3,
-                        keep_last: int = 2, act_scale: str = "token", gemm: str = "dequant") -> Any:
-    """Fake-quantize ``model``'s Linear layers in place (`jaxlowfp.qnnx.quantize_model`) with the recipe named
-    ``quantize`` (`QUANTIZE`) on ``layers`` (module docstring), activations scaled per ``act_scale``
-    (`eval_recipe`); returns the `jaxlowfp.rules.QuantizeReport`. A selection that quantizes nothing is an error,
-    never a silent high-precision evaluation."""
-    from jaxlowfp.qnnx import paper_rules, quantize_model as qnnx_quantize
-    from jaxlowfp.rules import Rule
-
-    if quantize not in QUANTIZE or quantize == "none":
-        raise ValueError(f"quantize={quantize!r}; allowed: {', '.join(QUANTIZE[1:])} (or none for no quantization)")
-    from jaxlowfp import qat
-
-    recipe = dataclasses.replace(eval_recipe(_recipe(quantize), act_scale), gemm=gemm)
-    qat.gemm.plan(recipe, where=f"quantize={quantize}, gemm={gemm}")  # refused here, before any layer changes
-    if layers == "paper":
-        rules = paper_rules(model.config.n_layers, keep_first=keep_first, keep_last=keep_last, recipe=recipe)
-    else:
-        rules = [Rule(path=PTQ_LAYERS if layers == "all" else layers, recipe=recipe)]
-    report = qnnx_quantize(model, rules)
-    if not report.quantized:
-        raise ValueError(f"quantize={quantize!r}, layers={layers!r} selects no Linear layer of the model "
-                         f"(unmatched: {list(report.unmatched)[:6]} ...)")
-    return report
-
-
-def _ptq(model: Any, tokenizer: Any, method: str, *, scheme: str, layers: str, weights_only: bool,
-         calibration: str | None, calib_seqs: int, calib_len: int, act_scale: str = "auto", mesh: Any = None) -> Any:
-    """Post-training quantization of ``model`` in place (module docstring); the `jaxlowfp.ptq.PTQResult`. With
-    ``mesh`` (the model on it) the calibration rows are split over its data axes, as `jaxlowfp.ptq` runs on a mesh."""
-    from jaxlowfp import ptq, sharding
-
-    m = ptq.method_from_name(method)
-    tokens: np.ndarray | jax.Array | None = None
-    if calibration is not None:
-        text = Path(calibration).read_text(encoding="utf-8")
-        ids = tokenizer.encode(text)
-        need = calib_seqs * calib_len
-        if len(ids) < need:
-            raise ValueError(f"calibration={calibration!r} has {len(ids)} tokens; calib_seqs x calib_len needs {need}")
-        tokens = np.asarray(ids[:need], np.int32).reshape(calib_seqs, calib_len)
-    elif method != "rtn":
-        raise ValueError(f"ptq={method!r} needs calibration=<a UTF-8 text file> (only rtn needs no calibration)")
-    rules = [ptq.Rule(path=layers, scheme=ptq.scheme(scheme, weights_only=weights_only))]
-    if tokens is not None and mesh is not None:
-        tokens = sharding.put_batch(tokens, mesh)
-    return ptq.quantize_model(model, rules, method=m, calibration=tokens, activation_scale=act_scale)
-
-
-def _positive_int(value: Any, what: str) -> int:
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{what} must be a positive int; got {value!r}")
-    return int(value)
 
 
 def _bucket(n: int, cap: int) -> int:
@@ -271,8 +186,8 @@ class JaxLowFPLM(TemplateLM):
         if a["batch_size"] in ("auto", None) or str(a["batch_size"]).startswith("auto"):
             raise ValueError(f"batch_size={a['batch_size']!r}: the jaxlowfp backend needs a fixed batch size (an int;"
                              " one compiled shape per padded length)")
-        self._batch_size = _positive_int(a["batch_size"], "batch_size")
-        self._max_gen_toks = _positive_int(a["max_gen_toks"], "max_gen_toks")
+        self._batch_size = positive_int(a["batch_size"], "batch_size")
+        self._max_gen_toks = positive_int(a["max_gen_toks"], "max_gen_toks")
         self.seed = int(a["seed"])
         self.progress = bool(a["progress"])
         from jaxlowfp import sharding
@@ -303,14 +218,14 @@ class JaxLowFPLM(TemplateLM):
                                               **({"backend": a["packed"]} if direct else {}))
             self.source = str(pretrained)
         cfg = self.model.config
-        self._max_length = cfg.max_seq_len if a["max_length"] is None else _positive_int(a["max_length"],
+        self._max_length = cfg.max_seq_len if a["max_length"] is None else positive_int(a["max_length"],
                                                                                           "max_length")
         if self._max_length > cfg.max_seq_len:
             raise ValueError(f"max_length={self._max_length} exceeds the model's max_seq_len={cfg.max_seq_len}")
-        self.stride = self._max_length if a["stride"] is None else _positive_int(a["stride"], "stride")
+        self.stride = self._max_length if a["stride"] is None else positive_int(a["stride"], "stride")
         if self.stride > self._max_length:
             raise ValueError(f"stride={self.stride} exceeds max_length={self._max_length}")
-        self.max_batch_tokens = None if a["max_batch_tokens"] is None else _positive_int(a["max_batch_tokens"],
+        self.max_batch_tokens = None if a["max_batch_tokens"] is None else positive_int(a["max_batch_tokens"],
                                                                                          "max_batch_tokens")
         tok = self.tokenizer
         prefix = a["prefix_token_id"]
@@ -355,7 +270,8 @@ class JaxLowFPLM(TemplateLM):
                                          act_scale=act, gemm=a["gemm"])
             from jaxlowfp import qat
 
-            gemm_plan = qat.gemm.plan(dataclasses.replace(eval_recipe(_recipe(a["quantize"]), act), gemm=a["gemm"]))
+            recipe = eval_recipe(qat.named_recipe(a["quantize"]), act)
+            gemm_plan = qat.gemm.plan(dataclasses.replace(recipe, gemm=a["gemm"]))
             notes.append(f"fake quantization {a['quantize']} of {len(report.quantized)} layers "
                          f"({100 * report.quantized_fraction:.1f} % of linear weights, layers={a['layers']}), "
                          f"activation scale: {act}, forward GEMM: {gemm_plan.backend}"
@@ -365,10 +281,10 @@ class JaxLowFPLM(TemplateLM):
                           layers=_layers_record(a["layers"], [p for p, _ in report.quantized],
                                                 keep_first=int(a["keep_first"]), keep_last=int(a["keep_last"])))
         if a["ptq"] != "none":
-            res = _ptq(self.model, self.tokenizer, a["ptq"], scheme=a["ptq_scheme"], layers=a["ptq_layers"],
+            res = ptq_model(self.model, self.tokenizer, a["ptq"], scheme=a["ptq_scheme"], layers=a["ptq_layers"],
                        weights_only=bool(a["weights_only"]), calibration=a["calibration"],
-                       calib_seqs=_positive_int(a["calib_seqs"], "calib_seqs"),
-                       calib_len=_positive_int(a["calib_len"], "calib_len"), act_scale=a["act_scale"],
+                       calib_seqs=positive_int(a["calib_seqs"], "calib_seqs"),
+                       calib_len=positive_int(a["calib_len"], "calib_len"), act_scale=a["act_scale"],
                        mesh=self.mesh)
             notes.append(f"PTQ {res.method} to {a['ptq_scheme']} of {len(res.schemes)} layers, activation scale: "
                          f"{res.activation_scale or 'none (weights only)'}")
@@ -513,7 +429,7 @@ class JaxLowFPLM(TemplateLM):
                 raise ValueError(f"generate_until needs a dict of generation arguments; got {gen!r}")
             kw = dict(normalize_gen_kwargs(gen, self._max_gen_toks))
             until = handle_stop_sequences(kw.pop("until", None), eos=self.tok_decode([self.eot_token_id]) or None)
-            max_new = _positive_int(kw.pop("max_gen_toks"), "max_gen_toks")
+            max_new = positive_int(kw.pop("max_gen_toks"), "max_gen_toks")
             sample = bool(kw.pop("do_sample", False))
             temperature = float(kw.pop("temperature", 0.0) or 0.0) if sample else 0.0
             kw.pop("temperature", None)
@@ -551,7 +467,7 @@ class JaxLowFPLM(TemplateLM):
                 from jaxlowfp.models import generate
 
                 outs = generate(self.model, batch, max_new_tokens=max_new, temperature=temperature,
-                                top_k=None if top_k is None else _positive_int(top_k, "top_k"),
+                                top_k=None if top_k is None else positive_int(top_k, "top_k"),
                                 eos_id=self.eot_token_id, seed=self.seed + b, stop=stop,
                                 pad_to=pad_to, mesh=self.mesh)
                 for i, new in zip(rows, outs):
@@ -571,114 +487,13 @@ if __name__ != "__main__":  # under `python -m jaxlowfp.harness` the importable 
     register_model("jaxlowfp")(JaxLowFPLM)
 
 
-def _in_memory(rows: list[dict]) -> Any:
-    def dataset(**_: Any) -> Any:  # lm-eval calls it with the run's metadata, not needed here
-        import datasets
-
-        return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
-
-    return dataset
-
-
-def rolling_task(name: str, docs: Sequence[str], *, tokenizer: Any = None, max_tokens: int | None = None
-                 ) -> dict[str, Any]:
-    """An lm-eval task (a config dict for ``simple_evaluate``) scoring the rolling perplexity of ``docs``, in the
-    layout of lm-eval's ``wikitext`` task: word and byte perplexity, bits per byte. The documents stay in memory.
-    With ``max_tokens`` (and the ``tokenizer``), only that many tokens of the documents are kept
-    (`jaxlowfp.evaluation.budget_docs`: in order, the last document cut and decoded from its kept tokens)."""
-    if isinstance(docs, str) or not all(isinstance(d, str) for d in docs):
-        raise TypeError(f"rolling_task {name!r}: docs must be a sequence of str")
-    if max_tokens is not None:
-        if tokenizer is None:
-            raise ValueError("max_tokens needs the tokenizer")
-        docs = [d for d, _ in budget_docs(tokenizer, docs, _positive_int(max_tokens, "max_tokens"))]
-    docs = [d for d in docs if d]
-    if not docs:
-        raise ValueError(f"rolling_task {name!r} needs at least one non-empty document")
-    return {"task": name, "custom_dataset": _in_memory([{"text": d} for d in docs]), "test_split": "test",
-            "output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "text",
-            "metric_list": [{"metric": m, "aggregation": a, "higher_is_better": False} for m, a in
-                            (("word_perplexity", "weighted_perplexity"), ("byte_perplexity", "weighted_perplexity"),
-                             ("bits_per_byte", "bits_per_byte"))],
-            "metadata": {"version": 1.0}}
-
-
-def choice_task(name: str, items: Sequence[Any], *, target_delimiter: str = "") -> dict[str, Any]:
-    """An lm-eval multiple-choice task over `jaxlowfp.evaluation.ChoiceItem` s: each choice is scored as the
-    continuation ``target_delimiter + choice`` of the context (default ``""``: the choices are continuations as
-    given); ``acc`` and ``acc_norm`` (lm-eval: log-likelihood per character of the choice)."""
-    rows = [{"context": it.context, "choices": list(it.choices), "label": int(it.label)} for it in items]
-    if not rows:
-        raise ValueError(f"choice_task {name!r} needs at least one item")
-    return {"task": name, "custom_dataset": _in_memory(rows), "test_split": "test", "output_type": "multiple_choice",
-            "doc_to_text": "context", "doc_to_choice": "choices", "doc_to_target": "label",
-            "target_delimiter": target_delimiter,
-            "metric_list": [{"metric": m, "aggregation": "mean", "higher_is_better": True}
-                            for m in ("acc", "acc_norm")],
-            "metadata": {"version": 1.0}}
-
-
-def evaluate(lm: JaxLowFPLM, tasks: Sequence[str | dict], *, include_path: str | None = None,
-             **kwargs: Any) -> dict[str, Any]:
-    """``lm_eval.simple_evaluate`` of the backend ``lm`` on ``tasks``: lm-eval task names (their datasets come
-    from the Hugging Face hub), paths of local task YAMLs or directories, or config dicts (`rolling_task`,
-    `choice_task`). Only with names does lm-eval index its own task library (about 10 s). ``kwargs`` go to
-    ``simple_evaluate`` (``limit``, ``num_fewshot``, ...); samples are logged. Returns lm-eval's results dict."""
-    from lm_eval.tasks import TaskManager
-    from lm_eval.tasks._yaml_loader import load_yaml
-
-    if isinstance(tasks, (str, dict)):
-        tasks = [tasks]
-    expanded: list[str | dict] = []
-    for t in tasks:  # local YAML files and directories as lm-eval's command line reads them
-        path = Path(t) if isinstance(t, str) else None
-        if path is not None and path.is_dir():
-            files = sorted(path.glob("*.yaml"))
-            if not files:
-                raise ValueError(f"task directory {t!r} has no *.yaml task file")
-            expanded += [load_yaml(str(f), resolve_func=True) for f in files]
-        elif path is not None and path.suffix == ".yaml":
-            if not path.is_file():
-                raise ValueError(f"task file {t!r} does not exist")
-            expanded.append(load_yaml(str(path), resolve_func=True))
-        else:
-            expanded.append(t)
-    if not expanded:
-        raise ValueError("evaluate needs at least one task")
-    names = [t for t in expanded if isinstance(t, str)]
-    manager = TaskManager(include_path=include_path, include_defaults=bool(names))
-    kwargs.setdefault("verbosity", "ERROR")
-    kwargs.setdefault("log_samples", True)
-    task_log = logging.getLogger("lm_eval.api.task")
-    task_log.addFilter(_quiet_custom_dataset)  # lm-eval's advice on --metadata for every in-memory task
-    try:
-        return lm_eval.simple_evaluate(model=lm, tasks=expanded, task_manager=manager, **kwargs)
-    finally:
-        task_log.removeFilter(_quiet_custom_dataset)
-
-
-def _quiet_custom_dataset(record: logging.LogRecord) -> bool:
-    return "Custom kwargs can be passed to `--metadata`" not in record.getMessage()
-
-
 # old names (one release): `fake_quantize` quantizes a whole model, so the name says so now
 __getattr__ = deprecated_getattr(__name__, {"fake_quantize": ("jaxlowfp.harness.fake_quantize_model",
                                                               lambda: fake_quantize_model)})
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m jaxlowfp.harness ...``: lm-eval's command line with the ``jaxlowfp`` backend registered."""
-    import sys
-
-    from lm_eval.__main__ import cli_evaluate
-
-    if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
-    cli_evaluate()
-
-
 if __name__ == "__main__":
-    from jaxlowfp.harness import main as _main  # registers the backend once, under its importable name
+    from jaxlowfp.lm_eval_cli import main as _main  # registers jaxlowfp.harness (importable name), not __main__
 
     _main()
 

@@ -40,11 +40,12 @@ import jax.numpy as jnp
 import opt_einsum
 from jax import lax
 
-from jaxlowfp._core.checks import float_input
+from jaxlowfp._core.checks import dimension_numbers_of, float_input
 from jaxlowfp._core.executed import ExecutionRecord, RecordSink, new_op_key
 from jaxlowfp._core.executed import write as _mark
+from jaxlowfp._core.reduce import group_ids, segment_amax
 from jaxlowfp.qat import gemm
-from jaxlowfp.qat.matmul import _normalize_dn, linear
+from jaxlowfp.qat.matmul import linear
 from jaxlowfp.qat.matmul import dot_general as _batched_dot_general
 from jaxlowfp.qat.spec import Recipe, RecipeState, RecipeStats
 
@@ -182,7 +183,7 @@ def dot_general(
         raise ValueError(f"weight must be 0 (lhs is the weight) or 1 (rhs is the weight); got {weight!r}")
     lhs = float_input(lhs, "lhs")
     rhs = float_input(rhs, "rhs")
-    (lc, rc), (lb, rb) = _normalize_dn(dimension_numbers)
+    (lc, rc), (lb, rb) = dimension_numbers_of(dimension_numbers)
     lc, rc, lb, rb = (tuple(d % n for d in ax) for ax, n in ((lc, lhs.ndim), (rc, rhs.ndim), (lb, lhs.ndim),
                                                              (rb, rhs.ndim)))
     x, w = (rhs, lhs) if weight == 0 else (lhs, rhs)
@@ -288,22 +289,6 @@ def _fixed(spec: Any) -> Any:
     return spec
 
 
-def _group_ids(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
-    """(expert of each of the m rows, whether the row belongs to an expert: rows past sum(group_sizes) do not)."""
-    ends = jnp.cumsum(group_sizes)
-    rows = jnp.arange(m)
-    gid = jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)
-    return jnp.minimum(gid, group_sizes.shape[0] - 1), rows < ends[-1]
-
-
-def _segment_amax(row_amax: jax.Array, gid: jax.Array, valid: jax.Array, g: int) -> jax.Array:
-    """max over each expert's rows (NaN if one is NaN; 0 for an expert with no row)."""
-    seg = jnp.where(valid, gid, g)
-    m = jax.ops.segment_max(jnp.where(jnp.isnan(row_amax), 0.0, row_amax), seg, num_segments=g + 1)[:g]
-    nan = jax.ops.segment_max(jnp.isnan(row_amax).astype(jnp.int32), seg, num_segments=g + 1)[:g] > 0
-    return jnp.where(nan, jnp.nan, jnp.maximum(m, 0.0))
-
-
 def _ragged(a: jax.Array, b: jax.Array, group_sizes: jax.Array, *, precision: Any,
             preferred_element_type: Any) -> jax.Array:
     return lax.ragged_dot(a, b, group_sizes, precision=precision, preferred_element_type=preferred_element_type)
@@ -364,7 +349,7 @@ def ragged_dot(
         raise ValueError(f"{where}: expert_scales={expert_scales!r}; allowed: {', '.join(map(repr, EXPERT_SCALES))}")
     observe = bool_flag(observe_only)
     m = int(lhs.shape[0])
-    gid, valid = _group_ids(group_sizes.astype(jnp.int32), m)
+    gid, valid = group_ids(group_sizes.astype(jnp.int32), m)
     has_rows = group_sizes > 0
     keys = [None, None] if key is None else list(jax.random.split(key, 2))
 
@@ -393,7 +378,7 @@ def ragged_dot(
     spec = recipe.activation
     if spec is not None:
         row_amax = abs_max(x, axis=-1).astype(jnp.float32)
-        amax_g = _segment_amax(row_amax, gid, valid, g)
+        amax_g = segment_amax(row_amax, gid, valid, g)
         est_g, new_a = estimate(spec, state.activation, amax_g, has_rows)
         token = getattr(spec.scaling, "granularity", "tensor") == "token"
         est_rows = row_amax if token else est_g[gid]

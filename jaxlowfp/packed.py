@@ -70,14 +70,15 @@ def _legacy_packed_format(*, kind: str, rule: str | None = None, block_shape: tu
 # ---- per-tensor 8-bit: FP8 E4M3 and HiF8
 
 
-def _per_tensor_scale(x: jax.Array, target: float) -> jax.Array:
+def per_tensor_scale(x: jax.Array, target: float) -> jax.Array:
+    """The current per-tensor decode scale ``s = max|x| / target`` (`CurrentScaling`), as FP8 / HiF8 pack it."""
     return CurrentScaling(target_max=target).scale(jnp.max(jnp.abs(x.astype(jnp.float32))))
 
 
 @functools.partial(jax.jit, static_argnames=("kind",))
 def _scaled_codes(x: jax.Array, kind: str, scale: Any = None):
     elem, target = PER_TENSOR[kind]
-    scale = _per_tensor_scale(x, target) if scale is None else jnp.asarray(scale, jnp.float32)
+    scale = per_tensor_scale(x, target) if scale is None else jnp.asarray(scale, jnp.float32)
     fmt = formats.get(elem)
     v = fmt.round(jnp.clip(x.astype(jnp.float32) * (1.0 / scale), -target, target))  # scaled_round_mask's values
     codes = fmt.encode(v) if elem == "hif8" else v.astype(jnp.float8_e4m3fn)  # exact: v is representable
@@ -103,7 +104,7 @@ def _fake(x: jax.Array, fmt: Format) -> jax.Array:
     if fmt.kind in MX_ELEMENT:
         return mx.fake_quantize(x, format=MX_ELEMENT[fmt.kind], rule=fmt.rule)  # type: ignore[arg-type]
     elem, target = PER_TENSOR[fmt.kind]
-    scale = _per_tensor_scale(x, target)
+    scale = per_tensor_scale(x, target)
     return scaled_round_mask(x, scale, target, formats.get(elem), scale)[0]
 
 
@@ -150,7 +151,7 @@ def quantize(x: ArrayLike, format: Format | str, *, global_amax: ArrayLike | Non
         raise ValueError(f"global_amax applies to formats with a tensor scale (nvfp4, if4, fp8, hif8); got {fmt.name}")
     if fmt.is_mx:
         return mx.quantize(x, format=MX_ELEMENT[fmt.kind], rule=fmt.rule)  # type: ignore[arg-type]
-    scale = None if global_amax is None else _per_tensor_scale(jnp.asarray(global_amax, jnp.float32), fmt.target)
+    scale = None if global_amax is None else per_tensor_scale(jnp.asarray(global_amax, jnp.float32), fmt.target)
     return scaled_quantize(x, fmt.kind, scale=scale)
 
 

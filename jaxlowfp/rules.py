@@ -30,7 +30,8 @@ from typing import Any
 
 from jaxlowfp._core import executed as _executed
 
-__all__ = ["QuantizeReport", "Rule", "check_rules", "natural_key", "not_executed_message", "select"]
+__all__ = ["QuantizeReport", "Rule", "check_rules", "grouped_weights", "natural_key", "not_executed_message",
+           "select"]
 
 # what each field holds: (module, class). Looked up in sys.modules rather than imported (this module sits below
 # both): an object of that class exists only once its module has been imported.
@@ -117,6 +118,22 @@ def not_executed_message(paths: Sequence[str], *, ran: bool, what: dict[str, str
         why = ("no quantized op of the model has executed yet: call the model once first (eagerly or under nnx.jit; "
                "a jitted call that drops the model's state leaves no record, as it leaves no amax history)")
     return f"{len(paths)} layer(s) reported quantized never ran quantized ({shown}{more}): {why}."
+
+
+def grouped_weights(model: Any) -> list[tuple[str, Any, str]]:
+    """(path, module, weight name) of every expert weight of the modules that declare grouped GEMMs: a module with
+    a tuple ``grouped_weights`` of the names of its [E, K, N] ``nnx.Param`` s, which computes each product through
+    the `jaxlowfp.qnnx.QuantRaggedOp` it finds at ``quant_<name>`` when there is one (`jaxlowfp.models.moe.Experts`).
+    The path is the weight's, e.g. ``blocks/1/mlp/experts/gate_proj``. Both QAT (`jaxlowfp.qnnx.quantize_model`) and
+    PTQ (`jaxlowfp.ptq.quantize_model`) quantize these weights."""
+    from flax import nnx  # on use: the rules themselves need no Flax
+
+    out = []
+    for parts, node in nnx.iter_graph(model):
+        names = getattr(node, "grouped_weights", None) if isinstance(node, nnx.Module) else None
+        if isinstance(names, tuple):
+            out += [("/".join(str(p) for p in (*parts, name)), node, name) for name in names]
+    return out
 
 
 def natural_key(path: str) -> list:

@@ -232,7 +232,8 @@ def _spec(value: Any, where: str) -> P:
     return P(*entries)
 
 
-def _axes_of(entry: Any) -> tuple[str, ...]:
+def axes_of(entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, an axis name or a tuple of them) as a tuple."""
     if entry is None:
         return ()
     return entry if isinstance(entry, tuple) else (entry,)
@@ -257,7 +258,7 @@ class ShardRule:
             raise ValueError(f"ShardRule.path {self.path!r} is not a valid regular expression: {e}") from None
         object.__setattr__(self, "spec", _spec(self.spec, f"ShardRule(path={self.path!r})"))
         object.__setattr__(self, "_regex", regex)
-        used = [a for e in self.spec for a in _axes_of(e)]
+        used = [a for e in self.spec for a in axes_of(e)]
         twice = sorted({a for a in used if used.count(a) > 1})
         if twice:
             raise ValueError(f"ShardRule(path={self.path!r}): spec {self.spec} uses mesh axis {twice[0]!r} for two "
@@ -333,7 +334,7 @@ def partition_specs(shapes: Mapping[str, Sequence[int]], rules: ShardRule | Sequ
         if not isinstance(r, ShardRule):
             raise TypeError(f"rules[{i}] must be a jaxlowfp.sharding.ShardRule; got {type(r).__name__}: {r!r}")
         for e in r.spec:
-            for a in _axes_of(e):
+            for a in axes_of(e):
                 if a not in mesh.axis_names:
                     raise ShardingError(f"ShardRule(path={r.path!r}) names mesh axis {a!r}, which the mesh does not "
                                         f"have (axes: {', '.join(mesh.axis_names)})")
@@ -351,7 +352,7 @@ def partition_specs(shapes: Mapping[str, Sequence[int]], rules: ShardRule | Sequ
             raise ShardingError(f"parameter {path} has shape {shape}, but ShardRule(path={rule.path!r}) gives "
                                 f"{len(rule.spec)} dimensions: {rule.spec}")
         for d, e in enumerate(rule.spec):
-            size = math.prod(mesh.shape[a] for a in _axes_of(e))
+            size = math.prod(mesh.shape[a] for a in axes_of(e))
             if shape[d] % size:
                 raise ShardingError(
                     f"parameter {path} has shape {shape}: mesh axis {e!r} (size {size}) of ShardRule(path="
@@ -405,7 +406,7 @@ def packed_shardings(weight: Any, spec: Any, mesh: Mesh, *, where: str = "packed
             raise ShardingError(f"{where}: packed leaf {jtu.keystr(path)} has shape {shape}; expected "
                                 f"{len(lead) + 2}-D arrays of W'^T and {len(lead)}-D global scales")
         for d, e in enumerate((*lead, n_axes, k_axes)):
-            size = math.prod(mesh.shape[a] for a in _axes_of(e))
+            size = math.prod(mesh.shape[a] for a in axes_of(e))
             if shape[d] % size:
                 raise ShardingError(
                     f"{where}: packed leaf {jtu.keystr(path)} has shape {shape}; mesh axis {e!r} (size {size}) of "
@@ -465,14 +466,15 @@ def shard(tree: Any, shardings: Any, *, copy: bool = False) -> Any:
     return jax.tree.map(jax.device_put, tree, shardings)
 
 
-def _is_global(x: Any) -> bool:
+def is_global(x: Any) -> bool:
+    """Whether `x` is a jax.Array spanning devices of other processes (not fully addressable here)."""
     return isinstance(x, jax.Array) and not x.is_fully_addressable
 
 
 def _shard_multiprocess(tree: Any, shardings: Any, *, copy: bool) -> Any:
     leaves, treedef = jax.tree.flatten(tree)
     shards = treedef.flatten_up_to(shardings)  # type: ignore[attr-defined]
-    host = [None if _is_global(x) else np.asarray(x) for x in leaves]  # this process's copy of a local value
+    host = [None if is_global(x) else np.asarray(x) for x in leaves]  # this process's copy of a local value
     assert_same_on_every_process([h for h in host if h is not None], what="jaxlowfp.sharding.shard")
 
     def put(x: Any, h: np.ndarray | None, s: jax.sharding.Sharding) -> jax.Array:

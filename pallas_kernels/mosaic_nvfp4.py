@@ -57,7 +57,7 @@ _NAN_CODE = 0x7F  # E4M3 NaN: the scale of a block holding NaN or Inf
 # ---- per-block math: a block row is an array [n, 16] (row r in thread r mod 128), per-block values are [n, 1] ----
 
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitude of E2M1 index 0..7
-_THRESHOLDS = formats._E2M1_THRESHOLDS  # the compares of ``e2m1_index``: idx = number of thresholds passed
+_THRESHOLDS = formats.E2M1_THRESHOLDS  # the compares of ``e2m1_index``: idx = number of thresholds passed
 
 
 def _load(x_ref, dtype) -> jnp.ndarray:

@@ -69,7 +69,8 @@ def stage_ours_prepare() -> None:
     from jaxlowfp import ptq
     from jaxlowfp.models import Llama, ModelConfig, load, smollm2_135m_path
     from jaxlowfp.models.common import tensor_specs
-    from jaxlowfp.ptq import checkpoint, gguf_export
+    from jaxlowfp.models.export import hf_config
+    from jaxlowfp.ptq import gguf_export
 
     WORK.mkdir(parents=True, exist_ok=True)
     model, tok = load("smollm2-135m")
@@ -81,7 +82,7 @@ def stage_ours_prepare() -> None:
         v = np.asarray(params[s.path][...], np.float32)
         tensors[s.hf] = np.ascontiguousarray(v.T if s.transpose else v)
     save_file(tensors, str(hf / "model.safetensors"), metadata={"format": "pt"})
-    cfg = checkpoint.llama_hf_config(model.config) | {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
+    cfg = hf_config(model.config) | {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
     (hf / "config.json").write_text(json.dumps(cfg, indent=1))
     tok.tokenizer.save(str(hf / "tokenizer.json"))
     ids = tok.encode(PROMPT)
@@ -122,7 +123,7 @@ def stage_ours_prepare() -> None:
         v = np.asarray(params[s.path][...], np.float32)
         tensors[s.hf] = np.ascontiguousarray(v.T if s.transpose else v)
     save_file(tensors, str(tiny / "model.safetensors"), metadata={"format": "pt"})
-    (tiny / "config.json").write_text(json.dumps(checkpoint.llama_hf_config(tcfg), indent=1))
+    (tiny / "config.json").write_text(json.dumps(hf_config(tcfg), indent=1))
     _byte_tokenizer().save(str(tiny / "tokenizer.json"))
 
 

@@ -24,7 +24,7 @@ def convert(out: Path) -> Path:
 
     from jaxlowfp.models import load
     from jaxlowfp.models.common import tensor_specs
-    from jaxlowfp.ptq.checkpoint import llama_hf_config
+    from jaxlowfp.models.export import hf_config
 
     model, tok = load("smollm2-135m", dtype="float32")
     params = {"/".join(map(str, p)): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)}
@@ -34,7 +34,7 @@ def convert(out: Path) -> Path:
         tensors[spec.hf] = np.ascontiguousarray(a.T if spec.transpose else a)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg = llama_hf_config(model.config)
+    cfg = hf_config(model.config)
     cfg.update({"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "torch_dtype": "float32"})
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}))

@@ -41,10 +41,13 @@ FLOORS = {
     "jaxlowfp.nnx": 4,  # deprecated alias of jaxlowfp.qnnx
     "jaxlowfp.linen": 4,  # deprecated alias of jaxlowfp.qlinen
     "jaxlowfp.training": 5,
-    "jaxlowfp.models": 6,
-    "jaxlowfp.evaluation": 6,
-    "jaxlowfp.ptq": 7,
+    "jaxlowfp.ptq": 6,  # PTQ, export and load into a given model: imports neither models nor qnnx
+    "jaxlowfp.models": 7,  # the model family and its loaders (load_export builds a model for ptq.load)
+    "jaxlowfp.evaluation": 7,
     "jaxlowfp.harness": 7,  # the lm-eval backend (jaxlowfp[lm-eval])
+    "jaxlowfp.eval_quantize": 7,  # how the backend quantizes the model it evaluates (fake quantization, PTQ)
+    "jaxlowfp.lm_eval_tasks": 7,  # in-memory lm-eval tasks and evaluate()
+    "jaxlowfp.lm_eval_cli": 7,  # the jaxlowfp-lm-eval command line
     "jaxlowfp": 8,  # the package's own __init__ (lazy: imports nothing of its own)
     "train": 9,
 }

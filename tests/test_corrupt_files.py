@@ -59,7 +59,7 @@ def _finite(model) -> bool:
     return bool(np.isfinite(np.asarray(jax.jit(lambda m, x: m(x))(model, jnp.asarray(TOKENS)))).all())
 
 
-LOADERS = {"ptq.load_model": lambda d: ptq.load_model(d, tokenizer=None),
+LOADERS = {"models.load_export": lambda d: models.load_export(d, tokenizer=None),
            "models.load": lambda d: models.load(d, tokenizer=None)}
 
 
@@ -115,7 +115,7 @@ def _blocks(export):
     return [int(x) for x in np.linspace(8 + n, size - 4096, 7)]
 
 
-def test_0xff_block_always_refused_by_ptq_load_model(export, tmp_path):
+def test_0xff_block_always_refused_by_load_export(export, tmp_path):
     """Wherever the 4 KiB land (codes, scales, float tensors), the per-tensor SHA-256 the export recorded names
     the damaged tensor."""
     for i, at in enumerate(_blocks(export)):
@@ -125,7 +125,7 @@ def test_0xff_block_always_refused_by_ptq_load_model(export, tmp_path):
         data[at: at + 4096] = b"\xff" * 4096
         f.write_bytes(bytes(data))
         with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor \S+ .*differs from what export wrote"):
-            LOADERS["ptq.load_model"](d)
+            LOADERS["models.load_export"](d)
 
 
 def test_0xff_block_never_gives_a_nan_model(export, tmp_path):
@@ -175,7 +175,7 @@ def test_non_positive_global_scale(export, tmp_path, value):
     m = "model.layers.1.mlp.down_proj"
     _set_tensor(d / checkpoint.WEIGHTS_FILE, f"{m}.weight_global_scale", [value])
     with pytest.raises(CheckpointError, match="differs from what export wrote"):
-        LOADERS["ptq.load_model"](d)
+        LOADERS["models.load_export"](d)
     meta = json.loads((d / checkpoint.META_FILE).read_text())
     del meta["sha256"]  # an export without digests (an older version): the scale check itself
     (d / checkpoint.META_FILE).write_text(json.dumps(meta))
@@ -223,14 +223,14 @@ def test_directory_mixing_two_exports(export, other, tmp_path):
     d = _copy(export, tmp_path)
     shutil.copy(other / checkpoint.WEIGHTS_FILE, d / checkpoint.WEIGHTS_FILE)
     with pytest.raises(CheckpointError, match="damaged or from another export"):
-        LOADERS["ptq.load_model"](d)
+        LOADERS["models.load_export"](d)
 
 
 def test_corrupt_meta(export, tmp_path):
     d = _copy(export, tmp_path)
     (d / checkpoint.META_FILE).write_text('{"format": "jaxlowfp-ptq/2", "layers": ')
     with pytest.raises(CheckpointError, match=r"jaxlowfp_ptq\.json: corrupt"):
-        LOADERS["ptq.load_model"](d)
+        LOADERS["models.load_export"](d)
 
 
 def test_moe_checkpoint_without_tokenizer(tmp_path):

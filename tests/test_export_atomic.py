@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from jaxlowfp import ptq
-from jaxlowfp.models import Llama, ModelConfig
+from jaxlowfp.models import Llama, ModelConfig, load_export
 from jaxlowfp.ptq import checkpoint, stream
 from jaxlowfp.ptq.checkpoint import TargetExistsError
 
@@ -72,7 +72,7 @@ def test_overwrite_replaces_the_whole_directory(tmp_path):
     other, res2 = _quantized(seed=1)
     ptq.export(other, res2, out, overwrite=True)
     assert not (out / "model-00001-of-00002.safetensors").exists()  # replaced, not written into
-    fresh, _ = ptq.load_model(out, tokenizer=None)
+    fresh, _ = load_export(out, tokenizer=None)
     np.testing.assert_array_equal(np.asarray(fresh.blocks[0].mlp.gate_proj.kernel[...]),
                                   np.asarray(other.blocks[0].mlp.gate_proj.kernel[...]))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -1,5 +1,6 @@
 """FP8 E4M3 W8A8 export (compressed-tensors ``float-quantized``, the ``FP8`` preset: one weight scale and a static
-``input_scale`` per tensor) checked by its consumers, and read back by `ptq.load_model` (issue 28: PTQ to FP8, packed).
+``input_scale`` per tensor) checked by its consumers, and read back by `models.load_export` (issue 28: PTQ to FP8,
+packed).
 
 Judges (tests/fixtures/fp8/ct_consumer.npz, written by scripts/fp8_ct_consumer.py in a torch venv from the committed
 export tests/fixtures/fp8/tiny_llama_fp8): compressed-tensors' ``FloatQuantizationCompressor.decompress`` of every
@@ -19,7 +20,7 @@ import pytest
 
 from fp8_export_common import EXPORT, FIX, TOKENS, quantized
 from jaxlowfp import ptq
-from jaxlowfp.models import load
+from jaxlowfp.models import load, load_export
 from jaxlowfp.ptq import checkpoint
 from jaxlowfp.ptq.packing import packed_layers
 
@@ -59,7 +60,7 @@ def test_load_model_gives_what_compressed_tensors_and_transformers_compute(packe
     codes and applies the scales to the output), within 2e-5 (measured 1.9e-6) of transformers + compressed-tensors:
     the same quantized values in two programs, float32 rounding of the summation order, and compressed-tensors divides
     by the input scale where we multiply by its reciprocal (an activation code at a rounding tie may differ)."""
-    model, _ = ptq.load_model(EXPORT, packed=packed, backend=backend, tokenizer=None)  # no tokenizer written
+    model, _ = load_export(EXPORT, packed=packed, gemm=backend, tokenizer=None)  # no tokenizer written
     if packed:
         layers = packed_layers(model)
         assert len(layers) == 14 and {lay.kernel.get_value().format.kind for lay in layers.values()} == {"fp8"}
@@ -89,6 +90,6 @@ def test_fp8_export_refusals(tmp_path):
     for f in ("config.json", "model.safetensors"):
         (foreign / f).write_bytes((EXPORT / f).read_bytes())
     with pytest.raises(FileNotFoundError, match="not written by jaxlowfp.ptq.export"):
-        ptq.load_model(foreign, tokenizer=None)
-    with pytest.raises(Exception, match=r"format 'float-quantized'.*jaxlowfp.ptq.load_model"):
+        load_export(foreign, tokenizer=None)
+    with pytest.raises(Exception, match=r"format 'float-quantized'.*jaxlowfp.models.load_export"):
         load(EXPORT, tokenizer=None)  # models.load (floor below ptq) points to it

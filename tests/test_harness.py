@@ -220,13 +220,14 @@ def test_a_ptq_export_from_model_arguments(tiny, tmp_path):
     assert lm.loglikelihood(req) == want  # the exported weights reload bit for bit (jaxlowfp.ptq.load)
 
 
-def test_command_line_prints_lm_evals_table(tiny):
+@pytest.mark.parametrize("module", ["jaxlowfp.harness", "jaxlowfp.lm_eval_cli"])  # python -m; jaxlowfp-lm-eval
+def test_command_line_prints_lm_evals_table(tiny, module):
     path = tiny[0]
     env = dict(os.environ, JAX_PLATFORMS="cpu", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     # one task file (lm-eval's command line indexes its own task library first, ~10 s, whatever is asked);
     # the three task kinds through simple_evaluate are tiny_run's
     proc = subprocess.run(
-        [sys.executable, "-m", "jaxlowfp.harness", "--model", "jaxlowfp", "--model_args",
+        [sys.executable, "-m", module, "--model", "jaxlowfp", "--model_args",
          f"pretrained={path},max_length=32", "--tasks", str(TASKS / f"{MC}.yaml"), "--limit", "2",
          "--batch_size", "2"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -22,6 +22,7 @@ import jaxlowfp
 from jaxlowfp import ptq
 from jaxlowfp.models import CheckpointError, Llama, ModelConfig, load
 from jaxlowfp.models.common import tensor_specs
+from jaxlowfp.models.export import hf_config
 from jaxlowfp.models.gguf_loader import unpermute_rope_rows
 from jaxlowfp.models.quantized import NVFP4Act, read_safetensors
 from jaxlowfp.ptq import checkpoint, gguf_export, serving
@@ -182,7 +183,7 @@ def _modelopt_dir(tmp_path: Path, algo: str = "NVFP4", group: int = 16) -> tuple
     d = tmp_path / "mo"
     d.mkdir()
     save_file(tensors, str(d / "model.safetensors"))
-    (d / "config.json").write_text(json.dumps(checkpoint.llama_hf_config(cfg)))
+    (d / "config.json").write_text(json.dumps(hf_config(cfg)))
     (d / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": {
         "quant_algo": algo, "group_size": group, "exclude_modules": ["lm_head"]}}))
     _byte_tokenizer_json(d / "tokenizer.json")

@@ -16,7 +16,7 @@ from flax import nnx
 from test_packed import _np_decode
 from test_packed_load import _no_decode
 from jaxlowfp import ptq
-from jaxlowfp.models import load
+from jaxlowfp.models import load, load_export
 from jaxlowfp.ptq import checkpoint
 from jaxlowfp.ptq.packing import PackedExperts, report_of
 
@@ -118,7 +118,7 @@ def test_ptq_load_packed_moe_export(monkeypatch):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_load_model_of_a_moe_export_packed_and_decoded(family, monkeypatch):
-    """`ptq.load_model(<jaxlowfp MoE export>)`, decoded and ``packed=True`` (nothing decoded during the load): the
+    """`models.load_export(<jaxlowfp MoE export>)`, decoded and ``packed=True`` (nothing decoded during the load): the
     log-probs of transformers' float32 model on compressed-tensors' own decoding of the same directory
     (tests/fixtures/moe/ct_consumer.npz, scripts/moe_ct_consumer.py), within 2e-5 (tests/test_moe_export.py's bound:
     two programs' float32 rounding and a 1-ulp decode difference on some weights)."""
@@ -127,8 +127,8 @@ def test_load_model_of_a_moe_export_packed_and_decoded(family, monkeypatch):
     want = np.load(FIX / "ct_consumer.npz")[f"{family}_logprobs"]
     with monkeypatch.context() as m:
         _no_decode(m)
-        packed_model, _ = ptq.load_model(FIX / f"{family}_nvfp4", packed=True)
-    decoded, tok = ptq.load_model(FIX / f"{family}_nvfp4")
+        packed_model, _ = load_export(FIX / f"{family}_nvfp4", packed=True)
+    decoded, tok = load_export(FIX / f"{family}_nvfp4")
     gate = "gate_proj"
     assert isinstance(getattr(packed_model.blocks[1].mlp.experts, gate), PackedExperts)
     assert not isinstance(getattr(decoded.blocks[1].mlp.experts, gate), PackedExperts)
@@ -137,5 +137,5 @@ def test_load_model_of_a_moe_export_packed_and_decoded(family, monkeypatch):
         np.testing.assert_allclose(np.asarray(lp), want, atol=2e-5, rtol=0)
     from jaxlowfp.models.common import CheckpointError
 
-    with pytest.raises(CheckpointError, match=r"jaxlowfp.ptq.load_model"):
+    with pytest.raises(CheckpointError, match=r"jaxlowfp.models.load_export"):
         load(FIX / f"{family}_nvfp4")  # models.load (the floor below ptq) points to it

@@ -19,7 +19,7 @@ from flax import nnx
 import jaxlowfp
 from jaxlowfp import packed, ptq
 from jaxlowfp.models.llama import Llama, preset
-from jaxlowfp.ptq.packing import _requantized, packed_layers
+from jaxlowfp.ptq.packing import requantized, packed_layers
 
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 24)), jnp.int32)
 RULES = [ptq.Rule(path=r".*_proj", scheme=None)]
@@ -122,10 +122,10 @@ def test_requantizing_a_ptq_kernel_is_lossless(fmt):
     w = jax.random.normal(jax.random.key(0), (64, 32), jnp.float32) * 0.02
     tf = jaxlowfp.Format.parse(fmt)
     kernel = ptq.rtn_weight(w, tf).kernel
-    p = _requantized(kernel, packed.as_format(tf), "layer")
+    p = requantized(kernel, packed.as_format(tf), "layer")
     np.testing.assert_array_equal(p.dequantize(), kernel)
     with pytest.raises(ValueError, match="bit for bit"):
-        _requantized(kernel.at[3, 5].multiply(1.01), packed.as_format(tf), "blocks/0/mlp/up_proj")
+        requantized(kernel.at[3, 5].multiply(1.01), packed.as_format(tf), "blocks/0/mlp/up_proj")
 
 
 def test_per_token_activations_run_the_op_layer_quantizer():

@@ -1,6 +1,6 @@
 """Served = evaluated by default (issue 45): the storage dtype of the high-precision tensors is chosen at
 `ptq.quantize_model` (``dtype=``, default float32, recorded in `PTQResult.dtype`), `ptq.export` writes it by
-default, and `ptq.load_model` of that export gives the in-memory quantized model's log-probs bit for bit (one
+default, and `models.load_export` of that export gives the in-memory quantized model's log-probs bit for bit (one
 jitted program applied to both models: the same XLA program), dense and mixture of experts; another export dtype
 warns that the file is not the evaluated model."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxlowfp import ptq
+from jaxlowfp import models, ptq
 from jaxlowfp.models.llama import PRESETS, Llama
 
 import moe_export_common as moe
@@ -48,7 +48,7 @@ def test_dense_export_reloads_as_evaluated_by_default(tmp_path, scheme, method):
     assert res.dtype == "float32"
     rep = ptq.export(model, res, tmp_path / "out")
     assert rep.dtype == "float32" and rep.rounded[0] == 0
-    loaded, _ = ptq.load_model(tmp_path / "out", tokenizer=None)
+    loaded, _ = models.load_export(tmp_path / "out", tokenizer=None)
     np.testing.assert_array_equal(_lp(loaded), _lp(model))
 
 
@@ -66,7 +66,7 @@ def test_a_smaller_dtype_is_chosen_at_quantize_time_and_evaluated(tmp_path):
     np.testing.assert_array_equal(norm, np.asarray(ref.blocks[0].attn_norm.scale[...]))
     rep = ptq.export(model, res, tmp_path / "out")
     assert rep.dtype == "bfloat16" and rep.rounded[0] == 0
-    loaded, _ = ptq.load_model(tmp_path / "out", tokenizer=None)
+    loaded, _ = models.load_export(tmp_path / "out", tokenizer=None)
     np.testing.assert_array_equal(_lp(loaded), _lp(model))
 
 
@@ -76,7 +76,7 @@ def test_export_in_another_dtype_warns(tmp_path):
                                          r"not the evaluated model \([1-9][0-9]* of [0-9]+ high-precision values"):
         rep = ptq.export(model, res, tmp_path / "out", dtype="float16")
     assert rep.dtype == "float16" and rep.rounded[0] > 0
-    loaded, _ = ptq.load_model(tmp_path / "out", tokenizer=None)
+    loaded, _ = models.load_export(tmp_path / "out", tokenizer=None)
     assert not np.array_equal(_lp(loaded), _lp(model))  # what the warning is about
 
 
@@ -98,5 +98,5 @@ def test_storage_dtype_refusals():
 def test_moe_export_reloads_as_evaluated_by_default(tmp_path, family):
     model, res, tok = moe.quantized(family)
     ptq.export(model, res, tmp_path / "out", tokenizer=tok)
-    loaded, _ = ptq.load_model(tmp_path / "out")
+    loaded, _ = models.load_export(tmp_path / "out")
     np.testing.assert_array_equal(_lp(loaded, moe.TOKENS), _lp(model, moe.TOKENS))

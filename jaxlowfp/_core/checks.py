@@ -93,6 +93,28 @@ def integer(value: Any, what: str, *, minimum: int = 0) -> int:
     return int(value)
 
 
+def positive_int(value: Any, what: str) -> int:
+    """`value` as an int >= 1: an int (not a bool) or a string of digits (a command-line argument such as lm-eval's
+    ``--model_args batch_size=8``); a ValueError naming `what` and the value otherwise."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{what} must be a positive int; got {value!r}")
+    return int(value)
+
+
+def dimension_numbers_of(dn: Any) -> tuple:
+    """``dot_general`` dimension numbers ``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))`` as tuples of
+    ints (hashable: usable as static configuration); a ValueError naming what was given otherwise."""
+    try:
+        (lc, rc), (lb, rb) = dn
+        return (tuple(int(i) for i in lc), tuple(int(i) for i in rc)), (tuple(int(i) for i in lb),
+                                                                         tuple(int(i) for i in rb))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"dimension_numbers must be ((lhs_contract, rhs_contract), (lhs_batch, rhs_batch)); "
+                         f"got {dn!r}") from e
+
+
 def bool_flag(flag: Any, what: str = "observe_only") -> bool | jax.Array:
     """A Python bool stays static; anything else must be a boolean scalar array (traced is fine)."""
     if isinstance(flag, (bool, np.bool_)):

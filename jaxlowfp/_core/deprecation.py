@@ -2,13 +2,15 @@
 
 A module lists its old attribute names in ``_DEPRECATED = {old: (new, getter)}`` and sets
 ``__getattr__ = deprecated_getattr(__name__, _DEPRECATED)`` (PEP 562: called only for names the module does not
-define, so an old name is not in ``dir()`` and costs nothing until used). A renamed keyword goes through
-:func:`renamed_kwarg`.
+define, so an old name is not in ``dir()`` and costs nothing until used). A getter given as the string
+``"package.module:name"`` is imported when the old name is used: a name that moved to a module above the old one
+(``jaxlowfp.ptq.load_model`` is ``jaxlowfp.models.load_export``) keeps working without an upward import. A renamed
+keyword goes through :func:`renamed_kwarg`.
 """
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 REMOVED_IN = "0.3"
@@ -21,18 +23,34 @@ def warn(old: str, new: str, *, stacklevel: int = 3) -> None:
                   DeprecationWarning, stacklevel=stacklevel)
 
 
-def deprecated_getattr(module: str, aliases: dict[str, tuple[str, Callable[[], Any]]]) -> Callable[[str], Any]:
-    """A module ``__getattr__`` that resolves the old names in `aliases` (old -> (new name, getter)) with a
-    DeprecationWarning and raises the usual AttributeError for any other name."""
+def _importer(target: str) -> Callable[[], Any]:
+    """A getter of ``"package.module:name"``, imported on call."""
+    mod, _, attr = target.partition(":")
+    if not mod or not attr:
+        raise ValueError(f"a deprecated alias target must be 'package.module:name'; got {target!r}")
+
+    def get() -> Any:
+        import importlib
+
+        return getattr(importlib.import_module(mod), attr)
+
+    return get
+
+
+def deprecated_getattr(module: str, aliases: Mapping[str, tuple[str, Callable[[], Any] | str]]
+                       ) -> Callable[[str], Any]:
+    """A module ``__getattr__`` that resolves the old names in `aliases` (old -> (new name, getter or
+    ``"package.module:name"``)) with a DeprecationWarning and raises the usual AttributeError for any other name."""
+    resolved = {old: (new, _importer(get) if isinstance(get, str) else get) for old, (new, get) in aliases.items()}
 
     def __getattr__(name: str) -> Any:
-        if name in aliases:
-            new, get = aliases[name]
+        if name in resolved:
+            new, get = resolved[name]
             warn(f"{module}.{name}", new)
             return get()
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
 
-    __getattr__.aliases = aliases  # type: ignore[attr-defined]  # read by tests/test_vocabulary.py
+    __getattr__.aliases = resolved  # type: ignore[attr-defined]  # read by tests/test_vocabulary.py
     return __getattr__
 
 

@@ -50,8 +50,8 @@ from jaxlowfp._core.nvfp4_blocks import (
     UNBIASED_FACTOR,
     Rounding,
     check_block_shape,
-    _block_errors,
-    _inverse,
+    block_errors,
+    inverse_scale,
     accumulate_error,
     combine_rows,
     e2m1_half_up,
@@ -261,7 +261,7 @@ def _grid_hat(v: jax.Array, t: _HatTable) -> jax.Array:
     """``x̂ = ((v * s) * amax [* step]) / enc`` for grid values `v` [..., R, nb], with one correctly rounded
     division per odd part per block (:func:`_hat_table`) instead of one per element: ``v = c * 2^j`` and scaling
     by 2^j commutes with each rounding, so ``x̂ = 2^j * h[c]`` (as
-    :func:`~jaxlowfp._core.nvfp4_blocks._block_errors` does for E2M1). Where the element's own product overflows,
+    :func:`~jaxlowfp._core.nvfp4_blocks.block_errors` does for E2M1). Where the element's own product overflows,
     x̂ is Inf, as the direct form gives."""
     c, j = _odd_split(jnp.where(v > 0, v, 1.0))
     if len(t.odds) <= 4:
@@ -283,7 +283,7 @@ def _grid_hat(v: jax.Array, t: _HatTable) -> jax.Array:
 def _candidate_errors(xb, s, s_dec, amax, blk, fmt: str, rule: str, enc: float, u):
     """(err_fp, err_int) per block for the scales `s` (uniforms `u`: the stochastic candidates, shared)."""
     g = GRIDS[fmt]
-    inv = _inverse(s, s_dec)[..., None, :]
+    inv = inverse_scale(s, s_dec)[..., None, :]
     col_u = (lambda i: None) if u is None else (lambda i: u[..., i])
     t_int = _hat_table(s, amax, g.step, enc, tuple(range(1, g.int_max + 1, 2)))
     t_fp = None if fmt == "if4" else _hat_table(s, amax, None, enc, _ODD_FP[fmt])
@@ -294,7 +294,7 @@ def _candidate_errors(xb, s, s_dec, amax, blk, fmt: str, rule: str, enc: float, 
     def fp_hat(i, ax):
         return _grid_hat(fp_round(ax * inv, fmt, col_u(i)), t_fp)
 
-    err_fp = _block_errors(xb, s, s_dec, amax, blk, rule, enc, u) if fmt == "if4" else _errors(xb, fp_hat, rule)
+    err_fp = block_errors(xb, s, s_dec, amax, blk, rule, enc, u) if fmt == "if4" else _errors(xb, fp_hat, rule)
     return err_fp, _errors(xb, int_hat, rule)
 
 
@@ -355,7 +355,7 @@ def if_blocks(
     err_fp, err_int = _candidate_errors(xb, s, s_dec, amax, blk, fmt, rule, enc, uc)
     is_int = materialize(err_int < err_fp)  # NaN errors keep FP; ties keep FP
     s = materialize(s)
-    ay = jnp.abs(xb.astype(jnp.float32)) * per_element(_inverse(s, s_dec))
+    ay = jnp.abs(xb.astype(jnp.float32)) * per_element(inverse_scale(s, s_dec))
     g = GRIDS[fmt]
     return _element_result(xb, ay, fp_round(ay, fmt, u), int_round(ay, g, u), s, is_int, fmt)
 

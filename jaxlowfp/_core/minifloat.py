@@ -16,15 +16,15 @@ from jaxlowfp._core import hif8
 from jaxlowfp._core.bits import ABS, BITS_INF, BITS_NAN, SIGN, f32_bits, pow2, u32
 from jaxlowfp._core.checks import float_dtype, float_input, uint8_codes
 
-__all__ = ["ElementFormat", "MiniFloat", "HIF8", "E4M3", "E5M2", "E2M1", "FORMATS", "get", "e2m1_index", "e2m1_value",
-           "e2m1_magnitude"]
+__all__ = ["ElementFormat", "MiniFloat", "HIF8", "E4M3", "E5M2", "E2M1", "E2M1_THRESHOLDS", "FORMATS", "get",
+           "e2m1_index", "e2m1_value", "e2m1_magnitude"]
 
 
 # E2M1 round-to-nearest-even by threshold counting (docs/formats/nvfp4.md 2.1): the index 0..7 of the magnitude grid
 # {0, .5, 1, 1.5, 2, 3, 4, 6} is the number of thresholds passed. At a tie the comparison is ">=" where the upper
 # neighbour has the even code (idx 2, 4, 6) and ">" where the lower one has. Anything above 5 (Inf too) saturates
 # to 6; NaN passes no threshold and gives 0.
-_E2M1_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+E2M1_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
 def e2m1_index(ay: jnp.ndarray) -> jnp.ndarray:
@@ -33,7 +33,7 @@ def e2m1_index(ay: jnp.ndarray) -> jnp.ndarray:
     Seven compares and a sum; no division, no ``round``, so it is bit-identical under any compiler.
     """
     idx = jnp.zeros(ay.shape, jnp.int32)
-    for t, inclusive in _E2M1_THRESHOLDS:
+    for t, inclusive in E2M1_THRESHOLDS:
         idx = idx + ((ay >= t) if inclusive else (ay > t)).astype(jnp.int32)
     return idx
 
@@ -42,7 +42,7 @@ def e2m1_magnitude(ay: jnp.ndarray) -> jnp.ndarray:
     """RNE E2M1 magnitude (float32) of ``|y|`` = `ay` >= 0, saturating at 6, NaN -> 0: the same seven compares as
     :func:`e2m1_index`, each selecting the next grid value (cheaper than index -> value on the hot path)."""
     v = jnp.zeros(ay.shape, jnp.float32)
-    for (t, inclusive), g in zip(_E2M1_THRESHOLDS, (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)):
+    for (t, inclusive), g in zip(E2M1_THRESHOLDS, (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)):
         v = jnp.where((ay >= t) if inclusive else (ay > t), g, v)
     return v
 

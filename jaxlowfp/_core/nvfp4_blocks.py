@@ -10,7 +10,7 @@ one IEEE float32 rounding::
 
 No operation needs a full-size divisor, a barrier or row chunking: divisions by constants are integer-exact
 (:func:`~jaxlowfp._core.bits.div_const`), the 4/6 error's ``((q*s)*amax) / (M*E)`` is a per-block quotient times a
-power of two (:func:`_block_errors`), and each reduction reads the tensor once.
+power of two (:func:`block_errors`), and each reduction reads the tensor once.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from jaxlowfp._core import names as _names
 from jaxlowfp._core.bits import FLT_MAX, SIGN, div_const, from_bits, ieee_div, materialize, no_contract, u32
 from jaxlowfp._core.reduce import abs_max
 from jaxlowfp._core.checks import float_input, one_of
-from jaxlowfp._core.minifloat import _E2M1_THRESHOLDS, E2M1, E4M3
+from jaxlowfp._core.minifloat import E2M1_THRESHOLDS, E2M1, E4M3
 
 
 class BlockConfig(Protocol):
@@ -241,7 +241,7 @@ def per_element(p: jax.Array) -> jax.Array:
     return p[..., None, :, None]
 
 
-def _inverse(s: jax.Array, s_dec: jax.Array) -> jax.Array:
+def inverse_scale(s: jax.Array, s_dec: jax.Array) -> jax.Array:
     """``min(1 / (s * S_dec), FLT_MAX)``, 0 where s == 0 (the block's values then round to 0)."""
     return jnp.where(s == 0, 0.0, jnp.minimum(1.0 / (s * s_dec), FLT_MAX))
 
@@ -270,7 +270,7 @@ def combine_rows(acc: jax.Array, rule: str) -> jax.Array:
     return _pairwise(acc, jnp.maximum if rule == "abs_max" else jnp.add)
 
 
-def _block_errors(xb, s, s_dec, amax, blk, rule: str, enc: float, u) -> jax.Array:
+def block_errors(xb, s, s_dec, amax, blk, rule: str, enc: float, u) -> jax.Array:
     """The 4/6 error of the candidate with block scales `s` [..., nb], in the original domain::
 
         x̂ = ((q * s) * amax) / enc,  d = x̂ - x;   mse: Σ d*d,  mae: Σ |d|   (columns 0..15 in order, then rows
@@ -286,7 +286,7 @@ def _block_errors(xb, s, s_dec, amax, blk, rule: str, enc: float, u) -> jax.Arra
     The 16 columns are separate slices, so XLA emits one loop over blocks with no per-element temporaries, and
     ``d * d`` passes :func:`no_contract` (no FMA into the sum). Blocks with a NaN scale get a NaN error.
     """
-    inv = _inverse(s, s_dec)[..., None, :]
+    inv = inverse_scale(s, s_dec)[..., None, :]
     half = div_const(jnp.minimum((0.5 * s) * amax, FLT_MAX), enc)  # x̂ of q = 1/2
     lo = (2.0 * half)[..., None, :]  # x̂ = q * lo for q in {1/2, 1, 2, 4} (mantissa bit clear)
     hi = div_const(jnp.minimum((1.5 * s) * amax, FLT_MAX), enc)[..., None, :]  # x̂ = (q/1.5) * hi, q in {1.5, 3, 6}
@@ -307,7 +307,7 @@ def _block_errors(xb, s, s_dec, amax, blk, rule: str, enc: float, u) -> jax.Arra
 def search_scales(xb, base, s6, s_dec, amax, blk, enc: float) -> tuple[jax.Array, jax.Array]:
     """Per-block scale search (rule "search"): the E4M3 scale of minimum MSE among every E4M3 value from
     ``e4m3(base * 0.81)`` to ``e4m3(base * 1.8)`` (a block max mapped anywhere from 6/0.81 = 7.4, clipped, down to
-    6/1.8 = 3.3), with the 4/6 error of :func:`_block_errors` (original domain, global scale included)::
+    6/1.8 = 3.3), with the 4/6 error of :func:`block_errors` (original domain, global scale included)::
 
         err* = err(s6);  for each code c in [code(e4m3(0.81 base)), code(e4m3(1.8 base))], in increasing order:
             s = decode(c);  keep s if err(s) < err*          (strict: ties keep s6, then the smaller scale)
@@ -316,12 +316,12 @@ def search_scales(xb, base, s6, s_dec, amax, blk, enc: float) -> tuple[jax.Array
     above the 4/6 ``mse`` one (same sum order). Returns (scales, moved) with `moved` = the scale is not s6."""
     lo = E4M3.encode(base * np.float32(SEARCH_RANGE[0]), saturate=True).astype(jnp.int32)
     hi = E4M3.encode(base * np.float32(SEARCH_RANGE[1]), saturate=True).astype(jnp.int32)
-    best = _block_errors(xb, s6, s_dec, amax, blk, "mse", enc, None)
+    best = block_errors(xb, s6, s_dec, amax, blk, "mse", enc, None)
     s = s6
     for k in range(SEARCH_CODES):
         code = lo + k
         sk = jnp.where(jnp.isfinite(s6), E4M3.decode(code.astype(jnp.uint8)), jnp.nan)
-        ek = _block_errors(xb, sk, s_dec, amax, blk, "mse", enc, None)
+        ek = block_errors(xb, sk, s_dec, amax, blk, "mse", enc, None)
         better = (code <= hi) & (ek < best)
         s = jnp.where(better, sk, s)
         best = jnp.where(better, ek, best)
@@ -345,7 +345,7 @@ def e2m1_half_up(a: jax.Array) -> jax.Array:
     """E2M1 magnitude of ``a >= 0`` with ties away from zero (the thresholds of the E2M1 grid taken with ``>=``:
     0.25 -> 0.5, 1.25 -> 1.5, 2.5 -> 3, 5 -> 6), saturating at 6: the rounding of the MS-EDEN kernel."""
     v = jnp.zeros(a.shape, jnp.float32)
-    for (t, _), g in zip(_E2M1_THRESHOLDS, (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)):
+    for (t, _), g in zip(E2M1_THRESHOLDS, (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)):
         v = jnp.where(a >= t, g, v)
     return v
 
@@ -468,11 +468,11 @@ def quantize_blocks(
     if rule in FOUR_OVER_SIX:
         s4 = e4m3(base * 1.5)
         uc = u if rounding == "stochastic" else None
-        map4 = _block_errors(xb, s4, s_dec, amax, blk, rule, enc, uc) < _block_errors(
+        map4 = block_errors(xb, s4, s_dec, amax, blk, rule, enc, uc) < block_errors(
             xb, s, s_dec, amax, blk, rule, enc, uc)
         s = jnp.where(map4, s4, s)
     s = materialize(s)  # one fusion computes the scales (and 4/6 choices); the element loop reads them
-    ay = jnp.abs(xb.astype(jnp.float32)) * per_element(_inverse(s, s_dec))
+    ay = jnp.abs(xb.astype(jnp.float32)) * per_element(inverse_scale(s, s_dec))
     v = e2m1_rne(ay) if u is None else e2m1_stochastic(ay, u)
     return _signed_result(xb, v, s, map4)
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from jaxlowfp.models.common import CheckpointError, Tokenizer
+from jaxlowfp.models.exported import load_export
 from jaxlowfp.models.llama import (PRESETS, KVCache, Llama, ModelConfig, generate, loss_fn, mlp_paths, preset,
                                    smoothing_folds, token_log_likelihood)
 from jaxlowfp.models.moe import MoEConfig, MoEDecoder, expert_paths, with_experts_impl
@@ -38,6 +39,7 @@ __all__ = ["PRESETS", "REGISTRY", "CheckpointError", "KVCache", "Llama", "ModelC
            "load", "load_gguf", "load_hf", "loss_fn", "mlp_paths", "preset", "resolve", "smollm2_135m_path",
            "smoothing_folds", "token_log_likelihood"]
 __all__ += ["MoEConfig", "MoEDecoder", "expert_paths", "with_experts_impl"]  # mixtures of experts (moe.py)
+__all__ += ["load_export"]  # a directory written by jaxlowfp.ptq.export (exported.py)
 
 
 def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "float32", mesh: Any = None,
@@ -49,7 +51,7 @@ def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "f
     from jaxlowfp.models import gguf_loader, moe_loader  # needs the jaxlowfp[models] extra
 
     path = Path(path)
-    if path.is_file() and moe_loader.is_moe_gguf(gguf_loader._open(path), path):  # Qwen3-MoE, Mixtral
+    if path.is_file() and moe_loader.is_moe_gguf(gguf_loader.open_reader(path), path):  # Qwen3-MoE, Mixtral
         _not_packed(packed, path, "a mixture-of-experts GGUF file (packed experts are not implemented)")
         return moe_loader.load_gguf(path, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules)
     return gguf_loader.load_gguf(path, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules, packed=packed,
@@ -73,11 +75,11 @@ def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str =
 
     if moe_loader.is_export(directory):  # a jaxlowfp.ptq.export of Qwen3-MoE / Mixtral (NVFP4 experts)
         raise CheckpointError(f"{directory}: a quantized mixture-of-experts checkpoint written by jaxlowfp.ptq.export; "
-                              f"load it with jaxlowfp.ptq.load_model(directory, packed=...) (models.load reads float "
-                              f"mixture-of-experts checkpoints)")
+                              f"load it with jaxlowfp.models.load_export(directory, packed=...) (models.load reads "
+                              f"float mixture-of-experts checkpoints)")
     if moe_loader.is_moe_hf(directory):  # Qwen3-MoE, Mixtral
-        _not_packed(packed, directory, "a float mixture-of-experts checkpoint (jaxlowfp.ptq.load_model loads "
-                    "quantized ones that jaxlowfp.ptq.export wrote, packed too)")
+        _not_packed(packed, directory, "a float mixture-of-experts checkpoint (jaxlowfp.models.load_export "
+                    "loads quantized ones that jaxlowfp.ptq.export wrote, packed too)")
         return moe_loader.load_hf(directory, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules,
                                   tokenizer=tokenizer)
     if quantized.detect(directory) is not None:  # NVFP4 of compressed-tensors (llm-compressor) or ModelOpt

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxlowfp._core.errors import CheckpointError
 from jaxlowfp.models.llama import Llama, ModelConfig
 from jaxlowfp.models.tensor_names import TensorSpec, tensor_specs
 
@@ -25,10 +26,6 @@ if TYPE_CHECKING:
 
 __all__ = ["CheckpointError", "LazyTensor", "TensorSpec", "Tokenizer", "build_model", "install_packed",
            "tensor_specs"]
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be loaded; the message names the file (and tensor) and says what was expected."""
 
 
 class Tokenizer:

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlowfp._core.checks import optional_module
+from jaxlowfp._core.pretokenizers import PRE_TOKENIZERS
 from jaxlowfp.models.common import (CheckpointError, LazyTensor, TensorSpec, Tokenizer, build_model,
                                     install_packed, tensor_specs)
 from jaxlowfp.models.llama import Llama, ModelConfig
@@ -54,22 +55,6 @@ __all__ = ["ARCHITECTURES", "PACKED_TYPES", "PRE_TOKENIZERS", "config_fields", "
 # architecture -> whether the converter permuted the q/k rows (llama.cpp RoPE type NORM vs NEOX)
 ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
 
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-          r"|\s+(?!\S)|\s+")
-_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-           r"|\s+(?!\S)|\s+")
-# tokenizer.ggml.pre -> the regexes llama.cpp splits with (llama-vocab.cpp), applied in order
-PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
-    "default": (_GPT2,),
-    "gpt2": (_GPT2,),
-    "gpt-2": (_GPT2,),
-    "smollm": (r"\p{N}", _GPT2),
-    "starcoder": (r"\p{N}", _GPT2),
-    "refact": (r"\p{N}", _GPT2),
-    "qwen2": (_QWEN2,),
-    "llama-bpe": (_LLAMA3,),
-}
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types that are matched verbatim in text
 
 
@@ -78,14 +63,16 @@ def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _open(path: Path) -> Any:
+def open_reader(path: Path) -> Any:
+    """A ``gguf.GGUFReader`` of `path`; a CheckpointError for a file that is not a readable GGUF."""
     try:
         return gguf.GGUFReader(path)
     except (ValueError, OSError, IndexError, KeyError) as e:
         raise CheckpointError(f"{path}: not a readable GGUF file (truncated or corrupt?): {e}") from e
 
 
-def _field(reader: Any, key: str, path: Path, default: Any = ...) -> Any:
+def read_field(reader: Any, key: str, path: Path, default: Any = ...) -> Any:
+    """The value of the metadata field `key`; `default` when absent (a CheckpointError without a default)."""
     f = reader.fields.get(key)
     if f is None:
         if default is ...:
@@ -96,7 +83,7 @@ def _field(reader: Any, key: str, path: Path, default: Any = ...) -> Any:
 
 def read_config(reader: Any, path: Path, *, dtype: str = "float32", param_dtype: str = "float32") -> ModelConfig:
     """The `ModelConfig` of a GGUF file from its metadata and tensor shapes."""
-    arch = _field(reader, "general.architecture", path)
+    arch = read_field(reader, "general.architecture", path)
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{path}: architecture {arch!r} is not supported; allowed: "
                               f"{', '.join(map(repr, ARCHITECTURES))}")
@@ -111,17 +98,17 @@ def config_fields(reader: Any, path: Path, arch: str) -> dict[str, Any]:
     names = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in names:
         raise CheckpointError(f"{path}: tensor token_embd.weight is missing")
-    d_model = int(_field(reader, f"{arch}.embedding_length", path))
-    n_heads = int(_field(reader, f"{arch}.attention.head_count", path))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", path, d_model // max(n_heads, 1)))
-    rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", path, head_dim))
+    d_model = int(read_field(reader, f"{arch}.embedding_length", path))
+    n_heads = int(read_field(reader, f"{arch}.attention.head_count", path))
+    head_dim = int(read_field(reader, f"{arch}.attention.key_length", path, d_model // max(n_heads, 1)))
+    rope_dim = int(read_field(reader, f"{arch}.rope.dimension_count", path, head_dim))
     if rope_dim != head_dim:
         raise CheckpointError(f"{path}: partial RoPE (rope.dimension_count {rope_dim} < head dim {head_dim}) is "
                               "not supported")
-    scaling = _field(reader, f"{arch}.rope.scaling.type", path, "none")
+    scaling = read_field(reader, f"{arch}.rope.scaling.type", path, "none")
     factors = None
     if scaling == "linear":
-        factors = (float(_field(reader, f"{arch}.rope.scaling.factor", path)),) * (head_dim // 2)
+        factors = (float(read_field(reader, f"{arch}.rope.scaling.factor", path)),) * (head_dim // 2)
     elif scaling not in ("none", ""):
         raise CheckpointError(f"{path}: rope scaling type {scaling!r} is not supported; allowed: 'none', 'linear', "
                               "and Llama-3 frequency factors (tensor rope_freqs.weight)")
@@ -130,13 +117,13 @@ def config_fields(reader: Any, path: Path, arch: str) -> dict[str, Any]:
     return dict(
         vocab=int(names["token_embd.weight"].shape[1]),
         d_model=d_model,
-        n_layers=int(_field(reader, f"{arch}.block_count", path)),
+        n_layers=int(read_field(reader, f"{arch}.block_count", path)),
         n_heads=n_heads,
-        n_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", path, n_heads)),
-        d_ff=int(_field(reader, f"{arch}.feed_forward_length", path)),
-        max_seq_len=int(_field(reader, f"{arch}.context_length", path)),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", path, 10_000.0)),
-        norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", path)),
+        n_kv_heads=int(read_field(reader, f"{arch}.attention.head_count_kv", path, n_heads)),
+        d_ff=int(read_field(reader, f"{arch}.feed_forward_length", path)),
+        max_seq_len=int(read_field(reader, f"{arch}.context_length", path)),
+        rope_theta=float(read_field(reader, f"{arch}.rope.freq_base", path, 10_000.0)),
+        norm_eps=float(read_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", path)),
         explicit_head_dim=None if head_dim * n_heads == d_model else head_dim,
         tie_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
@@ -249,12 +236,12 @@ def packed_weight(tensor: Any, path: Path, rope_heads: int | None = None, scale:
 
 def read_tokenizer(reader: Any, path: Path) -> Tokenizer:
     """The byte-level BPE tokenizer described by the ``tokenizer.ggml.*`` metadata."""
-    kind = _field(reader, "tokenizer.ggml.model", path)
+    kind = read_field(reader, "tokenizer.ggml.model", path)
     if kind != "gpt2":
         raise CheckpointError(f"{path}: tokenizer model {kind!r} is not supported; allowed: 'gpt2' (byte-level BPE)")
-    tokens = list(_field(reader, "tokenizer.ggml.tokens", path))
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges", path)]
-    pre = _field(reader, "tokenizer.ggml.pre", path, "default")
+    tokens = list(read_field(reader, "tokenizer.ggml.tokens", path))
+    merges = [tuple(m.split(" ", 1)) for m in read_field(reader, "tokenizer.ggml.merges", path)]
+    pre = read_field(reader, "tokenizer.ggml.pre", path, "default")
     if pre not in PRE_TOKENIZERS:
         raise CheckpointError(f"{path}: tokenizer pre-tokenizer {pre!r} is not supported; allowed: "
                               f"{', '.join(map(repr, PRE_TOKENIZERS))}")
@@ -272,14 +259,14 @@ def read_tokenizer(reader: Any, path: Path) -> Tokenizer:
     tk.pre_tokenizer = pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False,
                                                                                   use_regex=False)])
     tk.decoder = decoders.ByteLevel()
-    types = _field(reader, "tokenizer.ggml.token_type", path, None)
+    types = read_field(reader, "tokenizer.ggml.token_type", path, None)
     if types is not None:
         special = [tokenizers.AddedToken(tokens[i], special=True, normalized=False)
                    for i, t in enumerate(types) if t in (_CONTROL, _USER_DEFINED)]
         tk.add_special_tokens(special)
-    bos = _field(reader, "tokenizer.ggml.bos_token_id", path, None)
-    eos = _field(reader, "tokenizer.ggml.eos_token_id", path, None)
-    if _field(reader, "tokenizer.ggml.add_bos_token", path, False):
+    bos = read_field(reader, "tokenizer.ggml.bos_token_id", path, None)
+    eos = read_field(reader, "tokenizer.ggml.eos_token_id", path, None)
+    if read_field(reader, "tokenizer.ggml.add_bos_token", path, False):
         if bos is None:
             raise CheckpointError(f"{path}: tokenizer.ggml.add_bos_token is set but bos_token_id is missing")
         tk.post_processor = processors.TemplateProcessing(single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B",
@@ -316,12 +303,12 @@ def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "f
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such GGUF file")
-    reader = _open(path)
+    reader = open_reader(path)
     config = read_config(reader, path, dtype=dtype, param_dtype=param_dtype)
     tokenizer = read_tokenizer(reader, path)
     tokenizer.check_fits(config.vocab, str(path))
     names = {t.name: t for t in reader.tensors}
-    permuted = ARCHITECTURES[_field(reader, "general.architecture", path)]
+    permuted = ARCHITECTURES[read_field(reader, "general.architecture", path)]
 
     packs: dict[str, Any] = {}
 

@@ -27,10 +27,11 @@ tokenizers = optional_module("tokenizers", extra="models", feature="loading a Hu
 __all__ = ["MODEL_TYPES", "checkpoint_tokenizer", "config_fields", "load_hf", "read_config", "read_tokenizer"]
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some exports carry; recomputed here
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some exports carry; recomputed here
 
 
-def _json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON file of a checkpoint directory, parsed; a CheckpointError when missing or not valid JSON."""
     if not path.is_file():
         raise CheckpointError(f"{path}: file not found")
     try:
@@ -61,7 +62,7 @@ def _rope_factors(cfg: dict[str, Any], head_dim: int, theta: float, where: Path)
 def read_config(directory: str | Path, *, dtype: str = "float32", param_dtype: str = "float32") -> ModelConfig:
     """The `ModelConfig` of a Hugging Face ``config.json``."""
     where = Path(directory) / "config.json"
-    cfg = _json(where)
+    cfg = read_json(where)
     mt = cfg.get("model_type")
     if mt not in MODEL_TYPES:
         raise CheckpointError(f"{where}: model_type {mt!r} (architectures {cfg.get('architectures')}) is not "
@@ -142,8 +143,8 @@ def read_tokenizer(directory: str | Path, tokenizer: str | Path | None = None) -
         tk = tokenizers.Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a plain Exception subclass
         raise CheckpointError(f"{path}: not a readable tokenizer: {e}") from e
-    cfg = _json(directory / "config.json") if (directory / "config.json").is_file() else {}
-    tok_cfg = _json(tok_dir / "tokenizer_config.json") if (tok_dir / "tokenizer_config.json").is_file() else {}
+    cfg = read_json(directory / "config.json") if (directory / "config.json").is_file() else {}
+    tok_cfg = read_json(tok_dir / "tokenizer_config.json") if (tok_dir / "tokenizer_config.json").is_file() else {}
     return Tokenizer(tk, bos_id=_token_id(cfg, tok_cfg, tk, "bos"), eos_id=_token_id(cfg, tok_cfg, tk, "eos"),
                      source=str(path))
 
@@ -170,11 +171,11 @@ def checkpoint_tokenizer(directory: str | Path, tokenizer: str | Path | None, vo
     return tk
 
 
-def _weight_files(directory: Path) -> dict[str, Path]:
+def weight_files(directory: Path) -> dict[str, Path]:
     """tensor name -> the safetensors file that holds it."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = _json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index}: no 'weight_map'")
         files: dict[str, Path] = {name: directory / f for name, f in weight_map.items()}
@@ -187,7 +188,7 @@ def _weight_files(directory: Path) -> dict[str, Path]:
         raise CheckpointError(f"{directory}: no *.safetensors weights (and no model.safetensors.index.json)")
     files = {}
     for f in shards:
-        with _open(f) as handle:
+        with open_safetensors(f) as handle:
             names = list(handle.keys())
         for name in names:
             if name in files:
@@ -196,7 +197,8 @@ def _weight_files(directory: Path) -> dict[str, Path]:
     return files
 
 
-def _open(f: Path) -> Any:
+def open_safetensors(f: Path) -> Any:
+    """``safetensors.safe_open`` of `f` for numpy; a CheckpointError for a corrupt file."""
     try:
         return safe_open(str(f), framework="numpy")
     except (SafetensorError, OSError) as e:
@@ -211,15 +213,16 @@ def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str =
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a directory")
-    if (directory / "hf_quant_config.json").is_file() or _json(directory / "config.json").get("quantization_config"):
+    if ((directory / "hf_quant_config.json").is_file()
+            or read_json(directory / "config.json").get("quantization_config")):
         raise CheckpointError(f"{directory}: a quantized checkpoint; load it with jaxlowfp.models.load (NVFP4 of "
                               "compressed-tensors and ModelOpt: jaxlowfp.models.quantized)")
     config = read_config(directory, dtype=dtype, param_dtype=param_dtype)
     tok = checkpoint_tokenizer(directory, tokenizer, config.vocab)
-    files = _weight_files(directory)
+    files = weight_files(directory)
     specs = tensor_specs(config)
     wanted = {s.hf for s in specs}
-    extra = sorted(n for n in files if n not in wanted and not n.endswith(_IGNORED_SUFFIXES)
+    extra = sorted(n for n in files if n not in wanted and not n.endswith(IGNORED_SUFFIXES)
                    and not (config.tie_embeddings and n == "lm_head.weight"))
     if extra:
         raise CheckpointError(f"{directory}: tensors this model class does not have: {', '.join(extra[:5])}"
@@ -233,7 +236,7 @@ def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str =
                                   f"{', '.join(sorted({p.name for p in files.values()}))})")
         where = f"{f}: tensor {spec.hf}"
         if f not in handles:
-            handles[f] = stack.enter_context(_open(f))
+            handles[f] = stack.enter_context(open_safetensors(f))
         try:
             part = handles[f].get_slice(spec.hf)  # reads the header only; part[index] reads that slice
             shape = tuple(int(n) for n in part.get_shape())

@@ -36,7 +36,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxlowfp.models.llama import _DTYPES, Llama, ModelConfig, _check_int, _linear
+from jaxlowfp.models.config import DTYPES, ModelConfig, check_int
+from jaxlowfp.models.llama import Llama, linear_layer
 from jaxlowfp.models.llama import smoothing_folds as _dense_smoothing_folds
 
 __all__ = ["EXPERTS_IMPLS", "Experts", "MoEConfig", "MoEDecoder", "MoEMLP", "expert_paths", "route",
@@ -71,7 +72,7 @@ class MoEConfig(ModelConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("n_experts", "n_experts_per_tok", "d_expert"):
-            _check_int(getattr(self, name), name)
+            check_int(getattr(self, name), name)
         if self.n_experts_per_tok > self.n_experts:
             raise ValueError(f"n_experts_per_tok={self.n_experts_per_tok} exceeds n_experts={self.n_experts}")
         if not isinstance(self.norm_topk_prob, bool):
@@ -175,8 +176,8 @@ class MoEMLP(nnx.Module):
     """Sparse feed-forward layer: ``router`` (``nnx.Linear`` d_model -> E, no bias), top-k `route`, `Experts`."""
 
     def __init__(self, cfg: MoEConfig, dtype: Any, *, rngs: nnx.Rngs) -> None:
-        self.router = _linear(cfg.d_model, cfg.n_experts, cfg, dtype, rngs)
-        self.experts = Experts(cfg.n_experts, cfg.d_model, cfg.d_expert, dtype, _DTYPES[cfg.param_dtype], rngs=rngs)
+        self.router = linear_layer(cfg.d_model, cfg.n_experts, cfg, dtype, rngs)
+        self.experts = Experts(cfg.n_experts, cfg.d_model, cfg.d_expert, dtype, DTYPES[cfg.param_dtype], rngs=rngs)
         self.top_k = cfg.n_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
         self.impl = cfg.experts_impl

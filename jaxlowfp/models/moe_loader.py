@@ -94,13 +94,13 @@ def _expert_spec(spec: TensorSpec) -> tuple[int, str] | None:
 def is_moe_hf(directory: str | Path) -> bool:
     """Whether ``directory/config.json`` names a mixture-of-experts ``model_type`` this module loads."""
     where = Path(directory) / "config.json"
-    return where.is_file() and hf_loader._json(where).get("model_type") in HF_MODEL_TYPES
+    return where.is_file() and hf_loader.read_json(where).get("model_type") in HF_MODEL_TYPES
 
 
 def read_hf_config(directory: str | Path, *, dtype: str = "float32", param_dtype: str = "float32") -> MoEConfig:
     """The `MoEConfig` of a Qwen3-MoE or Mixtral ``config.json``."""
     where = Path(directory) / "config.json"
-    cfg = hf_loader._json(where)
+    cfg = hf_loader.read_json(where)
     mt = cfg.get("model_type")
     if mt not in HF_MODEL_TYPES:
         raise CheckpointError(f"{where}: model_type {mt!r} is not a supported mixture of experts; allowed: "
@@ -180,15 +180,15 @@ def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str =
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a directory")
-    if (directory / "hf_quant_config.json").is_file() or hf_loader._json(directory / "config.json").get(
+    if (directory / "hf_quant_config.json").is_file() or hf_loader.read_json(directory / "config.json").get(
             "quantization_config"):
         raise CheckpointError(f"{directory}: a quantized mixture-of-experts checkpoint; models.load reads float "
-                              f"checkpoints of Qwen3-MoE / Mixtral, and jaxlowfp.ptq.load_model(directory) the "
+                              f"checkpoints of Qwen3-MoE / Mixtral, and jaxlowfp.models.load_export(directory) the "
                               f"quantized ones jaxlowfp.ptq.export wrote")
     config = read_hf_config(directory, dtype=dtype, param_dtype=param_dtype)
-    mt = hf_loader._json(directory / "config.json")["model_type"]
+    mt = hf_loader.read_json(directory / "config.json")["model_type"]
     tok = hf_loader.checkpoint_tokenizer(directory, tokenizer, config.vocab)
-    files = {_canonical(n, mt): (f, n) for n, f in hf_loader._weight_files(directory).items()}
+    files = {_canonical(n, mt): (f, n) for n, f in hf_loader.weight_files(directory).items()}
     handles: dict[Path, Any] = {}
     used: set[str] = set()
 
@@ -196,7 +196,7 @@ def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str =
         f, stored = files[name]
         where = f"{f}: tensor {stored}"
         if f not in handles:
-            handles[f] = stack.enter_context(hf_loader._open(f))
+            handles[f] = stack.enter_context(hf_loader.open_safetensors(f))
         try:
             array = handles[f].get_tensor(stored)
         except (SafetensorError, OSError, KeyError) as e:
@@ -242,7 +242,7 @@ def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str =
     with contextlib.ExitStack() as stack:  # closes the shard files
         model = cast(MoEDecoder, build_model(config, fetch, directory / "config.json", model_class=MoEDecoder,
                                              specs=moe_tensor_specs(config), mesh=mesh, rules=_rules(mesh, rules)))
-    extra = sorted(files[n][1] for n in set(files) - used if not n.endswith(hf_loader._IGNORED_SUFFIXES)
+    extra = sorted(files[n][1] for n in set(files) - used if not n.endswith(hf_loader.IGNORED_SUFFIXES)
                    and not (config.tie_embeddings and n == "lm_head.weight"))
     if extra:
         raise CheckpointError(f"{directory}: tensors this model class does not have: {', '.join(extra[:5])}"
@@ -256,20 +256,20 @@ def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str =
 
 def is_moe_gguf(reader: Any, path: Path) -> bool:
     """Whether a GGUF file is a mixture of experts (``{arch}.expert_count`` > 0)."""
-    arch = gguf_loader._field(reader, "general.architecture", path)
-    return bool(gguf_loader._field(reader, f"{arch}.expert_count", path, 0))
+    arch = gguf_loader.read_field(reader, "general.architecture", path)
+    return bool(gguf_loader.read_field(reader, f"{arch}.expert_count", path, 0))
 
 
 def read_gguf_config(reader: Any, path: Path, *, dtype: str = "float32", param_dtype: str = "float32"
                      ) -> MoEConfig:
     """The `MoEConfig` of a Qwen3-MoE (``qwen3moe``) or Mixtral (``llama`` with experts) GGUF file."""
-    arch = gguf_loader._field(reader, "general.architecture", path)
+    arch = gguf_loader.read_field(reader, "general.architecture", path)
     if arch not in GGUF_ARCHITECTURES:
         raise CheckpointError(f"{path}: mixture-of-experts architecture {arch!r} is not supported; allowed: "
                               f"{', '.join(map(repr, GGUF_ARCHITECTURES))}")
 
     def field(key: str, default: Any = ...) -> Any:
-        return gguf_loader._field(reader, f"{arch}.{key}", path, default)
+        return gguf_loader.read_field(reader, f"{arch}.{key}", path, default)
 
     scale = float(field("expert_weights_scale", 0.0))
     if scale not in (0.0, 1.0):
@@ -307,12 +307,12 @@ def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "f
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such GGUF file")
-    reader = gguf_loader._open(path)
+    reader = gguf_loader.open_reader(path)
     config = read_gguf_config(reader, path, dtype=dtype, param_dtype=param_dtype)
     tokenizer = gguf_loader.read_tokenizer(reader, path)
     tokenizer.check_fits(config.vocab, str(path))
     names = {t.name: t for t in reader.tensors}
-    permuted = GGUF_ARCHITECTURES[gguf_loader._field(reader, "general.architecture", path)]
+    permuted = GGUF_ARCHITECTURES[gguf_loader.read_field(reader, "general.architecture", path)]
     specs = moe_tensor_specs(config)
 
     def fetch(spec: TensorSpec) -> tuple[np.ndarray, str]:

@@ -46,7 +46,7 @@ from jaxlowfp.ptq.api import METHODS, RTN, PTQResult, Rule, method_from_name, sm
 from jaxlowfp.ptq.api import quantize as quantize_model
 from jaxlowfp.ptq.layers import ActQuant, EinsumActQuant
 from jaxlowfp.ptq.calibrate import LayerStats, collect
-from jaxlowfp.ptq.checkpoint import ExportReport, export, load, load_model
+from jaxlowfp.ptq.checkpoint import ExportReport, export, load
 from jaxlowfp.ptq.formats import SCHEMES, Scheme, activation_spec, rtn_weight, scheme
 from jaxlowfp.ptq.gguf_export import GGUFReport, export_gguf
 from jaxlowfp.ptq.packing import PackedExperts, PackedLinear, PackReport
@@ -59,7 +59,7 @@ __all__ = [
     "METHODS", "SCHEMES", "RTN", "GPTQ", "SmoothQuant", "AWQ", "Rule", "Scheme", "activation_spec", "Fold",
     "ActQuant", "EinsumActQuant", "PTQResult", "LayerStats", "quantize_model", "scheme",
     "method_from_name",
-    "rtn_weight", "gptq_weight", "smooth_model", "collect", "export", "load", "load_model", "ExportReport",
+    "rtn_weight", "gptq_weight", "smooth_model", "collect", "export", "load", "ExportReport",
     "export_gguf",
     "GGUFReport", "ExportTensor",
     "pack_model", "PackedLinear", "PackedExperts", "PackReport",
@@ -72,7 +72,7 @@ from jaxlowfp._core.deprecation import deprecated_getattr  # noqa: E402
 def _tensor_format() -> type:
     from jaxlowfp.ptq import formats
 
-    return formats._LegacyTensorFormat
+    return formats.LegacyTensorFormat
 
 
 def _quantized_weight() -> type:
@@ -87,6 +87,8 @@ __getattr__ = deprecated_getattr(__name__, {
     "TensorFormat": ("jaxlowfp.Format", _tensor_format),
     # the result record of rtn_weight / gptq_weight, not a second array type: its .packed is a jaxlowfp.QArray
     "QuantizedWeight": ("jaxlowfp.ptq.rtn_weight", lambda: _quantized_weight()),
+    # a model built from an export is the models package's side (ptq imports nothing of jaxlowfp.models)
+    "load_model": ("jaxlowfp.models.load_export", "jaxlowfp.models:load_export"),
 })
 
 

@@ -8,7 +8,7 @@ import functools
 import inspect
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import jax
@@ -21,7 +21,8 @@ from jaxlowfp._core.qarray import QArray
 from jaxlowfp._core.deprecation import renamed_kwarg, warn
 from jaxlowfp._core.progress import progress_bar
 from jaxlowfp.ptq import calibrate, checks, experts, sequential, serving, smooth
-from jaxlowfp.qnnx.rules import grouped_weights
+from jaxlowfp.ptq.calibration_data import STORAGE_DTYPES, calibration_batches, round_high_precision
+from jaxlowfp.rules import grouped_weights
 from jaxlowfp.ptq.layers import act_quant, default_hook, hook_name, install, is_act_quant, layout
 from jaxlowfp.ptq.formats import ACTIVATION_SCALES, Scheme, rtn_weight
 from jaxlowfp.ptq.gptq import GPTQ, gptq_weight
@@ -97,101 +98,6 @@ class PTQResult:
         """Deprecated name of :attr:`arithmetic`."""
         warn("PTQResult.convention", "PTQResult.arithmetic")
         return self.arithmetic
-
-
-STORAGE_DTYPES = ("float32", "bfloat16", "float16")
-
-
-def _round_high_precision(model: nnx.Module, dtype: str, skip: set[str]) -> None:
-    """Round every parameter of 2 or more dimensions not in `skip` (the quantized weights) to `dtype` and back, in
-    place: the values `jaxlowfp.ptq.export` writes in that dtype. All are checked first (a value that overflows
-    `dtype` is refused, naming the parameter), so a refusal changes nothing."""
-    if dtype == "float32":
-        return
-    low = jnp.dtype(dtype)
-    todo = []
-    for p, v in nnx.iter_graph(model):
-        path = "/".join(map(str, p))
-        if not isinstance(v, nnx.Param) or path in skip or v[...].ndim < 2:
-            continue
-        x = v[...]
-        if x.dtype == low:
-            continue
-        y = x.astype(low).astype(x.dtype)
-        checks.check_finite_tensor(y, f"{path} rounded to {dtype}",
-                                   action="refusing to quantize with this storage dtype (its values overflow it: "
-                                          "use dtype='float32' or 'bfloat16'); nothing was changed")
-        todo.append((v, y))
-    for v, y in todo:
-        v.set_value(y)
-
-
-def _local_values(x: Any) -> np.ndarray:
-    """The values of `x` this process holds: all of them, or, for an array spanning processes, its addressable shards
-    (flattened; each process checks its own part)."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        return np.concatenate([np.asarray(s.data).ravel() for s in x.addressable_shards])
-    return np.asarray(x)
-
-
-def _check_batch(i: int, batch: Any, forward_is_default: bool, model: Any) -> None:
-    """Refuse a calibration batch with NaN / Inf values (any floating-point leaf), or, for the default forward
-    (``model(tokens)``), token ids outside the model's vocabulary or rows longer than its maximum sequence length
-    (``model.config.vocab`` / ``max_seq_len``, when the model says them)."""
-    for j, leaf in enumerate(jax.tree.leaves(batch)):
-        if not hasattr(leaf, "dtype"):
-            continue
-        if jnp.issubdtype(leaf.dtype, jnp.floating):
-            found = checks.describe_nonfinite(_local_values(leaf))
-            if found is not None:
-                raise ValueError(f"calibration batch {i}{f' (leaf {j})' if j else ''}: {found}; calibration data "
-                                 f"must be finite (a NaN would vanish from the amax on some backends and be "
-                                 f"written into the scales)")
-    if not forward_is_default:
-        return
-    cfg = getattr(model, "config", None)
-    vocab, max_len = getattr(cfg, "vocab", None), getattr(cfg, "max_seq_len", None)
-    tokens, row = _local_values(batch), int(np.shape(batch)[-1]) if np.ndim(batch) else 0
-    if isinstance(max_len, int) and row > max_len:
-        raise ValueError(f"calibration batch {i} has rows of {row} tokens; the model's maximum sequence "
-                         f"length is {max_len} (model.config.max_seq_len): its forward refuses longer rows, so "
-                         f"calibrating on them describes no input the model accepts. Cut the rows to {max_len}")
-    if isinstance(vocab, int) and tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
-        raise ValueError(f"calibration batch {i} holds token ids from {int(tokens.min())} to {int(tokens.max())}; "
-                         f"allowed: 0 to {vocab - 1} (model.config.vocab = {vocab}); an id outside is no token of "
-                         f"this model (its embedding lookup would clamp or NaN)")
-
-
-def _batches(calibration: Any, batch_size: int, forward_is_default: bool, model: Any = None) -> list[Any]:
-    """Calibration data as a list of batches: an int array [n, seq] (split into batches of `batch_size` rows) or
-    an iterable of batches; each checked (`_check_batch`)."""
-    out = _split_batches(calibration, batch_size, forward_is_default)
-    for i, b in enumerate(out):
-        _check_batch(i, b, forward_is_default, model)
-    return out
-
-
-def _split_batches(calibration: Any, batch_size: int, forward_is_default: bool) -> list[Any]:
-    if isinstance(calibration, (np.ndarray, jax.Array)):
-        arr = calibration
-        if forward_is_default and (arr.ndim != 2 or not np.issubdtype(arr.dtype, np.integer)):
-            raise ValueError(f"calibration must be an integer token array [n_sequences, seq_len] for the default "
-                             f"forward (model(tokens)); got shape {tuple(arr.shape)} dtype {arr.dtype}. Pass "
-                             f"forward=... for other inputs")
-        if arr.ndim < 1 or arr.shape[0] == 0:
-            raise ValueError(f"calibration needs at least one row; got shape {tuple(arr.shape)}")
-        return [jnp.asarray(arr[i:i + batch_size]) for i in range(0, arr.shape[0], batch_size)]
-    if isinstance(calibration, Iterable) and not isinstance(calibration, (str, bytes)):
-        out = list(calibration)
-        if not out:
-            raise ValueError("calibration is an empty iterable; give at least one batch")
-        if forward_is_default:
-            for i, b in enumerate(out):
-                if getattr(b, "ndim", None) != 2 or not np.issubdtype(np.asarray(b).dtype, np.integer):
-                    raise ValueError(f"calibration batch {i} must be an integer token array [batch, seq_len] for the "
-                                     f"default forward; got {type(b).__name__} shape {getattr(b, 'shape', None)}")
-        return out
-    raise TypeError(f"calibration must be a token array or an iterable of batches; got {type(calibration).__name__}")
 
 
 def _select(model: nnx.Module, rules: Sequence[Rule]
@@ -373,8 +279,8 @@ def _quantize(
     expert_results: dict[str, experts.ExpertResult] = {}
     op_keys: dict[str, Any] = {}
     pipe = _pipeline(pipeline, propagate, model, m, forward, calibration, stats)
-    batches = None if calibration is None else _batches(calibration, batch_size, forward is None, model)
-    _round_high_precision(model, dtype, {f"{p}/kernel" for p in targets} | set(grouped))  # after the last refusal
+    batches = None if calibration is None else calibration_batches(calibration, batch_size, forward is None, model)
+    round_high_precision(model, dtype, {f"{p}/kernel" for p in targets} | set(grouped))  # after the last refusal
     mods: dict[str, Any] = {"/".join(map(str, p)): x for p, x in nnx.iter_graph(model) if isinstance(x, nnx.Module)}
     expert_hooks: dict[str, Any] = {}
     if grouped and stats is not None and calibration is None:

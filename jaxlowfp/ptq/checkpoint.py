@@ -81,7 +81,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from jaxlowfp._core.deprecation import renamed_kwarg
+from jaxlowfp._core.deprecation import deprecated_getattr, renamed_kwarg
 from jaxlowfp import nvfp4
 from jaxlowfp import packed as packing
 from jaxlowfp._core import ct_nvfp4
@@ -102,9 +102,9 @@ _SUFFIX = {"kernel": "weight", "scale": "weight", "embedding": "weight"}
 
 
 def read_safetensors(path: str | Path, *, check_finite: bool = True) -> dict[str, np.ndarray]:
-    """Every tensor of a .safetensors file (`jaxlowfp.models.quantized.read_safetensors`, float8 included: the
-    header validated against the file first, every float tensor finite unless ``check_finite=False``)."""
-    from jaxlowfp.models.quantized import read_safetensors as read  # imported on use: ptq does not need models
+    """Every tensor of a .safetensors file (`jaxlowfp._core.safetensors_read.read_safetensors`, float8 included:
+    the header validated against the file first, every float tensor finite unless ``check_finite=False``)."""
+    from jaxlowfp._core.safetensors_read import read_safetensors as read
 
     return read(path, check_finite=check_finite)
 
@@ -115,7 +115,7 @@ def tensor_digests(path: str | Path) -> dict[str, str]:
     before anything is loaded."""
     import hashlib
 
-    from jaxlowfp.models.quantized import safetensors_header
+    from jaxlowfp._core.safetensors_read import safetensors_header
 
     header, start = safetensors_header(path)
     out = {}
@@ -317,14 +317,6 @@ def _quant_args(activation: bool) -> dict:
             "zp_dtype": None, "actorder": None, "block_structure": None, "observer_kwargs": {}}
     args["observer"] = "static_minmax" if activation else "memoryless_minmax"
     return args
-
-
-def llama_hf_config(cfg: Any) -> dict:
-    """A Hugging Face ``config.json`` for a `jaxlowfp.models.ModelConfig` (`jaxlowfp.models.export.hf_config`:
-    Llama; Qwen2 with q/k/v bias; Qwen3 with q/k norm)."""
-    from jaxlowfp.models.export import hf_config
-
-    return hf_config(cfg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -533,7 +525,7 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
     `tensor_names` maps an NNX parameter path (``blocks/0/attn/q_proj/kernel``) to its checkpoint name
     (``model.layers.0.self_attn.q_proj.weight``; a Linear kernel's name must end in ``.weight``), default the
     Hugging Face names for a `jaxlowfp.models.Llama`, else `default_name`. `model_config` is written as
-    ``config.json`` with ``quantization_config`` added (default for a Llama: `llama_hf_config`); `tokenizer` (a
+    ``config.json`` with ``quantization_config`` added (default for a Llama: `models.export.hf_config`); `tokenizer` (a
     `jaxlowfp.models.Tokenizer`) is saved as ``tokenizer.json``. `dtype`: "float16", "bfloat16" or "float32" for
     the high-precision tensors of 2 or more dimensions; default (None) the dtype the model was quantized and
     evaluated in (`PTQResult.dtype`, chosen at `jaxlowfp.ptq.quantize_model`), so the file is the evaluated model and
@@ -703,7 +695,7 @@ def _write(model: nnx.Module, result: PTQResult, directory: Path, spool: stream.
         if mod_path in result.schemes and leaf == "kernel" and result.schemes[mod_path].weight.kind == "fp8":
             if not name.endswith(".weight"):
                 raise ValueError(f"{path}: the checkpoint name {name!r} of a quantized kernel must end in '.weight'")
-            from jaxlowfp.ptq.packing import _requantized
+            from jaxlowfp.ptq.packing import requantized
 
             m = name[: -len(".weight")]
             sch = result.schemes[mod_path]
@@ -713,7 +705,7 @@ def _write(model: nnx.Module, result: PTQResult, directory: Path, spool: stream.
                                      f"result quantized this layer to FP8 (is this another model's result?)")
                 arr = var.packed.array
             else:
-                arr = _requantized(var[...], packing.as_format(sch.weight), mod_path).array  # E4M3 codes [out, in]
+                arr = requantized(var[...], packing.as_format(sch.weight), mod_path).array  # E4M3 codes [out, in]
             if not (np.isfinite(float(arr.scale)) and float(arr.scale) > 0):
                 raise ValueError(f"{m}: weight_scale is {float(arr.scale)}; refusing to export")
             tensors[f"{m}.weight"] = spool.put(np.asarray(stream.fetch(arr.codes)))
@@ -936,8 +928,8 @@ def load(model: nnx.Module, directory: str | Path, *, packed: bool = False, gemm
     meta_path = directory / META_FILE
     if not meta_path.is_file():
         raise FileNotFoundError(f"{directory}: no {META_FILE} (not written by jaxlowfp.ptq.export)")
-    from jaxlowfp.models.common import CheckpointError
-    from jaxlowfp.models.quantized import check_scales
+    from jaxlowfp._core.errors import CheckpointError
+    from jaxlowfp._core.safetensors_read import check_scales
 
     try:
         meta = json.loads(meta_path.read_text())
@@ -1044,28 +1036,8 @@ def load(model: nnx.Module, directory: str | Path, *, packed: bool = False, gemm
     return schemes
 
 
-def load_model(directory: str | Path, *, packed: bool = False, gemm: str = "auto", dtype: str = "float32",
-               param_dtype: str = "float32", tokenizer: Any = "auto", backend: str | None = None
-               ) -> tuple[nnx.Module, Any]:
-    """``(model, tokenizer)`` of a directory written by `export`, the model built from its ``config.json``: a
-    `jaxlowfp.models.Llama` or, for Qwen3-MoE / Mixtral, a `jaxlowfp.models.MoEDecoder`, created abstract
-    (``nnx.eval_shape``) and filled by `load` (NVFP4 / FP8 decoded, or ``packed=True``: the file's codes and scales
-    as they are, nothing decoded). `tokenizer`: "auto" (the directory's ``tokenizer.json``), a path, or None."""
-    backend = renamed_kwarg("ptq.load_model", "backend", backend, "gemm", gemm, "auto")
-    from jaxlowfp.models import hf_loader, moe_loader
-    from jaxlowfp.models.llama import Llama
-    from jaxlowfp.models.moe import MoEDecoder
-
-    directory = Path(directory)
-    if not (directory / META_FILE).is_file():
-        raise FileNotFoundError(f"{directory}: no {META_FILE} (not written by jaxlowfp.ptq.export); load other "
-                                f"checkpoints with jaxlowfp.models.load")
-    if moe_loader.is_moe_hf(directory):
-        config: Any = moe_loader.read_hf_config(directory, dtype=dtype, param_dtype=param_dtype)
-        make: Any = MoEDecoder
-    else:
-        config, make = hf_loader.read_config(directory, dtype=dtype, param_dtype=param_dtype), Llama
-    tok = hf_loader.checkpoint_tokenizer(directory, tokenizer, config.vocab)
-    model = nnx.eval_shape(lambda: make(config, rngs=nnx.Rngs(0)))
-    load(model, directory, packed=packed, gemm=backend)
-    return model, tok
+# moved to jaxlowfp.models (ptq imports nothing of models: building a model from an export is the model's side)
+__getattr__ = deprecated_getattr(__name__, {
+    "load_model": ("jaxlowfp.models.load_export", "jaxlowfp.models:load_export"),
+    "llama_hf_config": ("jaxlowfp.models.export.hf_config", "jaxlowfp.models.export:hf_config"),
+})

@@ -1,7 +1,7 @@
 """PTQ of mixture-of-experts weights: every expert quantized as its own GEMM matrix, calibrated on the tokens the
 router sends to it.
 
-An experts module declares its [E, K, N] weights (``grouped_weights``, `jaxlowfp.qnnx.rules.grouped_weights`) and
+An experts module declares its [E, K, N] weights (``grouped_weights``, `jaxlowfp.rules.grouped_weights`) and
 computes each grouped GEMM through the hook it finds at ``quant_<name>``. PTQ uses that hook twice:
 
 - calibration: a recorder sees the rows routed to each expert (``lhs [M, K]`` sorted by expert, ``group_sizes``)
@@ -40,9 +40,10 @@ from jax import lax
 
 from jaxlowfp import ops, sharding
 from jaxlowfp._core.executed import new_record
+from jaxlowfp._core.reduce import group_ids, segment_amax
 from jaxlowfp.ptq.formats import Scheme, activation_spec, rtn_weight
 from jaxlowfp.qat.spec import Recipe
-from jaxlowfp.qnnx.rules import grouped_weights
+from jaxlowfp.rules import grouped_weights
 
 __all__ = ["ExpertStats", "ExpertResult", "RaggedActQuant", "grouped_weights", "targets", "collect", "check",
            "quantize_experts"]
@@ -154,9 +155,9 @@ def _step(graphdef, state, batch, paths: tuple[str, ...], forward, hessian: bool
         x, sizes = sink[p]
         x = x.astype(jnp.float32)
         e = sizes.shape[0]
-        gid, valid = ops._group_ids(sizes.astype(jnp.int32), x.shape[0])
+        gid, valid = group_ids(sizes.astype(jnp.int32), x.shape[0])
         onehot = ((gid[:, None] == jnp.arange(e)[None, :]) & valid[:, None]).astype(jnp.float32)  # [M, E]
-        st = {"tokens": sizes.astype(jnp.int32), "amax": ops._segment_amax(jnp.max(jnp.abs(x), axis=-1), gid, valid, e)}
+        st = {"tokens": sizes.astype(jnp.int32), "amax": segment_amax(jnp.max(jnp.abs(x), axis=-1), gid, valid, e)}
         if hessian:
             st["hessian"] = jnp.einsum("me,mk,ml->ekl", onehot, x, x, precision=_HI)
         out[p] = st

@@ -83,7 +83,7 @@ def activation_spec(fmt: Format, activation_scale: str = "tensor", amax: float |
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False, repr=False)
-class _LegacyTensorFormat(Format):
+class LegacyTensorFormat(Format):
     """``ptq.Format`` of jaxlowfp <= 0.1 (deprecated): a :class:`~jaxlowfp.Format` whose NVFP4 rule defaults
     to "mse", with the old methods ``fake_quantize(x)`` (:func:`fake_quantize`) and ``quant_spec(...)``
     (:func:`activation_spec`)."""
@@ -328,4 +328,4 @@ def pack_nvfp4(q: jax.Array, scales: jax.Array, s_dec: jax.Array, fmt: Format) -
 
 
 # old names (one release): ptq.TensorFormat is jaxlowfp.Format (its NVFP4 rule defaulted to "mse")
-__getattr__ = deprecated_getattr(__name__, {"TensorFormat": ("jaxlowfp.Format", lambda: _LegacyTensorFormat)})
+__getattr__ = deprecated_getattr(__name__, {"TensorFormat": ("jaxlowfp.Format", lambda: LegacyTensorFormat)})

@@ -208,7 +208,7 @@ def _row_mesh(kernel: jax.Array, out: int) -> tuple[Mesh, tuple[str, ...]] | Non
     if not isinstance(s, NamedSharding) or not isinstance(s.mesh, Mesh) or s.mesh.size == 1:
         return None
     spec = tuple(s.spec) + (None,) * (2 - len(s.spec))
-    for axes in (tuple(a for a in s.mesh.axis_names if s.mesh.shape[a] > 1), sharding._axes_of(spec[1])):
+    for axes in (tuple(a for a in s.mesh.axis_names if s.mesh.shape[a] > 1), sharding.axes_of(spec[1])):
         n = math.prod(s.mesh.shape[a] for a in axes)
         if axes and out % n == 0:
             return s.mesh, tuple(str(a) for a in axes)
@@ -264,7 +264,7 @@ def gptq_weight(kernel: jax.Array, hessian: jax.Array, fmt: Format, cfg: GPTQ = 
         first[:] = False
     chunk = int(np.gcd(n_in, cfg.block_size))
     if on is None:  # one device: a kernel spanning other processes is taken whole first
-        kernel = jnp.asarray(sharding.to_host(kernel) if sharding._is_global(kernel) else kernel, jnp.float32)
+        kernel = jnp.asarray(sharding.to_host(kernel) if sharding.is_global(kernel) else kernel, jnp.float32)
         loop = functools.partial(_gptq, fmt=fmt, chunk=chunk, original=original)
     else:  # the kernel's own devices, rows split over them
         mesh, axes = on

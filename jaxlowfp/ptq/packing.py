@@ -38,7 +38,7 @@ from jaxlowfp._core.qarray import QArray
 from jaxlowfp.packed_layer import PackedLinear, replace_modules
 from jaxlowfp.ptq.api import PTQResult
 from jaxlowfp.ptq.layers import ActQuant, layout, quantizable_modules
-from jaxlowfp.qnnx.rules import grouped_weights
+from jaxlowfp.rules import grouped_weights
 
 __all__ = ["PackedLinear", "PackedKernel", "PackedExperts", "PackReport", "pack", "packed_layers", "replace_modules",
            "report_of"]
@@ -107,7 +107,7 @@ def _placed(w: packed.PackedWeight, kernel: jax.Array, where: str) -> packed.Pac
     return w
 
 
-def _requantized(kernel: jax.Array, fmt: Any, where: str) -> packed.PackedWeight:
+def requantized(kernel: jax.Array, fmt: Any, where: str) -> packed.PackedWeight:
     """The packed arrays that decode to a PTQ'd `kernel` [K, N] bit for bit (its values are already on the format's
     grid; what is not kept is the float32 scale they were made with, so it is searched among its float32
     neighbours: HiF8's s near ``max|w| / 15``, FP8's near ``max|w| / 448``, IF4's tensor amax near ``max|w|``;
@@ -190,7 +190,7 @@ def _expert_weights(path: str, kernel: jax.Array, result: PTQResult) -> list[pac
             arr, s_enc = res.packed[e]
             w = packed.from_nvfp4(arr, s_enc)  # experts are quantized in jaxlowfp's arithmetic (ptq.experts)
         else:
-            w = _requantized(kernel[e], fmt, where)
+            w = requantized(kernel[e], fmt, where)
         if w.shape != tuple(kernel.shape[1:]) or not bool(jnp.all(w.dequantize(jnp.float32).astype(kernel.dtype)
                                                                   == kernel[e])):
             raise ValueError(f"{where}: the {w.format.name} arrays do not decode to the model's expert weight bit for "
@@ -209,7 +209,7 @@ def _weight(path: str, mod: nnx.Module, result: PTQResult) -> packed.PackedWeigh
         arr, s_enc = result.packed[path]
         w = packed.from_nvfp4(arr, s_enc, arithmetic=result.arithmetic)
     else:
-        w = _requantized(kernel, fmt, path)
+        w = requantized(kernel, fmt, path)
     if w.shape != tuple(kernel.shape):
         raise ValueError(f"{path}: packed arrays of W' {w.shape} do not fit the kernel {tuple(kernel.shape)}")
     if not bool(jnp.all(w.dequantize(jnp.float32).astype(kernel.dtype) == kernel)):

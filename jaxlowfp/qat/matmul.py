@@ -15,7 +15,7 @@ from jax import lax
 from jax.lax import PrecisionLike
 from jax.typing import ArrayLike, DTypeLike
 
-from jaxlowfp._core.checks import bool_flag, float_input
+from jaxlowfp._core.checks import bool_flag, dimension_numbers_of, float_input
 from jaxlowfp._core.reduce import abs_max
 from jaxlowfp.hadamard import hadamard16
 from jaxlowfp.qat import gemm
@@ -27,16 +27,6 @@ from jaxlowfp.scaling import AmaxHistory, CurrentScaling, PendingAmax, record_pe
 
 # ((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch)), as lax.dot_general takes it
 DimensionNumbers = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
-
-
-def _normalize_dn(dn: Any) -> tuple:
-    try:
-        (lc, rc), (lb, rb) = dn
-        return (tuple(int(i) for i in lc), tuple(int(i) for i in rc)), (tuple(int(i) for i in lb),
-                                                                         tuple(int(i) for i in rb))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"dimension_numbers must be ((lhs_contract, rhs_contract), (lhs_batch, rhs_batch)); "
-                         f"got {dn!r}") from e
 
 
 def _is_linear(lhs: jax.Array, rhs: jax.Array, dn: tuple) -> bool:
@@ -262,7 +252,7 @@ def dot_general(
         raise TypeError(f"{where}: state must be a RecipeState (recipe.init()); got {type(state).__name__}")
     lhs = float_input(lhs, "lhs")
     rhs = float_input(rhs, "rhs")
-    dn = _normalize_dn(dimension_numbers)
+    dn = dimension_numbers_of(dimension_numbers)
     observe = bool_flag(observe_only)
     linear_layout = _is_linear(lhs, rhs, dn)
     needs_layout = recipe.grad is not None and recipe.grad.hadamard

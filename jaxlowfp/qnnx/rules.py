@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxlowfp import qat
 from jaxlowfp.qnnx.layer import GROUPED_PREFIX, QuantEinsum, QuantLinear, QuantLinearGeneral, QuantOp, QuantRaggedOp
-from jaxlowfp.rules import QuantizeReport, Rule, check_rules, select
+from jaxlowfp.rules import QuantizeReport, Rule, check_rules, grouped_weights, select
 
 _PathParts = tuple[Any, ...]
 
@@ -79,19 +79,6 @@ def iter_quant_ops(model: nnx.Module) -> Iterator[tuple[str, QuantOp]]:
     for parts, node in nnx.iter_graph(model):
         if isinstance(node, QuantOp):
             yield _join(parts), node
-
-
-def grouped_weights(model: nnx.Module) -> list[tuple[str, nnx.Module, str]]:
-    """(path, module, weight name) of every expert weight of the modules that declare grouped GEMMs: a module with
-    a tuple ``grouped_weights`` of the names of its [E, K, N] ``nnx.Param`` s, which computes each product through
-    the `QuantRaggedOp` it finds at ``quant_<name>`` when there is one (`jaxlowfp.models.moe.Experts`). The path
-    is the weight's, e.g. ``blocks/1/mlp/experts/gate_proj``."""
-    out = []
-    for parts, node in nnx.iter_graph(model):
-        names = getattr(node, "grouped_weights", None) if isinstance(node, nnx.Module) else None
-        if isinstance(names, tuple):
-            out += [(_join((*parts, name)), node, name) for name in names]
-    return out
 
 
 def _check_replaceable(parent: Any, where: str) -> None:
