@@ -203,6 +203,11 @@ def _batch_scales(model: nnx.Module, batch_scales: str) -> nnx.Module:
     names = "; ".join(f"{p} ({why})" for p, why in found[:4]) + (f"; and {len(found) - 4} more" if len(found) > 4
                                                                   else "")
     if batch_scales == "token":
+        qwix = [p for p, _ in found if p.rsplit("/", 1)[-1].startswith("jaxlowfp_")]  # qwix_provider.NNX_PREFIX
+        if qwix:
+            raise ValueError(f"batch_scales='token': the Qwix provider's ops {qwix[:3]} take their recipe from the "
+                             f"provider's rule at every call, so evaluation cannot rescale them; quantize with a "
+                             f"per-token recipe (jaxlowfp.harness.eval_recipe(recipe, 'token')) instead")
         graphdef, state = nnx.split(model)
         run = nnx.merge(graphdef, state)  # new modules, the same arrays: `model` keeps its recipes
         mods = {_op_name(p, m): m for p, m in nnx.iter_modules(run)}

@@ -109,3 +109,25 @@ def test_perplexity_and_choices_pass_it_on():
 
     for fn in (evaluation.perplexity, evaluation.score_choices):
         assert inspect.signature(fn).parameters["batch_scales"].default == "warn"
+
+
+def test_qwix_ops_are_named_and_token_refuses_them():
+    """The Qwix provider's NNX ops are found too; their recipe comes from the provider's rule at every call, so
+    ``batch_scales="token"`` refuses them (naming them) rather than failing inside the provider."""
+    import jax.numpy as jnp
+    import qwix
+
+    from jaxlowfp import qwix_provider
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(32, 32, rngs=rngs)
+
+        def __call__(self, x):
+            return self.up(x)
+
+    provider = qwix_provider.RecipeProvider([qwix_provider.RecipeRule(module_path="up", recipe=qat.nvfp4_w4a4())])
+    model = qwix.quantize_model(MLP(nnx.Rngs(0)), provider, jnp.ones((2, 32), jnp.float32))
+    assert [p for p, _ in batch_scaled_ops(model)] == ["up/jaxlowfp_dot_general0"]
+    with pytest.raises(ValueError, match=r"Qwix provider's ops \['up/jaxlowfp_dot_general0'\]"):
+        evaluation._batch_scales(model, "token")
