@@ -206,6 +206,6 @@ def test_gguf_mxfp4_experts_are_mxfp4_tensors_gguf_reads_back(tmp_path):
             np.testing.assert_array_equal(got, np.swapaxes(ours, -1, -2), err_msg=t.name)
             checked += 1
     assert checked == 4
-    back, _ = load(tmp_path / "m.gguf")  # our loader on the file: the quantized experts, F32 (the evaluated dtype) elsewhere
+    back, _ = load(tmp_path / "m.gguf")  # our loader: the quantized experts, F32 (evaluated dtype) elsewhere
     tokens = jnp.asarray(TOKENS)
     assert float(jnp.max(jnp.abs(back(tokens) - model(tokens)))) < 1e-2
