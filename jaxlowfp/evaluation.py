@@ -30,6 +30,7 @@ import functools
 import math
 import re
 import time
+import warnings
 from typing import Any, Iterable, Literal, Sequence, cast, overload
 
 import jax
@@ -45,6 +46,7 @@ __all__ = [
     "ChoiceItem",
     "Request",
     "TextScore",
+    "batch_scaled_ops",
     "budget_docs",
     "choice_requests",
     "encode_pair",
@@ -139,12 +141,101 @@ def _head_sums(fn: Any, graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, 
     return _sums(fn(model, x), targets, weights), records(model, written=True)
 
 
-class _Forward:
-    """``(sums, greedy)`` of a batch: block by block for a model with ``ptq_blocks()``, else `_ll_sums`."""
+BATCH_SCALES = ("warn", "error", "token")
 
-    def __init__(self, model: nnx.Module):
+
+def batch_scaled_ops(model: nnx.Module) -> list[tuple[str, str]]:
+    """``(path, why)`` of every quantized op of `model` whose activation scale spans the whole batch, so that a
+    request's score depends on the other requests batched with it and on the padding: an activation quantized with
+    current per-tensor scaling (``CurrentScaling(granularity="tensor")``, the ``qat.nvfp4_w4a4()`` default and
+    ``ptq`` with ``activation_scale="tensor"``: ``amax = max |x|`` over every row of the batch), or with delayed
+    scaling whose history is still empty (its first estimate is the batch's amax). MX activations (block scales
+    only), per-token, static and warmed-up delayed scales are per request. The ops found are the modules holding a
+    `jaxlowfp.qat.Recipe` (``recipe``): `jaxlowfp.qnnx` layers, PTQ'd layers' activation quantizers and the Qwix
+    provider's NNX ops."""
+    from jaxlowfp.qat.spec import Recipe
+    from jaxlowfp.scaling import CurrentScaling, DelayedScaling
+
+    out = []
+    for path, m in nnx.iter_modules(model):
+        recipe = getattr(m, "recipe", None)
+        if not isinstance(recipe, Recipe) or recipe.activation is None or recipe.activation.is_mx:
+            continue
+        sc, name = recipe.activation.scaling, _op_name(path, m)
+        if isinstance(sc, CurrentScaling) and sc.granularity == "tensor":
+            out.append((name, f"recipe {recipe.name!r}: the activation's amax is the whole batch's (current "
+                              f"per-tensor scaling)"))
+        elif isinstance(sc, DelayedScaling) and sc.convention == "default":
+            try:
+                empty = int(np.asarray(m.amax.get_value().activation.count)) == 0  # type: ignore[attr-defined]
+            except (AttributeError, TypeError, ValueError):
+                empty = False  # no readable history (not a QAT op): nothing to say
+            if empty:
+                out.append((name, f"recipe {recipe.name!r}: delayed scaling with an empty amax history (the first "
+                                  f"estimate is the batch's amax)"))
+    return out
+
+
+def _op_name(path: Any, module: Any) -> str:
+    return "/".join(map(str, path)) or type(module).__name__
+
+
+def _per_token(recipe: Any) -> Any:
+    """`recipe` with its activation scaled per token (current scaling, one amax per vector along the contraction
+    axis), as `jaxlowfp.harness.eval_recipe` builds it; the gradient quantizer dropped (evaluation has no backward)."""
+    from jaxlowfp.scaling import CurrentScaling
+
+    a = recipe.activation
+    act = dataclasses.replace(a, scaling=CurrentScaling(target_max=a.scaling.target_max, granularity="token"),
+                              target_max=None)
+    return dataclasses.replace(recipe, activation=act, grad=None)
+
+
+def _batch_scales(model: nnx.Module, batch_scales: str) -> nnx.Module:
+    """The model that `score_requests` runs: `model` itself, or (``batch_scales="token"``) a copy sharing its arrays
+    whose batch-spanning activation scales (`batch_scaled_ops`) are per token; "error" refuses such a model and
+    "warn" warns, naming the ops."""
+    if batch_scales not in BATCH_SCALES:
+        raise ValueError(f"batch_scales={batch_scales!r}; allowed: {', '.join(BATCH_SCALES)}")
+    found = batch_scaled_ops(model)
+    if not found:
+        return model
+    names = "; ".join(f"{p} ({why})" for p, why in found[:4]) + (f"; and {len(found) - 4} more" if len(found) > 4
+                                                                  else "")
+    if batch_scales == "token":
+        qwix = [p for p, _ in found if p.rsplit("/", 1)[-1].startswith("jaxlowfp_")]  # qwix_provider.NNX_PREFIX
+        if qwix:
+            raise ValueError(f"batch_scales='token': the Qwix provider's ops {qwix[:3]} take their recipe from the "
+                             f"provider's rule at every call, so evaluation cannot rescale them; quantize with a "
+                             f"per-token recipe (jaxlowfp.harness.eval_recipe(recipe, 'token')) instead")
+        graphdef, state = nnx.split(model)
+        run = nnx.merge(graphdef, state)  # new modules, the same arrays: `model` keeps its recipes
+        mods = {_op_name(p, m): m for p, m in nnx.iter_modules(run)}
+        for p, _ in found:
+            m = mods[p]
+            m.recipe = _per_token(m.recipe)  # type: ignore[attr-defined]  # a recipe-holding op (batch_scaled_ops)
+            if hasattr(m, "activation_scale"):  # a PTQ ActQuant: its description follows its recipe
+                m.activation_scale = "token"
+        return run
+    msg = (f"{len(found)} quantized op(s) scale their activations over the whole batch, so each request's score "
+           f"depends on the requests batched with it and on the padding: {names}. Pass batch_scales='token' to "
+           f"score every request with per-token activation scales, or quantize with per-token or static activation "
+           f"scales (jaxlowfp.harness.eval_recipe(recipe, 'token'); ptq activation_scale='token' or 'static')")
+    if batch_scales == "error":
+        raise ValueError(msg)
+    warnings.warn(msg, UserWarning, stacklevel=3)
+    return model
+
+
+class _Forward:
+    """``(sums, greedy)`` of a batch: block by block for a model with ``ptq_blocks()``, else `_ll_sums`. ``run``: the
+    module that runs (default `model`; a copy of it with the same structure, `_batch_scales`), whose execution
+    records are written into `model`."""
+
+    def __init__(self, model: nnx.Module, run: nnx.Module | None = None):
         self.model = model  # its execution records are written back after the first call
         self.recorded = False
+        model = model if run is None else run
         self.graphdef, self.state = nnx.split(model)
         self.blocks = None
         own = getattr(model, "ptq_blocks", None)
@@ -182,25 +273,27 @@ class _Forward:
 @overload
 def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size: int = 8, progress: bool = False,
                    desc: str = "score", greedy: Literal[False] = False, max_batch_tokens: int | None = None,
-                   mesh: jax.sharding.Mesh | None = None) -> tuple[np.ndarray, dict[str, float]]: ...
+                   mesh: jax.sharding.Mesh | None = None, batch_scales: str = "warn"
+                   ) -> tuple[np.ndarray, dict[str, float]]: ...
 
 
 @overload
 def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size: int = 8, progress: bool = False,
                    desc: str = "score", greedy: Literal[True], max_batch_tokens: int | None = None,
-                   mesh: jax.sharding.Mesh | None = None) -> tuple[np.ndarray, np.ndarray, dict[str, float]]: ...
+                   mesh: jax.sharding.Mesh | None = None, batch_scales: str = "warn"
+                   ) -> tuple[np.ndarray, np.ndarray, dict[str, float]]: ...
 
 
 @overload
 def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size: int = 8, progress: bool = False,
                    desc: str = "score", greedy: bool = False, max_batch_tokens: int | None = None,
-                   mesh: jax.sharding.Mesh | None = None
+                   mesh: jax.sharding.Mesh | None = None, batch_scales: str = "warn"
                    ) -> tuple[np.ndarray, dict[str, float]] | tuple[np.ndarray, np.ndarray, dict[str, float]]: ...
 
 
 def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size: int = 8, progress: bool = False,
                    desc: str = "score", greedy: bool = False, max_batch_tokens: int | None = None,
-                   mesh: jax.sharding.Mesh | None = None
+                   mesh: jax.sharding.Mesh | None = None, batch_scales: str = "warn"
                    ) -> tuple[np.ndarray, dict[str, float]] | tuple[np.ndarray, np.ndarray, dict[str, float]]:
     """Log-likelihood (float64 [n]) of every request, and throughput stats.
 
@@ -219,6 +312,11 @@ def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size
     ``mesh``: the model's parameters are on it (`jaxlowfp.models.load(..., mesh=...)`,
     `jaxlowfp.sharding.shard_model`) and every batch's rows are split over its data axes when they divide
     ``batch_size`` (`jaxlowfp.sharding.put_batch`; else replicated).
+    ``batch_scales``: what to do with quantized ops whose activation scale spans the batch (`batch_scaled_ops`,
+    e.g. ``qat.nvfp4_w4a4()``'s current per-tensor scaling), which make a request's score depend on the requests
+    batched with it and on the padding: "warn" (default: score the model as it is, with a warning naming them),
+    "error" (refuse before anything runs) or "token" (score with those activations scaled per token, each row's
+    own amax: a score is then the same alone and batched; the model itself is not changed).
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
@@ -241,7 +339,7 @@ def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size
                              f"{t.min()}..{t.max()}")
     order = sorted(range(len(requests)), key=lambda i: -len(requests[i].tokens))
     sharding.check_on_mesh(nnx.state(model), mesh)
-    forward = _Forward(model)
+    forward = _Forward(model, _batch_scales(model, batch_scales))
     out = np.zeros(len(requests), np.float64)
     is_greedy = np.zeros(len(requests), bool)
     n_in = sum(len(r.tokens) - 1 for r in requests)
@@ -343,13 +441,13 @@ def budget_docs(tokenizer: Any, docs: Iterable[str], max_tokens: int | None = No
 def perplexity(model: nnx.Module, tokenizer: Any, docs: Iterable[str], *, name: str = "text",
                max_tokens: int | None = None, max_length: int = 512, stride: int | None = None,
                batch_size: int = 8, prefix_token: int | None = None, progress: bool = False,
-               mesh: jax.sharding.Mesh | None = None) -> TextScore:
+               mesh: jax.sharding.Mesh | None = None, batch_scales: str = "warn") -> TextScore:
     """Rolling-window token, word and byte perplexity of documents (module docstring).
 
     ``max_tokens`` caps the tokens scored (`budget_docs`: documents in order, the last one cut to fit, its text then
     the decoded kept tokens, so words and bytes count exactly what was scored). ``stride`` defaults to
     ``max_length`` (lm-eval's disjoint windows). ``prefix_token`` defaults to the tokenizer's BOS id, else its EOS id.
-    ``mesh``: a sharded model's mesh (`score_requests`).
+    ``mesh``: a sharded model's mesh, ``batch_scales``: ops whose activation scale spans the batch (`score_requests`).
     """
     stride = max_length if stride is None else stride
     max_seq_len = cast(Any, model).config.max_seq_len  # nnx.Module declares no config (module docstring)
@@ -368,7 +466,8 @@ def perplexity(model: nnx.Module, tokenizer: Any, docs: Iterable[str], *, name: 
         n_bytes += len(doc.encode("utf-8"))
     if not requests:
         raise ValueError(f"text {name!r} has no tokens to score")
-    ll, stats = score_requests(model, requests, batch_size=batch_size, progress=progress, desc=name, mesh=mesh)
+    ll, stats = score_requests(model, requests, batch_size=batch_size, progress=progress, desc=name, mesh=mesh,
+                               batch_scales=batch_scales)
     return TextScore(name, n_docs, n_tok, n_words, n_bytes, float(ll.sum()), stats["seconds"], stats["tokens_per_s"])
 
 
@@ -436,12 +535,12 @@ def choice_requests(tokenizer: Any, items: Sequence[ChoiceItem], *, max_length: 
 
 
 def score_choices(model: nnx.Module, tokenizer: Any, items: Sequence[ChoiceItem], *, max_length: int = 512,
-                  batch_size: int = 16, progress: bool = False, mesh: jax.sharding.Mesh | None = None
-                  ) -> dict[str, float]:
+                  batch_size: int = 16, progress: bool = False, mesh: jax.sharding.Mesh | None = None,
+                  batch_scales: str = "warn") -> dict[str, float]:
     """Multiple-choice accuracy: ``acc`` by total log-likelihood of the choice's tokens, ``acc_norm`` by
     log-likelihood per UTF-8 byte of the choice (lm-eval's length normalisation); ``items``, ``seconds`` and
-    ``tokens_per_s`` too. Every item must have the same number of choices. ``mesh``: a sharded model's mesh
-    (`score_requests`)."""
+    ``tokens_per_s`` too. Every item must have the same number of choices. ``mesh``: a sharded model's mesh;
+    ``batch_scales``: ops whose activation scale spans the batch (`score_requests`)."""
     items = list(items)
     if not items:
         raise ValueError("score_choices needs at least one ChoiceItem")
@@ -449,7 +548,8 @@ def score_choices(model: nnx.Module, tokenizer: Any, items: Sequence[ChoiceItem]
     if len(n_choices) != 1:
         raise ValueError(f"every item must have the same number of choices; got {sorted(n_choices)}")
     requests = choice_requests(tokenizer, items, max_length=max_length)
-    ll, stats = score_requests(model, requests, batch_size=batch_size, progress=progress, desc="choices", mesh=mesh)
+    ll, stats = score_requests(model, requests, batch_size=batch_size, progress=progress, desc="choices", mesh=mesh,
+                               batch_scales=batch_scales)
     ll = ll.reshape(len(items), n_choices.pop())
     nbytes = np.asarray([[len(c.encode("utf-8")) for c in it.choices] for it in items], np.float64)
     label = np.asarray([it.label for it in items])

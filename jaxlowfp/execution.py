@@ -69,9 +69,16 @@ class QuantizedOp(NamedTuple):
     backend: str | None = None
 
 
-def _describe(op: Any) -> str:
+def _describe(op: Any, ran: bool) -> str:
+    """What the op is and, for a PTQ activation quantizer, what it did: its activations quantized at run time
+    (`ran`) or not (yet)."""
     name = getattr(getattr(op, "recipe", None), "name", None) or type(op).__name__
-    return f"PTQ {name}: weights quantized, activation quantization never ran" if hasattr(op, "fmt") else name
+    if not hasattr(op, "fmt"):
+        return name
+    if ran:
+        return f"PTQ {name}: weights quantized, activations quantized at run time " \
+               f"({getattr(op, 'activation_scale', 'tensor')} scale)"
+    return f"PTQ {name}: weights quantized, activation quantization never ran"
 
 
 def _linen_ops(variables: Mapping[str, Any]) -> list[QuantizedOp]:
@@ -130,7 +137,7 @@ def quantized_ops(model: Any) -> list[QuantizedOp]:
     out = []
     for path, op in _ops(model):
         ran, backend = _record.read(op.record.get_value())
-        out.append(QuantizedOp(path, _describe(op), op.record, bool(ran), backend))
+        out.append(QuantizedOp(path, _describe(op, bool(ran)), op.record, bool(ran), backend))
     return out
 
 
@@ -196,7 +203,7 @@ def checked_call(model: nnx.Module, fn: Callable[..., Any], *args: Any, strict: 
         ran = [isinstance(a, jax.core.Tracer) or bool(_record.read(a)[0]) for a in after]
         for (_, op), b, a, r in zip(ops, before, after, ran):
             op.record.set_value(a if r else b)
-    seen = [QuantizedOp(path, _describe(op), op.record, r) for (path, op), r in zip(ops, ran)]
+    seen = [QuantizedOp(path, _describe(op, r), op.record, r) for (path, op), r in zip(ops, ran)]
     _check(seen, strict, True, id(model))
     return out
 

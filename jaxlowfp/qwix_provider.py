@@ -18,6 +18,10 @@ Which operand is the weight is found as Qwix finds it (the one that is a paramet
 module), or else the one that is a parameter of one of its submodules (``x @ self.qkv.kernel[...]``, a kernel read
 directly); an op between two activations under a quantizing rule is an error (narrow the rule).
 `RecipeProvider.executed` lists the ops that were traced quantized (module path, op id, recipe).
+`RecipeProvider.direct_reads` lists the contractions that read a submodule's parameter directly
+(``x @ self.qkv.kernel[...]`` in the parent) where a quantizing rule matches that submodule but none matches the
+module running the contraction: Qwix matches an op by the module that runs it, so the op stays in high precision;
+each is warned about (a RuntimeWarning) when it is traced.
 
 State, as in jaxlowfp's own layers:
 
@@ -56,6 +60,7 @@ import functools
 import inspect
 import os
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -170,6 +175,7 @@ class RecipeProvider(qwix.QuantizationProvider):
         self.observe_only = observe_only
         self.rngs = rngs
         self._executed: set[tuple[str, str, str]] = set()
+        self._direct_reads: set[tuple[str, str, str]] = set()
         super().__init__(rules, disable_jit=disable_jit)
 
     def _init_rule(self, rule: qwix.QuantizationRule) -> RecipeRule:
@@ -200,10 +206,43 @@ class RecipeProvider(qwix.QuantizationProvider):
         rule or under no rule is not listed."""
         return tuple(sorted(self._executed))
 
+    def direct_reads(self) -> tuple[tuple[str, str, str], ...]:
+        """``(module path, op id, submodule path)`` of every contraction traced in high precision although it reads
+        the parameter of a submodule that a quantizing rule matches (``x @ self.qkv.kernel[...]`` under a rule for
+        ``qkv``: the rule matches ops by the module that runs them, here the parent): add a rule for the module
+        path, or call the submodule. Sorted; each was warned about when traced."""
+        return tuple(sorted(self._direct_reads))
+
+    def _flag_direct_read(self, op_name: str, op_id: str | None, operands: Sequence[Any]) -> None:
+        """A RuntimeWarning (once per op) if this unmatched contraction reads the parameter of a submodule that a
+        quantizing rule would match (NNX only: a Linen parent cannot read a child's parameter this way)."""
+        module = flax_util.get_current_module()
+        if not isinstance(module, nnx.Module) or not any(r.recipe is not None for r in self._rules):
+            return
+        here = "/".join(map(str, flax_util.get_current_module_path()))
+        for x in operands:
+            param = _submodule_param(module, x)
+            if param is None:
+                continue
+            child = "/".join(p for p in (here, param.rsplit("/", 1)[0]) if p)
+            rule = next((r for r in self._rules if re.fullmatch(r.module_path, child)
+                         and (not r.op_names or op_name in r.op_names)), None)
+            key = (here, str(op_id), child)
+            if rule is None or rule.recipe is None or key in self._direct_reads:
+                continue
+            self._direct_reads.add(key)
+            warnings.warn(f"{here or '<root>'}:{op_id} reads {child}'s parameter {param!r} directly; the rule "
+                          f"module_path={rule.module_path!r} ({rule.recipe.name}) matches {child}, but Qwix matches "
+                          f"an op by the module that runs it ({here or 'the root module'}), which no rule matches: "
+                          f"this contraction runs in HIGH PRECISION. Add a rule whose module_path matches {here!r} "
+                          f"(or call {child} instead of reading its kernel)", RuntimeWarning, stacklevel=3)
+
     def dot_general(self, lhs: Any, rhs: Any, dimension_numbers: Any, precision: Any = None,
                     preferred_element_type: Any = None, *, out_sharding: Any = None) -> jax.Array:
         """The intercepted ``jax.lax.dot_general``."""
         rule, op_id = self._get_current_rule_and_op_id("dot_general")
+        if rule is None:
+            self._flag_direct_read("dot_general", op_id, (lhs, rhs))
         if rule is None or rule.recipe is None:
             return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                        preferred_element_type=preferred_element_type, out_sharding=out_sharding)
@@ -216,6 +255,8 @@ class RecipeProvider(qwix.QuantizationProvider):
                **kwargs: Any) -> jax.Array:
         """The intercepted ``jax.numpy.einsum`` (two operands, one of them a parameter, under a quantizing rule)."""
         rule, op_id = self._get_current_rule_and_op_id("einsum")
+        if rule is None:
+            self._flag_direct_read("einsum", op_id, operands)
         if rule is None or rule.recipe is None:
             return jnp.einsum(subscripts, *operands, precision=precision, preferred_element_type=preferred_element_type,
                               _dot_general=_dot_general, out_sharding=out_sharding, **kwargs)
@@ -279,6 +320,8 @@ class RecipeProvider(qwix.QuantizationProvider):
         if min(jnp.ndim(a), jnp.ndim(b)) < 1:  # a product with a scalar: no contraction, nothing to quantize
             return original(a, b, **kw)
         rule, op_id = self._get_current_rule_and_op_id("dot_general")
+        if rule is None:
+            self._flag_direct_read("dot_general", op_id, (a, b))
         if rule is None or rule.recipe is None:
             return original(a, b, **kw)
         self._refuse_nested_jit(op_id)

@@ -131,13 +131,18 @@ def test_llama3_rope_factors_are_written_as_rope_freqs(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_high_precision_dtype(tmp_path, dtype):
-    """Embeddings and other 2-D high-precision tensors in `dtype` (F16 default), 1-D ones F32; gguf's dequantizer
-    reads back ours rounded to nearest by numpy / ml_dtypes."""
+    """Embeddings and other 2-D high-precision tensors in `dtype` (default: the result's, float32:
+    tests/test_gguf_served.py), 1-D ones F32; gguf's dequantizer reads back ours rounded to nearest by numpy /
+    ml_dtypes. A dtype other than the evaluated one warns that the file is not the evaluated model."""
     model = Llama(CFG, rngs=nnx.Rngs(0))
     res = ptq.quantize_model(model, [ptq.Rule(path=r".*/mlp/\w+_proj",
                                               scheme=ptq.scheme("nvfp4-mse", weights_only=True))])
-    kw = {} if dtype == "float16" else {"dtype": dtype}
-    rep = ptq.export_gguf(model, res, tmp_path / "a.gguf", tokenizer_json=_tokenizer(tmp_path / "tok"), **kw)
+    tj = _tokenizer(tmp_path / "tok")
+    if dtype == "float32":
+        rep = ptq.export_gguf(model, res, tmp_path / "a.gguf", tokenizer_json=tj, dtype=dtype)
+    else:
+        with pytest.warns(UserWarning, match="not the evaluated model"):
+            rep = ptq.export_gguf(model, res, tmp_path / "a.gguf", tokenizer_json=tj, dtype=dtype)
     name = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}[dtype]
     _, tensors = _fields(tmp_path / "a.gguf")
     t = tensors["token_embd.weight"]

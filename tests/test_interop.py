@@ -79,15 +79,14 @@ def test_gguf_export_is_what_the_gguf_dequantizer_reads(tmp_path):
             w = unpermute_rope_rows(w, CFG.n_heads if spec.rope == "q" else CFG.n_kv_heads)
         ours = np.asarray(_module(model, spec.path.rsplit("/", 1)[0]).__dict__[spec.path.rsplit("/", 1)[1]][...])
         want = ours.T if spec.transpose else ours
-        if t.tensor_type.name == "F16":  # high precision: F16 by default (the values rounded to nearest)
-            want = want.astype(np.float16).astype(np.float32)
         np.testing.assert_array_equal(w.astype(np.float32), want, err_msg=spec.gguf)
         seen.add(t.tensor_type.name)
     assert rep.types["blk.0.attn_q.weight"] == "NVFP4" and rep.types["blk.0.attn_q.scale"] == "F32"
     assert rep.types["blk.1.ffn_up.weight"] == "MXFP4" and rep.types["blk.1.attn_k.weight"] == "NVFP4"
     assert rep.types["blk.0.ffn_down.weight"] == "F32"  # in = 96 is not a multiple of 64: exact, F32
-    assert rep.types["token_embd.weight"] == "F16" and rep.types["blk.0.attn_norm.weight"] == "F32"
-    assert seen == {"NVFP4", "MXFP4", "F32", "F16"}
+    # high precision: the dtype the model was quantized and evaluated in (PTQResult.dtype, float32) by default
+    assert rep.types["token_embd.weight"] == "F32" and rep.types["blk.0.attn_norm.weight"] == "F32"
+    assert seen == {"NVFP4", "MXFP4", "F32"}
     # the float32 control: the same weights, every tensor F32
     gguf_export.export_gguf(model, res, tmp_path / "c.gguf", tokenizer_json=tj, float32=True)
     control = {t.name: t for t in gguf.GGUFReader(tmp_path / "c.gguf").tensors}

@@ -13,7 +13,8 @@ import pytest
 from jaxlowfp.models.llama import generate
 
 GOLDEN = np.load(Path(__file__).parent / "fixtures" / "smollm2_golden.npz")
-TOL = 1e-3  # absolute, per token log-probability (the bar)
+TOL = 1e-4  # absolute, per token log-probability: 7.6e-5 measured (docs/models.md; 7.0e-5 on this CPU in
+#            the run of 2026-12-05), plus 2.4e-5 for the float32 summation order of another CPU / XLA build
 
 
 @pytest.fixture(scope="module")

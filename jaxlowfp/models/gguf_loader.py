@@ -49,7 +49,8 @@ gguf = optional_module("gguf", extra="models", feature="loading a GGUF checkpoin
 Regex, decoders, models = tokenizers.Regex, tokenizers.decoders, tokenizers.models
 pre_tokenizers, processors = tokenizers.pre_tokenizers, tokenizers.processors
 
-__all__ = ["ARCHITECTURES", "PACKED_TYPES", "PRE_TOKENIZERS", "config_fields", "load_gguf", "packed_weight",
+__all__ = ["ARCHITECTURES", "PACKED_TYPES", "PRE_TOKENIZERS", "check_tensor_infos", "config_fields", "load_gguf",
+           "packed_weight",
            "read_config", "read_tokenizer", "unpermute_rope_rows"]
 
 # architecture -> whether the converter permuted the q/k rows (llama.cpp RoPE type NORM vs NEOX)
@@ -63,10 +64,66 @@ def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def check_tensor_infos(path: Path, infos: list[tuple[str, int, list[int], int]], data_start: int, size: int,
+                       alignment: int) -> None:
+    """Validate a GGUF file's tensor table before any tensor is read, as safetensors validates its header: every
+    ``(name, ggml type, dims, offset)`` has a known type, a first dimension that is a whole number of the type's
+    blocks, an offset (from the data section's start) that is a multiple of ``general.alignment``, and its bytes
+    (``n_elements / block_size * type_size``) inside the file; no two tensors overlap. A `CheckpointError` naming the
+    file and the tensor otherwise (a truncated or corrupt file, never a tensor read from the wrong bytes)."""
+    spans = []
+    for name, raw_type, dims, offset in infos:
+        where = f"{path}: tensor {name}"
+        try:
+            ggml_type = gguf.GGMLQuantizationType(raw_type)
+            block, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
+        except (ValueError, KeyError):
+            raise CheckpointError(f"{where} has the unknown ggml type {raw_type} (a corrupt tensor table?)") from None
+        n = 1
+        for d in dims:
+            n *= int(d)
+        if dims and int(dims[0]) % block:
+            raise CheckpointError(f"{where}: its first dimension {int(dims[0])} is not a multiple of the "
+                                  f"{ggml_type.name} block of {block} values (a corrupt tensor table?)")
+        if offset % alignment:
+            raise CheckpointError(f"{where}: data offset {offset} is not a multiple of general.alignment "
+                                  f"{alignment} (a corrupt tensor table?)")
+        begin, nbytes = data_start + offset, n // block * type_size
+        if begin + nbytes > size:
+            raise CheckpointError(f"{where} ({ggml_type.name} {[int(d) for d in dims]}: {nbytes} bytes at byte "
+                                  f"{begin}) ends at byte {begin + nbytes}, past the end of the {size}-byte file: "
+                                  f"the file is truncated")
+        spans.append((begin, begin + nbytes, name))
+    spans.sort()
+    for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
+        if begin < end:
+            raise CheckpointError(f"{path}: tensor {b} starts at byte {begin}, inside tensor {a} (which ends at "
+                                  f"byte {end}): a corrupt tensor table")
+
+
+class _CheckedReader(gguf.GGUFReader):  # type: ignore[misc,name-defined]
+    """``gguf.GGUFReader`` that validates the tensor table (`check_tensor_infos`) before it maps any tensor."""
+
+    def __init__(self, path: Path):
+        self._checked_path = path
+        super().__init__(path)
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        infos = []
+        for field in fields:
+            _, name, _, dims, raw_type, offset = field.parts
+            infos.append((bytes(name).decode("utf-8", "replace"), int(raw_type[0]), [int(d) for d in dims],
+                          int(offset[0])))
+        check_tensor_infos(self._checked_path, infos, int(start_offs), len(self.data), int(self.alignment))
+        super()._build_tensors(start_offs, fields)
+
+
 def open_reader(path: Path) -> Any:
     """A ``gguf.GGUFReader`` of `path`; a CheckpointError for a file that is not a readable GGUF."""
     try:
-        return gguf.GGUFReader(path)
+        return _CheckedReader(path)
+    except CheckpointError:
+        raise
     except (ValueError, OSError, IndexError, KeyError) as e:
         raise CheckpointError(f"{path}: not a readable GGUF file (truncated or corrupt?): {e}") from e
 

@@ -16,7 +16,9 @@ Layout (ggml-org/llama.cpp: ``ggml/src/ggml-common.h`` ``block_nvfp4`` / ``block
 so the weights llama.cpp computes with are ``(q * s) * S_dec``, ours bit for bit (convention "jaxlowfp"; up to
 the sign of zero: a -0.0 weight reads back as +0.0 where its code is the negative zero). Four Over Six only chooses
 each block's E4M3 scale: the file needs nothing llama.cpp lacks. Tensors that stay in high precision are written
-as ``dtype`` (F16 by default, as llama.cpp's converter does; BF16 or F32 on request), 1-D tensors (norms, biases,
+as ``dtype`` (by default the dtype the model was quantized and evaluated in, `PTQResult.dtype`: float32 unless
+`jaxlowfp.ptq.quantize_model` was given another; F16 without a PTQ result, as llama.cpp's converter does), 1-D
+tensors (norms, biases,
 ``rope_freqs``) always F32; the report counts the values that rounding to ``dtype`` changed. With a
 ``source_gguf``, a high-precision tensor whose values are exactly what the source's quantized tensor decodes to
 (a model loaded from that file and not changed there, e.g. SmolLM2's Q4_1 embedding) is copied in the source's
@@ -238,13 +240,16 @@ def _copy_metadata(writer: Any, reader: Any, meta: Mapping[str, Any]) -> None:
 def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *, source_gguf: str | Path | None = None,
                 tokenizer_json: Any = None, pre: str | None = None, bos_id: int | None = None,
                 eos_id: int | None = None, add_bos: bool | None = None, chat_template: str | None = None,
-                float32: bool = False, dtype: str = "float16", weights_only: bool = False,
+                float32: bool = False, dtype: str | None = None, weights_only: bool = False,
                 allow_reordered_decode: bool = False, allow_known_gaps: bool = False,
                 name: str | None = None, overwrite: bool = False) -> GGUFReport:
     """Write a model (after `jaxlowfp.ptq.quantize`, or `result=None`) as a GGUF file (module docstring).
 
     NVFP4 layers become type 40 (plus their ``.scale`` tensor), MXFP4 layers type 39; other tensors of two or more
-    dimensions `dtype` ("float16", "bfloat16" or "float32"), 1-D tensors F32. ``float32=True`` writes every
+    dimensions `dtype` ("float16", "bfloat16" or "float32"; default None: the dtype the model was quantized and
+    evaluated in, `PTQResult.dtype`, so the file is the evaluated model; float16 without a result, as llama.cpp's
+    converter writes), 1-D tensors F32; a dtype other than the result's that changes any value warns that the file
+    is not the evaluated model, with the count of changed values. ``float32=True`` writes every
     tensor as F32 (the model's values as they are: the control file with the same weights). Metadata and tokenizer:
     copied from `source_gguf` (checked to describe this model), or built from the model's config and
     `tokenizer_json` (a path or a `jaxlowfp.models.Tokenizer`; `pre` None: found from it, `add_bos` and
@@ -262,8 +267,12 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
         raise TypeError(f"result must be a PTQResult or None; got {type(result).__name__}")
     if (source_gguf is None) == (tokenizer_json is None):
         raise ValueError("give exactly one of source_gguf (metadata and tokenizer copied) or tokenizer_json")
+    evaluated = getattr(result, "dtype", None)  # PTQResult.dtype: what quantize_model rounded the model to
+    if dtype is None:
+        dtype = evaluated if evaluated is not None else "float16"
     if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported; allowed: {', '.join(map(repr, DTYPES))}")
+        raise ValueError(f"dtype={dtype!r} is not supported; allowed: {', '.join(map(repr, DTYPES))} or None (the "
+                         f"dtype the model was quantized in, {evaluated!r}; float16 without a result)")
     specs, config = require_exportable(model, "gguf", "export_gguf")
     arch, meta = config["architecture"], dict(config["metadata"])
     expert_schemes = {} if result is None or float32 else {p: r.scheme for p, r in result.experts.items()
@@ -468,5 +477,13 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
         if not atomic.__exit__(type(e), e, e.__traceback__):
             raise
     atomic.__exit__(None, None, None)
+    if evaluated is not None and rounded:
+        import warnings
+
+        why = (f"dtype={dtype!r} but the model was quantized and evaluated in {evaluated!r} (PTQResult.dtype)"
+               if dtype != evaluated else f"the model was changed after jaxlowfp.ptq.quantize_model (dtype {dtype!r})")
+        warnings.warn(f"export_gguf: {why}: the file is not the evaluated model ({rounded} of {written_hp} "
+                      f"high-precision values changed by the rounding to {hp_type}; its scores differ). Export with "
+                      f"dtype=None, or quantize with dtype={dtype!r} and evaluate that", UserWarning, stacklevel=2)
     return GGUFReport(path=path, types=types, bits_per_parameter=bits / n_params, dtype=hp_type,
                       rounded=(rounded, written_hp), notes=tuple(notes))

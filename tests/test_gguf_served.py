@@ -1,0 +1,78 @@
+"""Served = evaluated for GGUF too (issue 45, items 1 and 4): `ptq.export_gguf` writes the high-precision tensors in
+the dtype the model was quantized and evaluated in (`PTQResult.dtype`, float32 by default) unless told otherwise,
+so our loader's reload of the default file scores exactly as the in-memory quantized model; another dtype warns that
+the file is not the evaluated model (before, the default was float16 and the reload differed without a word)."""
+import dataclasses
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxlowfp import ptq
+from jaxlowfp.models import load
+from jaxlowfp.models.llama import PRESETS, Llama
+
+from test_gguf_export import _tokenizer
+
+CFG = dataclasses.replace(PRESETS["tiny"], n_layers=2, vocab=96)
+TOKENS = np.random.default_rng(5).integers(0, 96, (2, 24)).astype(np.int32)
+RULES = [ptq.Rule(path=r"blocks/\d+/(attn|mlp)/\w+_proj", scheme=ptq.scheme("nvfp4-mse", weights_only=True))]
+
+
+@jax.jit
+def _log_probs(graphdef, state, tokens):
+    return jax.nn.log_softmax(nnx.merge(graphdef, state)(tokens), -1)
+
+
+def _lp(model):
+    graphdef, state = nnx.split(model)
+    return np.asarray(_log_probs(graphdef, state, jnp.asarray(TOKENS)))
+
+
+def _quantized():
+    model = Llama(CFG, rngs=nnx.Rngs(0))
+    res = ptq.quantize_model(model, RULES, method="rtn", progress=False)
+    assert res.dtype == "float32"
+    return model, res
+
+
+def _params(model):
+    return {"/".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def test_default_gguf_export_reloads_as_evaluated(tmp_path):
+    model, res = _quantized()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the default file is the evaluated model: nothing to warn
+        rep = ptq.export_gguf(model, res, tmp_path / "m.gguf", tokenizer_json=_tokenizer(tmp_path / "tok"))
+    assert rep.dtype == "F32" and rep.rounded[0] == 0
+    assert rep.types["token_embd.weight"] == "F32" and rep.types["blk.0.ffn_up.weight"] == "NVFP4"
+    back, _ = load(tmp_path / "m.gguf")
+    mine, theirs = _params(model), _params(back)
+    assert sorted(mine) == sorted(theirs)
+    for k in mine:  # every parameter bit for bit (NVFP4 decoded by gguf-py, q/k rows un-permuted)
+        np.testing.assert_array_equal(theirs[k], mine[k], err_msg=k)
+    np.testing.assert_array_equal(_lp(back), _lp(model))
+
+
+def test_another_gguf_dtype_warns(tmp_path):
+    model, res = _quantized()
+    with pytest.warns(UserWarning, match=r"export_gguf: dtype='float16' but the model was quantized and evaluated in "
+                                         r"'float32'.*not the evaluated model \([1-9][0-9]* of [0-9]+ high-precision"):
+        rep = ptq.export_gguf(model, res, tmp_path / "m.gguf", tokenizer_json=_tokenizer(tmp_path / "tok"),
+                              dtype="float16")
+    assert rep.dtype == "F16" and rep.rounded[0] > 0
+    back, _ = load(tmp_path / "m.gguf")
+    assert np.abs(_lp(back) - _lp(model)).max() > 0  # what the warning is about
+
+
+def test_without_a_result_the_default_stays_float16(tmp_path):
+    """No PTQ result: no evaluated quantized model to match; llama.cpp's converter default (F16), no warning."""
+    model = Llama(CFG, rngs=nnx.Rngs(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        rep = ptq.export_gguf(model, None, tmp_path / "m.gguf", tokenizer_json=_tokenizer(tmp_path / "tok"))
+    assert rep.dtype == "F16"
