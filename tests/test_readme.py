@@ -193,3 +193,21 @@ def test_the_figure_check_can_fail(tmp_path, monkeypatch):
         test_every_figure_of_the_readme_is_in_the_page_it_links_to()
     (tmp_path / "README.md").write_text("# x\n\n## S\n\nthe error is 0.00756 ([p](docs/p.md)).\n")
     test_every_figure_of_the_readme_is_in_the_page_it_links_to()
+
+
+# -- the tensor API block: its codes decode, by ml_dtypes' own float4 / float8 tables, to what dequantize gives ----
+
+def test_the_tensor_api_block_runs_and_its_codes_decode_independently(capsys):
+    import ml_dtypes
+    import numpy as np
+    ns: dict = {"__name__": "__main__"}
+    exec(compile(_readme_block("# One format, one quantized array"), "README.md", "exec"), ns)
+    q, x_hat = ns["q"], ns["x_hat"]
+    assert capsys.readouterr().out.split() == ["Format('nvfp4-mse')", "(4,", "32)", "float8_e4m3fn", "float32"]
+    codes = np.asarray(q.codes)
+    nib = np.stack([codes & 0xF, codes >> 4], axis=-1).reshape(4, 64)  # element 2j in the low nibble
+    elems = nib.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    scales = np.asarray(q.scales).view(np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    ref = (elems * np.repeat(scales, 16, axis=-1)) * np.float32(q.global_scale)
+    np.testing.assert_array_equal(np.asarray(x_hat), ref)
+    assert np.abs(ref - np.asarray(ns["x"])).max() < 0.2 * np.abs(np.asarray(ns["x"])).max()  # a real quantization
