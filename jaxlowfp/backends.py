@@ -111,22 +111,22 @@ def _format_problem(backend: str, w: Format, act: Format | None) -> str | None:
         return None
     if act is None:
         return (f"weights-only {w.name} (activation=None) has no low-precision GEMM: the activations stay in high "
-                f"precision, so the product is a dequantize + dot; use backend='dequant' or 'auto'")
+                f"precision, so the product is a dequantize + dot; use gemm='dequant' or 'auto'")
     if backend == "scaled_matmul":
         if w.kind not in SCALED_KINDS:
             return (f"{w.name} has no block-scaled GEMM (jax.nn.scaled_matmul takes NVFP4, MXFP8 and MXFP4"
                     + ("; HiF8 has no hardware GEMM anywhere" if w.kind == "hif8" else "")
                     + ("; IF4's INT blocks have no hardware GEMM" if w.kind == "if4" else "")
-                    + "); use backend='dequant' or 'auto'")
+                    + "); use gemm='dequant' or 'auto'")
         if act.kind != w.kind:
             return (f"scaled_matmul multiplies two operands of one format; weights {w.name} with activations "
-                    f"{act.name} do not match (use activation={w.kind!r} formats, or backend='dequant')")
+                    f"{act.name} do not match (use activation={w.kind!r} formats, or gemm='dequant')")
         if act.rows != 1:
             return f"activations are quantized in 1x16 blocks; got {act.name}"
         return None
     if w.kind != "fp8" or act.kind != "fp8":
-        return (f"backend='fp8' multiplies FP8 E4M3 operands with per-tensor scales; got weights {w.name} and "
-                f"activations {act.name} (use backend='scaled_matmul' for NVFP4 / MX, 'dequant' otherwise)")
+        return (f"gemm='fp8' multiplies FP8 E4M3 operands with per-tensor scales; got weights {w.name} and "
+                f"activations {act.name} (use gemm='scaled_matmul' for NVFP4 / MX, 'dequant' otherwise)")
     return None
 
 
@@ -150,13 +150,13 @@ def _device_problem(backend: str, device: Any, kind: str | None = None) -> tuple
     if device.platform == "gpu" and cc is not None:
         if cc < need:
             return (f"{what} needs compute capability >= {need / 10:.1f}; the device is {where}. Use "
-                    f"backend='dequant' or 'auto'"), False, where
+                    f"gemm='dequant' or 'auto'"), False, where
         if backend == "scaled_matmul" and kind is not None and kind not in CUDNN_BLOCK_SCALED:
             return None, False, (f"jax.nn.scaled_matmul of {kind} on {where}: XLA expands it into convert, multiply "
                                  f"and a float32 dot (no cuDNN block-scaled GEMM for {kind} in jax 0.12)")
         return None, True, f"{what} on {where}"
     return (f"{what} is built and checked for NVIDIA GPUs (compute capability >= {need / 10:.1f}), CPU and TPU "
-            f"(emulated); the device is {where}. Use backend='dequant' or 'auto'"), False, where
+            f"(emulated); the device is {where}. Use gemm='dequant' or 'auto'"), False, where
 
 
 def plan(w: PackedWeight | Format, activation: Any = None, gemm: str = "auto", *, device: Any = None,
@@ -178,7 +178,7 @@ def dequant_form(rows: int) -> str:
 
 
 def _plan(w: PackedWeight | Format, activation: Any, backend: str, *, device: Any, where: str) -> Plan:
-    one_of(backend, BACKENDS, "backend")
+    one_of(backend, BACKENDS, "gemm")
     fmt = w.format if isinstance(w, PackedWeight) else as_format(w, "w")
     act = None if activation is None else as_format(activation, "activation")
     dev = _device(device)
@@ -186,10 +186,10 @@ def _plan(w: PackedWeight | Format, activation: Any, backend: str, *, device: An
     if backend != "auto":
         problem = _format_problem(backend, fmt, act)
         if problem:
-            raise ValueError(f"{at}backend={backend!r}: {problem}")
+            raise ValueError(f"{at}gemm={backend!r}: {problem}")
         problem, native, reason = _device_problem(backend, dev, fmt.kind)
         if problem:
-            raise BackendUnavailableError(f"{at}backend={backend!r}: {problem}")
+            raise BackendUnavailableError(f"{at}gemm={backend!r}: {problem}")
         return Plan(backend=backend, native=native, reason=reason)
     chosen = None
     for cand in ("scaled_matmul", "fp8"):
@@ -203,7 +203,7 @@ def _plan(w: PackedWeight | Format, activation: Any, backend: str, *, device: An
     key = (fmt.name, None if act is None else act.name, getattr(dev, "device_kind", dev.platform))
     if key not in _LOGGED:
         _LOGGED.add(key)
-        _log.info("jaxlowfp.backends: weights %s, activations %s on %s -> backend=%r (%s)", fmt.name,
+        _log.info("jaxlowfp.backends: weights %s, activations %s on %s -> gemm=%r (%s)", fmt.name,
                   "none" if act is None else act.name, _describe(dev), chosen.backend, chosen.reason)
     return chosen
 

@@ -38,9 +38,9 @@ class PackedLinear(nnx.Module):
             if act_quant is not None or activation is not None:
                 raise ValueError(f"{path}: give one activation quantizer (act_fn, act_quant or activation)")
             if backend not in ("auto", "dequant"):
-                raise ValueError(f"{path}: backend={backend!r} quantizes the activations with our NVFP4 quantizer; "
+                raise ValueError(f"{path}: gemm={backend!r} quantizes the activations with our NVFP4 quantizer; "
                                  f"this layer's activations are the checkpoint's (static input global scale, "
-                                 f"compressed-tensors arithmetic): use backend='dequant' or 'auto'")
+                                 f"compressed-tensors arithmetic): use gemm='dequant' or 'auto'")
         self.act_fn = act_fn
         # act_quant: the PTQ'd layer's run-time activation quantizer (`jaxlowfp.ptq.ActQuant`); with per-token or
         # static scales the input is quantized by it (the one op layer's quantizer, as the fake-quant model does)
@@ -60,9 +60,9 @@ class PackedLinear(nnx.Module):
                 self.rows_gemm = True
             elif backend not in ("auto", "dequant"):
                 backends.plan(kernel, activation, backend, where=path)  # the format's and device's own refusals
-                raise ValueError(f"{path}: backend={backend!r} quantizes the activations with one tensor scale; this "
+                raise ValueError(f"{path}: gemm={backend!r} quantizes the activations with one tensor scale; this "
                                  f"layer's activations have {act_quant.activation_scale!r} scales (jaxlowfp.ptq."
-                                 f"quantize_model activation_scale=): use backend='dequant' or 'auto', or quantize "
+                                 f"quantize_model activation_scale=): use gemm='dequant' or 'auto', or quantize "
                                  f"with activation_scale='tensor'")
             self.act_quant = act_quant
             activation = packed.as_format(fmt) if self.rows_gemm else None
@@ -104,7 +104,7 @@ class PackedLinear(nnx.Module):
         elif self.act_fn is not None:
             x = self.act_fn(x)
         y = backends.packed_dot_general(x, self.kernel.get_value(), (((x.ndim - 1,), (0,)), ((), ())),
-                                        backend=self.backend, activation=self.activation,
+                                        gemm=self.backend, activation=self.activation,
                                         weight_dtype=self.param_dtype, where=self.path)
         if self.bias is not None:
             y = y + jnp.reshape(self.bias[...].astype(dtype), (1,) * (y.ndim - 1) + (-1,))  # type: ignore[operator, union-attr]

@@ -127,7 +127,7 @@ def compile_cases(names: list[str]) -> dict[str, dict]:
                 if backend == FP8_ROWS:
                     return backends.fp8_rows(x, w, CurrentScaling(target_max=448.0, granularity="token"), amax)
                 return backends.scaled_matmul_rows(x, w, packed.as_format(af).rule, amax)
-            return backends.packed_dot_general(x, w, (((1,), (0,)), ((), ())), backend=backend, activation=af,
+            return backends.packed_dot_general(x, w, (((1,), (0,)), ((), ())), gemm=backend, activation=af,
                                                device=device)
 
         out[name] = _compiled(jax, fn, (x, abstract_w), mesh, rep, options, target, plan)

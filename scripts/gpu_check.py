@@ -496,7 +496,7 @@ def packed_gemm_check(projections: tuple = LLAMA8B_PROJECTIONS, *, tokens: int =
                     row[f"{key} ms"], row[f"{key} exact"] = None, f"not run: {e}"
                     continue
                 f = jax.jit(lambda a, p, b=b, fmt=fmt: backends.packed_dot_general(
-                    a.astype(jnp.float32), p, dn, backend=b, activation=fmt, device=device))
+                    a.astype(jnp.float32), p, dn, gemm=b, activation=fmt, device=device))
                 with jax.default_matmul_precision("highest"):  # dequant's float32 dot in float32, not TF32
                     compiled = f.lower(x, pw).compile()
                     y = compiled(x, pw)

@@ -81,8 +81,8 @@ def test_pack_experts_refusals():
     model, _ = load(FIX / "qwen3_moe")
     res = ptq.quantize_model(model, [ptq.Rule(path=r"blocks/\d+/mlp/experts/.*", scheme=ptq.scheme("nvfp4-mse")),
                                      ptq.Rule(path=r".*", scheme=None)], method="rtn")
-    with pytest.raises(ValueError, match=r"packed experts run the 'dequant' backend .* got backend='scaled_matmul'"):
-        ptq.pack_model(model, res, backend="scaled_matmul")
+    with pytest.raises(ValueError, match=r"packed experts run the 'dequant' backend .* got gemm='scaled_matmul'"):
+        ptq.pack_model(model, res, gemm="scaled_matmul")
     assert not any(isinstance(getattr(m, n), PackedExperts) for m, n in _experts(model).values())  # unchanged
     exp = model.blocks[0].mlp.experts
     exp.gate_proj.set_value(exp.gate_proj[...] * 1.5)  # no longer what PTQ made

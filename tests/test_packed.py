@@ -57,7 +57,7 @@ def _weights_fake(w: jax.Array, fmt: str) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("act", "backend"))
 def _product(x, p, act, backend):
     """Under jit: (output, the Plan that ran; a pytree without leaves)."""
-    return backends.packed_dot_general(x, p, DN, backend=backend, activation=act, return_backend=True)
+    return backends.packed_dot_general(x, p, DN, gemm=backend, activation=act, return_backend=True)
 
 
 def _grid(rng, shape, block, rows=1, lo=-1, hi=1):
@@ -203,14 +203,14 @@ def test_packed_dot_general_axes_dtypes_and_nd_inputs():
     x = jax.random.normal(jax.random.key(4), (2, 4, 64), jnp.float32)
     w = jax.random.normal(jax.random.key(5), (64, 32), jnp.float32)
     p = packed.pack(w, "nvfp4-mse")
-    y = backends.packed_dot_general(x, p, (((2,), (0,)), ((), ())), activation="nvfp4-mse", backend="dequant")
+    y = backends.packed_dot_general(x, p, (((2,), (0,)), ((), ())), activation="nvfp4-mse", gemm="dequant")
     assert y.shape == (2, 4, 32) and y.dtype == jnp.float32
     flat = _product(x.reshape(8, 64), p, "nvfp4-mse", "dequant")[0]
     np.testing.assert_allclose(y, flat.reshape(2, 4, 32), rtol=1e-5, atol=1e-5)
     xt = jnp.moveaxis(x, 2, 0)  # the contracted axis first
-    y2 = backends.packed_dot_general(xt, p, (((0,), (0,)), ((), ())), activation="nvfp4-mse", backend="dequant")
+    y2 = backends.packed_dot_general(xt, p, (((0,), (0,)), ((), ())), activation="nvfp4-mse", gemm="dequant")
     np.testing.assert_allclose(y2, y, rtol=1e-5, atol=1e-5)
-    yb = backends.packed_dot_general(x.astype(jnp.bfloat16), p, (((2,), (0,)), ((), ())), backend="scaled_matmul",
+    yb = backends.packed_dot_general(x.astype(jnp.bfloat16), p, (((2,), (0,)), ((), ())), gemm="scaled_matmul",
                                      activation="nvfp4-mse")
     assert yb.dtype == jnp.bfloat16
 
@@ -231,20 +231,20 @@ def test_bad_input_gets_clear_errors():
     p = packed.pack(jnp.ones((64, 16)), "nvfp4-mse")
     x = jnp.ones((4, 64))
     with pytest.raises(ValueError, match="do not match"):  # a mixed-format layer: NVFP4 weights, MXFP4 inputs
-        backends.packed_dot_general(x, p, DN, backend="scaled_matmul", activation="mxfp4")
+        backends.packed_dot_general(x, p, DN, gemm="scaled_matmul", activation="mxfp4")
     with pytest.raises(ValueError, match="weights-only"):
-        backends.packed_dot_general(x, p, DN, backend="scaled_matmul")
+        backends.packed_dot_general(x, p, DN, gemm="scaled_matmul")
     with pytest.raises(ValueError, match="HiF8 has no hardware GEMM"):
-        backends.packed_dot_general(x, packed.pack(jnp.ones((64, 16)), "hif8"), DN, backend="scaled_matmul",
+        backends.packed_dot_general(x, packed.pack(jnp.ones((64, 16)), "hif8"), DN, gemm="scaled_matmul",
                                     activation="hif8")
     with pytest.raises(ValueError, match="FP8 E4M3"):
-        backends.packed_dot_general(x, p, DN, backend="fp8", activation="nvfp4-mse")
+        backends.packed_dot_general(x, p, DN, gemm="fp8", activation="nvfp4-mse")
     with pytest.raises(ValueError, match="K = 64"):
-        backends.packed_dot_general(jnp.ones((4, 32)), p, DN, backend="dequant")
+        backends.packed_dot_general(jnp.ones((4, 32)), p, DN, gemm="dequant")
     with pytest.raises(ValueError, match="no batch axes"):
         backends.packed_dot_general(x, p, (((1,), (1,)), ((), ())))
-    with pytest.raises(ValueError, match="backend="):
-        backends.packed_dot_general(x, p, DN, backend="cudnn")
+    with pytest.raises(ValueError, match="gemm="):
+        backends.packed_dot_general(x, p, DN, gemm="cudnn")
 
 
 def _gpu(kind, cc):
@@ -288,7 +288,7 @@ def test_auto_logs_its_choice_once(caplog):
     with caplog.at_level("INFO", logger="jaxlowfp.backends"):
         for _ in range(3):
             backends.plan(fmt, "mxfp8", device=_gpu("NVIDIA B200", "10.0"))
-    msgs = [r.getMessage() for r in caplog.records if "backend=" in r.getMessage()]
+    msgs = [r.getMessage() for r in caplog.records if "gemm=" in r.getMessage()]
     assert len(msgs) == 1 and "'scaled_matmul'" in msgs[0] and "B200" in msgs[0]
 
 

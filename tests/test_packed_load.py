@@ -113,7 +113,7 @@ def test_ptq_load_packed_on_scaled_matmul_with_row_scales(exports, name):
     ref = Llama(cfg, rngs=nnx.Rngs(5))
     ptq.load(ref, dirs[name])
     model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
-    ptq.load(model, dirs[name], packed=True, backend="scaled_matmul")
+    ptq.load(model, dirs[name], packed=True, gemm="scaled_matmul")
     pl = packed_layers(model)
     assert all(layer.rows_gemm and layer.plan().backend == "scaled_matmul" for layer in pl.values())
     tokens = _tokens(cfg.vocab)
@@ -283,10 +283,10 @@ def test_bad_input_is_a_clear_error(tmp_path, exports):
     with pytest.raises(models.CheckpointError, match="packed=True keeps NVFP4 / MXFP4 projections.*none"):
         models.load(FIX / "llama3_tiny.gguf", packed=True)  # an F32 GGUF file (packed GGUF: test_packed_gguf.py)
     model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
-    with pytest.raises(ValueError, match="backend='fp8'"):
-        ptq.load(model, dirs["token"], packed=True, backend="fp8")
+    with pytest.raises(ValueError, match="gemm='fp8'"):
+        ptq.load(model, dirs["token"], packed=True, gemm="fp8")
     with pytest.raises(ValueError, match="activations are the checkpoint's"):
-        models.load(LLMC, packed=True, backend="fp8", tokenizer=None)
+        models.load(LLMC, packed=True, gemm="fp8", tokenizer=None)
     assert PackedLinear  # the layer type the loads build
 
 
@@ -351,7 +351,7 @@ def test_pack_linear_general_and_einsum(scheme):
     fwd = nnx.jit(lambda m, x: m(x))
     want = fwd(model, x)
     with pytest.raises(ValueError, match=r"up_proj: a packed LinearGeneral runs the 'dequant' backend"):
-        ptq.pack_model(model, res, backend="scaled_matmul", paths=["up_proj"])
+        ptq.pack_model(model, res, gemm="scaled_matmul", paths=["up_proj"])
     assert packed_layers(model) == {}  # nothing changed
     rep = ptq.pack_model(model, res)
     assert isinstance(model.up_proj, nnx.LinearGeneral) and isinstance(model.mix_proj, nnx.Einsum)

@@ -63,7 +63,7 @@ def test_packed_forward_temp_is_bounded_by_float32s(float_temp, name, weights_on
                              progress=False, **kw)
     bound = float_temp + _two_largest(model, res.schemes)
     _, fake = _forward(model)
-    ptq.pack_model(model, res, backend=backend)
+    ptq.pack_model(model, res, gemm=backend)
     temp, logits = _forward(model)
     assert temp <= bound, f"packed temp {temp} B > float32 temp {float_temp} B + two projections = {bound} B"
     np.testing.assert_allclose(logits, fake, rtol=0, atol=2e-5)
@@ -119,9 +119,9 @@ def test_decode_shaped_product_decodes_then_dots_and_plan_says_so():
     assert backends.plan(p, None, "dequant").form == ""
     for m in (1, 64):
         x = jax.random.normal(jax.random.key(m), (m, 576), jnp.float32)
-        out, pl = jax.jit(lambda x, p: backends.packed_matmul(x, p, backend="dequant"))(x, p)
+        out, pl = jax.jit(lambda x, p: backends.packed_matmul(x, p, gemm="dequant"))(x, p)
         assert pl.form == backends.dequant_form(m)
-        hlo = jax.jit(lambda x, p: backends.packed_matmul(x, p, backend="dequant")[0]).lower(x, p).as_text()
+        hlo = jax.jit(lambda x, p: backends.packed_matmul(x, p, gemm="dequant")[0]).lower(x, p).as_text()
         assert hlo.count("optimization_barrier") == (2 if m == 1 else 1)
         ref = np.asarray(x, np.float64) @ np.asarray(p.dequantize(), np.float64)
         np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-4)

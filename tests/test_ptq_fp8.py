@@ -60,7 +60,7 @@ def test_weights_are_on_the_grid_and_pack_to_codes_ml_dtypes_decodes(name, metho
         w0 = np.asarray(getattr(original, path).kernel[...])
         assert 0 < np.max(np.abs(k - w0)) < bound * np.max(np.abs(w0))
     fake = model(X)
-    report = ptq.pack_model(model, res, backend="dequant")
+    report = ptq.pack_model(model, res, gemm="dequant")
     assert report.bits_per_param == pytest.approx(8.0 if name == "fp8" else 8.25, abs=0.01)
     for path, layer in packed_layers(model).items():
         a = layer.kernel.get_value().array  # W'^T [N, K]
@@ -78,7 +78,7 @@ def test_weights_are_on_the_grid_and_pack_to_codes_ml_dtypes_decodes(name, metho
 def test_packed_fp8_and_mxfp8_run_their_gemm_backend(name, backend):
     model, res = _quantized(name, "rtn")
     fake = model(X)
-    report = ptq.pack_model(model, res, backend=backend)
+    report = ptq.pack_model(model, res, gemm=backend)
     assert {b for _, _, b, _ in report.layers} == {backend}
     y = jax.jit(lambda m, x: m(x))(model, X)
     np.testing.assert_allclose(np.asarray(y), np.asarray(fake), rtol=0, atol=2e-5 * float(jnp.max(jnp.abs(fake))))
@@ -104,7 +104,7 @@ def test_fp8_per_token_and_static_activations_on_the_fp8_gemm(activation_scale):
     res = ptq.quantize_model(model, [ptq.Rule(path=r".*_proj", scheme=ptq.scheme("fp8"))], progress=False,
                              calibration=[CAL], forward=lambda m, b: m(b), activation_scale=activation_scale)
     fake = model(X)
-    report = ptq.pack_model(model, res, backend="fp8")
+    report = ptq.pack_model(model, res, gemm="fp8")
     assert {b for _, _, b, _ in report.layers} == {"fp8"}
     assert all(layer.rows_gemm for layer in packed_layers(model).values())
     y = jax.jit(lambda m, x: m(x))(model, X)

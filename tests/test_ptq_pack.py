@@ -60,7 +60,7 @@ def w4a4():
     activation operand carries one tensor scale (activation_scale="tensor")."""
     model, res = _ptq("nvfp4-mse", activation_scale="tensor")
     fake = _lp(model)
-    report = ptq.pack_model(model, res, backend="scaled_matmul")
+    report = ptq.pack_model(model, res, gemm="scaled_matmul")
     return fake, model, report
 
 
@@ -140,20 +140,20 @@ def test_per_token_activations_run_the_op_layer_quantizer():
     assert {b for _, _, b, _ in report.layers} == {"dequant"}
     np.testing.assert_allclose(np.asarray(_lp(model)), np.asarray(fake), rtol=0, atol=2e-5)
     model2, res2 = _ptq("nvfp4-mse")
-    report2 = ptq.pack_model(model2, res2, backend="scaled_matmul")
+    report2 = ptq.pack_model(model2, res2, gemm="scaled_matmul")
     assert {b for _, _, b, _ in report2.layers} == {"scaled_matmul"}
     assert all(layer.rows_gemm for layer in packed_layers(model2).values())
     np.testing.assert_allclose(np.asarray(_lp(model2)), np.asarray(fake), rtol=0, atol=2e-5)
     model3, res3 = _ptq("if4-mse")
     with pytest.raises(ValueError, match="IF4's INT blocks have no hardware GEMM"):
-        ptq.pack_model(model3, res3, backend="scaled_matmul")
+        ptq.pack_model(model3, res3, gemm="scaled_matmul")
 
 
 def test_pack_refuses_bad_input_and_leaves_the_model_unchanged():
     model = _MLP(nnx.Rngs(0))
     res = ptq.quantize_model(model, [ptq.Rule(path=r".*_proj", scheme=ptq.scheme("hif8"))], progress=False)
     with pytest.raises(ValueError, match="HiF8 has no hardware GEMM"):
-        ptq.pack_model(model, res, backend="scaled_matmul")
+        ptq.pack_model(model, res, gemm="scaled_matmul")
     assert packed_layers(model) == {}
     with pytest.raises(ValueError, match="were not quantized"):
         ptq.pack_model(model, res, paths=["lm_head"])
@@ -187,9 +187,9 @@ def test_pack_for_a_device_without_the_backend_is_refused_before_any_change():
     res = ptq.quantize_model(model, [ptq.Rule(path=r".*_proj", scheme=ptq.scheme("nvfp4-mse"))],
                              activation_scale="tensor", progress=False)
     with pytest.raises(backends.BackendUnavailableError,
-                       match=r"_proj: backend=.scaled_matmul.: .*compute capability >= 10.0.*H100"):
-        ptq.pack_model(model, res, backend="scaled_matmul", device=gpu("NVIDIA H100 80GB HBM3", "9.0"))
+                       match=r"_proj: gemm=.scaled_matmul.: .*compute capability >= 10.0.*H100"):
+        ptq.pack_model(model, res, gemm="scaled_matmul", device=gpu("NVIDIA H100 80GB HBM3", "9.0"))
     assert packed_layers(model) == {} and isinstance(model.up_proj.kernel, nnx.Param)
-    rep = ptq.pack_model(model, res, backend="scaled_matmul", device=gpu("NVIDIA B200", "10.0"))
+    rep = ptq.pack_model(model, res, gemm="scaled_matmul", device=gpu("NVIDIA B200", "10.0"))
     assert {r[2:] for r in rep.layers} == {("scaled_matmul", True)}
     assert np.isfinite(np.asarray(model(jnp.ones((2, 64), jnp.float32)))).all()

@@ -155,7 +155,7 @@ def test_auto_takes_dequant_on_cpu_and_logs_it(caplog, monkeypatch):
     monkeypatch.setattr(backends, "_LOGGED", set())  # logged once per process: another test may have been first
     with caplog.at_level(logging.INFO, logger="jaxlowfp.backends"):
         assert qat.gemm.plan(recipe).backend == "dequant"
-    assert any("backend='dequant'" in r.getMessage() for r in caplog.records)
+    assert any("gemm='dequant'" in r.getMessage() for r in caplog.records)
     hif8 = dataclasses.replace(qat.hif8_w8a8(), gemm="auto")
     assert qat.gemm.plan(hif8).backend == "dequant"
 

@@ -260,7 +260,7 @@ def pack(model: nnx.Module, result: PTQResult, *, gemm: str = "auto", paths: Seq
             if backend not in ("auto", "dequant"):
                 raise ValueError(f"{path}: packed experts run the 'dequant' backend (each expert's weight decoded "
                                  f"inside the forward, then the experts' grouped GEMM; no block-scaled grouped GEMM "
-                                 f"path yet); got backend={backend!r}: use 'auto' or 'dequant' (pack the other "
+                                 f"path yet); got gemm={backend!r}: use 'auto' or 'dequant' (pack the other "
                                  f"layers on {backend!r} with paths=)")
             mod, name = grouped[path]
             kernel = getattr(mod, name)[...]
@@ -280,7 +280,7 @@ def pack(model: nnx.Module, result: PTQResult, *, gemm: str = "auto", paths: Seq
             if backend not in ("auto", "dequant"):
                 raise ValueError(f"{path}: a packed {type(mod).__name__} runs the 'dequant' backend (its kernel is "
                                  f"decoded inside the forward and the layer's own contraction runs; no low-precision "
-                                 f"GEMM path for it yet); got backend={backend!r}: use 'auto' or 'dequant'")
+                                 f"GEMM path for it yet); got gemm={backend!r}: use 'auto' or 'dequant'")
             w = _weight(path, mod, result)
             kernel = mod.kernel[...]
             general[path] = PackedKernel(w, kernel_layout=layout(mod, path), kernel_dtype=jnp.dtype(kernel.dtype))
