@@ -32,6 +32,7 @@ pre-tokenizer regexes llama.cpp uses for the ``pre`` type.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -78,11 +79,25 @@ def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# The last files parsed, by (path, inode, size, mtime): gguf-py parses every metadata array element by element
+# (SmolLM2's 49,152-token vocabulary and merges: seconds), and one `jaxlowfp.models.load` opened each file twice
+# (the mixture-of-experts check, then the loader). A rewritten file has another key; the readers are read-only maps.
+_READERS: dict[tuple, Any] = {}
+
+
 def _open(path: Path) -> Any:
     try:
-        return gguf.GGUFReader(path)
+        st = os.stat(path)
+        key = (str(Path(path).resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+        reader = _READERS.pop(key, None)
+        if reader is None:
+            reader = gguf.GGUFReader(path)
     except (ValueError, OSError, IndexError, KeyError) as e:
         raise CheckpointError(f"{path}: not a readable GGUF file (truncated or corrupt?): {e}") from e
+    _READERS[key] = reader  # the most recent last
+    while len(_READERS) > 2:
+        del _READERS[next(iter(_READERS))]
+    return reader
 
 
 def _field(reader: Any, key: str, path: Path, default: Any = ...) -> Any:
