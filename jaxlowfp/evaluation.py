@@ -258,6 +258,9 @@ class _Forward:
         else:
             x, r = _embed(self.embed, self.graphdef, self.state, inputs)
             recs.append(r)
+            # committed, as every block's output is (its parameters are): else the first block's x (the embedding
+            # of uncommitted tokens) is lowered apart from the others', and each block program compiles twice
+            x = jax.device_put(x, x.sharding)
             for i, (call, g, s) in enumerate(self.blocks):
                 x, r = _block(call, g, s, x)
                 self.programs.record(i, r)

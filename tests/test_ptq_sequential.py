@@ -119,6 +119,33 @@ def test_peak_statistics_flat_in_blocks(tokens):
     assert peaks["one-pass", 3] == 3 * peaks["one-pass", 1], peaks
 
 
+def test_no_block_runs_after_the_last_one_calibrated(tokens, monkeypatch):
+    """The calibration activations are carried through a block only when a later block (or the head) calibrates:
+    quantizing block 0 of 3 runs no block after the embedding, quantizing block 1 runs block 0 only (each once per
+    calibration batch)."""
+    from jaxlowfp.ptq import sequential
+
+    calls = {"embed": 0, "block": 0}
+    real_embed, real_block = sequential._embed, sequential._propagate
+
+    def embed(*a):
+        calls["embed"] += 1
+        return real_embed(*a)
+
+    def block(*a):
+        calls["block"] += 1
+        return real_block(*a)
+
+    monkeypatch.setattr(sequential, "_embed", embed)
+    monkeypatch.setattr(sequential, "_propagate", block)
+    for k in (0, 1):
+        calls.update(embed=0, block=0)
+        rule = [ptq.Rule(path=rf"blocks/{k}/(attn|mlp)/\w+_proj", scheme=SCHEME)]
+        seq = ptq.quantize_model(_model(3), rule, calibration=tokens, pipeline="sequential")
+        assert calls["embed"] > 0 and calls["block"] == k * calls["embed"], (k, calls)
+        assert len(seq.packed) == 7 and all(p.startswith(f"blocks/{k}/") for p in seq.packed), sorted(seq.packed)
+
+
 def test_pipeline_errors(tokens):
     model = _model(1)
     layers = [p for p in calibrate.linear_modules(model) if p != "lm_head"]

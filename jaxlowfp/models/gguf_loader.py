@@ -32,6 +32,7 @@ pre-tokenizer regexes llama.cpp uses for the ``pre`` type.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -118,14 +119,29 @@ class _CheckedReader(gguf.GGUFReader):  # type: ignore[misc,name-defined]
         super()._build_tensors(start_offs, fields)
 
 
+# The last files parsed, by (path, inode, size, mtime): gguf-py parses every metadata array element by element
+# (SmolLM2's 49,152-token vocabulary and merges: seconds), and one `jaxlowfp.models.load` opened each file twice
+# (the mixture-of-experts check, then the loader). A rewritten file has another key; the readers are read-only maps.
+_READERS: dict[tuple, Any] = {}
+
+
 def open_reader(path: Path) -> Any:
-    """A ``gguf.GGUFReader`` of `path`; a CheckpointError for a file that is not a readable GGUF."""
+    """A ``gguf.GGUFReader`` of `path` (its tensor table validated; the last two parsed files are reused); a
+    CheckpointError for a file that is not a readable GGUF."""
     try:
-        return _CheckedReader(path)
+        st = os.stat(path)
+        key = (str(Path(path).resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+        reader = _READERS.pop(key, None)
+        if reader is None:
+            reader = _CheckedReader(path)
     except CheckpointError:
         raise
     except (ValueError, OSError, IndexError, KeyError) as e:
         raise CheckpointError(f"{path}: not a readable GGUF file (truncated or corrupt?): {e}") from e
+    _READERS[key] = reader  # the most recent last
+    while len(_READERS) > 2:
+        del _READERS[next(iter(_READERS))]
+    return reader
 
 
 def read_field(reader: Any, key: str, path: Path, default: Any = ...) -> Any:

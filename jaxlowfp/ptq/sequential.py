@@ -161,6 +161,9 @@ def run(model: nnx.Module, mods: Mapping[str, Any], blocks: Blocks, batches: Seq
     del g, s
     act_amax: dict[str, float] = {}
     peak = _nbytes(xs)
+    # the blocks' outputs are needed up to the last block that calibrates something (all of them for the head's)
+    last = len(blocks.blocks) if None in by_block else max(
+        (j for j, (p, _) in enumerate(blocks.blocks) if p in by_block or p in hooks), default=-1)
     bar = progress_bar(list(blocks.blocks), desc="sequential", enabled=progress)
     for i, (path, call) in enumerate(bar):
         block = mods[path]
@@ -179,7 +182,7 @@ def run(model: nnx.Module, mods: Mapping[str, Any], blocks: Blocks, batches: Seq
             if mine:
                 process(mine, stats)
             del stats
-        if i + 1 < len(blocks.blocks) or None in by_block:
+        if i < last:
             g, s = nnx.split(block)
             xs = [rows(_propagate(g, s, x, call, propagate == "quantized")) for x in xs]
             del g, s
