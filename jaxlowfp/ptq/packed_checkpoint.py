@@ -17,9 +17,9 @@ for leaf (paths, shapes, dtypes), and restores the arrays into it with orbax, bi
     model2 = ptq.restore_packed("ckpt/")          # in another process: same class, config and packed layers
 
 orbax-checkpoint is the ``train`` extra (imported only by these two functions). Models: the ``jaxlowfp.models``
-decoders (``Llama(config, rngs=...)``, with ``model.config``); packed ``nnx.Linear`` layers (`PackedLinear`) and
-packed ``nnx.LinearGeneral`` / ``nnx.Einsum`` kernels (`PackedKernel`). Packed mixture-of-experts weights
-(`PackedExperts`) and fake-quantized layers left unpacked are refused by `save_packed`, before anything is written.
+decoders (``Llama(config, rngs=...)``, with ``model.config``) with packed ``nnx.Linear`` layers (`PackedLinear`).
+Packed mixture-of-experts weights (`PackedExperts`), packed ``nnx.LinearGeneral`` / ``nnx.Einsum`` kernels
+(`PackedKernel`) and fake-quantized layers left unpacked are refused by `save_packed`, before anything is written.
 """
 from __future__ import annotations
 
@@ -38,10 +38,10 @@ from jaxlowfp import packed
 from jaxlowfp._core.format import Format
 from jaxlowfp._core.qarray import QArray
 from jaxlowfp.packed_layer import PackedLinear, replace_modules
-from jaxlowfp.ptq.layers import ActQuant, act_quant, hook_name, install, layout, quantizable_modules
+from jaxlowfp.ptq.layers import ActQuant, act_quant, quantizable_modules
 from jaxlowfp.ptq.packing import PackedExperts, PackedKernel
 
-__all__ = ["save_packed", "restore_packed", "PLAN_FILE", "PLAN_VERSION"]
+__all__ = ["save_packed", "restore_packed", "plan_of", "PLAN_FILE", "PLAN_VERSION"]
 
 PLAN_FILE = "jaxlowfp_packed.json"
 PLAN_VERSION = 1
@@ -74,7 +74,7 @@ def _leaf(a: Any) -> dict[str, Any] | None:
     return None if a is None else {"shape": [int(s) for s in a.shape], "dtype": str(a.dtype)}
 
 
-def _unleaf(d: dict[str, Any] | None) -> jax.ShapeDtypeStruct | None:
+def _unleaf(d: dict[str, Any] | None) -> Any:  # an abstract leaf where the pytree holds a jax.Array
     return None if d is None else jax.ShapeDtypeStruct(tuple(d["shape"]), jnp.dtype(d["dtype"]))
 
 
@@ -169,14 +169,9 @@ def plan_of(model: nnx.Module) -> dict[str, Any]:
                            "act_quant": _hook(m.act_quant, path), "gemm": m.backend, "dtype": _dtype(m.dtype),
                            "param_dtype": _dtype(m.param_dtype)})
     for path, mod in quantizable_modules(model).items():
-        kern = getattr(mod, "kernel", None)
-        if isinstance(kern, PackedKernel):
-            hook = getattr(mod, hook_name(mod), None)
-            if isinstance(hook, ActQuant):
-                own_hooks.add(id(hook))
-            layers.append({"path": path, "type": "kernel", "weight": _weight(kern.get_value(), path),
-                           "kernel_dtype": _dtype(kern.kernel_dtype),
-                           "act_quant": _hook(hook if isinstance(hook, ActQuant) else None, path)})
+        if isinstance(getattr(mod, "kernel", None), PackedKernel):  # no jaxlowfp.models decoder has one yet
+            raise ValueError(f"{path}: save_packed does not record packed nnx.LinearGeneral / nnx.Einsum kernels "
+                             f"(PackedKernel) yet")
     if not layers:
         raise ValueError("save_packed: this model has no packed layer (run jaxlowfp.ptq.pack_model first; a float "
                          "or fake-quant model is saved with orbax directly)")
@@ -222,11 +217,6 @@ def _build(plan: dict[str, Any], model: nnx.Module | None) -> nnx.Module:
                                  gemm=e["gemm"], dtype=e["dtype"], param_dtype=e["param_dtype"], path=path,
                                  act_quant=hook)
             new[path] = (mod, layer)
-        elif e["type"] == "kernel":
-            lay = layout(mod, path)
-            setattr(mod, "kernel", PackedKernel(w, kernel_layout=lay, kernel_dtype=jnp.dtype(e["kernel_dtype"])))
-            if hook is not None:
-                install(mod, hook)
         else:
             raise ValueError(f"restore_packed: unknown packed layer type {e['type']!r} at {path!r}")
     replace_modules(model, new)
@@ -270,9 +260,10 @@ def restore_packed(directory: str | os.PathLike, model: nnx.Module | None = None
         raise ValueError(f"restore_packed: {d} is not a save_packed checkpoint (no {PLAN_FILE} and state/; a "
                          f"directory without the plan was not completely written)")
     plan = json.loads(f.read_text())
-    if not isinstance(plan, dict) or plan.get("jaxlowfp_packed") != PLAN_VERSION:
-        raise ValueError(f"restore_packed: {f} is plan version {plan.get('jaxlowfp_packed') if isinstance(plan, dict) else None!r}; "
-                         f"this jaxlowfp reads version {PLAN_VERSION}")
+    version = plan.get("jaxlowfp_packed") if isinstance(plan, dict) else None
+    if version != PLAN_VERSION:
+        raise ValueError(f"restore_packed: {f} is plan version {version!r}; this jaxlowfp reads version "
+                         f"{PLAN_VERSION}")
     model = _build(plan, model)
     graph, state = nnx.split(model)
     have = _state_leaves(state)
