@@ -148,6 +148,10 @@ def test_refusals(tmp_path):
     (bad / PLAN_FILE).write_text(json.dumps(plan))
     with pytest.raises(ValueError, match="does not match the saved state"):
         ptq.restore_packed(bad)
+    fresh = nnx.eval_shape(lambda: Llama(preset("tiny", n_layers=1), rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="does not match the saved state"):
+        ptq.restore_packed(bad, fresh)
+    assert not packed_layers(fresh)  # the refusal changed nothing
     with pytest.raises(ValueError, match="not a save_packed checkpoint"):
         ptq.restore_packed(tmp_path)
     # a fake-quant model (not packed) and one packed only in part

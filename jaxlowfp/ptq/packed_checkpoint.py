@@ -184,6 +184,13 @@ def plan_of(model: nnx.Module) -> dict[str, Any]:
     return {"jaxlowfp_packed": PLAN_VERSION, "model": name, "config": cfg, "layers": layers}
 
 
+def _same_config(plan: dict[str, Any], model: nnx.Module) -> None:
+    name, cfg = _config(model)
+    if name != plan["model"] or cfg != plan["config"]:
+        raise ValueError(f"restore_packed: the checkpoint is a {plan['model']} with config "
+                         f"{plan['config']['fields']}; the model given is a {name} with config {cfg['fields']}")
+
+
 def _build(plan: dict[str, Any], model: nnx.Module | None) -> nnx.Module:
     """The abstract packed model of `plan` (into `model`, a float model of the same class and config, if given)."""
     cls = _import(plan["model"], "model class")
@@ -197,10 +204,7 @@ def _build(plan: dict[str, Any], model: nnx.Module | None) -> nnx.Module:
     if model is None:
         model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
     else:
-        name, cfg = _config(model)
-        if name != plan["model"] or cfg != plan["config"]:
-            raise ValueError(f"restore_packed: the checkpoint is a {plan['model']} with config "
-                             f"{plan['config']['fields']}; the model given is a {name} with config {cfg['fields']}")
+        _same_config(plan, model)
     mods = quantizable_modules(model)
     new: dict[str, tuple[nnx.Module, nnx.Module]] = {}
     for e in plan["layers"]:
@@ -251,6 +255,7 @@ def restore_packed(directory: str | os.PathLike, model: nnx.Module | None = None
 
     model: optional, a float model (concrete or ``nnx.eval_shape``) to restore into, in place; it must be of the
       checkpoint's class and config (a ValueError says both otherwise). Default: a new one is built.
+    Every check runs before `model` changes: a refusal leaves it as it was.
     """
     import orbax.checkpoint as ocp
 
@@ -264,9 +269,10 @@ def restore_packed(directory: str | os.PathLike, model: nnx.Module | None = None
     if version != PLAN_VERSION:
         raise ValueError(f"restore_packed: {f} is plan version {version!r}; this jaxlowfp reads version "
                          f"{PLAN_VERSION}")
-    model = _build(plan, model)
-    graph, state = nnx.split(model)
-    have = _state_leaves(state)
+    if model is not None:
+        _same_config(plan, model)
+    built = _build(plan, None)  # abstract; `model` changes only once the plan is known to fit the saved state
+    have = _state_leaves(nnx.state(built))
     if have != plan["leaves"]:
         want = {p: (s, t) for p, s, t in plan["leaves"]}
         got = {p: (s, t) for p, s, t in have}
@@ -275,7 +281,8 @@ def restore_packed(directory: str | os.PathLike, model: nnx.Module | None = None
                          f"{diff[:4]}{' ...' if len(diff) > 4 else ''} (checkpoint: "
                          f"{[want.get(p) for p in diff[:2]]}, built: {[got.get(p) for p in diff[:2]]}); was it "
                          f"written by another jaxlowfp version, or edited?")
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    model = built if model is None else _build(plan, model)
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.state(model))
     restored = ocp.StandardCheckpointer().restore(d / "state", abstract)
     nnx.update(model, restored)
     return model
