@@ -51,6 +51,7 @@ from jaxlowfp.ptq.formats import SCHEMES, Scheme, activation_spec, rtn_weight, s
 from jaxlowfp.ptq.gguf_export import GGUFReport, export_gguf
 from jaxlowfp.ptq.packing import PackedExperts, PackedLinear, PackReport
 from jaxlowfp.ptq.packing import pack as pack_model
+from jaxlowfp.ptq.packed_checkpoint import restore_packed, save_packed
 from jaxlowfp.ptq.gptq import GPTQ, gptq_weight
 from jaxlowfp.ptq.protocol import ExportTensor
 from jaxlowfp.ptq.smooth import AWQ, Fold, SmoothQuant
@@ -62,7 +63,7 @@ __all__ = [
     "rtn_weight", "gptq_weight", "smooth_model", "collect", "export", "load", "ExportReport",
     "export_gguf",
     "GGUFReport", "ExportTensor",
-    "pack_model", "PackedLinear", "PackedExperts", "PackReport",
+    "pack_model", "PackedLinear", "PackedExperts", "PackReport", "save_packed", "restore_packed",
 ]
 
 # old names (one release): `quantize` means x -> codes in the format modules, `pack` a tensor; these act on a model.
