@@ -1,4 +1,7 @@
-"""Export of a PTQ'd model's NVFP4 weights as a compressed-tensors ``nvfp4-pack-quantized`` checkpoint, and load.
+"""Export of a PTQ'd model's NVFP4 weights as a compressed-tensors ``nvfp4-pack-quantized`` checkpoint (the writer).
+
+The reader is `jaxlowfp.ptq.checkpoint_load` (``load``, re-exported here), the file's names and tensors per layer
+`jaxlowfp.ptq.export_layout`, the all-or-nothing directory write `jaxlowfp.ptq.atomic`.
 
 Layout (compressed-tensors, vllm-project/compressed-tensors: ``compressors/nvfp4/base.py`` names the tensors,
 ``compressors/nvfp4/helpers.py`` packs them, ``quantization/utils/helpers.py: generate_gparam`` defines the global
@@ -64,12 +67,8 @@ naming them, and writes nothing.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import os
-import shutil
-import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -79,244 +78,30 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from jax import lax
 
-from jaxlowfp._core.deprecation import deprecated_getattr, renamed_kwarg
+from jaxlowfp._core.deprecation import deprecated_getattr
 from jaxlowfp import nvfp4
 from jaxlowfp import packed as packing
 from jaxlowfp._core import ct_nvfp4
 from jaxlowfp.ptq import checks, known_gaps, serving, stream
 from jaxlowfp.ptq.protocol import Exportable, require_exportable
 from jaxlowfp.ptq.api import PTQResult
-from jaxlowfp.ptq.layers import act_quant, require_linear
-from jaxlowfp.ptq.calibrate import linear_modules
-from jaxlowfp._core.format import Format
-from jaxlowfp._core.qarray import QArray
+from jaxlowfp.ptq.layers import require_linear
 from jaxlowfp.ptq.formats import Scheme
 from jaxlowfp.scaling import CurrentScaling
+from jaxlowfp.ptq.atomic import TargetExistsError, record_digests, target_check, write_atomically
+from jaxlowfp.ptq.checkpoint_load import load
+from jaxlowfp.ptq.export_layout import (META_FILE, WEIGHTS_FILE, PackedView, UniqueNames, check_complete,
+                                        check_finite_param, ct_quant_args, default_name, export_params, format_json,
+                                        linear_layers, namer, read_safetensors, safetensors_names, same_packed_nvfp4,
+                                        tensor_digests)
 
-WEIGHTS_FILE = "model.safetensors"
+# the old import paths of what moved out (the reader, the file layout, the atomic write) keep working
+__all__ = ["export", "ExportReport", "load", "read_safetensors", "tensor_digests", "default_name", "export_params",
+           "PackedView", "check_finite_param", "same_packed_nvfp4", "check_complete", "check_export_inputs",
+           "TargetExistsError", "target_check", "write_atomically", "META_FILE", "WEIGHTS_FILE", "WRITTEN_KINDS"]
+
 _DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
-META_FILE = "jaxlowfp_ptq.json"
-_SUFFIX = {"kernel": "weight", "scale": "weight", "embedding": "weight"}
-
-
-def read_safetensors(path: str | Path, *, check_finite: bool = True) -> dict[str, np.ndarray]:
-    """Every tensor of a .safetensors file (`jaxlowfp._core.safetensors_read.read_safetensors`, float8 included:
-    the header validated against the file first, every float tensor finite unless ``check_finite=False``)."""
-    from jaxlowfp._core.safetensors_read import read_safetensors as read
-
-    return read(path, check_finite=check_finite)
-
-
-def tensor_digests(path: str | Path) -> dict[str, str]:
-    """{tensor name: SHA-256 of its bytes} of a .safetensors file (header validated first): what `export` records
-    in ``jaxlowfp_ptq.json`` and `load` verifies, so a damaged or swapped weights file is named, tensor by tensor,
-    before anything is loaded."""
-    import hashlib
-
-    from jaxlowfp._core.safetensors_read import safetensors_header
-
-    header, start = safetensors_header(path)
-    out = {}
-    with open(path, "rb") as f:
-        for name, info in header.items():
-            a, b = info["data_offsets"]
-            f.seek(start + a)
-            h = hashlib.sha256()
-            left = b - a
-            while left:
-                chunk = f.read(min(left, 1 << 24))
-                if not chunk:
-                    break
-                h.update(chunk)
-                left -= len(chunk)
-            out[name] = h.hexdigest()
-    return out
-
-
-def _expected_tensors(model_params: Mapping[str, Any], names: Mapping[str, Any], meta: Mapping[str, Any],
-                      linears: Mapping[str, Any]) -> tuple[set[str], set[str]]:
-    """(the tensors `load` reads for the model's parameters, those it may find besides: activation scales)."""
-    need, optional = set(), set()
-    layers = meta["layers"]
-    for path in model_params:
-        mod_path, leaf = path.rsplit("/", 1) if "/" in path else ("", path)
-        name = names[path]
-        info = layers.get(path) if isinstance(name, list) else (layers.get(mod_path) if leaf == "kernel" else None)
-        if info is None:
-            need |= set(name) if isinstance(name, list) else {name}
-            continue
-        kind = (info.get("weight") or {}).get("kind")
-        for m in info.get("names", [info.get("name")]):
-            if kind == "fp8":
-                need |= {f"{m}.weight", f"{m}.weight_scale"}
-                optional.add(f"{m}.input_scale")
-            else:
-                need |= {f"{m}.weight_packed", f"{m}.weight_scale", f"{m}.weight_global_scale"}
-                optional.add(f"{m}.input_global_scale")
-    return need, optional
-
-
-def default_name(path: str) -> str:
-    """``blocks/0/attn/q_proj/kernel`` -> ``blocks.0.attn.q_proj.weight`` (kernel, scale, embedding -> weight)."""
-    parts = path.split("/")
-    return ".".join(parts[:-1] + [_SUFFIX.get(parts[-1], parts[-1])])
-
-
-def _namer(tensor_names: Mapping[str, str] | Callable[[str], str] | None) -> Callable[[str], str]:
-    if tensor_names is None:
-        return default_name
-    if callable(tensor_names):
-        return tensor_names
-    names = dict(tensor_names)
-    return lambda p: names[p] if p in names else default_name(p)
-
-
-def _params(model: nnx.Module) -> dict[str, nnx.Variable]:
-    return {"/".join(map(str, p)): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
-
-
-class PackedView:
-    """A packed parameter (`jaxlowfp.packed.PackedParam`: a `PackedLinear`'s kernel, a `PackedKernel`, a
-    `PackedExperts`, after `jaxlowfp.ptq.pack_model`) seen by the exporters at its path as the float parameter of the
-    unpacked model: ``shape`` is that parameter's, ``[...]`` decodes it (float32, then the dtype the float kernel was
-    stored in; bit for bit the fake-quant kernel, which `pack_model` checks), and ``packed`` is the `PackedWeight`, from
-    whose codes and scales the exporters write the quantized layers without decoding them."""
-
-    def __init__(self, var: packing.PackedParam, layer: Any = None) -> None:
-        self.var, self.packed = var, var.get_value()
-        self.dtype = jnp.dtype(getattr(layer, "param_dtype", getattr(var, "kernel_dtype", jnp.float32)))
-        self.shape = tuple(jax.eval_shape(self._decode).shape)
-
-    def _decode(self) -> jax.Array:
-        if type(self.var) is packing.PackedParam:  # a PackedLinear's kernel: W' [K, N] = the Linear's [in, out]
-            return self.packed.dequantize(jnp.float32).astype(self.dtype)
-        return self.var[...]  # PackedKernel / PackedExperts decode to their layer's kernel layout
-
-    def __getitem__(self, key: Any) -> jax.Array:
-        return self._decode()[key]
-
-
-def export_params(model: nnx.Module) -> dict[str, Any]:
-    """What the exporters write, by parameter path in graph order: every ``nnx.Param``, and every packed parameter
-    as a :class:`PackedView` (so a packed model exports as the model it was packed from)."""
-    from jaxlowfp.packed_layer import PackedLinear
-
-    nodes = {"/".join(map(str, p)): v for p, v in nnx.iter_graph(model)}
-    out: dict[str, Any] = {}
-    for path, v in nodes.items():
-        if isinstance(v, nnx.Param):
-            out[path] = v
-        elif isinstance(v, packing.PackedParam):
-            layer = nodes.get(path.rsplit("/", 1)[0]) if "/" in path else None
-            out[path] = PackedView(v, layer if isinstance(layer, PackedLinear) else None)
-    return out
-
-
-def _linears(model: nnx.Module) -> dict[str, nnx.Module]:
-    """Every ``nnx.Linear`` and `PackedLinear` (an nnx.Linear stored packed) by path, in graph order."""
-    from jaxlowfp.packed_layer import PackedLinear
-
-    return {"/".join(map(str, p)): m for p, m in nnx.iter_graph(model) if isinstance(m, (nnx.Linear, PackedLinear))}
-
-
-def check_finite_param(var: Any, where: str) -> None:
-    """`checks.check_finite_tensor` of a parameter; of a :class:`PackedView`'s float leaves (codes of float8 formats,
-    scales) without decoding it."""
-    if isinstance(var, PackedView):
-        for leaf in jax.tree.leaves(var.packed):
-            if jnp.issubdtype(leaf.dtype, jnp.floating):
-                checks.check_finite_tensor(np.asarray(stream.fetch(leaf)).astype(np.float32), where)
-        return
-    checks.check_finite_tensor(var[...], where)
-
-
-def same_packed_nvfp4(where: str, w: packing.PackedWeight, arr: QArray, s_enc: Any
-                      ) -> tuple[QArray, Any]:
-    """The packed model's NVFP4 array and encode scale, checked to be the PTQ result's ``(arr, s_enc)`` (codes,
-    block scales and scales equal), without decoding either: what the exporters write for a packed layer."""
-    if w.format.kind != "nvfp4":
-        raise ValueError(f"{where}: the packed model holds {w.format.name} arrays; the PTQ result quantized this layer "
-                         f"to NVFP4 (is this another model's result?)")
-    a = w.array
-    same = (tuple(a.shape) == tuple(arr.shape) and a.format.block_shape == arr.format.block_shape
-            and np.array_equal(stream.fetch(a.codes), stream.fetch(arr.codes))
-            and np.array_equal(np.asarray(stream.fetch(a.scales)).view(np.uint8),
-                               np.asarray(stream.fetch(arr.scales)).view(np.uint8))
-            and float(a.global_scale) == float(arr.global_scale)
-            and (w.s_enc is None or s_enc is None or float(w.s_enc) == float(s_enc)))
-    if not same:
-        raise ValueError(f"{where}: the packed model's NVFP4 codes and scales are not the PTQ result's (was the model "
-                         f"changed after quantize and pack, or is this another model's result?)")
-    return a, (s_enc if w.s_enc is None else w.s_enc)
-
-
-class _Once(dict):
-    """The tensors of a file being assembled: a name given twice (two parameters written as one tensor: one of them
-    would be missing from the file) is a ValueError naming it, before anything is written."""
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        if key in self:
-            raise ValueError(f"export: two tensors would be written as {key!r} (check tensor_names); one of them would "
-                             f"be missing from the file. Nothing was written")
-        super().__setitem__(key, value)
-
-
-def _layer_tensors(m: str, kind: str, activation: bool) -> list[str]:
-    """The tensors module `m` of a quantized layer is written as (module docstring)."""
-    if kind == "fp8":
-        return [f"{m}.weight", f"{m}.weight_scale"]
-    return [f"{m}.{k}" for k in ("weight_packed", "weight_scale", "weight_global_scale")] + (
-        [f"{m}.input_global_scale"] if activation else [])
-
-
-def check_complete(schemes: Mapping[str, Scheme], layers: Mapping[str, Any], names: Any, what: str) -> None:
-    """ValueError naming the layers if a quantized layer of the result (`schemes`) is not written: not among the
-    written `layers`, or one of its tensors not among `names` (the file's tensor names)."""
-    names = set(names)
-    missing = [p for p in schemes if p not in layers]
-    for p, info in layers.items():
-        if p in schemes:
-            sch = schemes[p]
-            want = [t for m in info.get("names", [info["name"]])
-                    for t in _layer_tensors(m, sch.weight.kind, sch.activation is not None)]
-            if any(t not in names for t in want):
-                missing.append(p)
-    if missing:
-        raise ValueError(f"{what}: the quantized layers {missing[:4]}{' ...' if len(missing) > 4 else ''} of the PTQ "
-                         f"result would not be in the file (their parameters are not where the result says, or are "
-                         f"not nnx.Param / packed parameters of this model)")
-
-
-def _safetensors_names(path: Path) -> list[str]:
-    """The tensor names in a .safetensors file's header (the header only is read)."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        return [k for k in json.loads(f.read(n)) if k != "__metadata__"]
-
-
-def _fmt_json(f: Format | None) -> dict | None:
-    return None if f is None else {"kind": f.kind, "rule": f.rule, "block_shape": f.block_shape}
-
-
-def _fmt_from(d: dict | None) -> Format | None:
-    if d is None:
-        return None
-    return Format(kind=d["kind"], rule=d["rule"],
-                        block_shape=None if d["block_shape"] is None else tuple(d["block_shape"]))
-
-
-def _quant_args(activation: bool) -> dict:
-    """compressed-tensors' NVFP4 preset (``quantization/quant_scheme.py``: ``NVFP4`` / ``NVFP4A16``) as its
-    ``QuantizationArgs`` serialise: E4M3 block scales (``scale_dtype``: without it compressed-tensors simulates
-    activation block scales unrounded), weights static, activations ``dynamic: local`` (block scales from the
-    current input, the global scale static from calibration)."""
-    args = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
-            "dynamic": "local" if activation else False, "scale_dtype": "torch.float8_e4m3fn",
-            "zp_dtype": None, "actorder": None, "block_structure": None, "observer_kwargs": {}}
-    args["observer"] = "static_minmax" if activation else "memoryless_minmax"
-    return args
 
 
 @dataclasses.dataclass(frozen=True)
@@ -507,8 +292,8 @@ def _write_experts(path: str, var: Any, names: list[str], result: PTQResult, ten
             tensors[f"{m}.input_global_scale"] = spool.put(_input_global_scale(m, max(a[e] for a in amaxes), conv))
         bits += sum(tensors[f"{m}.{k}"].nbytes * 8 for k in ("weight_packed", "weight_scale", "weight_global_scale"))
         mods.append(m)
-    layers[path] = {"name": mods[0], "names": mods, "weight": _fmt_json(sch.weight),
-                    "activation": _fmt_json(sch.activation), "experts": len(mods)}
+    layers[path] = {"name": mods[0], "names": mods, "weight": format_json(sch.weight),
+                    "activation": format_json(sch.activation), "experts": len(mods)}
     if sch.activation is not None:
         layers[path]["activation_scale"] = result.activation_scale
         if res.input_amax is not None:
@@ -576,9 +361,9 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
         tensor_names = said
     if model_config is None and said is not None:
         model_config = require_exportable(model, "hf", "export")[1]
-    name_of = _namer(tensor_names)
+    name_of = namer(tensor_names)
     params = export_params(model)  # a packed model's packed parameters too (PackedView)
-    linears = _linears(model)
+    linears = linear_layers(model)
     check_export_inputs(params, result, name_of)
     # (FP8 needs no equal scales: vLLM requantizes a fused group's weights to its largest scale, and the group's
     # layers read one input, so their calibrated input amax is one value)
@@ -593,7 +378,7 @@ def export(model: nnx.Module, result: PTQResult, directory: str | Path, *,
             report = _write(model, result, tmp, spool, params=params, linears=linears, name_of=name_of,
                             model_config=model_config, tokenizer=tokenizer, dtype=dtype, schemes=schemes,
                             per_expert=per_expert)
-        _record_digests(tmp)
+        record_digests(tmp)
     _warn_not_evaluated(report, dtype, evaluated)
     return dataclasses.replace(report, directory=Path(directory))
 
@@ -614,71 +399,11 @@ def _warn_not_evaluated(report: ExportReport, dtype: str, evaluated: str) -> Non
                       f"so the file is not the evaluated model", UserWarning, stacklevel=3)
 
 
-class TargetExistsError(FileExistsError, ValueError):
-    """An export's target exists and is not empty (pass ``overwrite=True`` to replace it)."""
-
-
-def target_check(target: str | Path, overwrite: bool, what: str = "export") -> None:
-    """Refuse a `target` that exists and is not empty (a directory with files, or a file) unless `overwrite`:
-    exporting into an older export would mix the two."""
-    if not isinstance(overwrite, bool):
-        raise TypeError(f"overwrite must be a bool; got {type(overwrite).__name__}")
-    t = Path(target)
-    if overwrite or not t.exists():
-        return
-    if t.is_dir():
-        held = sorted(p.name for p in t.iterdir())
-        if held:
-            raise TargetExistsError(f"{what}: {t} is not empty ({', '.join(held[:4])}{' ...' if len(held) > 4 else ''}"
-                                    f"); refusing to write into it. Pass overwrite=True to replace it, or choose "
-                                    f"an empty or new directory")
-    else:
-        raise TargetExistsError(f"{what}: {t} exists; refusing to overwrite it. Pass overwrite=True to replace it")
-
-
-@contextlib.contextmanager
-def write_atomically(target: str | Path, overwrite: bool = False, *, directory: bool = True):
-    """Yield a temporary sibling path of `target` (a new empty directory if `directory`, else a file path not yet
-    made) to write into; on success it is renamed to `target` (an existing `target`, allowed by `overwrite`, is
-    moved aside first and deleted after), on any error it is deleted: `target` is never seen half written."""
-    target = Path(target)
-    target_check(target, overwrite)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp = target.with_name(f".{target.name}.tmp-{tag}")
-    if directory:
-        tmp.mkdir()
-    try:
-        yield tmp
-        old = None
-        if target.exists():
-            target_check(target, overwrite)  # nothing appeared there meanwhile
-            old = target.with_name(f".{target.name}.old-{tag}")
-            os.replace(target, old)
-        os.replace(tmp, target)
-        if old is not None:
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
-    except BaseException:
-        if tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-        elif tmp.exists():
-            tmp.unlink()
-        raise
-
-
-def _record_digests(directory: Path) -> None:
-    """Add each written tensor's SHA-256 (`tensor_digests`) to ``jaxlowfp_ptq.json``: `load` verifies them."""
-    meta_path = directory / META_FILE
-    meta = json.loads(meta_path.read_text())
-    meta["sha256"] = tensor_digests(directory / WEIGHTS_FILE)
-    meta_path.write_text(json.dumps(meta, indent=1))
-
-
 def _write(model: nnx.Module, result: PTQResult, directory: Path, spool: stream.Spool, *, params: dict,
            linears: dict, name_of: Callable[[str], str], model_config: Mapping[str, Any] | None, tokenizer: Any,
            dtype: str, schemes: Mapping[str, Scheme], per_expert: Mapping[str, list[str]]) -> ExportReport:
     conv = result.arithmetic
-    tensors: dict[str, stream.SpoolEntry] = _Once()  # a name given twice raises: no layer silently overwritten
+    tensors: dict[str, stream.SpoolEntry] = UniqueNames()  # a name given twice raises: no layer silently overwritten
     layers: dict[str, Any] = {}
     n_quant = 0
     quant_bits = 0
@@ -710,7 +435,7 @@ def _write(model: nnx.Module, result: PTQResult, directory: Path, spool: stream.
                 raise ValueError(f"{m}: weight_scale is {float(arr.scale)}; refusing to export")
             tensors[f"{m}.weight"] = spool.put(np.asarray(stream.fetch(arr.codes)))
             tensors[f"{m}.weight_scale"] = spool.put(np.asarray(arr.scale, np.float32).reshape(1))
-            layers[mod_path] = {"name": m, "weight": _fmt_json(sch.weight), "activation": _fmt_json(sch.activation)}
+            layers[mod_path] = {"name": m, "weight": format_json(sch.weight), "activation": format_json(sch.activation)}
             if sch.activation is not None:
                 layers[mod_path]["activation_scale"] = result.activation_scale
                 if result.activation_scale == "static":
@@ -751,7 +476,7 @@ def _write(model: nnx.Module, result: PTQResult, directory: Path, spool: stream.
             n_quant += int(np.prod(var.shape))
             quant_bits += sum(tensors[f"{m}.{k}"].nbytes * 8 for k in ("weight_packed", "weight_scale",
                                                                          "weight_global_scale"))
-            layers[mod_path] = {"name": m, "weight": _fmt_json(sch.weight), "activation": _fmt_json(sch.activation)}
+            layers[mod_path] = {"name": m, "weight": format_json(sch.weight), "activation": format_json(sch.activation)}
             if sch.activation is not None:  # how our run-time quantizer scaled it (load rebuilds it bit for bit)
                 layers[mod_path]["activation_scale"] = result.activation_scale
                 if result.activation_scale == "static":
@@ -778,7 +503,7 @@ def _write(model: nnx.Module, result: PTQResult, directory: Path, spool: stream.
     directory.mkdir(parents=True, exist_ok=True)
     stream.write_safetensors(directory / WEIGHTS_FILE, spool, tensors, metadata={"format": "pt"})
     # and in the file as written (its header read back; on an error write_atomically deletes the directory)
-    check_complete(schemes, layers, _safetensors_names(directory / WEIGHTS_FILE), "export")
+    check_complete(schemes, layers, safetensors_names(directory / WEIGHTS_FILE), "export")
     groups: dict[str, dict[str, Any]] = {}
     fp8 = any(schemes[p].weight.kind == "fp8" for p in layers)
     fmt = "float-quantized" if fp8 else "nvfp4-pack-quantized"
@@ -786,8 +511,8 @@ def _write(model: nnx.Module, result: PTQResult, directory: Path, spool: stream.
         targets = sorted(n for p, v in layers.items() if (schemes[p].activation is not None) == act
                          for n in v.get("names", [v["name"]]))
         if targets:
-            w_args = _fp8_quant_args(None) if fp8 else _quant_args(False)
-            a_args = (_fp8_quant_args(result.activation_scale) if fp8 else _quant_args(True)) if act else None
+            w_args = _fp8_quant_args(None) if fp8 else ct_quant_args(False)
+            a_args = (_fp8_quant_args(result.activation_scale) if fp8 else ct_quant_args(True)) if act else None
             groups[f"group_{len(groups)}"] = {
                 "targets": targets, "weights": w_args, "input_activations": a_args, "output_activations": None,
                 "format": fmt}
@@ -819,221 +544,6 @@ def _write(model: nnx.Module, result: PTQResult, directory: Path, spool: stream.
                         quantized_bits=quant_bits / max(n_quant, 1), quantized_fraction=n_quant / n_params,
                         fused=tuple(result.fused), partial=partial, arithmetic=conv, dtype=dtype,
                         rounded=(rounded, written_hp), notes=tuple(notes))
-
-
-def _fp8_weight(m: str, tensors: Mapping[str, np.ndarray]) -> Any:
-    """The `PackedWeight` of FP8 module `m` as written: E4M3 codes ``{m}.weight`` [out, in] and the per-tensor
-    ``{m}.weight_scale``; it decodes as compressed-tensors does, ``f32(q) * s``."""
-    codes, scale = tensors[f"{m}.weight"], np.asarray(tensors[f"{m}.weight_scale"], np.float32).reshape(-1)
-    if codes.dtype != ml_dtypes.float8_e4m3fn or codes.ndim != 2:
-        raise ValueError(f"{m}.weight: an FP8 weight is a 2-D float8_e4m3fn tensor; got {codes.dtype} "
-                         f"{codes.shape}")
-    if scale.size != 1 or not (np.isfinite(scale[0]) and scale[0] > 0):
-        raise ValueError(f"{m}.weight_scale: one finite value > 0 per tensor; got {scale.tolist()[:4]}")
-    arr = QArray(codes=jnp.asarray(codes), scales=None, global_scale=jnp.float32(scale[0]), format=Format(kind="fp8"),
-                 dtype=jnp.dtype(jnp.float32), shape=tuple(codes.shape))
-    return packing.PackedWeight(array=arr, s_enc=None, format=packing.Format(kind="fp8"),
-                                k=int(codes.shape[1]), n=int(codes.shape[0]))
-
-
-def _nvfp4_array(m: str, tensors: Mapping[str, np.ndarray], w_fmt: Format) -> tuple[QArray, jax.Array]:
-    """The NVFP4 codes and scales of packed module `m` as written ([out, in]), and its encode scale S_enc."""
-    codes, scales = tensors[f"{m}.weight_packed"], tensors[f"{m}.weight_scale"]
-    g = tensors[f"{m}.weight_global_scale"]
-    if codes.dtype != np.uint8 or codes.ndim != 2 or scales.dtype != ml_dtypes.float8_e4m3fn:
-        raise ValueError(f"{m}: NVFP4 needs 2-D uint8 weight_packed and float8_e4m3fn weight_scale; got "
-                         f"{codes.dtype} {codes.shape}, {scales.dtype} {scales.shape}")
-    if scales.shape != (codes.shape[0], codes.shape[1] * 2 // 16) or codes.shape[1] % 8 or g.size != 1:
-        raise ValueError(f"{m}: weight_scale {scales.shape} and weight_global_scale {g.shape} do not fit "
-                         f"weight_packed {codes.shape} (one E4M3 scale per 16 values, one global scale)")
-    s_enc = jnp.asarray(g.reshape(-1)[0], jnp.float32)
-    if w_fmt.rows > 1:
-        scales = scales[:: w_fmt.rows]
-    out, half = codes.shape
-    arr = QArray(codes=jnp.asarray(codes), scales=jnp.asarray(scales), global_scale=1.0 / s_enc, format=w_fmt,
-                 dtype=jnp.dtype(jnp.float32), shape=(out, 2 * half))
-    return arr, s_enc
-
-
-def _decode(m: str, tensors: Mapping[str, np.ndarray], w_fmt: Format, convention: str) -> jax.Array:
-    """The float32 [out, in] weight of packed module `m` (codes, block scales, global scale) as it was evaluated."""
-    arr, s_enc = _nvfp4_array(m, tensors, w_fmt)
-    return serving.decode(arr, s_enc, convention)
-
-
-def _load_experts(model: nnx.Module, path: str, var: Any, names: list[str], meta: Mapping[str, Any],
-                  tensors: Mapping[str, np.ndarray], packed: bool = False) -> Scheme | None:
-    """Stack the per-expert tensors of `path` into its [E, in, out] parameter; quantized experts decoded in their
-    convention (``packed``: kept as codes and scales, a `jaxlowfp.ptq.PackedExperts`), with the run-time
-    activation quantizer of W4A4 experts (`jaxlowfp.ptq.experts.RaggedActQuant`)."""
-    from jaxlowfp import ops
-    from jaxlowfp import packed as packing
-    from jaxlowfp.ptq.experts import RaggedActQuant, grouped_weights
-
-    info = meta["layers"].get(path)
-    mod, name = next((m, n) for p, m, n in grouped_weights(model) if p == path)
-    convention = meta.get("convention", "jaxlowfp")
-    if info is None:
-        missing = [n for n in names if n not in tensors]
-        if missing:
-            raise ValueError(f"tensors {missing[:3]} ({path}) are missing")
-        value = np.stack([tensors[n].T for n in names])
-    elif packed:
-        from jaxlowfp.ptq.packing import PackedExperts
-
-        w_fmt = _fmt_from(info["weight"])
-        if w_fmt.kind != "nvfp4":
-            raise NotImplementedError(f"{path}: packed=True loads NVFP4 experts; these are {w_fmt.name}")
-        ws = [packing.from_nvfp4(*_nvfp4_array(m, tensors, w_fmt), arithmetic=convention) for m in info["names"]]
-        shape = (len(ws), ws[0].k, ws[0].n)
-        if shape != tuple(var.shape):
-            raise ValueError(f"{path}: the per-expert packed tensors stack to {shape}; the parameter is "
-                             f"{tuple(var.shape)}")
-        setattr(mod, name, PackedExperts.stack(ws, kernel_dtype=var.dtype))
-    else:
-        w_fmt = _fmt_from(info["weight"])
-        value = np.stack([np.asarray(_decode(m, tensors, w_fmt, convention)).T for m in info["names"]])
-    if info is None or not packed:
-        if tuple(value.shape) != tuple(var.shape):
-            raise ValueError(f"{path}: the per-expert tensors stack to {value.shape}; the parameter is {var.shape}")
-        var.set_value(jnp.asarray(value, var.dtype))
-    if info is None:
-        return None
-    a_fmt = _fmt_from(info["activation"])
-    if a_fmt is not None:
-        amax = info.get("input_amax")
-        setattr(mod, "quant_" + name, RaggedActQuant(a_fmt, info.get("activation_scale") or "token",
-                                                     None if amax is None else tuple(amax), path,
-                                                     ops.new_op_key(path)))
-    return Scheme(weight=_fmt_from(info["weight"]), activation=a_fmt)
-
-
-def load(model: nnx.Module, directory: str | Path, *, packed: bool = False, gemm: str = "auto",
-         backend: str | None = None) -> dict[str, Scheme]:
-    """Load a directory written by `export` into `model` (same architecture), in place: every parameter, NVFP4
-    kernels decoded in the convention they were made in (``(q * s) * (1 / S_enc)`` or ``q * (s / S_enc)``), and the
-    activation quantization of W4A4 layers. Returns {path: Scheme} of the quantized layers.
-
-    ``packed=True``: each NVFP4 layer becomes a `jaxlowfp.ptq.PackedLinear` holding the file's codes, E4M3 block
-    scales and global scale as they are (`jaxlowfp.packed.from_nvfp4`; nothing is decoded), run on `backend`
-    (`jaxlowfp.backends`), with the activation quantizer the float load sets. `model` may be abstract
-    (``nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))``): then no float copy of the quantized kernels is ever
-    made, and the other parameters are filled from the file."""
-    backend = renamed_kwarg("ptq.load", "backend", backend, "gemm", gemm, "auto")
-    from jaxlowfp import packed as packing
-    from jaxlowfp.ptq.packing import PackedLinear, replace_modules
-
-    replaced: dict[str, tuple[nnx.Module, nnx.Module]] = {}
-    directory = Path(directory)
-    meta_path = directory / META_FILE
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"{directory}: no {META_FILE} (not written by jaxlowfp.ptq.export)")
-    from jaxlowfp._core.errors import CheckpointError
-    from jaxlowfp._core.safetensors_read import check_scales
-
-    try:
-        meta = json.loads(meta_path.read_text())
-        names = meta["tensor_names"]
-        if not (isinstance(names, dict) and isinstance(meta["layers"], dict)):
-            raise TypeError("tensor_names and layers must be JSON objects")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{meta_path}: corrupt ({type(e).__name__}: {e})") from None
-    weights = directory / WEIGHTS_FILE
-    if not weights.is_file():
-        raise CheckpointError(f"{weights}: file not found")
-    digests = meta.get("sha256")
-    if digests is not None:  # written by export: every tensor's bytes as they were written
-        got = tensor_digests(weights)
-        bad = sorted(n for n in set(got) | set(digests) if got.get(n) != digests.get(n))
-        if bad:
-            raise CheckpointError(f"{weights}: tensor {bad[0]} (and {len(bad) - 1} more) "
-                                  f"{'differs from' if bad[0] in got and bad[0] in digests else 'is not in'} what "
-                                  f"export wrote ({META_FILE} records a SHA-256 of each tensor): the file is damaged "
-                                  f"or from another export")
-    tensors = read_safetensors(weights)  # header checked against the file, every float tensor finite
-    check_scales(weights, tensors)
-    params = _params(model)
-    linears = linear_modules(model)
-    missing = sorted(set(params) - set(names))
-    if missing:
-        raise CheckpointError(f"{directory}: the model has parameters the checkpoint does not name: {missing[:5]} "
-                              f"(config.json and the weights do not belong together?)")
-    need, optional = _expected_tensors(params, names, meta, linears)
-    absent = sorted(need - set(tensors))
-    if absent:
-        raise CheckpointError(f"{weights}: tensors {absent[:5]} are missing ({len(absent)} in all)")
-    extra = sorted(set(tensors) - need - optional)
-    if extra:
-        more = " ..." if len(extra) > 5 else ""
-        raise CheckpointError(f"{weights}: tensors this model does not have: {extra[:5]}{more}"
-                              f" ({len(extra)} in all; config.json describes a smaller model than the weights, or the "
-                              f"directory mixes two exports)")
-    for path, info in meta["layers"].items():
-        amax = info.get("input_amax")
-        vals = np.asarray([] if amax is None else amax, np.float64).reshape(-1)
-        if not (np.isfinite(vals).all() and (vals >= 0).all()):
-            raise CheckpointError(f"{meta_path}: layer {path} has input_amax {amax}; it must be finite and >= 0")
-    schemes = {}
-    for path, var in params.items():
-        mod_path, leaf = path.rsplit("/", 1) if "/" in path else ("", path)
-        if isinstance(names.get(path), list):  # a grouped expert weight [E, in, out], one tensor per expert
-            sch = _load_experts(model, path, var, names[path], meta, tensors, packed)
-            if sch is not None:
-                schemes[path] = sch
-            continue
-        if mod_path in meta["layers"] and leaf == "kernel":
-            info = meta["layers"][mod_path]
-            w_fmt, a_fmt = _fmt_from(info["weight"]), _fmt_from(info["activation"])
-            m = info["name"]
-            lin = linears[mod_path]
-            aq = None if a_fmt is None else act_quant(lin, a_fmt, activation_scale=info.get("activation_scale",
-                                                                                             "tensor"),
-                                                      amax=info.get("input_amax"), path=mod_path)
-            schemes[mod_path] = Scheme(weight=w_fmt, activation=a_fmt)
-            if w_fmt.kind == "fp8":
-                w8 = _fp8_weight(m, tensors)
-                if (w8.k, w8.n) != tuple(var.shape):
-                    raise ValueError(f"{m}: FP8 weight is {(w8.n, w8.k)} (PyTorch [out, in]); the model's kernel "
-                                     f"{path} is {tuple(var.shape)}")
-                if packed:
-                    act = None if a_fmt is None else packing.as_format(a_fmt, f"{mod_path} activation")
-                    replaced[mod_path] = (lin, PackedLinear(w8, lin.bias, activation=act, gemm=backend,
-                                                            dtype=lin.dtype, param_dtype=var.dtype, path=mod_path,
-                                                            act_quant=aq))
-                else:
-                    var.set_value(w8.dequantize(jnp.float32).astype(var.dtype))
-                    lin.dot_general = lax.dot_general if aq is None else nnx.data(aq)  # a Module: its record is state
-                continue
-            arr, s_enc = _nvfp4_array(m, tensors, w_fmt)
-            out, half = arr.shape[0], arr.shape[1] // 2
-            if packed:
-                if (2 * half, out) != tuple(var.shape):
-                    raise ValueError(f"{m}: packed weight is {(out, 2 * half)} (PyTorch [out, in]); the model's "
-                                     f"kernel {path} is {tuple(var.shape)}")
-                w = packing.from_nvfp4(arr, s_enc, arithmetic=meta.get("convention", "jaxlowfp"))
-                act = None if a_fmt is None else packing.as_format(a_fmt, f"{mod_path} activation")
-                replaced[mod_path] = (lin, PackedLinear(w, lin.bias, activation=act, gemm=backend,
-                                                        dtype=lin.dtype, param_dtype=var.dtype, path=mod_path,
-                                                        act_quant=aq))
-                continue
-            kernel = serving.decode(arr, s_enc, meta.get("convention", "jaxlowfp")).T
-            if kernel.shape != var.shape:
-                raise ValueError(f"{m}: packed weight is {kernel.shape[::-1]} (PyTorch [out, in]); the model's "
-                                 f"kernel {path} is {var.shape}")
-            var.set_value(kernel.astype(var.dtype))
-            lin.dot_general = lax.dot_general if aq is None else nnx.data(aq)  # a Module: its record is state
-            continue
-        name = names[path]
-        if name not in tensors:
-            raise ValueError(f"{directory}: tensor {name} ({path}) is missing")
-        value = tensors[name]
-        if leaf == "kernel" and mod_path in linears:
-            value = value.T
-        if tuple(value.shape) != tuple(var.shape):
-            raise ValueError(f"{name}: shape {value.shape} does not fit {path} {var.shape}")
-        var.set_value(jnp.asarray(value, var.dtype))
-    replace_modules(model, replaced)
-    return schemes
 
 
 # moved to jaxlowfp.models (ptq imports nothing of models: building a model from an export is the model's side)

@@ -56,7 +56,7 @@ from jaxlowfp import mx
 from jaxlowfp._core.checks import optional_module
 from jaxlowfp.ptq import checks, known_gaps, serving, stream
 from jaxlowfp.ptq.api import PTQResult
-from jaxlowfp.ptq.checkpoint import PackedView, check_finite_param, export_params, same_packed_nvfp4
+from jaxlowfp.ptq.export_layout import PackedView, check_finite_param, export_params, same_packed_nvfp4
 from jaxlowfp.ptq.gguf_tokenizer import PRE_NAMES, pre_tokenizer_name  # noqa: F401  (their old home: re-exported)
 from jaxlowfp.ptq.gguf_tokenizer import tokenizer_metadata
 from jaxlowfp.ptq.layers import require_linear
@@ -257,9 +257,9 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
     `weights_only=True` writes a W4A4 result's weights alone (GGUF has no activation quantization);
     `allow_reordered_decode` and `allow_known_gaps` override the refusals of the module docstring.
     Atomic: written to a temporary sibling file, then renamed to `path`; an existing `path` is refused
-    (`jaxlowfp.ptq.checkpoint.TargetExistsError`) unless ``overwrite=True``.
+    (`jaxlowfp.ptq.atomic.TargetExistsError`) unless ``overwrite=True``.
     """
-    from jaxlowfp.ptq.checkpoint import target_check, write_atomically
+    from jaxlowfp.ptq.atomic import target_check, write_atomically
 
     target_check(path, overwrite, "export_gguf")
     gguf = _gguf()
