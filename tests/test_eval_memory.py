@@ -76,7 +76,7 @@ def test_block_by_block_scores_equal_the_whole_forward_program_bitwise(quantize,
     assert ev._block._cache_size() - before <= 2  # two padded lengths (64 and 16: ev._bucket), one block structure
     whole = ev._Forward(model)
     whole.blocks = None  # the former path: the whole forward pass as one program (_ll_sums)
-    monkeypatch.setattr(ev, "_Forward", lambda m: whole)
+    monkeypatch.setattr(ev, "_Forward", lambda m, *a, **k: whole)
     ll, top, _ = ev.score_requests(model, reqs, batch_size=4, greedy=True)
     np.testing.assert_array_equal(blocks, ll)
     np.testing.assert_array_equal(greedy, top)
