@@ -115,15 +115,21 @@ def _blocks(export):
     return [int(x) for x in np.linspace(8 + n, size - 4096, 7)]
 
 
+def _ff_block(export, dest, at: int):
+    """A copy of `export` at `dest` with 4 KiB of 0xFF written at byte `at` of its weights file."""
+    d = _copy(export, dest)
+    f = d / checkpoint.WEIGHTS_FILE
+    data = bytearray(f.read_bytes())
+    data[at: at + 4096] = b"\xff" * 4096
+    f.write_bytes(bytes(data))
+    return d
+
+
 def test_0xff_block_always_refused_by_load_export(export, tmp_path):
     """Wherever the 4 KiB land (codes, scales, float tensors), the per-tensor SHA-256 the export recorded names
     the damaged tensor."""
     for i, at in enumerate(_blocks(export)):
-        d = _copy(export, tmp_path / str(i))
-        f = d / checkpoint.WEIGHTS_FILE
-        data = bytearray(f.read_bytes())
-        data[at: at + 4096] = b"\xff" * 4096
-        f.write_bytes(bytes(data))
+        d = _ff_block(export, tmp_path / str(i), at)
         with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor \S+ .*differs from what export wrote"):
             LOADERS["models.load_export"](d)
 
@@ -133,11 +139,7 @@ def test_0xff_block_never_gives_a_nan_model(export, tmp_path):
     naming the tensor, or (when the block hit only uint8 codes, which 0xFF leaves valid) a finite model."""
     refused = 0
     for i, at in enumerate(_blocks(export)):
-        d = _copy(export, tmp_path / str(i))
-        f = d / checkpoint.WEIGHTS_FILE
-        data = bytearray(f.read_bytes())
-        data[at: at + 4096] = b"\xff" * 4096
-        f.write_bytes(bytes(data))
+        d = _ff_block(export, tmp_path / str(i), at)
         (d / checkpoint.META_FILE).unlink()  # as a foreign compressed-tensors checkpoint: no digests
         try:
             model, _ = LOADERS["models.load"](d)

@@ -3,29 +3,12 @@ time, or never), and the Qwix provider warns about a contraction that reads a su
 quantizing rule matches that submodule but not the module running the contraction (it stays in high precision)."""
 import warnings
 
-import jax.numpy as jnp
-import numpy as np
 import pytest
 import qwix
 from flax import nnx
 
 from jaxlowfp import execution, ptq, qat, qwix_provider
-
-
-class DirectRead(nnx.Module):
-    """canvit-nnx's pattern: the attention projection's kernel is read directly, the layer is never called."""
-
-    def __init__(self, rngs):
-        self.qkv = nnx.Linear(32, 96, rngs=rngs)
-        self.mlp = nnx.Linear(32, 32, rngs=rngs)
-
-    def __call__(self, x):
-        qkv = x @ self.qkv.kernel[...]
-        return self.mlp(x) + qkv[..., :32]
-
-
-def _x():
-    return jnp.asarray(np.random.default_rng(0).standard_normal((2, 8, 32)), jnp.float32)
+from tests.test_execution import DirectRead, _x  # canvit-nnx's direct kernel read, and its input
 
 
 def test_ptq_ops_are_labelled_by_what_they_did():
