@@ -14,7 +14,8 @@ only). Backends, chosen like ``impl=``::
                      the pattern XLA's GEMM rewriter turns into cuBLASLt's FP8 GEMM on sm_89+
                      (``__cublas$lt$matmul$f8``).
     "dequant"        dequantize the weight and dot in the compute dtype (XLA fuses the dequantization into the
-                     GEMM's operand; at M <= DECODE_THEN_DOT_ROWS, decode, the weight in a buffer, then the GEMV:
+                     GEMM's operand; at M <= DECODE_THEN_DOT_ROWS, decode, the weight in a buffer, then the GEMV;
+                     NVFP4 at M <= NATIVE_GEMV_ROWS on CPU: jaxlowfp's native GEMV, which reads the packed codes:
                      ``Plan.form``): every format, every device. HiF8 and IF4 have no hardware GEMM and always take it.
     "auto"           scaled_matmul on a CUDA GPU of compute capability >= 10.0 for NVFP4 W4A4 / MXFP8 W8A8; fp8 on
                      >= 8.9 for FP8 W8A8; else dequant. What it picked is logged once per (format, activation,
@@ -30,6 +31,13 @@ scaled_matmul's / float8 dot's conversions) depends on the layer's input and run
 it the decode depends only on the parameters, and XLA is free to schedule every layer's decode before the first
 matmul: the whole float32 model alive at once (SmolLM2-135M: 435 MB of XLA temp against float32's 15 MB). With it,
 only the weights of the layers sharing one input (q/k/v, gate/up) are decoded together.
+
+Decode (``tests/test_native_gemv.py``): a product of M <= `NATIVE_GEMV_ROWS` rows (decode, short prompts) of an NVFP4
+weight in jaxlowfp's arithmetic, float32 activations, on CPU, runs ``jaxlowfp._core.native_gemv`` (form
+"native-gemv"), a C++ kernel called through the XLA FFI: ``y[m, n] = sum_k x[m, k] ((e2m1(q[n, k]) s[n, k/16]) g)``,
+each weight the dequantized value bit for bit, decoded in registers from the 4-bit codes (a GEMV reads 4.5 bits a
+parameter instead of 32). W4A4 fake-quantizes the activations in XLA first. Where the kernel cannot be built (no C++
+compiler) the XLA form runs and ``Plan.reason`` says why.
 
 Exactness (``tests/test_packed.py``): every backend computes ``sum_k x̂_k ŵ_k`` for the same quantized values as the
 fake-quant path (``fake_quantize(x) @ dequantize(W)``); the block-scaled and FP8 backends factor the global scales out
@@ -61,7 +69,7 @@ from jaxlowfp.packed import PER_TENSOR, PackedWeight, per_tensor_scale, as_forma
 __all__ = ["BACKENDS", "BackendUnavailableError", "Plan", "plan", "packed_dot_general", "packed_matmul",
            "SCALED_MATMUL_MIN_CC", "FP8_MIN_CC", "scaled_matmul_rows",
            "block_scaled_product", "block_scaled_rows", "fp8_product", "fp8_rows", "after_input",
-           "DECODE_THEN_DOT_ROWS", "dequant_form", "decode_weight"]
+           "DECODE_THEN_DOT_ROWS", "NATIVE_GEMV_ROWS", "dequant_form", "native_gemv_problem", "decode_weight"]
 
 BACKENDS = ("auto", "scaled_matmul", "fp8", "dequant")
 # "dequant" products of at most this many rows (decode: M = batch) decode the weight into a buffer, then dot. Left to
@@ -69,6 +77,10 @@ BACKENDS = ("auto", "scaled_matmul", "fp8", "dequant")
 # (bench/packed_decode.py: the fused form is 2-3x slower than decode-then-GEMV at M = 1, and faster from
 # M = 2 on, where the dot is a GEMM that reads the decoded operand once)
 DECODE_THEN_DOT_ROWS = 1
+# "dequant" products of NVFP4 weights with at most this many rows run on the native CPU GEMV
+# (jaxlowfp._core.native_gemv) where it is available: it decodes each weight once per 4 rows in registers, so past
+# a few rows XLA's GEMM of the decoded weight wins (bench/packed_decode.py)
+NATIVE_GEMV_ROWS = 8
 SCALED_MATMUL_MIN_CC = 100  # cuDNN's block-scaled GEMM: Blackwell (sm_100)
 FP8_MIN_CC = 89  # cuBLASLt FP8: Ada (sm_89) and Hopper (sm_90)
 SCALED_KINDS = ("nvfp4", "mxfp4", "mxfp8")
@@ -84,7 +96,9 @@ class BackendUnavailableError(RuntimeError):
 class Plan:
     """What a packed product runs: `backend` ("scaled_matmul", "fp8" or "dequant"), whether the low-precision GEMM is
     the device's own (`native`: cuDNN / cuBLASLt) or emulated by jax / XLA in float32, and `reason`. `form`, for
-    "dequant" when the rows M of the product are known (:func:`plan`'s ``rows``): "decode-then-dot" (M <=
+    "dequant" when the rows M of the product are known (:func:`plan`'s ``rows``): "native-gemv" (NVFP4, M <=
+    `NATIVE_GEMV_ROWS`, on CPU: jaxlowfp's C++ GEMV on the packed codes; where it cannot run, `reason` says why and
+    one of the XLA forms runs), "decode-then-dot" (M <=
     `DECODE_THEN_DOT_ROWS`: the weight decoded into a buffer of its own, then an ordinary dot / GEMV) or "fused"
     (the decode left to XLA, which fuses it into the dot's operand); "" otherwise. A pytree with no leaves, so a
     jitted function can return it."""
@@ -160,16 +174,51 @@ def _device_problem(backend: str, device: Any, kind: str | None = None) -> tuple
 
 
 def plan(w: PackedWeight | Format, activation: Any = None, gemm: str = "auto", *, device: Any = None,
-         where: str = "", rows: int | None = None, backend: str | None = None) -> Plan:
+         where: str = "", rows: int | None = None, backend: str | None = None, dtype: Any = None,
+         weight_dtype: Any = None) -> Plan:
     """The backend a product of `w` (a packed weight or its format) with `activation` runs on `device` (default JAX's
     first device). An explicit `backend` that cannot run raises (``ValueError`` for the formats,
     :class:`BackendUnavailableError` for the device); "auto" logs its choice once. `rows`: the product's M, which
-    decides the "dequant" form (``Plan.form``)."""
+    decides the "dequant" form (``Plan.form``); `dtype` (the activations', default float32) and `weight_dtype` (what
+    the decoded weight is rounded to, default none) decide whether the native GEMV can take it."""
     backend = renamed_kwarg("backends.plan", "backend", backend, "gemm", gemm, "auto")
     p = _plan(w, activation, backend, device=device, where=where)
     if p.backend != "dequant" or rows is None:
         return p
+    fmt = w.format if isinstance(w, PackedWeight) else as_format(w, "w")
+    if rows <= NATIVE_GEMV_ROWS and _native_fits(fmt, _device(device)):
+        problem = native_gemv_problem(fmt, device=device, dtype=dtype, weight_dtype=weight_dtype)
+        if problem is None:
+            reason = f"jaxlowfp's native GEMV on the packed codes on {_describe(_device(device))}"
+            return dataclasses.replace(p, form="native-gemv", reason=reason)
+        return dataclasses.replace(p, form=dequant_form(rows),
+                                   reason=f"{p.reason}; native GEMV not used: {problem}")
     return dataclasses.replace(p, form=dequant_form(rows))
+
+
+def _native_fits(fmt: Format, dev: Any) -> bool:
+    """The native GEMV computes this format on this device (whether or not it can be built here)."""
+    return fmt.kind == "nvfp4" and fmt.arithmetic == "jaxlowfp" and dev.platform == "cpu"
+
+
+def native_gemv_problem(w: PackedWeight | Format, *, device: Any = None, dtype: Any = None,
+                        weight_dtype: Any = None) -> str | None:
+    """Why the native CPU GEMV (``jaxlowfp._core.native_gemv``) cannot compute a product of `w` with activations of
+    `dtype` (default float32) on `device`; None when it can (building it on first call)."""
+    fmt = w.format if isinstance(w, PackedWeight) else as_format(w, "w")
+    dev = _device(device)
+    if not _native_fits(fmt, dev):
+        return (f"it computes NVFP4 weights in jaxlowfp's arithmetic on CPU; got {fmt.name} on "
+                f"{_describe(dev)}")
+    if dtype is not None and jnp.dtype(dtype) != jnp.float32:
+        return f"it takes float32 activations; got {jnp.dtype(dtype).name}"
+    if weight_dtype is not None and jnp.dtype(weight_dtype) != jnp.float32:
+        return (f"the decoded weight is rounded to {jnp.dtype(weight_dtype).name} (the layer's param_dtype) and the "
+                f"kernel multiplies the float32 decode")
+    from jaxlowfp._core import native_gemv
+
+    ok, why = native_gemv.status()
+    return None if ok else why
 
 
 def dequant_form(rows: int) -> str:
@@ -333,8 +382,14 @@ def decode_weight(w: PackedWeight, device: Any = None) -> jax.Array:
     return out.T
 
 
-def _dequant(x2: jax.Array, w: PackedWeight, act: Format | None, weight_dtype: Any, device: Any = None) -> jax.Array:
+def _dequant(x2: jax.Array, w: PackedWeight, act: Format | None, weight_dtype: Any, device: Any = None,
+             form: str = "") -> jax.Array:
     xq = x2 if act is None else fake_quantize(x2, act)
+    if form == "native-gemv":  # the packed codes straight into the C++ GEMV (float32 in and out)
+        from jaxlowfp._core import native_gemv
+
+        a = w.array
+        return native_gemv.nvfp4_gemv(xq, a.codes, a.scales, a.global_scale, tile_rows=a.format.rows)
     wd = decode_weight(w, device)
     if weight_dtype is not None:
         wd = wd.astype(weight_dtype)
@@ -361,13 +416,13 @@ def packed_matmul(x2: jax.Array, w: PackedWeight, *, gemm: str = "auto", activat
     if act is not None and act.group is not None and w.k % act.group:
         raise ValueError(f"{where or 'packed_matmul'}: activation format {act.name} has blocks of {act.group} along "
                          f"K; K = {w.k} is not a multiple")
-    p = plan(w, act, backend, device=device, where=where, rows=x2.shape[0])
+    p = plan(w, act, backend, device=device, where=where, rows=x2.shape[0], dtype=x2.dtype, weight_dtype=weight_dtype)
     x2, w = after_input(x2, w)  # the weight is decoded after its input exists, just before its product
     if p.backend == "scaled_matmul":
         return _scaled_matmul(x2, w, act), p
     if p.backend == "fp8":
         return _fp8(x2, w), p
-    return _dequant(x2, w, act, weight_dtype, device), p
+    return _dequant(x2, w, act, weight_dtype, device, p.form), p
 
 
 def packed_dot_general(
