@@ -27,7 +27,15 @@ find_python() {
   return 1
 }
 
+# jaxlowfp's native CPU GEMV of packed NVFP4 weights (jaxlowfp/_core/packed_gemv.cc): compiled once into its cache
+# (~/.cache/jaxlowfp/native, keyed by the source, jaxlib and flags); without a C++ compiler the library falls back to
+# XLA and says so (backends.plan(...).form), but the tests require the kernel.
+build_native() {
+  "$VENV/bin/python" -m jaxlowfp._core.native_gemv || echo "bootstrap: WARNING: the native GEMV was not built" >&2
+}
+
 if [[ -f "$STAMP" && "$STAMP" -nt pyproject.toml && -x "$VENV/bin/python" ]]; then
+  build_native
   exit 0
 fi
 
@@ -58,4 +66,5 @@ JAXLIB_VERSION=$("$VENV/bin/python" -c 'import jaxlib; print(jaxlib.__version__)
 "$VENV/bin/python" -m pip install -q --no-deps --upgrade --target "$VENV/gpu-compile" \
   "jax-cuda12-plugin==$JAXLIB_VERSION" "jax-cuda12-pjrt==$JAXLIB_VERSION" "nvidia-cuda-nvcc-cu12>=12.8"
 touch "$STAMP"
+build_native
 echo "bootstrap: $VENV ready ($("$VENV/bin/python" -c 'import jax; print("jax", jax.__version__)'))"
