@@ -1,19 +1,20 @@
-"""Decode-shaped products of a packed weight (issue 44): per layer at M = 1..256 and whole-model forwards, packed NVFP4
-against float32, side by side in one run (medians of alternated calls; only ratios count on a shared CPU).
+"""Decode-shaped products of a packed weight (issue 44): per layer at M = 1..16 and whole-model decode steps, packed
+NVFP4 against float32 and Qwix's nvfp4 PTQ, side by side in one run (medians of alternated calls; only ratios count
+on a shared CPU).
 
     .venv/bin/python bench/packed_decode.py [--model smollm2-135m | tiny] [--reps 15] [--no-write]
 
-Per layer: ``x [M, 576] @ W' [576, 1536]`` (a SmolLM2-135M MLP projection), W' packed to NVFP4 4/6 (W4A16), by
+Per layer: ``x [M, 576] @ W' [576, 1536]`` (a SmolLM2-135M MLP projection), W' packed to NVFP4 4/6, by
 `jaxlowfp.backends.packed_matmul` on the "dequant" backend (this CPU's), in three forms:
-  - "chosen": what the library runs (`backends.plan(..., rows=M).form`: decode-then-dot at M <= DECODE_THEN_DOT_ROWS,
-    else the decode fused into the dot by XLA);
-  - "fused" and "decode-then-dot": each form forced at every M;
-and the float32 dot of the same (decoded) weight. W4A4 (the input fake-quantized to NVFP4 first) at M = 1 too.
+  - "chosen": what the library runs (`backends.plan(..., rows=M).form`: the native GEMV on the packed codes at
+    M <= NATIVE_GEMV_ROWS, else the decode fused into the dot by XLA);
+  - "decode-then-dot" and "fused": the XLA forms, forced (native GEMV off);
+against the float32 dot of the same (decoded) weight and Qwix 0.1.8's PTQ ``nnx.Linear`` (``QtRule(weight_qtype=
+"nvfp4", tile_size=16)``, as its docs configure it). W4A4 (the input fake-quantized to NVFP4 first) at M = 1 too.
 
-Whole model: `models.load(model)` in float32, ``ptq.quantize_model`` RTN of every ``*_proj`` to NVFP4 4/6 W4A16,
-``ptq.pack_model``; jitted forwards of 1 token and of 16 tokens, float32 against the packed model, and the packed model
-as it ran before issue 44 (no `backends.after_input` barrier, the decode always fused: both patched out while its
-programs are traced), with the XLA temp bytes of each compiled forward.
+Whole model: `models.load(model)` in float32; ``ptq.quantize_model`` RTN of every ``*_proj`` to NVFP4 4/6 W4A16 and
+W4A4, ``ptq.pack_model``; Qwix's PTQ of the same float model (``qwix.quantize_model``, every ``*_proj``). One jitted
+decode step (1 token, batch 1, a KV cache of 64 slots) and a 16-token forward without cache, each model.
 
 Writes the ``## Packed decode (M = 1) and short forwards`` section of bench/RESULTS.md.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import time
 
@@ -31,32 +33,32 @@ from _results import machine, markdown_table, write_section
 from flax import nnx
 
 from jaxlowfp import backends, models, packed, ptq
-from jaxlowfp.models.llama import Llama, preset
+from jaxlowfp.models.llama import KVCache, Llama, preset
 
 SECTION = "Packed decode (M = 1) and short forwards"
 K, N = 576, 1536
-NOTE = ("Reading: at M = 1 \"chosen\" and \"decode-then-dot\" are the same program, so their gap is this shared "
-        "CPU's noise. Decode-then-dot writes the float32 weight on every call and then reads it, so it cannot reach "
-        "float32's GEMV; issue 44's floor (packed decode >= 0.5x float32) needs a GEMV that reads the packed codes (a "
-        "custom kernel), not done here. The XLA temp of the packed forward is float32's plus the decoded weights of "
-        "the layers that share one input (gate/up: 2 x 3.5 MB); before issue 44 it was every projection's.")
 
 
 @contextlib.contextmanager
 def form(name: str | None):
-    """Force the "dequant" form (None: the library's choice); "before": no barrier and the fused form (pre issue 44).
+    """Force the "dequant" form (None: the library's choice): "fused" or "decode-then-dot" with the native GEMV off.
     Only while tracing: a jitted program keeps what it was traced with."""
-    saved = backends.dequant_form, backends.after_input
-    if name in ("fused", "before"):
-        backends.dequant_form = lambda rows: "fused"
-    elif name == "decode-then-dot":
-        backends.dequant_form = lambda rows: "decode-then-dot"
-    if name == "before":
-        backends.after_input = lambda x, w: (x, w)
+    saved = backends.dequant_form, backends.NATIVE_GEMV_ROWS
+    if name is not None:
+        backends.NATIVE_GEMV_ROWS = 0
+        backends.dequant_form = lambda rows: name
     try:
         yield
     finally:
-        backends.dequant_form, backends.after_input = saved
+        backends.dequant_form, backends.NATIVE_GEMV_ROWS = saved
+
+
+def qwix_model(model: nnx.Module, pattern: str, *args):
+    """Qwix's PTQ of `model` (NVFP4 weights, tiles of 16 along the input, as Qwix's docs configure nvfp4)."""
+    import qwix
+
+    rules = [qwix.QtRule(module_path=pattern, weight_qtype="nvfp4", tile_size=16)]
+    return qwix.quantize_model(model, qwix.PtqProvider(rules), *args)
 
 
 def alternated(fns: dict, reps: int) -> dict[str, float]:
@@ -73,16 +75,23 @@ def alternated(fns: dict, reps: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def cell(t: float, f32: float) -> str:
+    """Microseconds and speed against float32 (float32's time / this one: > 1 is faster)."""
+    return f"{t * 1e6:.0f} ({f32 / t:.2f}x)"
+
+
 def per_layer(reps: int) -> list[list]:
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((K, N)).astype(np.float32) * 0.05)
     pw = packed.pack(w, "nvfp4-mse")
     wd = pw.dequantize(jnp.float32)
+    lin = nnx.Linear(K, N, use_bias=False, rngs=nnx.Rngs(0))
+    lin.kernel[...] = w
     rows = []
-    for m, act in [(1, None), (2, None), (4, None), (16, None), (256, None), (1, "nvfp4-mse")]:
+    for m, act in [(1, None), (2, None), (4, None), (8, None), (16, None), (1, "nvfp4-mse")]:
         x = jnp.asarray(rng.standard_normal((m, K)).astype(np.float32))
         fns = {}
-        for name in ("chosen", "fused", "decode-then-dot"):
+        for name in ("chosen", "decode-then-dot", "fused"):
             with form(None if name == "chosen" else name):
                 f = jax.jit(lambda x, p: backends.packed_matmul(x, p, gemm="dequant", activation=act)[0])
                 f.lower(x, pw)  # traced under the form
@@ -90,11 +99,16 @@ def per_layer(reps: int) -> list[list]:
         xq = x if act is None else packed.fake_quantize(x, act)
         g = jax.jit(lambda x, w: x @ w)
         fns["float32"] = lambda: g(xq, wd)
+        if act is None:
+            qg, qs = nnx.split(qwix_model(lin, ".*", x))
+            qf = jax.jit(lambda s, x: nnx.merge(qg, s)(x))
+            fns["qwix"] = lambda: qf(qs, x)
         t = alternated(fns, reps)
         chosen = backends.plan(pw, act, "dequant", rows=m).form
         f32 = t["float32"]
-        rows.append([m, "W4A16" if act is None else "W4A4", chosen, f"{f32 * 1e6:.0f}",
-                     f"{t['chosen'] / f32:.1f}x", f"{t['fused'] / f32:.1f}x", f"{t['decode-then-dot'] / f32:.1f}x"])
+        rows.append([m, "W4A16" if act is None else "W4A4", chosen, f"{f32 * 1e6:.0f}", cell(t["chosen"], f32),
+                     cell(t["decode-then-dot"], f32), cell(t["fused"], f32),
+                     cell(t["qwix"], f32) if "qwix" in t else ""])
         print(rows[-1], flush=True)
     return rows
 
@@ -107,41 +121,46 @@ def whole_model(name: str, reps: int) -> tuple[list[list], str]:
         model, _ = models.load(name)
         cfg = model.config
         label = name
-    vocab = cfg.vocab
-    tok = {t: jnp.asarray(np.random.default_rng(t).integers(0, vocab, (1, t)), jnp.int32) for t in (1, 16)}
-    long = jax.ShapeDtypeStruct((4, min(256, cfg.max_seq_len)), jnp.int32)  # compiled only: its XLA temp
-    progs: dict[tuple[str, int], tuple] = {}
-    long_temp: dict[str, int] = {}
+    one = jnp.asarray([[7]], jnp.int32)
+    sixteen = jnp.asarray(np.random.default_rng(16).integers(0, cfg.vocab, (1, 16)), jnp.int32)
+    cache = KVCache.init(cfg, 1, 64)
+    progs: dict[tuple[str, str], tuple] = {}
 
-    def build(key: str, m: nnx.Module, mode: str | None) -> None:
+    def build(key: str, m: nnx.Module, mode: str | None = None) -> None:
         graph, state = nnx.split(m)
-        for t, tokens in tok.items():
-            with form(mode):
-                f = jax.jit(lambda s, x, graph=graph: nnx.merge(graph, s)(x))
-                temp = f.lower(state, tokens).compile().memory_analysis().temp_size_in_bytes
-            progs[(key, t)] = (f, state, tokens, temp)
         with form(mode):
-            f = jax.jit(lambda s, x, graph=graph: nnx.merge(graph, s)(x))
-            long_temp[key] = f.lower(state, long).compile().memory_analysis().temp_size_in_bytes
+            step = jax.jit(lambda s, x, c, graph=graph: nnx.merge(graph, s)(x, cache=c)[0])
+            t0 = time.perf_counter()
+            step.lower(state, one, cache).compile()
+            progs[(key, "decode")] = (lambda: step(state, one, cache), time.perf_counter() - t0)
+            fwd = jax.jit(lambda s, x, graph=graph: nnx.merge(graph, s)(x))
+            fwd.lower(state, sixteen).compile()
+            progs[(key, "16")] = (lambda: fwd(state, sixteen), 0.0)
+        print("built", key, flush=True)
 
-    build("float32", model, None)
-    res = ptq.quantize_model(model, [ptq.Rule(path=r".*_proj", scheme=ptq.scheme("nvfp4-mse", weights_only=True))],
-                             progress=False)
-    ptq.pack_model(model, res)
-    build("packed", model, None)
-    build("packed, before issue 44", model, "before")
+    build("float32", model)
+    try:
+        build("Qwix nvfp4 PTQ W4A16", qwix_model(model, r".*_proj", one))
+    except Exception as e:  # noqa: BLE001 (reported in the table)
+        print("qwix failed:", e)
+    for label_q, sch in (("W4A16", ptq.scheme("nvfp4-mse", weights_only=True)), ("W4A4", ptq.scheme("nvfp4-mse"))):
+        m = models.load(name)[0] if name != "tiny" else Llama(preset("small"), rngs=nnx.Rngs(0))
+        res = ptq.quantize_model(m, [ptq.Rule(path=r".*_proj", scheme=sch)], progress=False)
+        ptq.pack_model(m, res)
+        build(f"packed NVFP4 {label_q}", m)
+        if label_q == "W4A16":
+            build(f"packed NVFP4 {label_q}, XLA decode-then-dot", m, "decode-then-dot")
     rows = []
-    for t in tok:
-        fns = {k: (lambda f=f, s=s, x=x: f(s, x)) for (k, tt), (f, s, x, _) in progs.items() if tt == t}
+    for what in ("decode", "16"):
+        fns = {k: f for (k, w), (f, _) in progs.items() if w == what}
         times = alternated(fns, reps)
         f32 = times["float32"]
+        t = 1 if what == "decode" else 16
         for k, sec in times.items():
-            rows.append([t, k, f"{sec * 1e3:.1f}", f"{sec / f32:.2f}x", f"{t / sec:.0f}",
-                         f"{progs[(k, t)][3] / 1e6:.1f}"])
+            rows.append(["1 (KV cache)" if what == "decode" else "16 (no cache)", k, f"{sec * 1e3:.1f}",
+                         f"{t / sec:.1f}", f"{f32 / sec:.2f}x",
+                         f"{progs[(k, what)][1]:.1f}" if what == "decode" else ""])
             print(rows[-1], flush=True)
-    for k, temp in long_temp.items():
-        rows.append([f"{long.shape[0]}x{long.shape[1]}", k, "", "", "", f"{temp / 1e6:.1f}"])
-        print(rows[-1], flush=True)
     return rows, label
 
 
@@ -151,22 +170,31 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args()
+    t0 = time.time()
+    load = os.getloadavg()[0]
     layer = per_layer(a.reps)
     model_rows, label = whole_model(a.model, a.reps)
+    from jaxlowfp._core import native_gemv
+
     body = (
-        f"`bench/packed_decode.py --model {a.model} --reps {a.reps}` on {machine()} (a shared CPU: only ratios "
-        f"count; medians of {a.reps} alternated calls).\n\n"
-        f"Per layer: `x [M, {K}] @ W' [{K}, {N}]`, W' packed NVFP4 4/6, `backends.packed_matmul` on the \"dequant\" "
-        f"backend; time / the float32 dot of the same weight. \"chosen\" is the form the library runs "
-        f"(`backends.plan(..., rows=M).form`; decode-then-dot at M <= {backends.DECODE_THEN_DOT_ROWS}).\n\n"
-        + markdown_table(["M", "weights x acts", "chosen form", "float32 us", "chosen", "fused", "decode-then-dot"],
-                         layer)
-        + f"\n\nWhole model ({label}), NVFP4 4/6 W4A16 packed (`ptq.pack_model`), jitted forward of T tokens (batch "
-        f"1, no cache); \"before issue 44\": the same packed model traced without the decode barrier and with the "
-        f"decode always fused. XLA temp: `compile().memory_analysis().temp_size_in_bytes`; 4x256: compiled, "
-        f"not run.\n\n"
-        + markdown_table(["T", "model", "ms / forward", "vs float32", "tokens / s", "XLA temp MB"], model_rows)
-        + "\n\n" + NOTE)
+        f"`nice -n 19 .venv/bin/python bench/packed_decode.py --model {a.model} --reps {a.reps}` on {machine()}, "
+        f"load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end ({time.time() - t0:.0f} s; a "
+        f"shared CPU: only ratios count; medians of {a.reps} alternated calls). Native GEMV: "
+        f"{native_gemv.status()[1].split(' (')[0]}.\n\n"
+        f"Per layer: `x [M, {K}] @ W' [{K}, {N}]`, W' packed NVFP4 4/6 (W4A16; W4A4: x fake-quantized to NVFP4 "
+        f"first), `backends.packed_matmul` on the \"dequant\" backend. Each cell: microseconds per call and, in "
+        f"brackets, the speed against the float32 dot of the same weight (float32's time / its time: the tokens/s "
+        f"ratio; > 1 is faster). \"chosen\" is the form the library runs (`backends.plan(..., rows=M).form`: "
+        f"\"native-gemv\" at M <= {backends.NATIVE_GEMV_ROWS}); \"decode-then-dot\" and \"fused\" are the XLA "
+        f"forms, forced; \"qwix\": Qwix's PTQ `nnx.Linear` (nvfp4, tile 16).\n\n"
+        + markdown_table(["M", "weights x acts", "chosen form", "float32 us", "chosen", "decode-then-dot", "fused",
+                          "qwix"], layer)
+        + f"\n\nWhole model ({label}): float32; Qwix's nvfp4 PTQ of every `*_proj` (W4A16, tile 16); "
+        f"`ptq.quantize_model` RTN NVFP4 4/6 of every `*_proj` then `ptq.pack_model` (W4A16, W4A4: activations "
+        f"fake-quantized in XLA, then the kernel), and the packed W4A16 model with the native GEMV off (XLA "
+        f"decode-then-dot, what ran before it). One jitted decode step (1 token, batch 1, a 64-slot KV cache) and "
+        f"a 16-token forward (no cache); compile s: the decode step's.\n\n"
+        + markdown_table(["tokens", "model", "ms / call", "tokens / s", "vs float32", "compile s"], model_rows))
     print(body)
     if not a.no_write:
         write_section(SECTION, body)
