@@ -33,7 +33,8 @@ matmul: the whole float32 model alive at once (SmolLM2-135M: 435 MB of XLA temp 
 only the weights of the layers sharing one input (q/k/v, gate/up) are decoded together.
 
 Decode (``tests/test_native_gemv.py``): a product of M <= `NATIVE_GEMV_ROWS` rows (decode, short prompts) of an NVFP4
-weight in jaxlowfp's arithmetic, float32 activations, on CPU, runs ``jaxlowfp._core.native_gemv`` (form
+weight in jaxlowfp's arithmetic (or FP8 / HiF8: ``w = value(q) s``), float32 activations, on CPU, runs
+``jaxlowfp._core.native_gemv`` (form
 "native-gemv"), a C++ kernel called through the XLA FFI: ``y[m, n] = sum_k x[m, k] ((e2m1(q[n, k]) s[n, k/16]) g)``,
 each weight the dequantized value bit for bit, decoded in registers from the 4-bit codes (a GEMV reads 4.5 bits a
 parameter instead of 32). W4A4 fake-quantizes the activations in XLA first. Where the kernel cannot be built (no C++
@@ -77,7 +78,7 @@ BACKENDS = ("auto", "scaled_matmul", "fp8", "dequant")
 # (bench/packed_decode.py: the fused form is 2-3x slower than decode-then-GEMV at M = 1, and faster from
 # M = 2 on, where the dot is a GEMM that reads the decoded operand once)
 DECODE_THEN_DOT_ROWS = 1
-# "dequant" products of NVFP4 weights with at most this many rows run on the native CPU GEMV
+# "dequant" products of NVFP4, FP8 and HiF8 weights with at most this many rows run on the native CPU GEMV
 # (jaxlowfp._core.native_gemv) where it is available: it decodes each weight once per 4 rows in registers, so past
 # a few rows XLA's GEMM of the decoded weight wins (bench/packed_decode.py)
 NATIVE_GEMV_ROWS = 8
@@ -198,7 +199,8 @@ def plan(w: PackedWeight | Format, activation: Any = None, gemm: str = "auto", *
 
 def _native_fits(fmt: Format, dev: Any) -> bool:
     """The native GEMV computes this format on this device (whether or not it can be built here)."""
-    return fmt.kind == "nvfp4" and fmt.arithmetic == "jaxlowfp" and dev.platform == "cpu"
+    return dev.platform == "cpu" and (fmt.kind in ("fp8", "hif8")
+                                      or (fmt.kind == "nvfp4" and fmt.arithmetic == "jaxlowfp"))
 
 
 def native_gemv_problem(w: PackedWeight | Format, *, device: Any = None, dtype: Any = None,
@@ -208,7 +210,7 @@ def native_gemv_problem(w: PackedWeight | Format, *, device: Any = None, dtype: 
     fmt = w.format if isinstance(w, PackedWeight) else as_format(w, "w")
     dev = _device(device)
     if not _native_fits(fmt, dev):
-        return (f"it computes NVFP4 weights in jaxlowfp's arithmetic on CPU; got {fmt.name} on "
+        return (f"it computes NVFP4 weights in jaxlowfp's arithmetic, FP8 and HiF8 on CPU; got {fmt.name} on "
                 f"{_describe(dev)}")
     if dtype is not None and jnp.dtype(dtype) != jnp.float32:
         return f"it takes float32 activations; got {jnp.dtype(dtype).name}"
@@ -389,6 +391,8 @@ def _dequant(x2: jax.Array, w: PackedWeight, act: Format | None, weight_dtype: A
         from jaxlowfp._core import native_gemv
 
         a = w.array
+        if w.format.kind in native_gemv.LUT8_KINDS:
+            return native_gemv.lut8_gemv(xq, a.codes, a.global_scale, kind=w.format.kind)
         return native_gemv.nvfp4_gemv(xq, a.codes, a.scales, a.global_scale, tile_rows=a.format.rows)
     wd = decode_weight(w, device)
     if weight_dtype is not None:

@@ -3,6 +3,7 @@ decode is the library's dequantized value exactly, its products match the librar
 independent numpy + ml_dtypes decode within float32 summation error, under jax.jit, on both code paths (AVX2 + FMA
 and plain C++); backends.plan reports the form; bad input is refused clearly. A kernel that cannot be built FAILS
 here (no skip): the suite requires it."""
+import en_dtypes
 import ml_dtypes
 import numpy as np
 import jax
@@ -98,6 +99,37 @@ def test_products_match_dequantize_then_dot_and_numpy(bases, isa):
         assert np.all(np.abs(y - ref_np) <= bound), (m, k, n, fmt)
 
 
+@pytest.mark.parametrize("isa", ["auto", "generic"])
+@pytest.mark.parametrize("kind", ["fp8", "hif8"])
+def test_the_8bit_kernel_decodes_exactly_and_matches_the_products(kind, isa):
+    # FP8 E4M3 / HiF8 codes with one tensor scale: w = value(q) * s. The decode value for value (identity rows)
+    # against numpy + ml_dtypes / en_dtypes; products on K = 8j + r (the SIMD tail) against dequantize-then-dot
+    rng = np.random.default_rng(11)
+    k, n = 101, 37
+    w = rng.standard_normal((k, n)).astype(np.float32) * 5.0
+    w[:9, :2] = 0.0
+    p = packed.pack(jnp.asarray(w), kind)
+    codes = np.asarray(p.array.codes)
+    vals = (codes.view(ml_dtypes.float8_e4m3fn) if kind == "fp8" else codes.view(en_dtypes.hifloat8)).astype(np.float32)
+    want = vals * np.float32(np.asarray(p.array.global_scale))  # W'^T [N, K]
+    np.testing.assert_array_equal(np.asarray(p.dequantize_t(jnp.float32)), want)
+    f = jax.jit(lambda x, c, s: native_gemv.lut8_gemv(x, c, s, kind=kind, isa=isa))
+    ks = [0, 7, 8, 50, 95, 96, 99, 100]
+    x = np.zeros((len(ks), k), np.float32)
+    x[np.arange(len(ks)), ks] = 1.0
+    y = np.asarray(f(jnp.asarray(x), p.array.codes, p.array.global_scale))
+    np.testing.assert_array_equal(y, want[:, ks].T)
+    for m in (1, 3, 8):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        y = np.asarray(f(jnp.asarray(x), p.array.codes, p.array.global_scale), np.float64)
+        wd = want.astype(np.float64).T
+        bound = 4 * k * np.finfo(np.float32).eps * (np.abs(x).astype(np.float64) @ np.abs(wd))
+        assert np.all(np.abs(y - x.astype(np.float64) @ wd) <= bound), (kind, m)
+    out, pl = jax.jit(lambda x, p: backends.packed_matmul(x, p, gemm="dequant"))(jnp.asarray(x), p)
+    assert pl.form == "native-gemv"
+    np.testing.assert_allclose(np.asarray(out), x @ want.T, rtol=1e-5, atol=1e-4)
+
+
 def _weight(k: int, n: int, seed: int) -> packed.PackedWeight:
     w = np.random.default_rng(seed).standard_normal((k, n)).astype(np.float32)
     return packed.pack(jnp.asarray(w), "nvfp4-static_6")
@@ -112,7 +144,8 @@ def test_plan_reports_the_native_form_and_packed_matmul_runs_it():
     assert backends.plan(p, "nvfp4", rows=1).form == "native-gemv"  # W4A4 on CPU: auto -> dequant -> native
     bf = backends.plan(p, None, rows=1, dtype=jnp.bfloat16)
     assert bf.form == "decode-then-dot" and "float32 activations" in bf.reason
-    assert backends.plan(packed.pack(jnp.ones((64, 48)), "hif8"), None, rows=1).form == "decode-then-dot"
+    assert backends.plan(packed.pack(jnp.ones((64, 48)), "hif8"), None, rows=1).form == "native-gemv"
+    assert backends.plan(packed.pack(jnp.ones((64, 48)), "mxfp4"), None, rows=1).form == "decode-then-dot"
     x = jax.random.normal(jax.random.key(0), (1, 1, 64), jnp.float32)
     f = jax.jit(lambda x, p: backends.packed_dot_general(x, p, (((2,), (0,)), ((), ())), return_backend=True))
     assert native_gemv.TARGET in f.lower(x, p).as_text()

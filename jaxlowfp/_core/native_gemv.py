@@ -29,11 +29,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxlowfp._core import nvfp4_blocks
+from jaxlowfp._core import minifloat, nvfp4_blocks
 
-__all__ = ["TARGET", "SOURCE", "status", "available", "library_path", "build", "nvfp4_gemv"]
+__all__ = ["TARGET", "TARGET_LUT8", "SOURCE", "status", "available", "library_path", "build", "nvfp4_gemv",
+           "lut8_gemv", "LUT8_KINDS"]
 
 TARGET = "jaxlowfp_nvfp4_gemv"
+TARGET_LUT8 = "jaxlowfp_lut8_gemv"
+LUT8_KINDS = ("fp8", "hif8")  # 8-bit codes with one tensor scale
 SOURCE = Path(__file__).with_name("packed_gemv.cc")
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno")
 _COMPILERS = ("g++", "c++", "clang++")
@@ -105,6 +108,7 @@ def _load() -> tuple[bool, str]:
         lib = build()
         handle = ctypes.cdll.LoadLibrary(str(lib))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.JaxlowfpNvfp4Gemv), platform="cpu")
+        jax.ffi.register_ffi_target(TARGET_LUT8, jax.ffi.pycapsule(handle.JaxlowfpLut8Gemv), platform="cpu")
     except Exception as e:  # noqa: BLE001 (reported, never silent: status() and Plan.reason carry it)
         return False, f"the native kernel could not be built or loaded: {e}"
     return True, f"native CPU GEMV ({lib})"
@@ -176,6 +180,62 @@ def nvfp4_gemv(x: Any, codes: Any, scales: Any, g: Any, *, tile_rows: int = 1, i
         raise RuntimeError(f"nvfp4_gemv: {why}")
     return _gemv(x, codes, scales, g.astype(jnp.float32).reshape(()), tile_rows, 0 if isa == "auto" else 1,
                  int(threads))
+
+
+def _lut(kind: str) -> jax.Array:
+    """The 256 values of `kind`'s codes in float32, by the library's own decode (QArray.values)."""
+    codes = jnp.arange(256, dtype=jnp.uint8)
+    if kind == "hif8":
+        return minifloat.HIF8.decode(codes, jnp.float32)
+    return jax.lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32)
+
+
+def _call8(x, codes, scale, kind, isa):
+    out = jax.ShapeDtypeStruct((x.shape[0], codes.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(TARGET_LUT8, out, vmap_method="sequential")(x, codes, _lut(kind), scale,
+                                                                         isa=np.int64(isa))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _gemv8(x, codes, scale, kind, isa):
+    return _call8(x, codes, scale, kind, isa)
+
+
+def _gemv8_fwd(x, codes, scale, kind, isa):
+    return _call8(x, codes, scale, kind, isa), (codes, scale)
+
+
+def _gemv8_bwd(kind, isa, res, ct):
+    codes, scale = res
+    c = codes if codes.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(codes, jnp.uint8)
+    return ct @ (_lut(kind)[c] * scale), None, None
+
+
+_gemv8.defvjp(_gemv8_fwd, _gemv8_bwd)
+
+
+def lut8_gemv(x: Any, codes: Any, scale: Any, *, kind: str, isa: str = "auto") -> jax.Array:
+    """``x [M, K] @ W' [K, N]`` for 8-bit codes of ``W'^T [N, K]`` with one tensor scale (`kind` "fp8":
+    float8_e4m3fn codes; "hif8": uint8 HiF8 codes) on the native kernel: ``w = value(q) * scale`` (one rounding,
+    exactly ``QArray.dequantize``), float32 [M, N]. Differentiable in `x`. Errors as :func:`nvfp4_gemv`."""
+    x, codes, scale = jnp.asarray(x), jnp.asarray(codes), jnp.asarray(scale)
+    if kind not in LUT8_KINDS:
+        raise ValueError(f"lut8_gemv: kind is one of {LUT8_KINDS}; got {kind!r}")
+    want = jnp.float8_e4m3fn if kind == "fp8" else jnp.uint8
+    if x.dtype != jnp.float32 or codes.dtype != want:
+        raise TypeError(f"lut8_gemv({kind}) takes x float32 and codes {jnp.dtype(want).name}; got x {x.dtype}, "
+                        f"codes {codes.dtype}")
+    if scale.size != 1:
+        raise TypeError(f"lut8_gemv: scale is one float32 value; got shape {tuple(scale.shape)}")
+    if isa not in ("auto", "generic"):
+        raise ValueError(f"lut8_gemv: isa is 'auto' or 'generic'; got {isa!r}")
+    if x.ndim != 2 or codes.ndim != 2 or x.shape[1] != codes.shape[1]:
+        raise ValueError(f"lut8_gemv takes x [M, K] and codes [N, K]; got shapes {tuple(x.shape)}, "
+                         f"{tuple(codes.shape)}")
+    ok, why = status()
+    if not ok:
+        raise RuntimeError(f"lut8_gemv: {why}")
+    return _gemv8(x, codes, scale.astype(jnp.float32).reshape(()), kind, 0 if isa == "auto" else 1)
 
 
 if __name__ == "__main__":  # make setup: build up front

@@ -12,6 +12,9 @@
 // Portable: no -march. An AVX2 + FMA path (function-level target attribute) is taken when the CPU has both
 // (__builtin_cpu_supports), else a plain C++ path; attribute isa = 1 forces the plain path (tests).
 // Work is split over N on XLA's intra-op thread pool when the weight is large enough.
+//
+// A second handler, jaxlowfp_lut8_gemv, takes 8-bit codes with one tensor scale (FP8 E4M3, HiF8):
+// y[m, n] = sum_k x[m, k] * (lut[q[n, k]] * scale), lut the format's 256 values decoded by the library.
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
@@ -232,6 +235,94 @@ ffi::Error Nvfp4GemvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   return ffi::Error::Success();
 }
 
+// ---- 8-bit codes with one tensor scale (FP8 E4M3, HiF8): w[n, k] = lut[q[n, k]] * scale, lut the format's 256
+// values (given by the caller, decoded by the library itself), one rounding: exactly QArray.dequantize.
+
+struct Lut8Problem {
+  const float* x;
+  const uint8_t* codes;
+  const float* lut;
+  float s;
+  int64_t m, k, n;
+  float* y;
+};
+
+void lut8_generic(const Lut8Problem& p, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* crow = p.codes + n * p.k;
+    for (int64_t r = 0; r < p.m; ++r) {
+      const float* xr = p.x + r * p.k;
+      float acc = 0.f;
+      for (int64_t i = 0; i < p.k; ++i) acc += xr[i] * (p.lut[crow[i]] * p.s);
+      p.y[r * p.n + n] = acc;
+    }
+  }
+}
+
+#ifdef JAXLOWFP_X86
+template <int MR>
+__attribute__((target("avx2,fma"))) void lut8_avx2_rows(const Lut8Problem& p, int64_t m0, int64_t n0, int64_t n1) {
+  const __m256 sv = _mm256_set1_ps(p.s);
+  const int64_t k8 = p.k & ~int64_t{7};
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* crow = p.codes + n * p.k;
+    __m256 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k8; i += 8) {
+      uint64_t raw;
+      std::memcpy(&raw, crow + i, 8);
+      const __m256i idx = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(raw)));
+      const __m256 w = _mm256_mul_ps(_mm256_i32gather_ps(p.lut, idx, 4), sv);
+      for (int r = 0; r < MR; ++r) acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(p.x + (m0 + r) * p.k + i), acc[r]);
+    }
+    for (int r = 0; r < MR; ++r) {
+      float t = hsum(acc[r]);
+      const float* xr = p.x + (m0 + r) * p.k;
+      for (int64_t i = k8; i < p.k; ++i) t += xr[i] * (p.lut[crow[i]] * p.s);  // the tail: K % 8
+      p.y[(m0 + r) * p.n + n] = t;
+    }
+  }
+}
+
+void lut8_avx2(const Lut8Problem& p, int64_t n0, int64_t n1) {
+  for (int64_t m0 = 0; m0 < p.m; m0 += 4) {
+    switch (p.m - m0 < 4 ? p.m - m0 : 4) {
+      case 1: lut8_avx2_rows<1>(p, m0, n0, n1); break;
+      case 2: lut8_avx2_rows<2>(p, m0, n0, n1); break;
+      case 3: lut8_avx2_rows<3>(p, m0, n0, n1); break;
+      default: lut8_avx2_rows<4>(p, m0, n0, n1); break;
+    }
+  }
+}
+#endif
+
+ffi::Error Lut8GemvImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes, ffi::Buffer<ffi::F32> lut,
+                        ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y, int64_t isa) {
+  auto xd = x.dimensions(), cd = codes.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || cd.size() != 2 || yd.size() != 2 || lut.element_count() != 256 ||
+      scale.element_count() != 1) {
+    return ffi::Error::InvalidArgument("jaxlowfp_lut8_gemv: x, codes, y 2-D, lut 256 values, scale one");
+  }
+  if (codes.element_type() != ffi::U8 && codes.element_type() != ffi::F8E4M3FN) {
+    return ffi::Error::InvalidArgument("jaxlowfp_lut8_gemv: codes must be uint8 or float8_e4m3fn");
+  }
+  if (cd[1] != xd[1] || yd[0] != xd[0] || yd[1] != cd[0]) {
+    return ffi::Error::InvalidArgument("jaxlowfp_lut8_gemv: shapes disagree (x [M, K], codes [N, K], y [M, N])");
+  }
+  Lut8Problem p{x.typed_data(), reinterpret_cast<const uint8_t*>(codes.untyped_data()), lut.typed_data(),
+                scale.typed_data()[0], xd[0], xd[1], cd[0], y->typed_data()};
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+#ifdef JAXLOWFP_X86
+  if (isa == 0 && has_avx2()) {
+    lut8_avx2(p, 0, p.n);
+    return ffi::Error::Success();
+  }
+#endif
+  (void)isa;
+  lut8_generic(p, 0, p.n);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlowfpNvfp4Gemv, Nvfp4GemvImpl,
@@ -245,3 +336,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlowfpNvfp4Gemv, Nvfp4GemvImpl,
                                   .Attr<int64_t>("tile_rows")
                                   .Attr<int64_t>("isa")
                                   .Attr<int64_t>("threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxlowfpLut8Gemv, Lut8GemvImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()  // uint8 (HiF8) or float8_e4m3fn (FP8) codes
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("isa"));
