@@ -183,10 +183,16 @@ def reading() -> str:
         return "n/a" if k not in SPEED else ("met" if SPEED[k] >= floor else "NOT met")
 
     w16, w4, q = "model packed NVFP4 W4A16", "model packed NVFP4 W4A4", "model Qwix nvfp4 PTQ W4A16"
+
+    def ahead(k: str, other: str) -> str:
+        return "n/a" if k not in SPEED or other not in SPEED else ("ahead" if SPEED[k] > SPEED[other] else "NOT ahead")
+
     return (
         f"Reading (issue 44's decode floor, speed = float32's time / its time at M = 1): packed NVFP4 W4A16 "
-        f"{get('layer W4A16')} per layer (floor 0.5x: {verdict('layer W4A16', 0.5)}; Qwix {get('layer qwix')}), "
-        f"{get(w16)} whole-model decode step ({verdict(w16, 0.5)}; Qwix {get(q)}, XLA decode-then-dot "
+        f"{get('layer W4A16')} per layer (floor 0.5x: {verdict('layer W4A16', 0.5)}; Qwix {get('layer qwix')}: "
+        f"{ahead('layer W4A16', 'layer qwix')} of Qwix), "
+        f"{get(w16)} whole-model decode step ({verdict(w16, 0.5)}; Qwix {get(q)}: {ahead(w16, q)} of Qwix; XLA "
+        f"decode-then-dot "
         f"{get(w16 + ', XLA decode-then-dot')}); W4A4 {get('layer W4A4')} per layer and {get(w4)} whole model "
         f"(floor 0.33x: {verdict(w4, 1 / 3)}). The native GEMV reads the 4-bit codes and block scales and decodes in "
         f"registers, so at M = 1 it reads 4.5 bits a parameter where float32 reads 32. Past "
