@@ -71,7 +71,11 @@ def test_weights_are_on_the_grid_and_pack_to_codes_ml_dtypes_decodes(name, metho
             scales = np.asarray(a.scales).view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
             decoded = (codes.reshape(codes.shape[0], -1, 32) * scales[..., None]).reshape(codes.shape)
         np.testing.assert_array_equal(decoded.T, kernels[path])
-    np.testing.assert_array_equal(np.asarray(model(X)), np.asarray(fake))  # dequant: the same program's values
+    got = np.asarray(model(X))
+    if name == "fp8":  # M = 8 on CPU: the native GEMV (same weight values, its own float32 summation order)
+        np.testing.assert_allclose(got, np.asarray(fake), rtol=1e-5, atol=1e-5)
+    else:
+        np.testing.assert_array_equal(got, np.asarray(fake))  # dequant: the same program's values
 
 
 @pytest.mark.parametrize("name,backend", [("fp8", "fp8"), ("mxfp8", "scaled_matmul")])
