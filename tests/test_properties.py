@@ -57,7 +57,7 @@ def _jitted(fn, **kw):
 def test_nvfp4_quantize_matches_the_reference(data, case, rule):
     """Codes, E4M3 block scales and the global scale equal the reference's bit for bit; dequantize equals the
     reference's decode, and fake_quantize equals it too (the documented identity), under jit. The MSE rule's
-    magnitudes stay above 2^-50: below, see test_nvfp4_mse_choice_at_tiny_magnitudes."""
+    magnitudes stay above 2^-50: below, see test_nvfp4_four_over_six_choice_at_tiny_magnitudes."""
     shape, block = case
     x = data.draw(scaled(shape, min_exp=-50 if rule == "mse" else -100))
     q, deq, fq = _jitted("nvfp4", rule=rule, block_shape=block)(x)
@@ -69,12 +69,21 @@ def test_nvfp4_quantize_matches_the_reference(data, case, rule):
     assert nv_ref.same_bits(fq, want).all()
 
 
-@pytest.mark.xfail(strict=True, reason="found by the property test: XLA flushes float32 subnormals to zero, so the "
-                   "MSE rule's squared block errors of a tensor with amax below ~2^-57 are 0 for both the 6 and the "
-                   "4 scale and the tie picks 6, where IEEE float32 (the reference) picks the exact 4")
-def test_nvfp4_mse_choice_at_tiny_magnitudes():
-    x = (np.concatenate([[3.0], np.ones(31)]).reshape(2, 16) * 2.0**-60).astype(F32)
-    nv_ref.check_against_ref(nvfp4.quantize(x, rule="mse"), x, "mse", (1, 16))
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("rule", ["mse", "mae", "abs_max"])
+def test_nvfp4_four_over_six_choice_at_tiny_magnitudes(rule, jit):
+    """Found by the property test: XLA:CPU flushes float32 subnormals to zero, so the squared block errors of a
+    tensor with amax below ~2^-57 were 0 for both the 6 and the 4 scale and the tie picked 6, where IEEE float32
+    (the reference) picks the exact 4. The errors are now measured on values times an exact power of two
+    (``error_scale``), so the choice equals IEEE's; the same block pattern at 2^0 is the control. (At 2^-80 the
+    reference's own squares underflow to 0 and it picks 6; there the scaled choice is the exact one, 4.)"""
+    for k in (0, -57, -60, -64):
+        x = (np.concatenate([[3.0], np.ones(31)]).reshape(2, 16) * 2.0**k).astype(F32)
+        q = (jax.jit(functools.partial(nvfp4.quantize, rule=rule)) if jit else
+             functools.partial(nvfp4.quantize, rule=rule))(x)
+        nv_ref.check_against_ref(q, x, rule, (1, 16))
+        if rule != "abs_max":  # the all-ones block maps exactly to 4 (error 0) and not to 6
+            assert bool(np.asarray(nvfp4.selected_map4(x, rule=rule))[1, 0]), k
 
 
 @settings(max_examples=EXAMPLES["nvfp4_nonfinite"], **SETTINGS)
