@@ -167,7 +167,8 @@ def batch_scaled_ops(model: nnx.Module) -> list[tuple[str, str]]:
                               f"per-tensor scaling)"))
         elif isinstance(sc, DelayedScaling) and sc.convention == "default":
             try:
-                empty = int(np.asarray(m.amax.get_value().activation.count)) == 0  # type: ignore[attr-defined]
+                # any history still empty (an expert op holds one per expert: count [E])
+                empty = bool((np.asarray(m.amax.get_value().activation.count) == 0).any())  # type: ignore[attr-defined]
             except (AttributeError, TypeError, ValueError):
                 empty = False  # no readable history (not a QAT op): nothing to say
             if empty:
@@ -189,6 +190,24 @@ def _per_token(recipe: Any) -> Any:
     act = dataclasses.replace(a, scaling=CurrentScaling(target_max=a.scaling.target_max, granularity="token"),
                               target_max=None)
     return dataclasses.replace(recipe, activation=act, grad=None)
+
+
+def _per_token_state(op: Any) -> None:
+    """Give a QAT op whose recipe `_per_token` replaced the state that recipe expects (in the copy: `op`'s variables
+    are its own): the activation's amax history a fresh per-token one (a delayed history of 1024 amaxes, say, is not
+    a current-scaling state of 1; an expert op's keeps its leading expert axis), the weight's kept, and no gradient
+    slots (the per-token recipe has no gradient quantizer). Evaluation drops what the forward pass writes there."""
+    from jaxlowfp.qat.spec import RecipeState
+
+    var = getattr(op, "amax", None)
+    old = var.get_value() if isinstance(var, nnx.Variable) else None
+    if not isinstance(old, RecipeState) or old.activation is None:
+        return
+    fresh = op.recipe.activation.init()
+    o, f = jax.tree.leaves(old.activation)[0], jax.tree.leaves(fresh)[0]
+    lead = tuple(o.shape[: o.ndim - f.ndim])  # the expert axis of a per-expert state, else ()
+    act = jax.tree.map(lambda leaf: jnp.broadcast_to(leaf, (*lead, *leaf.shape)), fresh)
+    setattr(op, "amax", type(var)(RecipeState(weight=old.weight, activation=act)))  # a new Variable: never `model`'s
 
 
 def _batch_scales(model: nnx.Module, batch_scales: str) -> nnx.Module:
@@ -214,6 +233,7 @@ def _batch_scales(model: nnx.Module, batch_scales: str) -> nnx.Module:
         for p, _ in found:
             m = mods[p]
             m.recipe = _per_token(m.recipe)  # type: ignore[attr-defined]  # a recipe-holding op (batch_scaled_ops)
+            _per_token_state(m)
             if hasattr(m, "activation_scale"):  # a PTQ ActQuant: its description follows its recipe
                 m.activation_scale = "token"
         return run

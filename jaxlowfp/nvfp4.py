@@ -12,8 +12,11 @@ Two-level scaling (``docs/formats/nvfp4.md`` sections 0, 3.3, 4.1), every step o
 Rules: ``static_6`` (standard NVFP4: M = 6, E = 448), ``static_4`` (M = 4, E = 448) and the 4/6 rules ``abs_max``,
 ``mae``, ``mse`` (M = 6, E = 256): both candidates are quantized, each block's error is measured after full
 dequantization in the original domain, ``err = Σ (((q*s)*amax)/(6*E) - x)²`` (mse), ``Σ |.|`` (mae) or
-``max |.|`` (abs_max), and map-to-4 is kept only if strictly better (``err4 < err6``; ties go to 6). Sums run
-sequentially over the 16 elements of a block row (TE's order); for 16x16 tiles the 16 row sums are then added
+``max |.|`` (abs_max), and map-to-4 is kept only if strictly better (``err4 < err6``; ties go to 6). The
+differences are taken of ``x̂ * p`` and ``x * p``, p = 2^-e for a block amax in [2^e, 2^(e+1)) with e < 0 (else 1):
+an exact power of two, so the ranking is IEEE float32's wherever its squares are normal, and below a tensor amax
+of about 2^-57 XLA:CPU's flush of subnormal squares to 0 no longer turns a 4-better block into a tie that picks 6.
+Sums run sequentially over the 16 elements of a block row (TE's order); for 16x16 tiles the 16 row sums are then added
 pairwise (8+8, 4+4, 2+2, 1+1), TE's 2D order.
 
 Bit-exactness under ``jit`` on every backend (``docs/formats/nvfp4.md`` section 8: XLA turns ``a / broadcast(c)`` into

@@ -240,7 +240,9 @@ def pack(w: Any, fmt: Any, *, global_amax: Any = None, where: str = "w") -> Pack
     ``jaxlowfp.ptq.TensorFormat`` or a name, see :func:`as_format`), blocks along K.
 
     `global_amax` (NVFP4 / IF4): the tensor amax the global scale is made from (a fused group's shared one); default
-    ``max |w|``. ``pack(w, f).dequantize()`` equals the fake-quantized weight of `f` bit for bit."""
+    ``max |w|``. ``pack(w, f).dequantize()`` equals the fake-quantized weight of `f` bit for bit, for finite `w`.
+    A NaN or Inf in `w` is never stored as a finite weight: with NVFP4, IF4, FP8 and HiF8 (a tensor scale) every
+    value dequantizes to NaN, with MX the blocks holding one do."""
     fmt = as_format(fmt)
     if fmt.kind not in KINDS:
         raise ValueError(f"{where}: pack takes the formats of a packed GEMM weight (kinds {', '.join(KINDS)}); got "
@@ -261,8 +263,11 @@ def pack(w: Any, fmt: Any, *, global_amax: Any = None, where: str = "w") -> Pack
         arr = if4.quantize(wt, rule=fmt.rule, block_shape=fmt.block_shape, global_amax=global_amax)  # type: ignore[arg-type]
     elif fmt.kind in ("mxfp4", "mxfp8"):
         arr = mx.quantize(wt, format=MX_ELEMENT[fmt.kind], rule=fmt.rule)  # type: ignore[arg-type]
-    else:
-        arr = scaled_quantize(wt, fmt.kind)
+    else:  # FP8 / HiF8: the current scale is 1 for a non-finite amax (training's guard), which would store a weight
+        # holding +-Inf as finite, saturated codes; a weight's NaN scale poisons the whole tensor, as NVFP4's does
+        amax = jnp.max(jnp.abs(wt.astype(jnp.float32)))
+        scale = jnp.where(jnp.isfinite(amax), per_tensor_scale(wt, PER_TENSOR[fmt.kind][1]), jnp.nan)
+        arr = scaled_quantize(wt, fmt.kind, scale=scale)
     return PackedWeight(array=arr, s_enc=s_enc, format=fmt, k=k, n=n)
 
 

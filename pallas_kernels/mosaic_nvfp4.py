@@ -12,8 +12,9 @@ reduction unless ``global_amax`` is given). Each 16-element block row lives in o
     inv      = min(1 / (s * S_dec), FLT_MAX)                (``_mosaic.reciprocal``: integer, correctly rounded)
     q        = E2M1 RNE(x * inv), x's sign (+0 where s = 0)
     4/6:       x̂ = ((q * s) * amax) / 1536 (``div_by_3_pow2``, once per block for each of the 8 E2M1 magnitudes,
-               picked by the same threshold compares that give q); error = sequential sum over the 16 columns of
-               (x̂ - x)^2 (kept from FMA contraction) or |x̂ - x| (or their max), then by halves over the rows of
+               picked by the same threshold compares that give q); d = x̂*p - x*p (p: the twin's
+               ``error_scale`` of the block amax, an exact power of two); error = sequential sum over the 16
+               columns of d^2 (kept from FMA contraction) or |d| (or their max), then by halves over the rows of
                a 16x16 tile; map-4 iff err4 < err6
     fake:      y = (q * s) * S_dec in x's dtype
 
@@ -117,10 +118,11 @@ class _Scale:
         return idx, sign_bit, (None if table is None else _with_sign(picked, sign_bit))
 
 
-def _row_error(x, scale: _Scale, rule: str):
-    """The twin's error of one block row: sequential sum over the 16 columns (mse, mae) or their max (abs_max)."""
+def _row_error(x, scale: _Scale, rule: str, p):
+    """The twin's error of one block row: sequential sum over the 16 columns (mse, mae) or their max (abs_max) of
+    ``x̂ * p - x * p``, p [n, 1] the block's exact power of two (the twin's ``error_scale``)."""
     _, _, xhat = scale.round(x, value="xhat")
-    d = xhat - x
+    d = xhat * _wide(p) - x * _wide(p)
     t = no_contract(d * d) if rule == "mse" else jnp.abs(d)  # no FMA: the twin rounds d*d on its own
     acc = None
     for c in _cols(t):
@@ -164,10 +166,12 @@ def _kernel_1x16(p_ref, x_ref, *out_refs, rule: str, blocks: int, fake: bool):
     i = lax.axis_index("i")
     rows = pl.ds(i * blocks, blocks)
     x = _load(x_ref.at[rows, :], x_ref.dtype)
-    s6, s4, finite = _scales(_block_max(x), p_ref, rule)
+    blk = _block_max(x)
+    s6, s4, finite = _scales(blk, p_ref, rule)
     scale = s6
     if s4 is not None:
-        map4 = (_row_error(x, s4, rule) < _row_error(x, s6, rule)) & finite  # NaN error: keep 6 (twin)
+        p = ref.error_scale(blk)
+        map4 = (_row_error(x, s4, rule, p) < _row_error(x, s6, rule, p)) & finite  # NaN error: keep 6 (twin)
         scale = s6.select(s4, map4)
     _store_row(x, scale, p_ref[1], out_refs[0].at[rows, :], fake=fake)
     if not fake:
@@ -187,11 +191,13 @@ def _kernel_16x16(p_ref, x_ref, *out_refs, rule: str, fake: bool):
     s6, s4, finite = _scales(blk, p_ref, rule)
     scale = s6
     if s4 is not None:
+        p = ref.error_scale(blk)
+
         # The twin sums a tile's row errors by halves: a_k = e_k + e_{k+8}, then (a_k + a_{k+4}), ...
         def halves(k, slots):
             x_lo, x_hi, out = row(k), row(k + _B // 2), []
             for s in (s6, s4):
-                lo, hi = _row_error(x_lo, s, rule), _row_error(x_hi, s, rule)
+                lo, hi = _row_error(x_lo, s, rule, p), _row_error(x_hi, s, rule, p)
                 out.append(jnp.maximum(lo, hi) if rule == "abs_max" else lo + hi)
             return tuple(tuple(jnp.where(k == m, a, slot) for m, slot in enumerate(sl)) for a, sl in zip(out, slots))
 

@@ -10,8 +10,9 @@ one XLA reduction unless ``global_amax`` is given). Each program then quantizes 
     s        = E4M3 RNE satfinite(base)           (4/6: s4 = E4M3(base * 1.5)); integer bit math, stored as bytes
     inv      = INV[code(s)]                       gathered from a 128-entry table
     q        = E2M1 RNE(x * inv)                  (threshold compares, no division, no round)
-    4/6:       x̂ = ±ERR[code(s), |q|], error per block summed in the twin's order (columns 0..15 sequentially,
-               then rows pairwise), d*d kept from FMA contraction; map-4 iff err4 < err6
+    4/6:       x̂ = ±ERR[code(s), |q|], d = x̂*p - x*p (p = 2^-e for a block amax in [2^e, 2^(e+1)), e < 0, else
+               1: the twin's ``error_scale``), error per block summed in the twin's order (columns 0..15
+               sequentially, then rows pairwise), d*d kept from FMA contraction; map-4 iff err4 < err6
     fake:      y = ±FAKE[code(s), |q|]
 
 The tables (INV = min(1 / (s * S_dec), FLT_MAX); ERR = ((|q|*s)*amax) / (M*E); FAKE = (|q|*s) * S_dec, over all 128
@@ -133,9 +134,10 @@ def _pairwise(r: jnp.ndarray, axis: int) -> jnp.ndarray:
     return r.reshape(*r.shape[:axis], *r.shape[axis + 1 :])
 
 
-def _block_error(xhat, xb, opaque_zero, rule: str, tile: bool) -> jnp.ndarray:
-    """The twin's per-block error of a candidate from its dequantized values x̂: mse / mae / abs_max."""
-    d = xhat - xb
+def _block_error(xhat, xb, p, opaque_zero, rule: str, tile: bool) -> jnp.ndarray:
+    """The twin's per-block error of a candidate from its dequantized values x̂: mse / mae / abs_max, of
+    ``x̂ * p - x * p`` with the block's exact power of two p (the twin's ``error_scale``)."""
+    d = xhat * p - xb * p
     if rule == "abs_max":  # NaN cannot occur here: non-finite blocks are excluded from the choice
         return _reduce_max(jnp.abs(d), (1, 3) if tile else (2,))
     if rule == "mse":
@@ -167,8 +169,9 @@ def _kernel(p_ref, inv_ref, tbl_ref, x_ref, *out_refs, rule: str, tile: bool, fa
     if rule in ("abs_max", "mae", "mse"):
         code4 = _scale_code(base * 1.5, finite)
         idx4, neg4 = _candidate(xb, code4, bshape, inv_ref)
-        err6 = _block_error(_lookup(tbl_ref, _ERR, code, bshape, idx, neg), xb, opaque_zero, rule, tile)
-        err4 = _block_error(_lookup(tbl_ref, _ERR, code4, bshape, idx4, neg4), xb, opaque_zero, rule, tile)
+        p = ref.error_scale(blk_amax).reshape(bshape)  # 2^-e for tiny blocks: their squared errors stay normal
+        err6 = _block_error(_lookup(tbl_ref, _ERR, code, bshape, idx, neg), xb, p, opaque_zero, rule, tile)
+        err4 = _block_error(_lookup(tbl_ref, _ERR, code4, bshape, idx4, neg4), xb, p, opaque_zero, rule, tile)
         map4 = (err4 < err6) & finite  # twin: NaN errors (non-finite block) compare False
         sel = map4.reshape(bshape)
         idx, neg, code = jnp.where(sel, idx4, idx), jnp.where(sel, neg4, neg), jnp.where(map4, code4, code)

@@ -131,3 +131,88 @@ def test_qwix_ops_are_named_and_token_refuses_them():
     assert [p for p, _ in batch_scaled_ops(model)] == ["up/jaxlowfp_dot_general0"]
     with pytest.raises(ValueError, match=r"Qwix provider's ops \['up/jaxlowfp_dot_general0'\]"):
         evaluation._batch_scales(model, "token")
+
+
+def _same_bucket_requests():
+    """Four requests of 18..25 tokens: alone (3 zero rows) and together, one batch of 4 x 24 inputs, one program."""
+    rng = np.random.default_rng(2)
+    return [Request(tuple(int(t) for t in rng.integers(0, 256, n)), n_pred=n - 1) for n in (18, 20, 23, 25)]
+
+
+def _trained(recipe, steps=2):
+    """A QAT model after `steps` training steps (`jaxlowfp.training.make_step`: the gradients pass the quantized
+    matmuls' custom_vjp, straight-through or quantized), as a module."""
+    import jax.numpy as jnp
+    import optax
+
+    from jaxlowfp import training
+
+    model = Llama(CFG, rngs=nnx.Rngs(0))
+    qnnx.quantize_model(model, [qnnx.Rule(path=MLP, recipe=recipe)], rngs=nnx.Rngs(3))
+    tx = optax.sgd(1e-2)
+    graphdef, state = training.init(model, tx)
+    step = jax.jit(training.make_step(graphdef, tx, lambda m, b: optax.softmax_cross_entropy_with_integer_labels(
+        m(b[:, :-1]), b[:, 1:]).mean()))
+    batch = jnp.asarray(np.random.default_rng(4).integers(0, 256, (2, 17)), jnp.int32)
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+        assert bool(metrics["finite"]) and not bool(metrics["skipped"])
+    return nnx.merge(graphdef, state.params, state.qstate, state.rest, copy=True)
+
+
+def test_token_scores_of_a_trained_qat_model_are_identical_alone_and_batched():
+    """A ``qat.nvfp4_w4a4()`` model trained for two steps (its quantizers carry gradients: the STE custom_vjp) and
+    scored with ``batch_scales="token"``: the same requests alone and batched give identical log-likelihoods (the
+    same program: one padded length, 4 rows); as it is, the batch reaches them (the control)."""
+    model = _trained(qat.nvfp4_w4a4())
+    reqs = _same_bucket_requests()
+    alone, batched = _alone_and_batched(model, reqs)
+    assert np.max(np.abs(batched - alone)) > 1e-3  # the control
+    alone, batched = _alone_and_batched(model, reqs, batch_scales="token")
+    np.testing.assert_array_equal(batched, alone)
+
+
+def test_token_replaces_an_empty_delayed_history():
+    """``qat.fp8_delayed()`` before any step: its empty activation history makes the first estimate the batch's amax
+    (`batch_scaled_ops` names it). ``batch_scales="token"`` used to fail ("state.history has shape (1024,), but
+    CurrentScaling has history_len=1"): the copy that runs now gets a per-token activation state, the weight's
+    history kept, and the model's own state is untouched; scores are identical alone and batched."""
+    model = Llama(CFG, rngs=nnx.Rngs(0))
+    qnnx.quantize_model(model, [qnnx.Rule(path=MLP, recipe=qat.fp8_delayed())])
+    assert len(batch_scaled_ops(model)) == 6
+    def leaves():  # parameters and amax histories (the execution records are written by design)
+        return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(
+            nnx.state(model)) if "record" not in jax.tree_util.keystr(k)}
+
+    before = leaves()
+    assert any("amax" in k and v.shape == (1024,) for k, v in before.items())
+    alone, batched = _alone_and_batched(model, _same_bucket_requests(), batch_scales="token")
+    np.testing.assert_array_equal(batched, alone)
+    assert np.isfinite(alone).all()
+    after = leaves()
+    assert sorted(after) == sorted(before) and all(np.array_equal(after[k], before[k]) for k in before)
+    assert len(batch_scaled_ops(model)) == 6  # the model keeps its recipes and its (empty) histories
+
+
+def test_expert_ops_with_empty_delayed_histories_are_named_and_rescaled():
+    """A mixture-of-experts op keeps one delayed history per expert (count [E]): `batch_scaled_ops` missed them
+    (``int()`` of an [E] count raised and was taken for "no history"), so a fresh model's scores moved with the
+    batch (by 0.4 nats on the Qwen3-MoE fixture) without a word. Now they are named, and ``batch_scales="token"``
+    rescales them (the per-token state keeps the expert axis): identical alone and batched."""
+    from pathlib import Path
+
+    from jaxlowfp.models import load
+
+    model, _ = load(Path(__file__).parent / "fixtures" / "moe" / "qwen3_moe")
+    recipe = dataclasses.replace(qat.fp8_delayed(), grad=None, name="fp8_delayed_ste")  # experts: STE backward only
+    qnnx.quantize_model(model, [qnnx.Rule(path=r"blocks/\d+/mlp/experts/(gate|up|down)_proj", recipe=recipe)])
+    found = batch_scaled_ops(model)
+    assert sorted(p for p, _ in found) == sorted(f"blocks/{i}/mlp/experts/quant_{n}_proj" for i in range(2)
+                                                 for n in ("gate", "up", "down"))
+    assert all("empty amax history" in why for _, why in found)
+    rng = np.random.default_rng(2)
+    reqs = [Request(tuple(int(t) for t in rng.integers(0, 280, n)), n_pred=n - 1) for n in (18, 20, 23, 25)]
+    alone, batched = _alone_and_batched(model, reqs)
+    assert np.max(np.abs(batched - alone)) > 1e-2  # the control
+    alone, batched = _alone_and_batched(model, reqs, batch_scales="token")
+    np.testing.assert_array_equal(batched, alone)

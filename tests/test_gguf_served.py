@@ -76,3 +76,55 @@ def test_without_a_result_the_default_stays_float16(tmp_path):
         warnings.simplefilter("error", UserWarning)
         rep = ptq.export_gguf(model, None, tmp_path / "m.gguf", tokenizer_json=_tokenizer(tmp_path / "tok"))
     assert rep.dtype == "F16"
+
+
+MOE_CASES = {  # (family, rules): NVFP4 attention (its F32 <name>.scale) with MXFP4 experts (type-39 [E, out, in]),
+    # and Mixtral (RoPE-permuted q/k rows) with moe.rules' NVFP4 experts (F32 in GGUF: one global scale per expert)
+    "qwen3_moe-mxfp4-experts": ("qwen3_moe", [
+        ptq.Rule(path=r"blocks/\d+/mlp/experts/(gate|up)_proj", scheme=ptq.scheme("mxfp4", weights_only=True)),
+        ptq.Rule(path=r"blocks/\d+/attn/\w+_proj", scheme=ptq.scheme("nvfp4-mse", weights_only=True))]),
+    "mixtral-nvfp4": ("mixtral", None),  # (its projections are F32 in GGUF: rows not whole 64-value blocks)
+}
+
+
+@pytest.mark.parametrize("case", sorted(MOE_CASES))
+def test_default_moe_gguf_export_reloads_as_evaluated(tmp_path, case):
+    """MoE: `export_gguf` then `models.load` gives the in-memory quantized model's parameters and log-probs bit for
+    bit (before, the MoE GGUF loader refused the NVFP4 ``blk.N.attn_output.scale`` tensors: "tensors this model
+    class does not have"); a decode scale that is 0 or NaN in the file is a CheckpointError naming the tensor."""
+    import gguf
+
+    from jaxlowfp.models import CheckpointError
+
+    import moe_export_common as moe
+
+    family, rules = MOE_CASES[case]
+    model, tok = load(moe.FIX / family)
+    res = ptq.quantize_model(model, rules or moe.rules(family), method="rtn", progress=False)
+    path = tmp_path / "m.gguf"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        rep = ptq.export_gguf(model, res, path, tokenizer_json=moe.FIX / family / "tokenizer.json")
+    assert rep.dtype == "F32" and rep.rounded[0] == 0
+    if rules:  # Mixtral's projections (32 x 24, 32 x 32) are not whole 64-value GGUF blocks: F32
+        assert rep.types["blk.0.attn_output.weight"] == "NVFP4" and rep.types["blk.0.attn_output.scale"] == "F32"
+    assert rep.types["blk.0.ffn_up_exps.weight"] == ("MXFP4" if rules else "F32")
+    back, _ = load(path)
+    assert dataclasses.replace(back.config, norm_eps=model.config.norm_eps) == model.config
+    assert np.float32(back.config.norm_eps) == np.float32(model.config.norm_eps)  # GGUF stores it as float32
+    mine, theirs = _params(model), _params(back)
+    assert sorted(mine) == sorted(theirs)
+    for k in mine:
+        np.testing.assert_array_equal(theirs[k], mine[k], err_msg=k)
+    tokens = jnp.asarray(moe.TOKENS)
+    np.testing.assert_array_equal(_log_probs(*nnx.split(back), tokens), _log_probs(*nnx.split(model), tokens))
+    if rules is None:
+        return
+    scale = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.1.attn_output.scale")
+    raw = bytearray(path.read_bytes())
+    for bad in (0.0, float("nan")):
+        raw[scale.data_offset: scale.data_offset + 4] = np.float32(bad).tobytes()
+        path.write_bytes(bytes(raw))
+        with pytest.raises(CheckpointError, match=r"m\.gguf: tensor blk\.1\.attn_output\.scale is (0\.0|nan); an "
+                                                  r"NVFP4 decode scale must be finite and > 0"):
+            load(path)

@@ -59,6 +59,7 @@ from jaxlowfp._core.nvfp4_blocks import (
     e2m1_rne,
     e2m1_stochastic,
     eden_global_scales,
+    error_scale,
     eden_prepare,
     eden_scale,
     from_blocks,
@@ -210,13 +211,16 @@ def _fp_code(v: jax.Array, fmt: str) -> jax.Array:
     return (E2M3 if fmt == "if6_e2m3" else E3M2).encode(v).astype(jnp.int32)
 
 
-def _errors(xb: jax.Array, xhat_of, rule: str) -> jax.Array:
+def _errors(xb: jax.Array, xhat_of, rule: str, p: jax.Array | None = None) -> jax.Array:
     """Block errors [..., nb]: ``xhat_of(i, |x_i|)`` is the magnitude of x̂ in column i (sums in column order,
-    then rows pairwise: :func:`~jaxlowfp._core.nvfp4_blocks.accumulate_error`)."""
+    then rows pairwise: :func:`~jaxlowfp._core.nvfp4_blocks.accumulate_error`); with `p` [..., 1, nb] the
+    differences are taken of x̂ * p and |x| * p (:func:`~jaxlowfp._core.nvfp4_blocks.error_scale`, as
+    :func:`~jaxlowfp._core.nvfp4_blocks.block_errors` does, so the FP and INT errors stay comparable)."""
     acc = None
     for i in range(BLOCK):
         ax = jnp.abs(xb[..., i].astype(jnp.float32))
-        acc = accumulate_error(acc, xhat_of(i, ax) - ax, rule)
+        d = xhat_of(i, ax) - ax if p is None else xhat_of(i, ax) * p - ax * p
+        acc = accumulate_error(acc, d, rule)
     return combine_rows(acc, rule)
 
 
@@ -294,8 +298,9 @@ def _candidate_errors(xb, s, s_dec, amax, blk, fmt: str, rule: str, enc: float, 
     def fp_hat(i, ax):
         return _grid_hat(fp_round(ax * inv, fmt, col_u(i)), t_fp)
 
-    err_fp = block_errors(xb, s, s_dec, amax, blk, rule, enc, u) if fmt == "if4" else _errors(xb, fp_hat, rule)
-    return err_fp, _errors(xb, int_hat, rule)
+    p = error_scale(blk)[..., None, :]  # block_errors' exact power of two, for every candidate of the block
+    err_fp = block_errors(xb, s, s_dec, amax, blk, rule, enc, u) if fmt == "if4" else _errors(xb, fp_hat, rule, p)
+    return err_fp, _errors(xb, int_hat, rule, p)
 
 
 class IFBlockResult(NamedTuple):

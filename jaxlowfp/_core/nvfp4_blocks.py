@@ -270,10 +270,26 @@ def combine_rows(acc: jax.Array, rule: str) -> jax.Array:
     return _pairwise(acc, jnp.maximum if rule == "abs_max" else jnp.add)
 
 
-def block_errors(xb, s, s_dec, amax, blk, rule: str, enc: float, u) -> jax.Array:
-    """The 4/6 error of the candidate with block scales `s` [..., nb], in the original domain::
+def error_scale(blk: jax.Array) -> jax.Array:
+    """The exact power of two ``p = 2^-e`` that brings a block amax ``blk`` in ``[2^e, 2^(e+1))`` with e < 0 to
+    ``[1, 2)``; 1 where e >= 0 and where blk is 0, subnormal, NaN or Inf. Built from blk's exponent bits E
+    (``e = E - 127``): ``p = 2^(127 - E)`` for E in [1, 126].
 
-        x̂ = ((q * s) * amax) / enc,  d = x̂ - x;   mse: Σ d*d,  mae: Σ |d|   (columns 0..15 in order, then rows
+    :func:`block_errors` measures ``d * p`` instead of d: multiplying by a power of two is exact, so every
+    squared, summed or compared error is the original's times ``p^2`` (or p) wherever the original is a normal
+    float, and the 4/6 ranking is unchanged there; where the original's ``d * d`` is subnormal (a tensor amax
+    below about 2^-57) XLA:CPU flushes it to 0 while IEEE float32 keeps it, and the scaled errors are normal
+    floats again (issue 45: a flushed tie picked 6 where IEEE picks 4). Blocks are never scaled down, so nothing
+    the original kept can underflow; ``|d * p|`` stays below about 8, so nothing can overflow."""
+    e = (lax.bitcast_convert_type(blk, jnp.uint32) >> 23) & u32(0xFF)
+    return jnp.where((e >= 1) & (e <= 126), from_bits((u32(254) - e) << 23), jnp.float32(1.0))
+
+
+def block_errors(xb, s, s_dec, amax, blk, rule: str, enc: float, u) -> jax.Array:
+    """The 4/6 error of the candidate with block scales `s` [..., nb], in the original domain times the block's
+    exact power of two ``p`` (:func:`error_scale`, the same for every candidate of a block)::
+
+        x̂ = ((q * s) * amax) / enc,  d = x̂*p - x*p;   mse: Σ d*d,  mae: Σ |d|   (columns 0..15 in order, then rows
         pairwise),  abs_max: max |d|
 
     computed without a per-element division: ``q = 2^j * c`` with c in {1/2, 3/2} (E2M1 values are one or 1.5
@@ -281,7 +297,8 @@ def block_errors(xb, s, s_dec, amax, blk, rule: str, enc: float, u) -> jax.Array
     2^j commutes with rounding) from two per-block quotients. Where a product ``(q*s)*amax`` overflows, the
     specification's x̂ is Inf and the block's error Inf: that happens iff it does for the block's largest q
     (``vmax``), so the error is set to Inf there, and the quotients are taken of ``min(product, FLT_MAX)``.
-    (Below about 1e-30, where XLA:CPU flushes subnormal results, the two forms may differ, as before.)
+    (Below about 1e-30, where XLA:CPU flushes subnormal results, the two forms may differ, as before.) The
+    scaling by ``p`` keeps the squared errors of tiny blocks normal (:func:`error_scale`).
 
     The 16 columns are separate slices, so XLA emits one loop over blocks with no per-element temporaries, and
     ``d * d`` passes :func:`no_contract` (no FMA into the sum). Blocks with a NaN scale get a NaN error.
@@ -290,13 +307,15 @@ def block_errors(xb, s, s_dec, amax, blk, rule: str, enc: float, u) -> jax.Array
     half = div_const(jnp.minimum((0.5 * s) * amax, FLT_MAX), enc)  # x̂ of q = 1/2
     lo = (2.0 * half)[..., None, :]  # x̂ = q * lo for q in {1/2, 1, 2, 4} (mantissa bit clear)
     hi = div_const(jnp.minimum((1.5 * s) * amax, FLT_MAX), enc)[..., None, :]  # x̂ = (q/1.5) * hi, q in {1.5, 3, 6}
+    p = error_scale(blk)[..., None, :]
     acc = vmax = None
     for i in range(BLOCK):
         ax = jnp.abs(xb[..., i].astype(jnp.float32))
         v = e2m1_rne(ax * inv) if u is None else e2m1_stochastic(ax * inv, u[..., i])
         vb = lax.bitcast_convert_type(v, jnp.uint32)
         xhat = from_bits(vb & u32(~_MANT & 0xFFFFFFFF)) * jnp.where((vb & u32(_MANT)) != 0, hi, lo)
-        acc = accumulate_error(acc, xhat - ax, rule)  # xhat - ax = ±(x̂ - x): x̂ carries x's sign (or is 0)
+        # xhat - ax = ±(x̂ - x): x̂ carries x's sign (or is 0); both scaled by p, exactly
+        acc = accumulate_error(acc, xhat * p - ax * p, rule)
         if u is not None:
             vmax = v if vmax is None else jnp.maximum(vmax, v)
     err = combine_rows(acc, rule)

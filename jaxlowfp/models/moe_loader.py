@@ -28,8 +28,10 @@ head_dim`` features: over all heads) or ``llama`` with experts (Mixtral; its q/k
 Llama's), metadata ``{arch}.expert_count``, ``{arch}.expert_used_count``, ``{arch}.expert_feed_forward_length``
 (else ``{arch}.feed_forward_length``), tensors ``blk.N.ffn_gate_inp.weight`` (router) and
 ``blk.N.ffn_{gate,up,down}_exps.weight`` (``[E, out, in]`` in numpy order; the converter does not fuse gate and up
-for these architectures). The top-k weights are renormalised as llama.cpp's graph of the
-architecture does (``build_moe_ffn(..., norm_w, ...)``: true for ``qwen3moe`` and ``llama``, false for ``olmoe``);
+for these architectures); an NVFP4 tensor's optional F32 decode scale ``<name>.scale`` (what
+`jaxlowfp.ptq.export_gguf` writes) multiplies it, as in the dense GGUF loader. The top-k weights are
+renormalised as llama.cpp's graph of the architecture does (``build_moe_ffn(..., norm_w, ...)``: true for
+``qwen3moe`` and ``llama``, false for ``olmoe``);
 files asking for what that graph does differently (``expert_weights_scale``, non-softmax ``expert_gating_func``) or
 having shared experts are refused.
 """
@@ -300,6 +302,24 @@ def read_gguf_config(reader: Any, path: Path, *, dtype: str = "float32", param_d
         raise CheckpointError(f"{path}: metadata gives an invalid model config: {e}") from e
 
 
+def _scale_name(name: str) -> str:
+    """``blk.N.x.weight`` -> ``blk.N.x.scale`` (the GGUF NVFP4 per-tensor decode scale's name)."""
+    return name.removesuffix(".weight") + ".scale" if name.endswith(".weight") else name
+
+
+def _decode_scale(tensor: Any, path: Path) -> np.float32:
+    """The value of a GGUF NVFP4 decode scale tensor: one finite, positive F32 value, else a CheckpointError naming
+    the file and the tensor."""
+    where = f"{path}: tensor {tensor.name}"
+    if tensor.tensor_type.name != "F32" or int(np.prod(tensor.shape)) != 1:
+        raise CheckpointError(f"{where} is a {tensor.tensor_type.name} tensor of shape {tuple(tensor.shape)}; an NVFP4 "
+                              f"decode scale is one F32 value")
+    g = np.float32(np.asarray(tensor.data, np.float32).reshape(-1)[0])
+    if not (np.isfinite(g) and g > 0):
+        raise CheckpointError(f"{where} is {float(g)}; an NVFP4 decode scale must be finite and > 0")
+    return g
+
+
 def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "float32", mesh: Any = None,
               rules: Any = None) -> tuple[MoEDecoder, Tokenizer]:
     """`MoEDecoder` (weights dequantized to ``param_dtype``) and `Tokenizer` of a Qwen3-MoE / Mixtral / OLMoE GGUF
@@ -316,9 +336,17 @@ def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "f
     specs = moe_tensor_specs(config)
 
     def fetch(spec: TensorSpec) -> tuple[np.ndarray, str]:
-        return gguf_loader.read_tensor(names, spec, path, config, permuted)
+        w, where = gguf_loader.read_tensor(names, spec, path, config, permuted)
+        scale = names.get(_scale_name(spec.gguf))
+        if scale is None:
+            return w, where
+        # NVFP4's per-tensor decode scale (`jaxlowfp.ptq.export_gguf` writes it for a dense NVFP4 projection, e.g.
+        # the attention's): w = (E2M1 * s) * S_dec, as the dense GGUF loader and the in-memory model compute it
+        return w * _decode_scale(scale, path), f"{where} (x {scale.name})"
 
-    extra = sorted(set(names) - {s.gguf for s in specs} - {"rope_freqs.weight"})
+    used = {s.gguf for s in specs}
+    used |= {_scale_name(n) for n in used}
+    extra = sorted(set(names) - used - {"rope_freqs.weight"})
     if extra:
         raise CheckpointError(f"{path}: tensors this model class does not have: {', '.join(extra[:5])}"
                               f"{' ...' if len(extra) > 5 else ''} (an unsupported architecture variant?)")
