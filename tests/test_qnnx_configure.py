@@ -60,7 +60,7 @@ def _no_devices(*args: object, **kwargs: object) -> None:
 def test_configuring_qat_traces_nothing_and_asks_for_no_device(recipe, monkeypatch):
     models = [Model(nnx.Rngs(0)), Model(nnx.Rngs(0))]
     forward_only = dataclasses.replace(recipe, grad=None)  # the experts' grouped GEMM: straight-through backward
-    recipe.init(), ops.ragged_state(forward_only, E, "per_expert")  # the zero histories' eager jnp ops, traced once by jax
+    recipe.init(), ops.ragged_state(forward_only, E, "per_expert")  # the zero histories' eager ops: traced once
     monkeypatch.setattr(jax, "devices", _no_devices)
     _traces.clear()
     _counting[0] = True

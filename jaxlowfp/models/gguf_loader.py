@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlowfp._core.checks import optional_module
+from jaxlowfp._core.deprecation import renamed_kwarg
 from jaxlowfp._core.pretokenizers import PRE_TOKENIZERS
 from jaxlowfp.models.common import (CheckpointError, LazyTensor, TensorSpec, Tokenizer, build_model,
                                     install_packed, tensor_specs)
@@ -365,14 +366,16 @@ def read_tensor(names: dict[str, Any], spec: TensorSpec, path: Path, config: Mod
 
 
 def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "float32", mesh: Any = None,
-              rules: Any = None, packed: bool = False, backend: str = "auto") -> tuple[Llama, Tokenizer]:
+              rules: Any = None, packed: bool = False, gemm: str = "auto", backend: str | None = None
+              ) -> tuple[Llama, Tokenizer]:
     """`Llama` (weights dequantized to ``param_dtype``) and `Tokenizer` of a GGUF file; with ``mesh``, every
     parameter is read slice by slice into its shards (`jaxlowfp.models.common.build_model`, ``rules`` as there).
 
-    ``packed=True``: the NVFP4 / MXFP4 projections are `jaxlowfp.ptq.PackedLinear` layers on `backend` (module
-    docstring; no float copy of them is made), the other tensors dequantized as without it; a file with no such
-    tensor raises. With ``mesh``, the packed arrays are placed as their kernel's rule places ``W'``
-    (`jaxlowfp.sharding.packed_shardings`)."""
+    ``packed=True``: the NVFP4 / MXFP4 projections are `jaxlowfp.ptq.PackedLinear` layers on the GEMM backend `gemm`
+    (`jaxlowfp.backends`; ``backend=`` is its deprecated name; module docstring; no float copy of them is made), the
+    other tensors dequantized as without it; a file with no such tensor raises. With ``mesh``, the packed arrays are
+    placed as their kernel's rule places ``W'`` (`jaxlowfp.sharding.packed_shardings`)."""
+    gemm = renamed_kwarg("models.gguf_loader.load_gguf", "backend", backend, "gemm", gemm, "auto")
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such GGUF file")
@@ -420,6 +423,6 @@ def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "f
             raise CheckpointError(f"{path}: packed=True keeps {' / '.join(PACKED_TYPES)} projections as codes and "
                                   f"scales; this file has none (tensor types {', '.join(types)}). Load it without "
                                   f"packed=")
-        install_packed(model, packs, backend=backend, source=path, mesh=mesh, rules=rules)
+        install_packed(model, packs, gemm=gemm, source=path, mesh=mesh, rules=rules)
     return model, tokenizer
 
