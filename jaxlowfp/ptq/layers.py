@@ -38,8 +38,9 @@ from jaxlowfp.ops import parse_einsum
 from jaxlowfp.ptq.formats import activation_spec
 from jaxlowfp.qat.spec import Recipe
 
-__all__ = ["LAYER_TYPES", "Layout", "layout", "quantizable_modules", "contracted_axes", "input_rows", "ActQuant",
-           "EinsumActQuant", "act_quant", "install", "hook_name", "default_hook", "is_act_quant", "require_linear"]
+__all__ = ["LAYER_TYPES", "Layout", "layout", "quantizable_modules", "contracted_axes", "input_rows", "ActQuantBase",
+           "ActQuant", "EinsumActQuant", "act_quant", "install", "hook_name", "default_hook", "is_act_quant",
+           "require_linear"]
 
 LAYER_TYPES = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)
 
@@ -144,7 +145,27 @@ def _contracted_last(lhs: jax.Array, contracted: tuple[int, ...]) -> tuple[jax.A
     return (lhs if perm == tuple(range(lhs.ndim)) else jnp.transpose(lhs, perm)), perm
 
 
-class ActQuant(nnx.Module):
+class ActQuantBase(nnx.Module):
+    """What every run-time activation quantizer of a PTQ'd layer holds (`ActQuant`, `EinsumActQuant`,
+    `jaxlowfp.ptq.experts.RaggedActQuant`): static `fmt`, `activation_scale`, `amax` and `path`, the layer's
+    activation-only `recipe` (its weight is quantized offline, in the kernel) and, as state, its execution record
+    (`record`). `op_key`: deprecated, ignored."""
+
+    def __init__(self, fmt: Any, activation_scale: str = "tensor", amax: Any = None, path: str = "",
+                 op_key: str | None = None):
+        self.fmt = fmt
+        self.activation_scale = activation_scale
+        self.amax = amax
+        self.path = path
+        self.recipe = Recipe(activation=activation_spec(fmt, activation_scale, amax), name=fmt.name)
+        self.record = new_record()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(fmt={self.fmt!r}, activation_scale={self.activation_scale!r}, "
+                f"amax={self.amax!r}, path={self.path!r})")
+
+
+class ActQuant(ActQuantBase):
     """The ``dot_general`` of a PTQ'd ``nnx.Linear`` or ``nnx.LinearGeneral``: the one op layer
     (`jaxlowfp.ops.dot_general`) with the input fake-quantized by `fmt` (blocks along the contracted axes) and the
     kernel as it is (it already holds the quantized weights).
@@ -160,20 +181,6 @@ class ActQuant(nnx.Module):
     state, while `fmt`, `activation_scale`, `amax` and `path` are static. So the graphdef holds nothing
     process-specific, and two identically quantized models share compiled code. (A frozen dataclass, as before,
     is static: it could not hold a runtime value.) `op_key`: deprecated, ignored."""
-
-    def __init__(self, fmt: Any, activation_scale: str = "tensor", amax: Any = None, path: str = "",
-                 op_key: str | None = None):
-        self.fmt = fmt
-        self.activation_scale = activation_scale
-        self.amax = amax
-        self.path = path
-        # the layer's activation-only recipe (the weight is quantized offline, in the kernel)
-        self.recipe = Recipe(activation=activation_spec(fmt, activation_scale, amax), name=fmt.name)
-        self.record = new_record()
-
-    def __repr__(self) -> str:
-        return (f"{type(self).__name__}(fmt={self.fmt!r}, activation_scale={self.activation_scale!r}, "
-                f"amax={self.amax!r}, path={self.path!r})")
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None,
                  **kw):
