@@ -108,7 +108,7 @@ class QuantOp(nnx.Module):
         self.amax = AmaxState(recipe.init() if amax is None else amax)
         self.stats = QuantStatsState(_zero_stats(recipe))
         self.observe_only = QuantPhase(jax.device_put(np.asarray(bool_flag(observe_only))))  # no trace
-        self.rngs = rngs["quant"].fork() if recipe.needs_key else nnx.data(None)
+        self.rngs = rngs["quant"].fork() if recipe.needs_key and rngs is not None else nnx.data(None)
 
     def contract(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, *, weight: int = 1,
                  key: jax.Array | None = None, precision: Any = None,
