@@ -83,6 +83,8 @@ class RaggedActQuant(ActQuantBase):
     values). `amax`: per expert, for static scaling; default scaling per token. An ``nnx.Module`` owning its
     execution record (`record`), as `jaxlowfp.ptq.ActQuant` (`jaxlowfp.ptq.layers.ActQuantBase`)."""
 
+    _amax_in_state = False  # one amax per expert: in the spec (jaxlowfp.ops.ragged_dot reads it there)
+
     def __init__(self, fmt: Any, activation_scale: str = "token", amax: tuple[float, ...] | None = None,
                  path: str = "", op_key: str | None = None):
         super().__init__(fmt, activation_scale, amax, path)
