@@ -100,7 +100,8 @@ class PackedLinear(nnx.Module):
             return out
         if self.act_quant is not None:  # per-token / static activation scales: the op layer's quantizer
             spec = self.act_quant.recipe.activation
-            x = qat.fake_quant(x, spec.init(), spec)[0]
+            st = self.act_quant.recipe_state()  # a calibrated amax is the quantizer's state
+            x = qat.fake_quant(x, spec.init() if st is None else st.activation, spec)[0]
         elif self.act_fn is not None:
             x = self.act_fn(x)
         y = backends.packed_dot_general(x, self.kernel.get_value(), (((x.ndim - 1,), (0,)), ((), ())),

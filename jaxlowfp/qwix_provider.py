@@ -393,11 +393,13 @@ class RecipeProvider(qwix.QuantizationProvider):
 
     def _quantized(self, rule: RecipeRule, op_id: str, lhs: Any, rhs: Any, dn: Any, precision: Any,
                    preferred_element_type: Any) -> jax.Array:
+        recipe = rule.recipe
+        assert recipe is not None  # called for the rules with a recipe only
         weight = self._weight_operand(lhs, rhs, op_id)
         module = flax_util.get_current_module()
-        self._executed.add(("/".join(map(str, flax_util.get_current_module_path())), op_id, rule.recipe.name))
+        self._executed.add(("/".join(map(str, flax_util.get_current_module_path())), op_id, recipe.name))
         if isinstance(module, nn.Module):
-            return contract_in(module, (op_id, op_id, op_id), rule.recipe, lhs, rhs, dn, weight=weight,
+            return contract_in(module, (op_id, op_id, op_id), recipe, lhs, rhs, dn, weight=weight,
                                observe_only=self.observe_only, carry=self.carry, precision=precision,
                                preferred_element_type=preferred_element_type)
         if self.carry != "mutable":
@@ -410,12 +412,12 @@ class RecipeProvider(qwix.QuantizationProvider):
             w_contract, w_batch = (tuple(d % w.ndim for d in ax) for ax in _dims_of_weight(_normalize(dn), weight))
             k, m = contraction_sizes(w.shape, w_contract, w_batch)
             path = "/".join(map(str, flax_util.get_current_module_path()))
-            op = QuantOp(rule.recipe, k=k, m=m, dtype=jnp.result_type(lhs), observe_only=self.observe_only,
+            op = QuantOp(recipe, k=k, m=m, dtype=jnp.result_type(lhs), observe_only=self.observe_only,
                          path=f"{path}/{name}" if path else name, rngs=self.rngs)
             setattr(module, name, op)
-        elif not isinstance(op, QuantOp) or op.recipe != rule.recipe:
+        elif not isinstance(op, QuantOp) or op.recipe != recipe:
             raise ValueError(f"{self._where(op_id)}: the module's {name!r} holds "
-                             f"{getattr(op, 'recipe', op)!r}, not this rule's recipe {rule.recipe.name!r} (quantized "
+                             f"{getattr(op, 'recipe', op)!r}, not this rule's recipe {recipe.name!r} (quantized "
                              f"before by another provider or rule?)")
         return op.contract(lhs, rhs, dn, weight=weight, precision=precision,
                            preferred_element_type=preferred_element_type)

@@ -367,22 +367,50 @@ class StaticScaling(_OneSlot):
     requests of a batch. The state is :class:`CurrentScaling`'s (the last finite amax seen, telemetry only). A
     tuple `amax` holds one per expert, for the grouped GEMM `jaxlowfp.ops.ragged_dot` only.
 
+    ``amax=None``: the calibrated amax is the state's ``estimate`` (:meth:`calibrated` builds that state), not part
+    of the spec, so layers calibrated to different amaxes have equal specs and share one compiled program (a PTQ'd
+    model's identical blocks); the call then needs that state, as a delayed-scaling call needs its history.
+
     >>> s = StaticScaling(amax=4.0, target_max=15.0)
     >>> float(s.amax_estimate(s.init(), 9.0)), float(s.scale(s.amax_estimate(s.init(), 9.0)))
     (4.0, 0.2666666805744171)
     """
 
-    amax: float | tuple[float, ...]
+    amax: float | tuple[float, ...] | None
     target_max: float
 
     def __post_init__(self) -> None:
-        if isinstance(self.amax, (tuple, list)):  # one calibrated amax per expert (jaxlowfp.ops.ragged_dot)
+        if self.amax is None:  # carried in the state (calibrated)
+            pass
+        elif isinstance(self.amax, (tuple, list)):  # one calibrated amax per expert (jaxlowfp.ops.ragged_dot)
             object.__setattr__(self, "amax", tuple(positive_finite(a, f"amax[{i}] (the calibrated max |x| of "
                                                                           f"expert {i})")
                                                     for i, a in enumerate(self.amax)))
         else:
             object.__setattr__(self, "amax", positive_finite(self.amax, "amax (the calibrated max |x|)"))
         object.__setattr__(self, "target_max", positive_finite(self.target_max, "target_max"))
+
+    def calibrated(self, amax: float) -> AmaxHistory:
+        """The state of a spec with ``amax=None`` that quantizes with the calibrated `amax` (a positive finite max
+        |x|, rounded to float32 as a spec's own amax is)."""
+        if self.amax is not None:
+            raise ValueError(f"StaticScaling(amax={self.amax!r}) holds its amax; calibrated() is for amax=None")
+        a = positive_finite(amax, "amax (the calibrated max |x|)")
+        return _init_state(1)._replace(estimate=jnp.asarray(a, jnp.float32))
+
+    def amax_estimate(self, state: AmaxHistory, x_amax: ArrayLike) -> jax.Array:
+        if self.amax is None:
+            _check_state(state, 1, "StaticScaling")
+            _as_amax(x_amax)
+            return state.estimate
+        return super().amax_estimate(state, x_amax)
+
+    def update(self, state: AmaxHistory, x_amax: ArrayLike) -> AmaxHistory:
+        if self.amax is None:  # the calibrated estimate stays; the amax seen is telemetry
+            a = _as_amax(x_amax)
+            _check_state(state, 1, "StaticScaling")
+            return _record(state, a, state.estimate, 0.0)
+        return super().update(state, x_amax)
 
     def _estimate(self, x_amax: jax.Array) -> jax.Array:
         """The calibrated `amax` (float32), for any `x_amax`."""

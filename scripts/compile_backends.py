@@ -7,13 +7,13 @@ lowered under a mesh of it and ``.compile()``d: XLA's GPU pipeline runs for real
 rewriting, fusion, Triton, ptxas), with no device and no cuDNN library (XLA emits the cuDNN call; cuDNN itself
 builds its kernel plan when the executable is loaded on a GPU, which is what ``make gpu-check`` does).
 
-Cases (M = 256 tokens, a 1024 x 2048 projection), each with ``backend="auto"`` on the target's device, so the
+Cases (M = 256 tokens, a 1024 x 2048 projection), each with ``gemm="auto"`` on the target's device, so the
 choice is asserted too:
   - ``nvfp4 W4A4 static_6`` and ``nvfp4 W4A4 4/6 (mse)`` (activations quantized by jaxlowfp's quantizer, Four Over
     Six included, inside the program), ``nvfp4 16x16 weights``, ``mxfp8 W8A8``, and ``nvfp4 W4A4 4/6, per-token
     scales`` (`backends.scaled_matmul_rows`: each row quantized with its own global scale, factored out of the
     product; what a packed layer with ``activation_scale="token"`` runs on "scaled_matmul"): sm_100a (B200);
-  - ``mxfp4 W4A4`` with ``backend="scaled_matmul"`` asked for: XLA expands it into a float32 dot on sm_100a (no
+  - ``mxfp4 W4A4`` with ``gemm="scaled_matmul"`` asked for: XLA expands it into a float32 dot on sm_100a (no
     cuDNN call), which is why "auto" takes "dequant" for MXFP4 and the plan does not call it native;
   - ``fp8 W8A8``: sm_90a (H100), with XLA's default GEMM choice (deviceless: no autotuning, so its Triton GEMM
     emitter, which keeps the float8 operands) and with ``xla_gpu_enable_triton_gemm=False`` (cuBLASLt);

@@ -155,18 +155,26 @@ def _run(block, x):
     return block
 
 
-def test_block_by_block_scoring_compiles_each_block_program_once(caplog):
+@pytest.mark.parametrize("scale", ["token", "static"])
+def test_block_by_block_scoring_compiles_each_block_program_once(caplog, scale):
     """`evaluation.score_requests` runs identical quantized blocks through one program: compiled once per padded
     length, not once more for the first block (whose input, the embedding of host tokens, was uncommitted while
-    every later block's was committed, so XLA compiled the same block program twice)."""
+    every later block's was committed, so XLA compiled the same block program twice). With static activation scales
+    each block is calibrated to its own amaxes, which are state (`ptq.layers.Calibration`), not part of the
+    graphdef: still one program (it was one per block)."""
     import logging
 
     from jaxlowfp.evaluation import Request, score_requests
     from jaxlowfp.models.llama import PRESETS, Llama
 
     model = Llama(PRESETS["tiny"], rngs=nnx.Rngs(0))
-    ptq.quantize_model(model, [ptq.Rule(path=r"blocks/\d+/mlp/\w+_proj", scheme=ptq.scheme("fp8"))],
-                       activation_scale="token")
+    calib = np.random.default_rng(2).integers(0, 256, (4, 16)) if scale == "static" else None
+    res = ptq.quantize_model(model, [ptq.Rule(path=r"blocks/\d+/mlp/\w+_proj", scheme=ptq.scheme("fp8"))],
+                             calibration=calib, activation_scale=scale)
+    if scale == "static":  # the blocks' calibrated amaxes differ: a key of the graphdef would split them
+        amaxes = {round(res.act_amax[f"blocks/{i}/mlp/down_proj"], 6) for i in range(len(model.blocks))}
+        assert len(amaxes) == len(model.blocks), res.act_amax
+        assert model.blocks[1].mlp.down_proj.dot_general.amax == pytest.approx(res.act_amax["blocks/1/mlp/down_proj"])
     requests = [Request(tuple(range(1, 12)), n_pred=10)]
     with caplog.at_level(logging.DEBUG), jax.log_compiles(True):
         score_requests(model, requests, batch_size=2)

@@ -53,19 +53,19 @@ def test_the_same_ptq_run_writes_the_committed_codes(tmp_path):
     assert sum(n.endswith("input_scale") for n in got) == 14
 
 
-@pytest.mark.parametrize("packed,backend", [(False, "auto"), (True, "auto"), (True, "fp8")])
-def test_load_model_gives_what_compressed_tensors_and_transformers_compute(packed, backend):
+@pytest.mark.parametrize("packed,gemm", [(False, "auto"), (True, "auto"), (True, "fp8")])
+def test_load_model_gives_what_compressed_tensors_and_transformers_compute(packed, gemm):
     """Decoded: every kernel is compressed-tensors' decompression (f32(q) * s, one IEEE rounding each side: within
     one float32 ulp). Log-probs of our load, decoded or packed (the fp8 backend's emulation on CPU multiplies the
     codes and applies the scales to the output), within 2e-5 (measured 1.9e-6) of transformers + compressed-tensors:
     the same quantized values in two programs, float32 rounding of the summation order, and compressed-tensors divides
     by the input scale where we multiply by its reciprocal (an activation code at a rounding tie may differ)."""
-    model, _ = load_export(EXPORT, packed=packed, gemm=backend, tokenizer=None)  # no tokenizer written
+    model, _ = load_export(EXPORT, packed=packed, gemm=gemm, tokenizer=None)  # no tokenizer written
     if packed:
         layers = packed_layers(model)
         assert len(layers) == 14 and {lay.kernel.get_value().format.kind for lay in layers.values()} == {"fp8"}
-        # backend="fp8": the static input scale on the float8 GEMM (`backends.fp8_rows`), not the weights-only path
-        assert all(lay.rows_gemm for lay in layers.values()) == (backend == "fp8")
+        # gemm="fp8": the static input scale on the float8 GEMM (`backends.fp8_rows`), not the weights-only path
+        assert all(lay.rows_gemm for lay in layers.values()) == (gemm == "fp8")
     else:
         for i in range(2):
             k = np.asarray(model.blocks[i].mlp.up_proj.kernel[...]).T
@@ -73,7 +73,7 @@ def test_load_model_gives_what_compressed_tensors_and_transformers_compute(packe
     assert int(CT["hf_loaded"]) == 1
     np.testing.assert_array_equal(CT["hf_logprobs"], CT["logprobs"])  # transformers' own load = the manual path
     lp = _lp(model)
-    print(f"packed={packed} backend={backend}: max |log p - transformers'| = {np.abs(lp - CT['logprobs']).max():.3g}")
+    print(f"packed={packed} gemm={gemm}: max |log p - transformers'| = {np.abs(lp - CT['logprobs']).max():.3g}")
     np.testing.assert_allclose(lp, CT["logprobs"], atol=2e-5, rtol=0)
 
 

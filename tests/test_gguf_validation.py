@@ -84,3 +84,44 @@ def test_cut_anywhere_is_a_named_error(where):
         p.write_bytes(raw[: int(where * len(raw))])
         with pytest.raises(CheckpointError, match=str(p)):
             load(p)
+
+
+def _written(path, endianess):
+    """A small GGUF file written by gguf-py: metadata of every kind the header skips (strings, string and number
+    arrays, scalars), a non-default alignment and tensors of three types."""
+    import numpy as np
+
+    w = gguf.GGUFWriter(path, "llama", endianess=endianess)
+    w.add_custom_alignment(64)
+    w.add_array("tokenizer.ggml.tokens", ["a", "bb", "", "é"])
+    w.add_array("x.numbers", [1, 2, 3])
+    w.add_string("x.name", "tiny")
+    w.add_float32("x.eps", 1e-5)
+    w.add_bool("x.flag", True)
+    w.add_tensor("a.weight", np.arange(64, dtype=np.float32).reshape(2, 32))
+    w.add_tensor("b.weight", np.ones((3, 5), np.float16))
+    w.add_tensor("c.weight", np.zeros((1, 7), np.int32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_the_tensor_table_is_read_as_gguf_py_reads_it(tmp_path):
+    """`read_tensor_table` (the loader's own reading of the GGUF header, no gguf-py) gives every tensor's name,
+    type, dimensions and data offset, the data section's start and the alignment that gguf-py's public
+    ``GGUFReader.tensors`` / ``data_offset`` / ``alignment`` give: the fixtures, and files gguf-py writes in both
+    byte orders; the loader's reader is a plain ``gguf.GGUFReader`` (no subclass, no private hook of gguf-py)."""
+    from jaxlowfp.models import gguf_loader
+
+    files = [SRC, *sorted((SRC.parents[1] / "moe").glob("*.gguf"))]
+    files += [_written(tmp_path / f"{e.name}.gguf", e) for e in (gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG)]
+    for p in files:
+        infos, start, alignment = gguf_loader.read_tensor_table(p)
+        r = gguf.GGUFReader(p)
+        assert [(n, t, d, start + o) for n, t, d, o in infos] == [
+            (t.name, int(t.tensor_type), [int(x) for x in t.shape], int(t.data_offset)) for t in r.tensors], p
+        assert (start, alignment) == (r.data_offset, r.alignment), p
+    assert alignment == 64 and len(infos) == 3
+    assert type(gguf_loader.open_reader(SRC)) is gguf.GGUFReader

@@ -2,7 +2,7 @@
 NVFP4 (standard and Four Over Six activations, 1x16 and 16x16 weights) and MXFP8 W4A4 / W8A8 on sm_100a become
 cuDNN's block-scaled GEMM (MXFP4 does not: XLA expands it into a float32 dot, and "auto" does not claim it), FP8
 W8A8 on sm_90a cuBLASLt's FP8 GEMM (or XLA's Triton GEMM on the float8 operands, its default without autotuning), with
-no float dot of dequantized values left; ``backend="auto"`` picks them on those devices.
+no float dot of dequantized values left; ``gemm="auto"`` picks them on those devices.
 
 XLA's GPU compiler runs for real against its own description of a B200 and an H100 (one subprocess); no GPU and
 no cuDNN library are needed to emit the cuDNN call, so what this cannot show is cuDNN accepting the plan at load

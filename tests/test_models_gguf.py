@@ -201,8 +201,8 @@ def test_a_gguf_file_is_parsed_once_per_version(tmp_path, monkeypatch):
     from jaxlowfp.models import gguf_loader
 
     parsed = []
-    real = gguf_loader._CheckedReader  # gguf.GGUFReader with the tensor table validated
-    monkeypatch.setattr(gguf_loader, "_CheckedReader", lambda p, *a, **k: parsed.append(p) or real(p, *a, **k))
+    real = gguf_loader._checked_reader  # gguf.GGUFReader once the tensor table is validated
+    monkeypatch.setattr(gguf_loader, "_checked_reader", lambda p, *a, **k: parsed.append(p) or real(p, *a, **k))
     path = tmp_path / "m.gguf"
     write_gguf(path, random_weights(CFG, seed=1))
     first, _ = load(path)

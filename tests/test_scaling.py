@@ -330,3 +330,30 @@ def test_docs_example_is_current():
     with contextlib.redirect_stdout(buf):
         exec(compile(code, "docs/scaling.md", "exec"), {"__name__": "docs_scaling"})
     assert buf.getvalue().strip() == expected.strip()
+
+
+def test_static_scaling_with_its_amax_in_the_state_quantizes_as_the_fixed_amax():
+    """``StaticScaling(amax=None)``: the calibrated amax is the state's estimate (``calibrated(a)``), so specs of
+    layers calibrated apart are equal; quantizing with it equals quantizing with ``StaticScaling(amax=a)`` (the
+    same scale; two XLA programs, so within float32 rounding: a moved code would differ by a quantization step)."""
+    from jaxlowfp import qat
+    from jaxlowfp.scaling import StaticScaling
+
+    a = 2.7
+    fixed = qat.QuantSpec(format="nvfp4", scaling=StaticScaling(amax=a, target_max=6.0))
+    carried = qat.QuantSpec(format="nvfp4", scaling=StaticScaling(amax=None, target_max=6.0))
+    assert carried == qat.QuantSpec(format="nvfp4", scaling=StaticScaling(amax=None, target_max=6.0))
+    state = carried.scaling.calibrated(a)
+    assert float(state.estimate) == float(np.float32(a))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 64)) * 2, jnp.float32)  # some beyond a: clipped
+    f = jax.jit(lambda x, s: qat.fake_quant(x, s, carried)[0])
+    want = np.asarray(jax.jit(lambda x: qat.fake_quant(x, fixed.init(), fixed)[0])(x))
+    np.testing.assert_allclose(np.asarray(f(x, state)), want, rtol=1e-6, atol=0)
+    other = np.asarray(f(x, carried.scaling.calibrated(a / 2)))  # the state, not the spec, sets the scale
+    assert np.max(np.abs(other - want)) > 0.1
+    new = carried.scaling.update(state, jnp.float32(9.0))  # the amax seen is telemetry; the estimate stays
+    assert float(new.estimate) == float(state.estimate) and float(new.history[0]) == 9.0
+    with pytest.raises(ValueError, match="calibrated\\(\\) is for amax=None"):
+        fixed.scaling.calibrated(a)
+    with pytest.raises(ValueError, match="amax"):
+        carried.scaling.calibrated(-1.0)

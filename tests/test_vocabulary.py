@@ -292,6 +292,55 @@ KEPT = {("jaxlowfp.qat", "dot_general")}
 # the old quantized-array types: constructors (old keywords) that build a jaxlowfp.QArray; isinstance by format kind
 LEGACY_ARRAYS = {("jaxlowfp.nvfp4", "NVFP4Array"), ("jaxlowfp.if4", "IFArray"), ("jaxlowfp.mx", "MXArray"),
                  ("jaxlowfp.packed", "ScaledArray")}
+# the loaders' modules behind jaxlowfp.models (public through their __all__, called by the models package)
+LOADER_MODULES = ["jaxlowfp.models.gguf_loader", "jaxlowfp.models.quantized", "jaxlowfp.models.common",
+                  "jaxlowfp.models.exported", "jaxlowfp.models.config"]
+# a `backend` that is JAX's platform ("cpu", "gpu", "tpu": jax.default_backend()), not a GEMM nor a Pallas backend
+JAX_PLATFORM = {"compute_dtype_for_backend"}
+# records whose field `backend` reports the GEMM that was chosen or ran (read, never passed to choose one)
+BACKEND_RECORDS = {"Plan", "QuantizedOp"}
+
+
+def test_backend_is_never_the_new_name():
+    """The GEMM backend is ``gemm=`` and the Pallas backend ``pallas_backend=`` in every public function, the model
+    loaders' modules included: a ``backend=`` left is a deprecated spelling (default None) next to its new name."""
+    bad = []
+    mods = [(m, _public(importlib.import_module(m))) for m in PUBLIC_MODULES]
+    mods += [(m, {n: getattr(importlib.import_module(m), n) for n in importlib.import_module(m).__all__})
+             for m in LOADER_MODULES]
+    for m, names in mods:
+        for name, obj in names.items():
+            if not callable(obj) or name in JAX_PLATFORM | BACKEND_RECORDS:
+                continue
+            try:
+                ps = inspect.signature(obj).parameters
+            except (TypeError, ValueError):
+                continue
+            p = ps.get("backend")
+            if p is not None and (p.default is not None or not ({"gemm", "pallas_backend"} & set(ps))):
+                bad.append(f"{m}.{name}(backend={p.default!r})")
+    assert not bad, f"backend= as a current keyword (use gemm= or pallas_backend=): {bad}"
+
+
+def test_the_loaders_old_backend_keyword_warns_and_still_works(tmp_path):
+    """``backend=`` of the loaders behind `jaxlowfp.models.load` is ``gemm=``'s deprecated spelling: it warns, names
+    the new keyword, and is still taken; both at once is a TypeError."""
+    from flax import nnx
+
+    from jaxlowfp.models import CheckpointError, common, gguf_loader, quantized
+
+    for fn, arg in ((gguf_loader.load_gguf, tmp_path / "none.gguf"), (quantized.load_quantized, tmp_path)):
+        with pytest.warns(DeprecationWarning, match=re.escape(f"{fn.__name__}(backend=...) is deprecated") + ".*gemm="):
+            with pytest.raises(CheckpointError):  # the keyword is read first, then the missing checkpoint refused
+                fn(arg, backend="dequant")
+        with pytest.raises(TypeError, match="pass gemm= only"):
+            fn(arg, gemm="fp8", backend="dequant")
+    model = nnx.Sequential(nnx.Linear(16, 16, rngs=nnx.Rngs(0)))
+    with pytest.warns(DeprecationWarning, match=r"install_packed\(backend=\.\.\.\) is deprecated.*gemm="):
+        common.install_packed(model, {}, backend="dequant")  # no weight: nothing to replace
+    assert isinstance(model.layers[0], nnx.Linear)
+
+
 # a PTQ result record, no longer public: rtn_weight / gptq_weight return it (its .packed is a jaxlowfp.QArray)
 RESULT_RECORDS = {("jaxlowfp.ptq", "QuantizedWeight")}
 

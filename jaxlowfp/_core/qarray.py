@@ -77,6 +77,7 @@ class QArray:
                                                 rows=self.format.rows, shape=self.shape, dtype=dtype)
         if kind in MX_ELEMENT:
             return mx_decode(self.codes, self.scales, fmt=MX_ELEMENT[kind], shape=self.shape, dtype=dtype)
+        assert self.global_scale is not None  # a per-tensor format's array carries one
         return (self.values() * self.global_scale).astype(dtype)
 
     def values(self) -> jax.Array:
@@ -102,6 +103,7 @@ class QArray:
         """IF: bool per block, the block uses the INT grid (the scale's sign bit)."""
         if self.format.kind not in IF_KINDS:
             raise ValueError(f"is_int is the INT-block flag of the IF formats; this is {self.format!r}")
+        assert self.scales is not None  # an IF array carries its block scales
         return (lax.bitcast_convert_type(self.scales, jnp.uint8) >> 7) == 1
 
     @property

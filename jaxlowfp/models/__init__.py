@@ -47,7 +47,7 @@ def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "f
               ) -> tuple[Llama, Tokenizer]:
     """``(model, tokenizer)`` of a llama.cpp GGUF file (`jaxlowfp.models.gguf_loader`; mixtures of experts:
     `jaxlowfp.models.moe_loader`; default rules `jaxlowfp.sharding.moe_rules`)."""
-    backend = _renamed_kwarg("models.load_gguf", "backend", backend, "gemm", gemm, "auto")
+    gemm = _renamed_kwarg("models.load_gguf", "backend", backend, "gemm", gemm, "auto")
     from jaxlowfp.models import gguf_loader, moe_loader  # needs the jaxlowfp[models] extra
 
     path = Path(path)
@@ -55,7 +55,7 @@ def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "f
         _not_packed(packed, path, "a mixture-of-experts GGUF file (packed experts are not implemented)")
         return moe_loader.load_gguf(path, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules)
     return gguf_loader.load_gguf(path, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules, packed=packed,
-                                 backend=backend)
+                                 gemm=gemm)
 
 
 def _not_packed(packed: bool, where: Any, what: str) -> None:
@@ -70,7 +70,7 @@ def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str =
             gemm: str = "auto", backend: str | None = None) -> tuple[Llama, Tokenizer | None]:
     """``(model, tokenizer)`` of a Hugging Face checkpoint directory (`jaxlowfp.models.hf_loader`; mixtures of
     experts: `jaxlowfp.models.moe_loader`; `tokenizer`, `packed`, `gemm`: see `load`)."""
-    backend = _renamed_kwarg("models.load_hf", "backend", backend, "gemm", gemm, "auto")
+    gemm = _renamed_kwarg("models.load_hf", "backend", backend, "gemm", gemm, "auto")
     from jaxlowfp.models import hf_loader, moe_loader, quantized  # needs the jaxlowfp[models] extra
 
     if moe_loader.is_export(directory):  # a jaxlowfp.ptq.export of Qwen3-MoE / Mixtral (NVFP4 experts)
@@ -84,7 +84,7 @@ def load_hf(directory: str | Path, *, dtype: str = "float32", param_dtype: str =
                                   tokenizer=tokenizer)
     if quantized.detect(directory) is not None:  # NVFP4 of compressed-tensors (llm-compressor) or ModelOpt
         return quantized.load_quantized(directory, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules,
-                                        tokenizer=tokenizer, packed=packed, backend=backend)
+                                        tokenizer=tokenizer, packed=packed, gemm=gemm)
     _not_packed(packed, directory, "a high-precision checkpoint (no quantization_config)")
     return hf_loader.load_hf(directory, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules,
                              tokenizer=tokenizer)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxlowfp._core.deprecation import renamed_kwarg
 from jaxlowfp._core.errors import CheckpointError
 from jaxlowfp.models.llama import Llama, ModelConfig
 from jaxlowfp.models.tensor_names import TensorSpec, tensor_specs
@@ -183,16 +184,18 @@ def _put_shards(shape: tuple[int, ...], sharding: jax.sharding.Sharding, read: C
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
-def install_packed(model: nnx.Module, weights: Mapping[str, Any], *, backend: str = "auto",
+def install_packed(model: nnx.Module, weights: Mapping[str, Any], *, gemm: str = "auto",
                    act_fns: Mapping[str, Any] | None = None, source: Any = "", mesh: Any = None,
-                   rules: Any = None) -> None:
+                   rules: Any = None, backend: str | None = None) -> None:
     """Replace each ``nnx.Linear`` at a path of `weights` (``{path: PackedWeight of its W' [in, out]}``, read from a
     checkpoint) by a `PackedLinear` holding that weight, in place: the loaders' ``packed=True``. The Linear may be
     abstract (``nnx.eval_shape``: its kernel is never materialised); its bias, dtypes and shape are kept, and a
     weight that does not fit its kernel is a `CheckpointError` naming `source` and the layer.
     `act_fns`: ``{path: hashable x -> fake-quantized x}``, a checkpoint's own activation quantizer. ``mesh``: each
     weight is placed as ``rules`` (default `jaxlowfp.sharding.llama_rules`) place its kernel
-    (`jaxlowfp.sharding.packed_shardings`)."""
+    (`jaxlowfp.sharding.packed_shardings`). The layers run on the GEMM backend `gemm` (`jaxlowfp.backends`;
+    ``backend=`` is its deprecated name)."""
+    gemm = renamed_kwarg("models.common.install_packed", "backend", backend, "gemm", gemm, "auto")
     from jaxlowfp import sharding
     from jaxlowfp.packed_layer import PackedLinear, replace_modules
 
@@ -211,6 +214,6 @@ def install_packed(model: nnx.Module, weights: Mapping[str, Any], *, backend: st
             w = jax.device_put(w, sharding.packed_shardings(w, specs[f"{path}/kernel"].spec, mesh,
                                                             where=f"{source}: layer {path}"))
         fn = (act_fns or {}).get(path)
-        layers[path] = (lin, PackedLinear(w, lin.bias, activation=None, gemm=backend, dtype=lin.dtype,
+        layers[path] = (lin, PackedLinear(w, lin.bias, activation=None, gemm=gemm, dtype=lin.dtype,
                                           param_dtype=lin.param_dtype, path=path, act_fn=fn))
     replace_modules(model, layers)

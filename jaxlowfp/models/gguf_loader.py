@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxlowfp._core.checks import optional_module
+from jaxlowfp._core.deprecation import renamed_kwarg
 from jaxlowfp._core.pretokenizers import PRE_TOKENIZERS
 from jaxlowfp.models.common import (CheckpointError, LazyTensor, TensorSpec, Tokenizer, build_model,
                                     install_packed, tensor_specs)
@@ -51,8 +52,7 @@ Regex, decoders, models = tokenizers.Regex, tokenizers.decoders, tokenizers.mode
 pre_tokenizers, processors = tokenizers.pre_tokenizers, tokenizers.processors
 
 __all__ = ["ARCHITECTURES", "PACKED_TYPES", "PRE_TOKENIZERS", "check_tensor_infos", "config_fields", "load_gguf",
-           "packed_weight",
-           "read_config", "read_tokenizer", "unpermute_rope_rows"]
+           "packed_weight", "read_config", "read_tensor_table", "read_tokenizer", "unpermute_rope_rows"]
 
 # architecture -> whether the converter permuted the q/k rows (llama.cpp RoPE type NORM vs NEOX)
 ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
@@ -102,21 +102,104 @@ def check_tensor_infos(path: Path, infos: list[tuple[str, int, list[int], int]],
                                   f"byte {end}): a corrupt tensor table")
 
 
-class _CheckedReader(gguf.GGUFReader):  # type: ignore[misc,name-defined]
-    """``gguf.GGUFReader`` that validates the tensor table (`check_tensor_infos`) before it maps any tensor."""
+# GGUF metadata value types -> bytes of one scalar (ggml-org/ggml docs/gguf.md, "gguf_metadata_value_type"):
+# UINT8 INT8 UINT16 INT16 UINT32 INT32 FLOAT32 BOOL, then STRING = 8 and ARRAY = 9, UINT64 INT64 FLOAT64
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
+_VERSIONS = (2, 3)  # GGUF v1 had 32-bit counts; llama.cpp and gguf-py read v2 and v3
 
-    def __init__(self, path: Path):
-        self._checked_path = path
-        super().__init__(path)
 
-    def _build_tensors(self, start_offs: int, fields: list) -> None:
+def read_tensor_table(path: Path) -> tuple[list[tuple[str, int, list[int], int]], int, int]:
+    """``(infos, data_start, alignment)`` of a GGUF file, read from its header as the GGUF specification lays it out
+    (ggml-org/ggml ``docs/gguf.md``): magic ``GGUF``, version, tensor and key-value counts, the key-value pairs
+    (skipped, except ``general.alignment``), then one ``(name, ggml type, dims, offset)`` per tensor; the data
+    section starts at the next multiple of the alignment (default 32). Little- or big-endian, as the version field
+    says. Nothing is trusted: a header that runs past the file's end, an unknown value type or a bad alignment is a
+    ValueError. This is what `open_reader` checks (`check_tensor_infos`) before gguf-py maps any tensor; it uses no
+    part of gguf-py, so a gguf release cannot change what is checked."""
+    import mmap
+    import struct
+
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 24:
+            raise ValueError(f"{size} bytes: shorter than a GGUF header (24 bytes)")
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        if buf[:4] != b"GGUF":
+            raise ValueError(f"GGUF magic invalid ({bytes(buf[:4])!r})")
+        end = "<" if struct.unpack_from("<I", buf, 4)[0] & 0xFFFF else ">"  # a swapped file reads 0 in the low half
+        version, n_tensors, n_kv = struct.unpack_from(end + "IQQ", buf, 4)
+        if version not in _VERSIONS:
+            raise ValueError(f"GGUF version {version}; readable: {', '.join(map(str, _VERSIONS))}")
+        offs = 24
+
+        def take(fmt: str) -> Any:
+            nonlocal offs
+            n = struct.calcsize(fmt)
+            if offs + n > size:
+                raise ValueError(f"the header runs past the end of the {size}-byte file (at byte {offs})")
+            out = struct.unpack_from(end + fmt, buf, offs)
+            offs += n
+            return out[0] if len(out) == 1 else out
+
+        def skip(n: int) -> None:
+            nonlocal offs
+            if n < 0 or offs + n > size:
+                raise ValueError(f"the header runs past the end of the {size}-byte file (at byte {offs})")
+            offs += n
+
+        def string() -> bytes:
+            n = take("Q")
+            skip(n)
+            return bytes(buf[offs - n:offs])
+
+        def skip_value(vtype: int) -> None:
+            if vtype in _SCALAR_BYTES:
+                skip(_SCALAR_BYTES[vtype])
+            elif vtype == _STRING:
+                skip(take("Q"))
+            elif vtype == _ARRAY:
+                item, count = take("I"), take("Q")
+                if item in _SCALAR_BYTES:
+                    skip(_SCALAR_BYTES[item] * count)
+                elif item in (_STRING, _ARRAY):
+                    for _ in range(count):
+                        skip_value(item)
+                else:
+                    raise ValueError(f"unknown GGUF array element type {item} (at byte {offs})")
+            else:
+                raise ValueError(f"unknown GGUF value type {vtype} (at byte {offs})")
+
+        alignment = 32
+        for _ in range(n_kv):
+            key, vtype = string(), take("I")
+            if key == b"general.alignment":
+                if vtype != _UINT32:
+                    raise ValueError(f"general.alignment has value type {vtype}; the specification's is UINT32")
+                alignment = take("I")
+                if alignment <= 0 or alignment & (alignment - 1):
+                    raise ValueError(f"general.alignment {alignment} is not a power of two")
+            else:
+                skip_value(vtype)
         infos = []
-        for field in fields:
-            _, name, _, dims, raw_type, offset = field.parts
-            infos.append((bytes(name).decode("utf-8", "replace"), int(raw_type[0]), [int(d) for d in dims],
-                          int(offset[0])))
-        check_tensor_infos(self._checked_path, infos, int(start_offs), len(self.data), int(self.alignment))
-        super()._build_tensors(start_offs, fields)
+        for _ in range(n_tensors):
+            name = string().decode("utf-8", "replace")
+            n_dims = take("I")
+            if n_dims > 4:  # GGML_MAX_DIMS: llama.cpp refuses more
+                raise ValueError(f"tensor {name} has {n_dims} dimensions; GGUF tensors have at most 4")
+            dims = [take("Q") for _ in range(n_dims)]
+            infos.append((name, take("I"), dims, take("Q")))
+        return infos, offs + (-offs % alignment), alignment
+    finally:
+        buf.close()
+
+
+def _checked_reader(path: Path) -> Any:
+    """``gguf.GGUFReader(path)`` once the tensor table (`read_tensor_table`) passed `check_tensor_infos`."""
+    infos, data_start, alignment = read_tensor_table(path)
+    check_tensor_infos(path, infos, data_start, os.path.getsize(path), alignment)
+    return gguf.GGUFReader(path)
 
 
 # The last files parsed, by (path, inode, size, mtime): gguf-py parses every metadata array element by element
@@ -133,7 +216,7 @@ def open_reader(path: Path) -> Any:
         key = (str(Path(path).resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
         reader = _READERS.pop(key, None)
         if reader is None:
-            reader = _CheckedReader(path)
+            reader = _checked_reader(path)
     except CheckpointError:
         raise
     except (ValueError, OSError, IndexError, KeyError) as e:
@@ -365,14 +448,16 @@ def read_tensor(names: dict[str, Any], spec: TensorSpec, path: Path, config: Mod
 
 
 def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "float32", mesh: Any = None,
-              rules: Any = None, packed: bool = False, backend: str = "auto") -> tuple[Llama, Tokenizer]:
+              rules: Any = None, packed: bool = False, gemm: str = "auto", backend: str | None = None
+              ) -> tuple[Llama, Tokenizer]:
     """`Llama` (weights dequantized to ``param_dtype``) and `Tokenizer` of a GGUF file; with ``mesh``, every
     parameter is read slice by slice into its shards (`jaxlowfp.models.common.build_model`, ``rules`` as there).
 
-    ``packed=True``: the NVFP4 / MXFP4 projections are `jaxlowfp.ptq.PackedLinear` layers on `backend` (module
-    docstring; no float copy of them is made), the other tensors dequantized as without it; a file with no such
-    tensor raises. With ``mesh``, the packed arrays are placed as their kernel's rule places ``W'``
-    (`jaxlowfp.sharding.packed_shardings`)."""
+    ``packed=True``: the NVFP4 / MXFP4 projections are `jaxlowfp.ptq.PackedLinear` layers on the GEMM backend `gemm`
+    (`jaxlowfp.backends`; ``backend=`` is its deprecated name; module docstring; no float copy of them is made), the
+    other tensors dequantized as without it; a file with no such tensor raises. With ``mesh``, the packed arrays are
+    placed as their kernel's rule places ``W'`` (`jaxlowfp.sharding.packed_shardings`)."""
+    gemm = renamed_kwarg("models.gguf_loader.load_gguf", "backend", backend, "gemm", gemm, "auto")
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such GGUF file")
@@ -420,6 +505,6 @@ def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "f
             raise CheckpointError(f"{path}: packed=True keeps {' / '.join(PACKED_TYPES)} projections as codes and "
                                   f"scales; this file has none (tensor types {', '.join(types)}). Load it without "
                                   f"packed=")
-        install_packed(model, packs, backend=backend, source=path, mesh=mesh, rules=rules)
+        install_packed(model, packs, gemm=gemm, source=path, mesh=mesh, rules=rules)
     return model, tokenizer
 

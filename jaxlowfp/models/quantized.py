@@ -36,6 +36,7 @@ from flax import nnx
 from jax import lax
 
 from jaxlowfp._core import ct_nvfp4
+from jaxlowfp._core.deprecation import renamed_kwarg
 from jaxlowfp._core.minifloat import E2M1
 from jaxlowfp._core.safetensors_read import check_scales, read_safetensors, safetensors_header
 from jaxlowfp.models.common import CheckpointError, TensorSpec, Tokenizer, build_model, install_packed
@@ -176,16 +177,18 @@ def _packed_weight(kind: str, codes: np.ndarray, scales: np.ndarray, g: float) -
 
 def load_quantized(directory: str | Path, *, dtype: str = "float32", param_dtype: str = "float32",
                    mesh: Any = None, rules: Any = None, tokenizer: str | Path | None = "auto",
-                   packed: bool = False, backend: str = "auto") -> tuple[Llama, Tokenizer | None]:
+                   packed: bool = False, gemm: str = "auto", backend: str | None = None
+                   ) -> tuple[Llama, Tokenizer | None]:
     """`Llama` (weights decoded exactly, W4A4 activation quantizers set) and `Tokenizer` of a compressed-tensors
     or ModelOpt NVFP4 directory (module docstring); ``mesh``, ``rules``: placed as `build_model` places them
     (each tensor decoded whole on the host, then sharded).
 
     ``packed=True``: each NVFP4 layer is a `jaxlowfp.ptq.PackedLinear` holding the file's uint8 codes, E4M3 block
     scales and global scale as they are (nothing is decoded: no float copy of those kernels is ever made), run on
-    `backend` (`jaxlowfp.backends`; W4A4 inputs quantized as the float load's `NVFP4Act` does, then the weights-only
-    product, so "auto" / "dequant"); with ``mesh``, placed as their kernel's rule places ``W'``
-    (`jaxlowfp.sharding.packed_shardings`)."""
+    the GEMM backend `gemm` (`jaxlowfp.backends`; ``backend=`` is its deprecated name; W4A4 inputs quantized as the
+    float load's `NVFP4Act` does, then the weights-only product, so "auto" / "dequant"); with ``mesh``, placed as
+    their kernel's rule places ``W'`` (`jaxlowfp.sharding.packed_shardings`)."""
+    gemm = renamed_kwarg("models.quantized.load_quantized", "backend", backend, "gemm", gemm, "auto")
     from jaxlowfp.models import hf_loader  # needs the jaxlowfp[models] extra
 
     directory = Path(directory)
@@ -283,6 +286,6 @@ def load_quantized(directory: str | Path, *, dtype: str = "float32", param_dtype
         if path not in packs:
             mods[path].dot_general = NVFP4Act(g)
     if packs:
-        install_packed(model, packs, backend=backend, source=directory, mesh=mesh, rules=rules,
+        install_packed(model, packs, gemm=gemm, source=directory, mesh=mesh, rules=rules,
                        act_fns={p: _Input(NVFP4Act(g)) for p, g in acts.items() if p in packs})
     return model, tok

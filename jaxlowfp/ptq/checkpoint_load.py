@@ -123,10 +123,10 @@ def load(model: nnx.Module, directory: str | Path, *, packed: bool = False, gemm
     activation quantization of W4A4 layers. Returns {path: Scheme} of the quantized layers.
 
     ``packed=True``: each NVFP4 layer becomes a `jaxlowfp.ptq.PackedLinear` holding the file's codes, E4M3 block
-    scales and global scale as they are (`jaxlowfp.packed.from_nvfp4`; nothing is decoded), run on `backend`
-    (`jaxlowfp.backends`), with the activation quantizer the float load sets. `model` may be abstract
-    (``nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))``): then no float copy of the quantized kernels is ever
-    made, and the other parameters are filled from the file."""
+    scales and global scale as they are (`jaxlowfp.packed.from_nvfp4`; nothing is decoded), run on `gemm`
+    (`jaxlowfp.backends`; ``backend=`` is its deprecated name), with the activation quantizer the float load sets.
+    `model` may be abstract (``nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))``): then no float copy of the
+    quantized kernels is ever made, and the other parameters are filled from the file."""
     backend = renamed_kwarg("ptq.load", "backend", backend, "gemm", gemm, "auto")
     from jaxlowfp import packed as packing
     from jaxlowfp.ptq.packing import PackedLinear, replace_modules

@@ -39,10 +39,9 @@ from flax import nnx
 from jax import lax
 
 from jaxlowfp import ops, sharding
-from jaxlowfp._core.executed import new_record
 from jaxlowfp._core.reduce import group_ids, segment_amax
-from jaxlowfp.ptq.formats import Scheme, activation_spec, rtn_weight
-from jaxlowfp.qat.spec import Recipe
+from jaxlowfp.ptq.formats import Scheme, rtn_weight
+from jaxlowfp.ptq.layers import ActQuantBase
 from jaxlowfp.rules import grouped_weights
 
 __all__ = ["ExpertStats", "ExpertResult", "RaggedActQuant", "grouped_weights", "targets", "collect", "check",
@@ -78,20 +77,17 @@ class ExpertResult:
     calib_amax: tuple[float, ...] | None = None
 
 
-class RaggedActQuant(nnx.Module):
+class RaggedActQuant(ActQuantBase):
     """The run-time activation quantizer of a PTQ'd expert weight (the module's ``quant_<name>``): its
     ``ragged_dot`` is `jaxlowfp.ops.ragged_dot` quantizing the routed rows only (the weight holds its quantized
-    values). `amax`: per expert, for static scaling. An ``nnx.Module`` owning its execution record (`record`), as
-    `jaxlowfp.ptq.ActQuant`; `op_key`: deprecated, ignored."""
+    values). `amax`: per expert, for static scaling; default scaling per token. An ``nnx.Module`` owning its
+    execution record (`record`), as `jaxlowfp.ptq.ActQuant` (`jaxlowfp.ptq.layers.ActQuantBase`)."""
+
+    _amax_in_state = False  # one amax per expert: in the spec (jaxlowfp.ops.ragged_dot reads it there)
 
     def __init__(self, fmt: Any, activation_scale: str = "token", amax: tuple[float, ...] | None = None,
                  path: str = "", op_key: str | None = None):
-        self.fmt = fmt
-        self.activation_scale = activation_scale
-        self.amax = amax
-        self.path = path
-        self.recipe = Recipe(activation=activation_spec(fmt, activation_scale, amax), name=fmt.name)
-        self.record = new_record()
+        super().__init__(fmt, activation_scale, amax, path)
 
     def ragged_dot(self, lhs, rhs, group_sizes, *, precision=None, preferred_element_type=None, key=None):
         shared = "shared" if self.activation_scale == "tensor" else "per_expert"

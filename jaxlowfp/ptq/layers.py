@@ -22,6 +22,7 @@ hold the record only as a process-unique key, which kept identical models from s
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple, cast
@@ -36,10 +37,12 @@ from jaxlowfp import ops
 from jaxlowfp._core.executed import new_record
 from jaxlowfp.ops import parse_einsum
 from jaxlowfp.ptq.formats import activation_spec
-from jaxlowfp.qat.spec import Recipe
+from jaxlowfp.qat.spec import Recipe, RecipeState
+from jaxlowfp.scaling import StaticScaling
 
-__all__ = ["LAYER_TYPES", "Layout", "layout", "quantizable_modules", "contracted_axes", "input_rows", "ActQuant",
-           "EinsumActQuant", "act_quant", "install", "hook_name", "default_hook", "is_act_quant", "require_linear"]
+__all__ = ["LAYER_TYPES", "Layout", "layout", "quantizable_modules", "contracted_axes", "input_rows", "ActQuantBase",
+           "ActQuant", "EinsumActQuant", "act_quant", "install", "hook_name", "default_hook", "is_act_quant",
+           "require_linear"]
 
 LAYER_TYPES = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)
 
@@ -144,7 +147,60 @@ def _contracted_last(lhs: jax.Array, contracted: tuple[int, ...]) -> tuple[jax.A
     return (lhs if perm == tuple(range(lhs.ndim)) else jnp.transpose(lhs, perm)), perm
 
 
-class ActQuant(nnx.Module):
+class Calibration(nnx.Variable):
+    """A calibrated quantity of a PTQ'd layer (state, never trained): `ActQuantBase`'s static input amax."""
+
+
+class ActQuantBase(nnx.Module):
+    """What every run-time activation quantizer of a PTQ'd layer holds (`ActQuant`, `EinsumActQuant`,
+    `jaxlowfp.ptq.experts.RaggedActQuant`): static `fmt`, `activation_scale` and `path`, the calibrated `amax`
+    (``activation_scale="static"``), the layer's activation-only `recipe` (its weight is quantized offline, in the
+    kernel) and, as state, its execution record (`record`). `op_key`: deprecated, ignored.
+
+    One calibrated amax is state (`calibration`, a :class:`Calibration` holding the spec's scale state,
+    ``StaticScaling(amax=None).calibrated(amax)``), not a static attribute: blocks calibrated to different amaxes
+    then have one graphdef and share one compiled program, as with per-token scales. One amax per expert (a tuple,
+    `RaggedActQuant`) stays in the spec."""
+
+    _amax_in_state = True
+
+    def __init__(self, fmt: Any, activation_scale: str = "tensor", amax: Any = None, path: str = "",
+                 op_key: str | None = None):
+        self.fmt = fmt
+        self.activation_scale = activation_scale
+        self.path = path
+        spec = activation_spec(fmt, activation_scale, amax)
+        calibration = None
+        if (self._amax_in_state and isinstance(spec.scaling, StaticScaling)
+                and not isinstance(spec.scaling.amax, tuple)):
+            scaling = dataclasses.replace(spec.scaling, amax=None)
+            calibration = Calibration(scaling.calibrated(float(amax)))
+            spec = dataclasses.replace(spec, scaling=scaling)
+        self._static_amax = None if calibration is not None else amax
+        self.calibration: Calibration | None = nnx.data(calibration)
+        self.recipe = Recipe(activation=spec, name=fmt.name)
+        self.record = new_record()
+
+    @property
+    def amax(self) -> Any:
+        """The calibrated input amax (a float; a tuple, one per expert), None without static scaling."""
+        if self.calibration is None:
+            return self._static_amax
+        est = self.calibration.get_value().estimate
+        return est if isinstance(est, jax.core.Tracer) else float(est)
+
+    def recipe_state(self) -> RecipeState | None:
+        """The recipe state of a call: the calibrated amax, or None (a stateless call: current scaling)."""
+        if self.calibration is None:
+            return None
+        return cast(RecipeState, self.recipe.init())._replace(activation=self.calibration.get_value())
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(fmt={self.fmt!r}, activation_scale={self.activation_scale!r}, "
+                f"amax={self.amax!r}, path={self.path!r})")
+
+
+class ActQuant(ActQuantBase):
     """The ``dot_general`` of a PTQ'd ``nnx.Linear`` or ``nnx.LinearGeneral``: the one op layer
     (`jaxlowfp.ops.dot_general`) with the input fake-quantized by `fmt` (blocks along the contracted axes) and the
     kernel as it is (it already holds the quantized weights).
@@ -157,28 +213,15 @@ class ActQuant(nnx.Module):
     each call, is what `jaxlowfp.execution` reads to tell "configured" from "executed". Assigned to the layer's
     ``dot_general`` (or ``einsum_op``) with `install` (``nnx.data``: the attribute held a function), it is a graph
     child of the layer: its record is part of ``nnx.state(model)`` and leaves ``nnx.jit`` with the rest of the
-    state, while `fmt`, `activation_scale`, `amax` and `path` are static. So the graphdef holds nothing
+    state, as is a calibrated amax, while `fmt`, `activation_scale` and `path` are static. So the graphdef holds nothing
     process-specific, and two identically quantized models share compiled code. (A frozen dataclass, as before,
     is static: it could not hold a runtime value.) `op_key`: deprecated, ignored."""
-
-    def __init__(self, fmt: Any, activation_scale: str = "tensor", amax: Any = None, path: str = "",
-                 op_key: str | None = None):
-        self.fmt = fmt
-        self.activation_scale = activation_scale
-        self.amax = amax
-        self.path = path
-        # the layer's activation-only recipe (the weight is quantized offline, in the kernel)
-        self.recipe = Recipe(activation=activation_spec(fmt, activation_scale, amax), name=fmt.name)
-        self.record = new_record()
-
-    def __repr__(self) -> str:
-        return (f"{type(self).__name__}(fmt={self.fmt!r}, activation_scale={self.activation_scale!r}, "
-                f"amax={self.amax!r}, path={self.path!r})")
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None,
                  **kw):
         _no_extras(self.path, out_sharding, kw)
-        return ops.dot_general(lhs, rhs, dimension_numbers, recipe=self.recipe, precision=precision,
+        return ops.dot_general(lhs, rhs, dimension_numbers, recipe=self.recipe, state=self.recipe_state(),
+                               precision=precision,
                                preferred_element_type=preferred_element_type, where=self.path or "ActQuant",
                                record=self.record)[0]
 
@@ -191,7 +234,7 @@ class EinsumActQuant(ActQuant):
     def __call__(  # type: ignore[override]
             self, spec, lhs, rhs, precision=None, preferred_element_type=None, out_sharding=None, **kw):
         _no_extras(self.path, out_sharding, kw)
-        return ops.einsum(spec, lhs, rhs, recipe=self.recipe, precision=precision,
+        return ops.einsum(spec, lhs, rhs, recipe=self.recipe, state=self.recipe_state(), precision=precision,
                           preferred_element_type=preferred_element_type, where=self.path or "EinsumActQuant",
                           record=self.record)[0]
 

@@ -227,10 +227,10 @@ def pack(model: nnx.Module, result: PTQResult, *, gemm: str = "auto", paths: Seq
     Args:
       model: the model `result` came from (``result = jaxlowfp.ptq.quantize_model(model, ...)``).
       result: its `PTQResult`.
-      backend: "auto", "scaled_matmul", "fp8" or "dequant" (`jaxlowfp.backends`); an explicit one is checked for
-        every layer on `device` before anything changes.
+      gemm: "auto", "scaled_matmul", "fp8" or "dequant" (`jaxlowfp.backends`); an explicit one is checked for
+        every layer on `device` before anything changes (``backend=`` is its deprecated name).
       paths: the layers to pack (default: every layer `result` quantized, mixture-of-experts weights included).
-      device: what `backend` is checked against and the report describes (default JAX's first device).
+      device: what `gemm` is checked against and the report describes (default JAX's first device).
 
     Returns a :class:`PackReport`. Every check runs before the model changes, so an error leaves it as it was.
     """

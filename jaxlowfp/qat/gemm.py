@@ -27,6 +27,7 @@ a weight or of MX activations, and stochastic rounding of a forward operand.
 from __future__ import annotations
 
 import functools
+import types
 from typing import Any, NamedTuple
 
 import jax
@@ -39,7 +40,8 @@ from jaxlowfp._core.format import Format
 from jaxlowfp.qat.scaled_quant import fixed_estimate, per_token
 from jaxlowfp.qat.spec import GEMMS, MX_ELEMENTS, QuantSpec, Recipe
 
-__all__ = ["GEMMS", "plan", "Operands", "forward", "product", "grouped_plan", "GroupedOperands", "grouped_product"]
+__all__ = ["GEMMS", "plan", "check", "Operands", "forward", "product", "grouped_plan", "GroupedOperands",
+           "grouped_product"]
 
 
 
@@ -88,6 +90,21 @@ def plan(recipe: Recipe, *, device: Any = None, where: str = "") -> backends.Pla
         return backends.plan(Format(kind="fp8"), None, "dequant", device=device, where=where)
     return backends.plan(_format(recipe.weight), _format(recipe.activation), gemm, device=device,  # type: ignore[arg-type]
                          where=where)
+
+
+# What `check` hands `backends.plan` as the device: no real one. Its platform ("cpu") puts no requirement on the
+# GEMM, so only the recipe and the formats are checked; the device is asked at the first call (`plan`, at trace time).
+_NO_DEVICE = types.SimpleNamespace(platform="cpu", device_kind="no device (checked at the first call)")
+
+
+def check(recipe: Recipe, *, where: str = "", grouped: bool = False) -> None:
+    """Refuse a ``recipe.gemm`` that no GEMM can compute for this recipe's formats (``ValueError`` naming `where`),
+    without tracing and without asking JAX for a device: what configuring a layer checks. Whether the device has
+    that GEMM is decided at the first call (`plan` / `grouped_plan` at trace time). `grouped`: the experts' grouped
+    GEMM (`grouped_plan`'s rules). "dequant" and "auto" always pass."""
+    if recipe.gemm in ("dequant", "auto"):
+        return
+    (grouped_plan if grouped else plan)(recipe, device=_NO_DEVICE, where=where)
 
 
 class Operands(NamedTuple):

@@ -130,7 +130,7 @@ def round_with(xs: jax.Array, spec: QuantSpec, est: jax.Array, key: jax.Array | 
     elif spec.is_nvfp4:
         delayed = fixed_estimate(spec)
         yq = nvfp4_fake_quant(xs, spec, est if delayed else None, key, axis)
-        sat = (jnp.abs(xs) > est) if delayed else None
+        sat = (jnp.abs(xs).astype(jnp.float32) > est) if delayed else None  # exact upcast: strict promotion
         gs = if4.global_scales(est, "if4", spec.rounding) if spec.format == "if4" else global_scales(
             est, spec.rule, spec.rounding)
         scale, counts = gs[1], None  # S_dec = 1 / S_enc

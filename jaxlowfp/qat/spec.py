@@ -186,21 +186,22 @@ class QuantSpec:
         object.__setattr__(self, "format", {"fp8": "e4m3"}.get(fmt.kind, fmt.kind))
 
     def _check_nvfp4(self) -> None:
-        if self.rule is None:  # "nvfp4" is standard NVFP4; IF4's default is its paper's mse choice
-            object.__setattr__(self, "rule", "static_6" if self.format == "nvfp4" else "mse")
-        one_of(self.rule, NVFP4_RULES if self.format == "nvfp4" else IF4_RULES, "rule")
-        if self.block_shape is None:
-            object.__setattr__(self, "block_shape", (1, 16))
-        if isinstance(self.block_shape, list):
-            object.__setattr__(self, "block_shape", tuple(self.block_shape))
-        one_of(self.block_shape, NVFP4_BLOCKS, "block_shape")
-        if self.block_shape[0] > 1 and getattr(self.scaling, "granularity", "tensor") == "token":
-            raise ValueError(f"block_shape={self.block_shape} tiles span {self.block_shape[0]} rows, which one scale "
+        # "nvfp4" is standard NVFP4; IF4's default is its paper's mse choice
+        rule: NVFP4Rule = self.rule if self.rule is not None else ("static_6" if self.format == "nvfp4" else "mse")
+        object.__setattr__(self, "rule", rule)
+        one_of(rule, NVFP4_RULES if self.format == "nvfp4" else IF4_RULES, "rule")
+        block: Any = (1, 16) if self.block_shape is None else self.block_shape
+        if isinstance(block, list):
+            block = tuple(block)
+        object.__setattr__(self, "block_shape", block)
+        one_of(block, NVFP4_BLOCKS, "block_shape")
+        if block[0] > 1 and getattr(self.scaling, "granularity", "tensor") == "token":
+            raise ValueError(f"block_shape={block} tiles span {block[0]} rows, which one scale "
                              f"per token cannot give them; per-token scaling takes (1, 16) blocks")
         if self.format == "nvfp4":  # the combinations the quantizer accepts (e.g. ms_eden: static_6, 1x16)
-            NVFP4Config(rule=self.rule, block_shape=self.block_shape, rounding=self.rounding)
+            NVFP4Config(rule=rule, block_shape=block, rounding=self.rounding)
         else:
-            IFConfig(format="if4", rule=cast(IFRule, self.rule), block_shape=self.block_shape, rounding=self.rounding)
+            IFConfig(format="if4", rule=cast(IFRule, rule), block_shape=block, rounding=self.rounding)
 
     @property
     def is_nvfp4(self) -> bool:
@@ -234,9 +235,11 @@ class QuantSpec:
     @property
     def clip_bound(self) -> float:
         """c in ``clip(x / scale, +-c)``: target_max, or the format max for ``clip="format"``."""
+        assert self.target_max is not None  # set by __post_init__
         return self.target_max if self.clip == "target" else self.element_format.max_finite
 
     def init(self) -> AmaxHistory:
+        assert self.scaling is not None  # set by __post_init__
         return self.scaling.init()
 
 
@@ -340,7 +343,7 @@ class Recipe:
             raise ValueError(f"recipe {self.name!r}: MX formats ({', '.join(mx)}) are implemented for the forward "
                              f"product with a straight-through backward (grad=None); quantized gradients with MX "
                              f"operands are not (use NVFP4 for a quantized backward)")
-        if self.delayed_grad and (self.grad.is_nvfp4 or self.grad.hadamard):
+        if self.grad is not None and self.delayed_grad and (self.grad.is_nvfp4 or self.grad.hadamard):
             raise ValueError(f"delayed scaling of the output gradient is implemented for the per-tensor 8-bit "
                              f"formats without Hadamard; got grad format={self.grad.format!r}, hadamard="
                              f"{self.grad.hadamard} (use CurrentScaling for grad)")
@@ -363,7 +366,7 @@ class Recipe:
         return RecipeState(
             weight=None if self.weight is None else self.weight.init(),
             activation=None if self.activation is None else self.activation.init(),
-            grad=self.grad.init() if self.delayed_grad else None,
+            grad=self.grad.init() if self.grad is not None and self.delayed_grad else None,
             grad_pending=PendingAmax.none() if self.delayed_grad else None,
         )
 

@@ -4,7 +4,6 @@ the NNX variable types that hold that state (`ExecutionRecord`, the op's executi
 `jaxlowfp.execution`'s)."""
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, cast
@@ -43,22 +42,34 @@ class QuantPhase(nnx.Variable):
 _PathParts = tuple[Any, ...]
 
 
-@functools.lru_cache(maxsize=256)
-def _stats_shapes(recipe: qat.Recipe, in_features: int, out_features: int, dtype: np.dtype) -> Any:
-    x = jax.ShapeDtypeStruct((1, in_features), dtype)
-    w = jax.ShapeDtypeStruct((in_features, out_features), dtype)
-    fn = lambda x, w, s, k: qat.linear(x, w, recipe=recipe, state=s, key=k)[2]  # noqa: E731
-    return jax.eval_shape(fn, x, w, recipe.init(), jax.random.key(0))
+def _zero_quant_stats() -> qat.QuantStats:
+    # one buffer per leaf (a state donated to a jit must not hold one buffer twice), each a device_put of a NumPy
+    # zero: no trace (jnp.asarray stages an eager primitive, traced on its first use)
+    def f32() -> jax.Array:
+        return jax.device_put(np.zeros((), np.float32))
+
+    return qat.QuantStats(amax=f32(), amax_estimate=f32(), scale=f32(), saturated_fraction=f32(),
+                          underflow_fraction=f32(), nonfinite_count=jax.device_put(np.zeros((), np.int32)))
 
 
-def _zero_stats(recipe: qat.Recipe, in_features: int, out_features: int, dtype: Any, where: str) -> Any:
-    """A zero RecipeStats pytree with the structure `qat.linear` returns, found by abstract evaluation (cached
-    per recipe and shape; it also surfaces any incompatibility the QAT op itself detects, named by path)."""
-    try:
-        shapes = _stats_shapes(recipe, int(in_features), int(out_features), np.dtype(dtype))
-    except (ValueError, TypeError, NotImplementedError) as e:
-        raise ValueError(f"{where}: recipe {recipe.name!r} cannot quantize this layer: {e}") from e
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+def _zero_stats(recipe: qat.Recipe) -> qat.RecipeStats:
+    """The zero `RecipeStats` of a call of `recipe`'s op, read from the recipe alone (no trace): a `QuantStats` of
+    scalars per quantized forward operand (float32 amax, estimate, scale and fractions, int32 non-finite count, as
+    `jaxlowfp.qat.dot_general` and `jaxlowfp.ops.ragged_dot` report them, whatever the operands' shapes and dtype),
+    None for an operand kept in high precision."""
+    return qat.RecipeStats(weight=None if recipe.weight is None else _zero_quant_stats(),
+                           activation=None if recipe.activation is None else _zero_quant_stats())
+
+
+def _check_recipe(recipe: Any, path: Any, rngs: nnx.Rngs | None, where: str) -> None:
+    """A quantized op's recipe is a `qat.Recipe`, its path a str, and a stochastic-rounding recipe has `rngs`."""
+    if not isinstance(recipe, qat.Recipe):
+        raise TypeError(f"recipe must be a jaxlowfp.qat.Recipe; got {type(recipe).__name__}: {recipe!r}")
+    if not isinstance(path, str):
+        raise TypeError(f"path must be a str; got {type(path).__name__}")
+    if recipe.needs_key and rngs is None:
+        raise TypeError(f"{where}: recipe {recipe.name!r} uses stochastic rounding and needs rngs=nnx.Rngs(...) "
+                        f"(its 'quant' stream, or 'default') to draw a key per call")
 
 
 class QuantOp(nnx.Module):
@@ -73,30 +84,31 @@ class QuantOp(nnx.Module):
 
     `contract(lhs, rhs, dimension_numbers, weight=...)` is `jaxlowfp.ops.dot_general` with this op's state:
     it records the new histories and stats in the variables.
+
+    Construction is pure: it checks the recipe against the contraction sizes (K, M) and against its ``gemm``'s
+    formats, but traces nothing and asks JAX for no device; the device's GEMM is chosen at the first call. `dtype`
+    (the compute dtype) is accepted for the layers' sake: the state does not depend on it.
     """
 
     def __init__(self, recipe: qat.Recipe, *, k: int = 16, m: int = 16, dtype: Any = jnp.float32,
                  observe_only: bool = False, path: str = "", rngs: nnx.Rngs | None = None):
-        self._init_quant(recipe, k=k, m=m, dtype=dtype, observe_only=observe_only, path=path, rngs=rngs,
-                         where=path or "QuantOp")
+        where = path or "QuantOp"
+        self._init_quant(recipe, observe_only=observe_only, path=path, rngs=rngs, where=where)
+        check_blocks(recipe, int(k), int(m), where, k_name="the contraction size K", m_name="the weight's free size M")
 
-    def _init_quant(self, recipe: qat.Recipe, *, k: int, m: int, dtype: Any, observe_only: bool, path: str,
-                    rngs: nnx.Rngs | None, where: str) -> None:
-        """Validate `recipe` against the contraction sizes (K, M) and create the state variables."""
-        if not isinstance(recipe, qat.Recipe):
-            raise TypeError(f"recipe must be a jaxlowfp.qat.Recipe; got {type(recipe).__name__}: {recipe!r}")
-        if not isinstance(path, str):
-            raise TypeError(f"path must be a str; got {type(path).__name__}")
-        if recipe.needs_key and rngs is None:
-            raise TypeError(f"{where}: recipe {recipe.name!r} uses stochastic rounding and needs rngs=nnx.Rngs(...) "
-                            f"(its 'quant' stream, or 'default') to draw a key per call")
+    def _init_quant(self, recipe: qat.Recipe, *, observe_only: bool, path: str, rngs: nnx.Rngs | None, where: str,
+                    grouped: bool = False, amax: qat.RecipeState | None = None) -> None:
+        """Validate `recipe` (its type, rng needs and ``gemm``; no trace, no device) and create the state variables;
+        `amax`: the initial histories (default ``recipe.init()``)."""
+        _check_recipe(recipe, path, rngs, where)
+        qat.gemm.check(recipe, where=where, grouped=grouped)
         self.recipe = recipe
         self.path = path
         self.record = new_record()  # written by each forward (jaxlowfp.ops): state, not part of the graphdef
-        self.amax = AmaxState(recipe.init())
-        self.stats = QuantStatsState(_zero_stats(recipe, k, m, dtype, where))
-        self.observe_only = QuantPhase(jnp.asarray(bool_flag(observe_only)))
-        self.rngs = rngs["quant"].fork() if recipe.needs_key else nnx.data(None)
+        self.amax = AmaxState(recipe.init() if amax is None else amax)
+        self.stats = QuantStatsState(_zero_stats(recipe))
+        self.observe_only = QuantPhase(jax.device_put(np.asarray(bool_flag(observe_only))))  # no trace
+        self.rngs = rngs["quant"].fork() if recipe.needs_key and rngs is not None else nnx.data(None)
 
     def contract(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, *, weight: int = 1,
                  key: jax.Array | None = None, precision: Any = None,
@@ -118,29 +130,20 @@ class QuantOp(nnx.Module):
 GROUPED_PREFIX = "quant_"  # a grouped-GEMM module's QuantRaggedOp for weight <name> is its attribute quant_<name>
 
 
-@functools.lru_cache(maxsize=64)
-def _ragged_stats_shapes(recipe: qat.Recipe, n: int, k: int, m: int, dtype: np.dtype, expert_scales: str) -> Any:
-    x = jax.ShapeDtypeStruct((2, k), dtype)
-    w = jax.ShapeDtypeStruct((n, k, m), dtype)
-    sizes = jax.ShapeDtypeStruct((n,), jnp.int32)
-    fn = lambda x, w, g: ops.ragged_dot(x, w, g, recipe=recipe, expert_scales=expert_scales)[2]  # noqa: E731
-    return jax.eval_shape(fn, x, w, sizes)
-
-
 class QuantRaggedOp(QuantOp):
     """The QAT state of one quantized grouped GEMM (`jaxlowfp.ops.ragged_dot`): the expert weight [E, K, N] of a
     mixture-of-experts layer and the rows routed to each expert. Its `AmaxState` holds one amax history per
     expert (``expert_scales="per_expert"``, default: leaves with a leading [E] axis; an expert no token reaches in a
     step keeps its history) or one shared by all (``"shared"``). Attached by `jaxlowfp.qnnx.quantize` to modules
     that declare ``grouped_weights``; telemetry, the warmup switch and `jaxlowfp.training` reach it as any
-    QuantOp (microbatch merging by max, expert by expert)."""
+    QuantOp (microbatch merging by max, expert by expert). `dtype` is accepted and unused (the state does not
+    depend on it)."""
 
     def __init__(self, recipe: qat.Recipe, *, n_experts: int, k: int, m: int, expert_scales: str = "per_expert",
                  dtype: Any = jnp.float32, observe_only: bool = False, path: str = "",
                  rngs: nnx.Rngs | None = None):
         where = path or "QuantRaggedOp"
-        if not isinstance(recipe, qat.Recipe):
-            raise TypeError(f"recipe must be a jaxlowfp.qat.Recipe; got {type(recipe).__name__}: {recipe!r}")
+        _check_recipe(recipe, path, rngs, where)
         if recipe.grad is not None:
             raise ValueError(f"{where}: recipe {recipe.name!r} quantizes gradients; the quantized grouped GEMM has a "
                              f"straight-through backward only (use hif8_w8a8, nvfp4_w4a4, an FP8 or MX recipe "
@@ -148,12 +151,9 @@ class QuantRaggedOp(QuantOp):
         if expert_scales not in ops.EXPERT_SCALES:
             raise ValueError(f"{where}: expert_scales={expert_scales!r}; allowed: {ops.EXPERT_SCALES}")
         check_blocks(recipe, int(k), int(m), where, k_name="the experts' input size K", m_name="their output size N")
-        self._init_quant(recipe, k=k, m=m, dtype=dtype, observe_only=observe_only, path=path, rngs=rngs,
-                         where=where)
+        self._init_quant(recipe, observe_only=observe_only, path=path, rngs=rngs, where=where, grouped=True,
+                         amax=ops.ragged_state(recipe, int(n_experts), expert_scales))
         self.expert_scales = expert_scales
-        self.amax = AmaxState(ops.ragged_state(recipe, int(n_experts), expert_scales))
-        shapes = _ragged_stats_shapes(recipe, int(n_experts), int(k), int(m), np.dtype(dtype), expert_scales)
-        self.stats = QuantStatsState(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
 
     def ragged_dot(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, key: jax.Array | None = None,
                    precision: Any = None, preferred_element_type: Any = None) -> jax.Array:
@@ -213,15 +213,9 @@ class QuantLinear(QuantOp):
         bias_metadata: Mapping[str, Any] = MappingProxyType({}),
         _from: nnx.Linear | None = None,  # private: from_linear's way to adopt existing Params
     ):
-        if not isinstance(recipe, qat.Recipe):
-            raise TypeError(f"recipe must be a jaxlowfp.qat.Recipe; got {type(recipe).__name__}: {recipe!r}")
-        if not isinstance(path, str):
-            raise TypeError(f"path must be a str; got {type(path).__name__}")
-        where = path or f"QuantLinear({in_features}, {out_features})"
+        where = path if isinstance(path, str) and path else f"QuantLinear({in_features}, {out_features})"
+        _check_recipe(recipe, path, rngs, where)
         check_blocks(recipe, int(in_features), int(out_features), where)
-        if recipe.needs_key and rngs is None:
-            raise TypeError(f"{where}: recipe {recipe.name!r} uses stochastic rounding and needs rngs=nnx.Rngs(...) "
-                            f"(its 'quant' stream, or 'default') to draw a key per call")
         if _from is None:
             if rngs is None:
                 raise TypeError("QuantLinear needs rngs=nnx.Rngs(...) to initialize its parameters")
@@ -244,9 +238,7 @@ class QuantLinear(QuantOp):
         self.precision = precision
         self.promote_dtype = promote_dtype
         self.preferred_element_type = preferred_element_type
-        compute_dtype = dtype if dtype is not None else param_dtype
-        self._init_quant(recipe, k=in_features, m=out_features, dtype=compute_dtype, observe_only=observe_only,
-                         path=path, rngs=rngs, where=where)
+        self._init_quant(recipe, observe_only=observe_only, path=path, rngs=rngs, where=where)
 
     @classmethod
     def from_linear(
@@ -351,7 +343,6 @@ class QuantEinsum(QuantOp):
             raise ValueError(f"{where}: this nnx.Einsum uses a custom einsum_op ({_from.einsum_op!r}); QuantEinsum "
                              f"would replace it. Keep the layer out of the rules or quantize it yourself.")
         sizes = _einsum_sizes(_from.einsum_str, tuple(_from.kernel_shape)) if _from.einsum_str else None
-        k, m = 16, 16
         if sizes is not None:
             batch, k, m = sizes
             if batch and isinstance(recipe, qat.Recipe) and needs_linear_layout(recipe):
@@ -366,9 +357,7 @@ class QuantEinsum(QuantOp):
         for name in ("einsum_str", "kernel_shape", "bias_shape", "dtype", "param_dtype", "precision",
                      "promote_dtype", "preferred_element_type"):
             setattr(self, name, getattr(_from, name))
-        dtype = self.dtype if self.dtype is not None else self.param_dtype
-        self._init_quant(recipe, k=k, m=m, dtype=dtype, observe_only=observe_only, path=path, rngs=rngs,
-                         where=where)
+        self._init_quant(recipe, observe_only=observe_only, path=path, rngs=rngs, where=where)
 
     @classmethod
     def from_einsum(cls, einsum: nnx.Einsum, recipe: qat.Recipe, *, path: str = "", observe_only: bool = False,
@@ -450,9 +439,7 @@ class QuantLinearGeneral(QuantOp):
         for name in ("in_features", "out_features", "axis", "batch_axis", "use_bias", "dtype", "param_dtype",
                      "precision", "promote_dtype", "preferred_element_type"):
             setattr(self, name, getattr(_from, name))
-        dtype = self.dtype if self.dtype is not None else self.param_dtype
-        self._init_quant(recipe, k=k, m=m, dtype=dtype, observe_only=observe_only, path=path, rngs=rngs,
-                         where=where)
+        self._init_quant(recipe, observe_only=observe_only, path=path, rngs=rngs, where=where)
 
     @classmethod
     def from_linear_general(cls, layer: nnx.LinearGeneral, recipe: qat.Recipe, *, path: str = "",
