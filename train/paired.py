@@ -91,6 +91,21 @@ def _doc_key(s: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(s.get("doc"), sort_keys=True, default=str).encode()).hexdigest()
 
 
+def _arguments(s: Mapping[str, Any]) -> list:
+    """A sample's request arguments as a list of argument lists: ``simple_evaluate`` logs ``[[context,
+    continuation], ...]``, lm-eval's command line (``--output_path``) ``{"gen_args_0": {"arg_0": context, "arg_1":
+    continuation}, ...}``."""
+    args = s.get("arguments") or []
+    if isinstance(args, Mapping):
+        def index(key: str) -> int:
+            tail = key.rsplit("_", 1)[-1]
+            return int(tail) if tail.isdigit() else -1
+
+        return [[v[k] for k in sorted(v, key=index)] if isinstance(v, Mapping) else v
+                for _, v in sorted(args.items(), key=lambda kv: index(kv[0]))]
+    return list(args)
+
+
 def _gold_ll(s: Mapping[str, Any]) -> float | None:
     """Log-likelihood of the gold answer of a multiple-choice sample (None where there is none to read)."""
     resps, target = s.get("filtered_resps"), s.get("target")
@@ -100,7 +115,7 @@ def _gold_ll(s: Mapping[str, Any]) -> float | None:
         target = int(target)
     elif isinstance(target, str):  # a target given as the gold choice's text (COPA): its index among the choices
         conts = [a[1].strip() if isinstance(a, (list, tuple)) and len(a) > 1 and isinstance(a[1], str) else None
-                 for a in s.get("arguments") or []]
+                 for a in _arguments(s)]
         if conts.count(target.strip()) == 1:
             target = conts.index(target.strip())
         elif len(conts) == len(resps) == 2 and conts.count(target.strip()) == 2 and s.get("acc") in (0, 1):
