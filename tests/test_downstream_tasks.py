@@ -222,6 +222,9 @@ def test_lm_eval_command_line_logs_pair_with_the_in_process_ones(wheel, tiny, tm
                   "--output_path", str(tmp_path / "cli"), "--log_samples"])
     cli = load_samples(tmp_path / "cli")
     assert isinstance(cli["winogrande"][0]["arguments"], dict)  # the command line's layout
+    (res,) = (tmp_path / "cli").rglob("results_*.json")  # the command line's results JSON records what ran
+    rec = json.loads(res.read_text())["config"]["quantization"]
+    assert rec["kind"] == "none" and rec["source"] == str(tiny) and rec["jaxlowfp"] and rec["lm_eval"]
     for task in ("arc_easy", "winogrande"):
         sc = item_scores(cli[task])
         assert len(sc) == 3 and all("gold_ll" in v and "acc" in v for v in sc.values())
