@@ -98,6 +98,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("jaxlowfp.harness needs lm-eval (EleutherAI's lm-evaluation-harness, no PyTorch): "
                       "pip install 'jaxlowfp[lm-eval]'") from e
 
+from jaxlowfp._core.format import Format
 from jaxlowfp._core.checks import positive_int
 from jaxlowfp._core.deprecation import deprecated_getattr
 from jaxlowfp.eval_quantize import ACT_SCALES, PTQ_LAYERS, QUANTIZE, eval_recipe, fake_quantize_model, ptq_model
@@ -170,8 +171,14 @@ class JaxLowFPLM(TemplateLM):
 
         if a["ptq"] not in ("none", *METHODS):
             raise ValueError(f"ptq={a['ptq']!r}; allowed: none, {', '.join(METHODS)}")
-        if a["ptq_scheme"] not in SCHEMES:
-            raise ValueError(f"ptq_scheme={a['ptq_scheme']!r}; allowed: {', '.join(SCHEMES)}")
+        try:  # every spelling the registry parses ("nvfp4-static_6" is standard NVFP4, "nvfp4")
+            canonical = Format.parse(a["ptq_scheme"]).name
+        except (TypeError, ValueError):
+            canonical = None
+        if canonical not in SCHEMES:
+            raise ValueError(f"ptq_scheme={a['ptq_scheme']!r}; allowed: {', '.join(SCHEMES)} (nvfp4-static_6 is "
+                             f"nvfp4)")
+        a["ptq_scheme"] = canonical
         if a["quantize"] != "none" and a["ptq"] != "none":
             raise ValueError("give quantize (fake quantization) or ptq (post-training quantization), not both")
         if a["act_scale"] not in ACT_SCALES:

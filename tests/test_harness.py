@@ -141,6 +141,14 @@ def test_calls_are_recorded(tiny_run):
     assert kinds["loglikelihood"]["requests"] == 8 * 4 and kinds["generate_until"]["requests"] == 6
 
 
+def test_ptq_scheme_takes_every_spelling_the_registry_parses(tiny):
+    """ptq_scheme="nvfp4-static_6" is standard NVFP4 (`jaxlowfp.Format.parse` says so): accepted and recorded by its
+    canonical name, as ptq_scheme="nvfp4" is."""
+    path, *_ = tiny
+    info = JaxLowFPLM(pretrained=str(path), ptq="rtn", ptq_scheme="nvfp4-static_6", act_scale="token")
+    assert info.quantization_record["scheme"] == "nvfp4", info.quantization_record
+
+
 def _inst(kind, *args):
     return Instance(request_type=kind, doc={}, arguments=tuple(args), idx=0)
 
@@ -155,7 +163,8 @@ def test_bad_input_is_a_clear_error(tiny, caplog):
                     (dict(ptq="gptq"), "needs calibration"),
                     (dict(layers="nothing/here", quantize="hif8"), "selects no Linear layer"),
                     (dict(max_length=128), "max_length=128 exceeds the model's max_seq_len=64"),
-                    (dict(dtype="float16"), "dtype='float16'; allowed: float32, bfloat16")]:
+                    (dict(dtype="float16"), "dtype='float16'; allowed: float32, bfloat16"),
+                    (dict(ptq="rtn", ptq_scheme="nvfp4-bogus"), r"ptq_scheme='nvfp4-bogus'; allowed: nvfp4, ")]:
         with pytest.raises(ValueError, match=msg):
             JaxLowFPLM(pretrained=str(path), **kw)
     with pytest.raises(ValueError, match="name a checkpoint with pretrained="):
