@@ -15,6 +15,7 @@
 //
 // A second handler, jaxlowfp_lut8_gemv, takes 8-bit codes with one tensor scale (FP8 E4M3, HiF8):
 // y[m, n] = sum_k x[m, k] * (lut[q[n, k]] * scale), lut the format's 256 values decoded by the library.
+#include <type_traits>
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
@@ -143,15 +144,21 @@ __attribute__((target("avx2,fma"))) void gemv_avx2_rows(const Problem& p, int64_
   }
 }
 
-void gemv_avx2(const Problem& p, int64_t n0, int64_t n1) {
-  for (int64_t m0 = 0; m0 < p.m; m0 += 4) {
-    switch (p.m - m0 < 4 ? p.m - m0 : 4) {
-      case 1: gemv_avx2_rows<1>(p, m0, n0, n1); break;
-      case 2: gemv_avx2_rows<2>(p, m0, n0, n1); break;
-      case 3: gemv_avx2_rows<3>(p, m0, n0, n1); break;
-      default: gemv_avx2_rows<4>(p, m0, n0, n1); break;
+// Calls rows(R, m0) over an M-row problem 4 rows at a time (R, the rows of this step, 1..4, a compile-time int).
+template <typename F>
+void by_four_rows(int64_t m, F&& rows) {
+  for (int64_t m0 = 0; m0 < m; m0 += 4) {
+    switch (m - m0 < 4 ? m - m0 : 4) {
+      case 1: rows(std::integral_constant<int, 1>{}, m0); break;
+      case 2: rows(std::integral_constant<int, 2>{}, m0); break;
+      case 3: rows(std::integral_constant<int, 3>{}, m0); break;
+      default: rows(std::integral_constant<int, 4>{}, m0); break;
     }
   }
+}
+
+void gemv_avx2(const Problem& p, int64_t n0, int64_t n1) {
+  by_four_rows(p.m, [&](auto r, int64_t m0) { gemv_avx2_rows<decltype(r)::value>(p, m0, n0, n1); });
 }
 
 bool has_avx2() {
@@ -285,14 +292,7 @@ __attribute__((target("avx2,fma"))) void lut8_avx2_rows(const Lut8Problem& p, in
 }
 
 void lut8_avx2(const Lut8Problem& p, int64_t n0, int64_t n1) {
-  for (int64_t m0 = 0; m0 < p.m; m0 += 4) {
-    switch (p.m - m0 < 4 ? p.m - m0 : 4) {
-      case 1: lut8_avx2_rows<1>(p, m0, n0, n1); break;
-      case 2: lut8_avx2_rows<2>(p, m0, n0, n1); break;
-      case 3: lut8_avx2_rows<3>(p, m0, n0, n1); break;
-      default: lut8_avx2_rows<4>(p, m0, n0, n1); break;
-    }
-  }
+  by_four_rows(p.m, [&](auto r, int64_t m0) { lut8_avx2_rows<decltype(r)::value>(p, m0, n0, n1); });
 }
 #endif
 
