@@ -121,10 +121,9 @@ def check_blocks(recipe: Recipe, k: int, m: int, where: str, *, k_name: str = "i
     along the tokens: that count is checked per call.) `k_name` / `m_name` say what K and M are in the message."""
     for role in ("activation", "weight", "grad"):
         spec = getattr(recipe, role, None)
-        block = spec.blocks if spec is not None else None
-        if block is None:
+        if spec is None or spec.blocks is None:
             continue
-        block = tuple(int(b) for b in block)
+        block = tuple(int(b) for b in spec.blocks)
         problems = []
         if role == "grad":  # dgrad quantizes dy [.., M] in blocks along M
             if m % block[-1]:

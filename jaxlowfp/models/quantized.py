@@ -240,11 +240,11 @@ def load_quantized(directory: str | Path, *, dtype: str = "float32", param_dtype
         used.add(name)
         return handles[f][name]
 
-    def fetch(spec: TensorSpec) -> tuple[np.ndarray, str]:
+    def fetch(spec: TensorSpec) -> tuple[np.ndarray, str] | None:  # None: the layer is packed, no float kernel
         m = spec.hf[: -len(".weight")] if spec.hf.endswith(".weight") else None
         quant = (spec.transpose and m is not None and not _matches(m, ignore) and
                  any(_matches(m, [t]) for t in targets) and f"{m}.{scale_names[0]}" in files)
-        if not quant:
+        if not quant or m is None:
             return np.asarray(get(spec.hf), np.float32), f"{files.get(spec.hf)}: tensor {spec.hf}"
         codes = get(f"{m}.{packed_name}")
         scales, gs = get(f"{m}.{scale_names[0]}"), get(f"{m}.{scale_names[1]}")

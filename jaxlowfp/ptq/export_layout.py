@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import jax
 import jax.numpy as jnp
@@ -225,7 +225,12 @@ def format_json(f: Format | None) -> dict | None:
     return None if f is None else {"kind": f.kind, "rule": f.rule, "block_shape": f.block_shape}
 
 
+@overload
+def format_from_json(d: None) -> None: ...
+@overload
+def format_from_json(d: dict) -> Format: ...
 def format_from_json(d: dict | None) -> Format | None:
+    """The `Format` a layer entry of the metadata describes (None: none, e.g. a weights-only layer's activation)."""
     if d is None:
         return None
     return Format(kind=d["kind"], rule=d["rule"],

@@ -61,12 +61,16 @@ def _zero_stats(recipe: qat.Recipe) -> qat.RecipeStats:
                            activation=None if recipe.activation is None else _zero_quant_stats())
 
 
-def _check_recipe(recipe: Any, path: Any, rngs: nnx.Rngs | None, where: str) -> None:
-    """A quantized op's recipe is a `qat.Recipe`, its path a str, and a stochastic-rounding recipe has `rngs`."""
+def _check_types(recipe: Any, path: Any) -> None:
+    """A quantized op's recipe is a `qat.Recipe` and its path a str."""
     if not isinstance(recipe, qat.Recipe):
         raise TypeError(f"recipe must be a jaxlowfp.qat.Recipe; got {type(recipe).__name__}: {recipe!r}")
     if not isinstance(path, str):
         raise TypeError(f"path must be a str; got {type(path).__name__}")
+
+
+def _check_rngs(recipe: qat.Recipe, rngs: nnx.Rngs | None, where: str) -> None:
+    """A stochastic-rounding recipe draws a key per call: its op needs `rngs`."""
     if recipe.needs_key and rngs is None:
         raise TypeError(f"{where}: recipe {recipe.name!r} uses stochastic rounding and needs rngs=nnx.Rngs(...) "
                         f"(its 'quant' stream, or 'default') to draw a key per call")
@@ -100,7 +104,8 @@ class QuantOp(nnx.Module):
                     grouped: bool = False, amax: qat.RecipeState | None = None) -> None:
         """Validate `recipe` (its type, rng needs and ``gemm``; no trace, no device) and create the state variables;
         `amax`: the initial histories (default ``recipe.init()``)."""
-        _check_recipe(recipe, path, rngs, where)
+        _check_types(recipe, path)
+        _check_rngs(recipe, rngs, where)
         qat.gemm.check(recipe, where=where, grouped=grouped)
         self.recipe = recipe
         self.path = path
@@ -143,7 +148,7 @@ class QuantRaggedOp(QuantOp):
                  dtype: Any = jnp.float32, observe_only: bool = False, path: str = "",
                  rngs: nnx.Rngs | None = None):
         where = path or "QuantRaggedOp"
-        _check_recipe(recipe, path, rngs, where)
+        _check_types(recipe, path)
         if recipe.grad is not None:
             raise ValueError(f"{where}: recipe {recipe.name!r} quantizes gradients; the quantized grouped GEMM has a "
                              f"straight-through backward only (use hif8_w8a8, nvfp4_w4a4, an FP8 or MX recipe "
@@ -213,9 +218,10 @@ class QuantLinear(QuantOp):
         bias_metadata: Mapping[str, Any] = MappingProxyType({}),
         _from: nnx.Linear | None = None,  # private: from_linear's way to adopt existing Params
     ):
-        where = path if isinstance(path, str) and path else f"QuantLinear({in_features}, {out_features})"
-        _check_recipe(recipe, path, rngs, where)
+        _check_types(recipe, path)
+        where = path or f"QuantLinear({in_features}, {out_features})"
         check_blocks(recipe, int(in_features), int(out_features), where)
+        _check_rngs(recipe, rngs, where)
         if _from is None:
             if rngs is None:
                 raise TypeError("QuantLinear needs rngs=nnx.Rngs(...) to initialize its parameters")
