@@ -3,6 +3,7 @@ the dtype the model was quantized and evaluated in (`PTQResult.dtype`, float32 b
 so our loader's reload of the default file scores exactly as the in-memory quantized model; another dtype warns that
 the file is not the evaluated model (before, the default was float16 and the reload differed without a word)."""
 import dataclasses
+import re
 import warnings
 
 import jax
@@ -56,6 +57,25 @@ def test_default_gguf_export_reloads_as_evaluated(tmp_path):
     for k in mine:  # every parameter bit for bit (NVFP4 decoded by gguf-py, q/k rows un-permuted)
         np.testing.assert_array_equal(theirs[k], mine[k], err_msg=k)
     np.testing.assert_array_equal(_lp(back), _lp(model))
+    _refuses_a_bad_decode_scale(tmp_path / "m.gguf", "blk.1.ffn_up.scale", packed_too=True)
+
+
+def _refuses_a_bad_decode_scale(path, name, packed_too=False):
+    """The file at `path` with NVFP4 decode scale `name` overwritten by 0, then NaN: `models.load` (and, with
+    `packed_too`, ``load(packed=True)``) refuses it naming the file and the tensor, never a model of NaN / 0."""
+    import gguf
+
+    from jaxlowfp.models import CheckpointError
+
+    scale = next(t for t in gguf.GGUFReader(path).tensors if t.name == name)
+    raw = bytearray(path.read_bytes())
+    for bad in (0.0, float("nan")):
+        raw[scale.data_offset: scale.data_offset + 4] = np.float32(bad).tobytes()
+        path.write_bytes(bytes(raw))
+        for kw in ({}, {"packed": True}) if packed_too else ({},):
+            with pytest.raises(CheckpointError, match=rf"{path.name}: tensor {re.escape(name)} is (0\.0|nan); an "
+                                                      r"NVFP4 decode scale must be finite and > 0"):
+                load(path, **kw)
 
 
 def test_another_gguf_dtype_warns(tmp_path):
@@ -92,10 +112,6 @@ def test_default_moe_gguf_export_reloads_as_evaluated(tmp_path, case):
     """MoE: `export_gguf` then `models.load` gives the in-memory quantized model's parameters and log-probs bit for
     bit (before, the MoE GGUF loader refused the NVFP4 ``blk.N.attn_output.scale`` tensors: "tensors this model
     class does not have"); a decode scale that is 0 or NaN in the file is a CheckpointError naming the tensor."""
-    import gguf
-
-    from jaxlowfp.models import CheckpointError
-
     import moe_export_common as moe
 
     family, rules = MOE_CASES[case]
@@ -120,11 +136,4 @@ def test_default_moe_gguf_export_reloads_as_evaluated(tmp_path, case):
     np.testing.assert_array_equal(_log_probs(*nnx.split(back), tokens), _log_probs(*nnx.split(model), tokens))
     if rules is None:
         return
-    scale = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.1.attn_output.scale")
-    raw = bytearray(path.read_bytes())
-    for bad in (0.0, float("nan")):
-        raw[scale.data_offset: scale.data_offset + 4] = np.float32(bad).tobytes()
-        path.write_bytes(bytes(raw))
-        with pytest.raises(CheckpointError, match=r"m\.gguf: tensor blk\.1\.attn_output\.scale is (0\.0|nan); an "
-                                                  r"NVFP4 decode scale must be finite and > 0"):
-            load(path)
+    _refuses_a_bad_decode_scale(path, "blk.1.attn_output.scale")

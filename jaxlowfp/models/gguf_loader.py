@@ -51,8 +51,8 @@ gguf = optional_module("gguf", extra="models", feature="loading a GGUF checkpoin
 Regex, decoders, models = tokenizers.Regex, tokenizers.decoders, tokenizers.models
 pre_tokenizers, processors = tokenizers.pre_tokenizers, tokenizers.processors
 
-__all__ = ["ARCHITECTURES", "PACKED_TYPES", "PRE_TOKENIZERS", "check_tensor_infos", "config_fields", "load_gguf",
-           "packed_weight", "read_config", "read_tensor_table", "read_tokenizer", "unpermute_rope_rows"]
+__all__ = ["ARCHITECTURES", "PACKED_TYPES", "PRE_TOKENIZERS", "check_tensor_infos", "config_fields", "decode_scale",
+           "load_gguf", "packed_weight", "read_config", "read_tensor_table", "read_tokenizer", "unpermute_rope_rows"]
 
 # architecture -> whether the converter permuted the q/k rows (llama.cpp RoPE type NORM vs NEOX)
 ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
@@ -337,6 +337,19 @@ def _lazy(tensor: Any, path: Path, rope_heads: int | None) -> LazyTensor:
     return LazyTensor(shape, where, read)
 
 
+def decode_scale(tensor: Any, path: Path) -> np.float32:
+    """The value of a GGUF NVFP4 decode scale tensor: one finite, positive F32 value, else a CheckpointError naming
+    the file and the tensor."""
+    where = f"{path}: tensor {tensor.name}"
+    if tensor.tensor_type.name != "F32" or int(np.prod(tensor.shape)) != 1:
+        raise CheckpointError(f"{where} is a {tensor.tensor_type.name} tensor of shape {tuple(tensor.shape)}; an NVFP4 "
+                              f"decode scale is one F32 value")
+    g = np.float32(np.asarray(tensor.data, np.float32).reshape(-1)[0])
+    if not (np.isfinite(g) and g > 0):
+        raise CheckpointError(f"{where} is {float(g)}; an NVFP4 decode scale must be finite and > 0")
+    return g
+
+
 PACKED_TYPES = ("NVFP4", "MXFP4")  # GGUF types packed=True keeps as codes and scales
 
 
@@ -380,7 +393,7 @@ def packed_weight(tensor: Any, path: Path, rope_heads: int | None = None, scale:
         mxa = QArray(codes=jnp.asarray(codes), scales=jnp.asarray(d.view(ml_dtypes.float8_e8m0fnu)), global_scale=None,
                      format=Format(kind="mxfp4"), dtype=jnp.dtype(jnp.float32), shape=(n, k))
         return packing.PackedWeight(array=mxa, s_enc=None, format=packing.Format(kind="mxfp4"), k=k, n=n)
-    s_dec = np.float32(1.0) if scale is None else np.float32(_dequantize(scale, path).reshape(-1)[0])
+    s_dec = np.float32(1.0) if scale is None else decode_scale(scale, path)
     if not (np.isfinite(s_dec) and s_dec > 0):
         raise CheckpointError(f"{path}: tensor {scale.name} is {float(s_dec)}; an NVFP4 decode scale must be finite "
                               f"and > 0")
@@ -489,7 +502,7 @@ def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "f
             return lazy
         # NVFP4's per-tensor decode scale (llama.cpp multiplies it into the matmul output): elementwise, so every
         # slice is scaled exactly as the whole tensor would be
-        g = np.float32(_dequantize(scale, path).reshape(-1)[0])
+        g = decode_scale(scale, path)
         return LazyTensor(lazy.shape, lazy.where, lambda index, read=lazy.read: read(index) * g)  # type: ignore[misc]
 
     used = {s.gguf for s in tensor_specs(config)} | {"rope_freqs.weight"}

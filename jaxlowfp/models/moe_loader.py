@@ -307,19 +307,6 @@ def _scale_name(name: str) -> str:
     return name.removesuffix(".weight") + ".scale" if name.endswith(".weight") else name
 
 
-def _decode_scale(tensor: Any, path: Path) -> np.float32:
-    """The value of a GGUF NVFP4 decode scale tensor: one finite, positive F32 value, else a CheckpointError naming
-    the file and the tensor."""
-    where = f"{path}: tensor {tensor.name}"
-    if tensor.tensor_type.name != "F32" or int(np.prod(tensor.shape)) != 1:
-        raise CheckpointError(f"{where} is a {tensor.tensor_type.name} tensor of shape {tuple(tensor.shape)}; an NVFP4 "
-                              f"decode scale is one F32 value")
-    g = np.float32(np.asarray(tensor.data, np.float32).reshape(-1)[0])
-    if not (np.isfinite(g) and g > 0):
-        raise CheckpointError(f"{where} is {float(g)}; an NVFP4 decode scale must be finite and > 0")
-    return g
-
-
 def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "float32", mesh: Any = None,
               rules: Any = None) -> tuple[MoEDecoder, Tokenizer]:
     """`MoEDecoder` (weights dequantized to ``param_dtype``) and `Tokenizer` of a Qwen3-MoE / Mixtral / OLMoE GGUF
@@ -342,7 +329,7 @@ def load_gguf(path: str | Path, *, dtype: str = "float32", param_dtype: str = "f
             return w, where
         # NVFP4's per-tensor decode scale (`jaxlowfp.ptq.export_gguf` writes it for a dense NVFP4 projection, e.g.
         # the attention's): w = (E2M1 * s) * S_dec, as the dense GGUF loader and the in-memory model compute it
-        return w * _decode_scale(scale, path), f"{where} (x {scale.name})"
+        return w * gguf_loader.decode_scale(scale, path), f"{where} (x {scale.name})"
 
     used = {s.gguf for s in specs}
     used |= {_scale_name(n) for n in used}
