@@ -25,6 +25,14 @@ def _tensor(p, name):
     return r, next(t for t in r.tensors if t.name == name)
 
 
+def _edit(p, name, part, value):
+    """Set part `part` of tensor `name`'s table entry in the file at `p` (4: the ggml type, 5: the data offset) to
+    ``value(its current value)``, in place."""
+    r, t = _tensor(p, name)
+    t.field.parts[part][0] = value(t.field.parts[part][0])
+    r.data.flush()
+
+
 def test_the_fixture_loads():
     model, _ = load(SRC)
     assert model.config.n_layers == 2
@@ -44,11 +52,9 @@ def test_truncated_names_the_file_and_the_first_tensor_past_the_end(tmp_path, cu
 
 def test_overlapping_tensors_are_refused(tmp_path):
     p = _copy(tmp_path)
-    r, t = _tensor(p, "blk.0.attn_k.weight")
     _, q = _tensor(p, "blk.0.attn_q.weight")
-    t.field.parts[5][0] = q.field.parts[5][0] + 32  # k's bytes now start inside q's (aligned: 32)
-    r.data.flush()
-    del r
+    q_start = int(q.field.parts[5][0])
+    _edit(p, "blk.0.attn_k.weight", 5, lambda _: q_start + 32)  # k's bytes now start inside q's (aligned: 32)
     with pytest.raises(CheckpointError, match=rf"{p}: tensor blk.0.attn_k.weight starts at byte \d+, inside tensor "
                                               rf"blk.0.attn_q.weight"):
         load(p)
@@ -56,18 +62,12 @@ def test_overlapping_tensors_are_refused(tmp_path):
 
 def test_misaligned_offset_and_unknown_type_are_refused(tmp_path):
     p = _copy(tmp_path)
-    r, t = _tensor(p, "blk.1.ffn_up.weight")
-    t.field.parts[5][0] += 4
-    r.data.flush()
-    del r
+    _edit(p, "blk.1.ffn_up.weight", 5, lambda offset: offset + 4)
     with pytest.raises(CheckpointError, match=rf"{p}: tensor blk.1.ffn_up.weight: data offset \d+ is not a multiple "
                                               rf"of general.alignment 32"):
         load(p)
     p = _copy(tmp_path)
-    r, t = _tensor(p, "blk.1.ffn_up.weight")
-    t.field.parts[4][0] = 250
-    r.data.flush()
-    del r
+    _edit(p, "blk.1.ffn_up.weight", 4, lambda _: 250)
     with pytest.raises(CheckpointError, match=rf"{p}: tensor blk.1.ffn_up.weight has the unknown ggml type 250"):
         load(p)
 
