@@ -7,7 +7,8 @@ job (gloo CPU collectives) with its ``--devices`` CPU devices, builds the ``fsdp
 devices, loads the GGUF file into it (`jaxlowfp.models.load(..., mesh=...)`: each process reads only the shards of
 its own devices), and writes to ``FILE`` (npz): whether every local shard equals the same slice of this process's
 unsharded load (integer-exact), the local devices' bytes, the perplexity log-likelihood and the greedy tokens of
-`jaxlowfp.models.generate` under the mesh.
+`jaxlowfp.models.generate` under the mesh; with ``--ptq`` also the GPTQ codes and scales of the same sharded model
+(`gptq`), quantized after the evaluation, and (``--export DIR``) its exports.
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def main() -> None:
     ap.add_argument("--devices", type=int, required=True)
     ap.add_argument("--gguf", required=True)
     ap.add_argument("--result", required=True)
-    ap.add_argument("--ptq", action="store_true", help="GPTQ NVFP4 4/6 of the MLP instead of the evaluation")
+    ap.add_argument("--ptq", action="store_true", help="after the evaluation, GPTQ NVFP4 4/6 of the MLP")
     ap.add_argument("--export", help="with --ptq: export the result into EXPORT/p<process index>/")
     a = ap.parse_args()
     jax.config.update("jax_num_cpu_devices", a.devices)
@@ -92,14 +93,12 @@ def main() -> None:
         for s in x.addressable_shards:
             equal &= np.array_equal(np.asarray(s.data).view(np.uint32), want[p][s.index].view(np.uint32))
             local += s.data.nbytes
-    if a.ptq:
-        np.savez(a.result, processes=jax.process_count(), **gptq(model, mesh, a.export, a.gguf))
-        return
     score = evaluation.perplexity(model, tok, DOCS, max_length=32, batch_size=4, mesh=mesh)
     tokens = generate(model, PROMPTS, max_new_tokens=6, mesh=mesh)
+    # then (--ptq) GPTQ of the same sharded model, which replaces its MLP kernels: after the evaluation above
     np.savez(a.result, equal=equal, local_bytes=local, local_devices=len(jax.local_devices()),
              processes=jax.process_count(), ll=score.log_likelihood, tokens=np.asarray(tokens),
-             total_bytes=sum(w.nbytes for w in want.values()))
+             total_bytes=sum(w.nbytes for w in want.values()), **(gptq(model, mesh, a.export, a.gguf) if a.ptq else {}))
 
 
 if __name__ == "__main__":

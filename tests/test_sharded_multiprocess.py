@@ -3,7 +3,8 @@ tests/test_sharding.py into one ``fsdp=2,tensor=2`` mesh over their four devices
 shards, then compute a rolling-window perplexity and greedy continuations under the mesh
 (tests/_sharded_multiprocess_worker.py). Every local shard equals the same slice of the unsharded load bit for bit,
 each process holds about half of the parameters, and both processes' log-likelihood and tokens agree with each
-other and with one device in this process (within float32 rounding: tests/test_sharded_eval.py says why)."""
+other and with one device in this process (within float32 rounding: tests/test_sharded_eval.py says why). The same
+pair then quantizes the model by GPTQ and exports it (the second test); one pair serves both tests (`pair`)."""
 from __future__ import annotations
 
 import os
@@ -17,7 +18,6 @@ import pytest
 
 from test_multiprocess import _free_port, _kill, _wait
 from test_sharded_eval import _ATOL_PER_TOKEN, _near_greedy
-from test_sharding import _write
 from jaxlowfp import evaluation
 from jaxlowfp.models import generate, load
 
@@ -48,10 +48,27 @@ def _pair(tmp_path: Path, path: Path, *flags: str) -> list[dict]:
         _kill(procs)
 
 
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[Path, Path, list[dict]]:
+    """One pair of processes for both tests (each process's start, `jax.distributed` setup and sharded load once):
+    each evaluates the model, then quantizes it by GPTQ and exports it (`_sharded_multiprocess_worker`). The model:
+    test_sharding's Q8_0 file (`_write`: the same weights), its vocabulary padded to the embedding's rows (a GGUF
+    export checks what llama.cpp checks; the padding tokens are never encoded from the documents). Returns the
+    directory, the GGUF file and the two processes' results."""
+    from test_models_gguf import CFG, T, write_gguf
+    from test_models_oracle import random_weights, tiny_bpe
+
+    tmp_path = tmp_path_factory.mktemp("pair")
+    path = tmp_path / "m.gguf"
+    toks = tiny_bpe()[0]
+    write_gguf(path, random_weights(CFG, seed=5), qtype=T.Q8_0,
+               tokens=toks + [f"<pad{i}>" for i in range(CFG["vocab"] - len(toks))])
+    return tmp_path, path, _pair(tmp_path, path, "--ptq", "--export", str(tmp_path / "export"))
+
+
 @pytest.mark.slow
-def test_two_processes_load_their_shards_and_evaluate_as_one_device(tmp_path):
-    path = _write(tmp_path, "gguf-q8_0")
-    res = _pair(tmp_path, path)
+def test_two_processes_load_their_shards_and_evaluate_as_one_device(pair):
+    _, path, res = pair
     for r in res:
         assert int(r["processes"]) == 2 and int(r["local_devices"]) == 2
         assert bool(r["equal"])  # every local shard: the unsharded load's slice, integer-exact
@@ -67,7 +84,7 @@ def test_two_processes_load_their_shards_and_evaluate_as_one_device(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_gptq_gives_the_one_device_codes(tmp_path):
+def test_two_processes_gptq_gives_the_one_device_codes(pair, tmp_path):
     """GPTQ NVFP4 4/6 (mse, W4A16) of the MLP projections by the two processes on one ``fsdp=2,tensor=2`` mesh:
     calibration rows split over the processes' devices, the Hessians X^T X and input amax reduced on the devices by
     XLA's collectives (gloo across the processes) and taken whole by each process, each process runs the same GPTQ
@@ -79,14 +96,7 @@ def test_two_processes_gptq_gives_the_one_device_codes(tmp_path):
 
     from jaxlowfp import ptq
 
-    from test_models_gguf import CFG, T, write_gguf
-    from test_models_oracle import random_weights, tiny_bpe
-
-    path = tmp_path / "m.gguf"  # test_sharding's Q8_0 file, its vocabulary padded to the embedding's rows (a GGUF
-    toks = tiny_bpe()[0]        # export checks what llama.cpp checks)
-    write_gguf(path, random_weights(CFG, seed=5), qtype=T.Q8_0,
-               tokens=toks + [f"<pad{i}>" for i in range(CFG["vocab"] - len(toks))])
-    res = _pair(tmp_path, path, "--ptq", "--export", str(tmp_path / "export"))
+    pair_dir, path, res = pair  # the pair quantized the model it evaluated in the test above, as loaded
     ref, _ = load(path)
     rules = [ptq.Rule(path=PTQ_LAYERS, scheme=ptq.scheme("nvfp4-mse", weights_only=True))]
     one = ptq.quantize_model(ref, rules, method=ptq.GPTQ(), calibration=jax.numpy.asarray(calibration_tokens()))
@@ -96,7 +106,7 @@ def test_two_processes_gptq_gives_the_one_device_codes(tmp_path):
     for name in ("model.safetensors", "model.gguf"):
         want = hashlib.sha256((tmp_path / "one" / name).read_bytes()).hexdigest()
         for i in range(2):
-            got = hashlib.sha256((tmp_path / "export" / f"p{i}" / name).read_bytes()).hexdigest()
+            got = hashlib.sha256((pair_dir / "export" / f"p{i}" / name).read_bytes()).hexdigest()
             assert got == want, (name, i)
     for r in res:
         assert int(r["processes"]) == 2
