@@ -29,7 +29,7 @@ DOCS = ["The quick brown fox jumps over the lazy dog. " * 3, "hello world, hello
 
 
 def _log(t0: float, what: str) -> None:
-    print(f"[{time.perf_counter() - t0:6.1f} s] {what}", file=sys.stderr, flush=True)
+    print(f"[{time.perf_counter() - t0:6.1f} s, {time.process_time():6.1f} s CPU] {what}", file=sys.stderr, flush=True)
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
@@ -82,6 +82,7 @@ def main() -> None:
     b = evaluation.perplexity(model, tok, DOCS, max_length=32, batch_size=4, mesh=mesh)
     out["perplexity"] = {"tokens": [a.tokens, b.tokens], "log_likelihood": [a.log_likelihood, b.log_likelihood]}
     prompts = [tok.encode(d)[:n] for d, n in zip(DOCS + ["fox"], (12, 5, 9, 2))]
+    _log(t0, "perplexity")
     want_gen = generate(ref, prompts, max_new_tokens=8)
     got_gen = generate(model, prompts, max_new_tokens=8, mesh=mesh)
     out["generate"] = [{"equal": g == w, "slack": 0.0 if g == w else _greedy_slack(ref, p, g)}
@@ -94,6 +95,7 @@ def main() -> None:
     calib = np.random.default_rng(0).integers(0, vocab, (8, 32)).astype(np.int32)
     ctl = nnx.clone(ref)  # the float model for the control below (quantize_model replaces the kernels it quantizes)
     res_one = ptq.quantize_model(ref, rules, method=ptq.GPTQ(), calibration=calib)
+    _log(t0, "gptq one")
     # control: one device, the same calibration rows in another order, i.e. the Hessians' sums in another order
     res_ctl = ptq.quantize_model(ctl, rules, method=ptq.GPTQ(),
                                  calibration=calib[np.random.default_rng(1).permutation(len(calib))])
