@@ -14,9 +14,10 @@ and a restore into processes that have never seen the state.
 The processes run tests/_multiprocess_worker.py (`train.loop.train`, `train.mesh.initialize_distributed`,
 `train.checkpoint`). Most of the time is compiling the step: the reference, and each process of the first pair.
 The workers share this run's persistent compilation cache (conftest): the first pair's process 0 writes its step
-there (only process 0 of a job writes), and both processes of the second pair, the same program over the same
-global devices, load it instead of compiling (measured: their first step 8 s in, not 16 s). A loaded executable is
-the same compiled program, so the bit-for-bit comparisons below are unchanged."""
+there (only process 0 of a job writes), and the second pair, the same program over the same global devices, loads
+it instead of compiling (seen: after a run the cache holds two step programs, the reference's and the first pair's;
+a second pair that compiled would have written a third). A loaded executable is the same compiled program, so the
+bit-for-bit comparisons below are unchanged."""
 from __future__ import annotations
 
 import os
