@@ -63,11 +63,14 @@ def trim():  # hand freed heap pages back to the OS, so VmRSS counts what is ali
     __import__("ctypes").CDLL("libc.so.6").malloc_trim(0)
 
 dtype = "bfloat16" if config == "bfloat16" else "float32"
-if config == "nvfp4-load":  # the export's arrays straight into an abstract model: no float kernel is ever made
+LOADS = {"nvfp4-load": "w4a4", "nvfp4-a16-load": "w4a16"}  # packed rows loaded from an export, and its folder
+EXPORTS = {"export": "w4a4", "export-a16": "w4a16"}
+if config in LOADS:  # the export's arrays straight into an abstract model: no float kernel is ever made
     from jaxlowfp.models import Llama, gguf_loader, resolve
     from jaxlowfp.ptq.packing import report_of
+    export_dir = f"{export_dir}/{LOADS[config]}"
     path = resolve(name)
-    reader = gguf_loader._open(path)
+    reader = gguf_loader.open_reader(path)
     cfg, tok = gguf_loader.read_config(reader, path), gguf_loader.read_tokenizer(reader, path)
     del reader
     model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
@@ -82,16 +85,17 @@ def logprobs(g, s, t):
     return jax.nn.log_softmax(nnx.merge(g, s)(t), axis=-1)
 
 out = {"config": config}
-if config == "nvfp4-load":
+if config in LOADS:
     rep = report_of(model)
     out.update(bits=rep.bits_per_param, packed_layers=len(rep.layers), quantized_params=rep.params)
-if config in ("nvfp4", "hif8", "export"):
-    scheme = ptq.scheme("hif8" if config == "hif8" else "nvfp4-mse")
+if config in ("nvfp4", "hif8", *EXPORTS):
+    scheme = ptq.scheme("hif8" if config == "hif8" else "nvfp4-mse", weights_only=config == "export-a16")
     # (the export needs each layer's calibration input amax for its input_global_scale; RTN weights and per-token
     # activation scales do not depend on it, so the exported model is the nvfp4 row's)
     calib = np.asarray([ids], np.int32) if config == "export" else None
     res = ptq.quantize(model, [ptq.Rule(path=r".*_proj", scheme=scheme)], progress=False, calibration=calib)
-    if config == "export":  # for nvfp4-load: the nvfp4 model's export, and its fake-quant log-probs
+    if config in EXPORTS:  # for the *-load rows: the model's export, and its fake-quant log-probs
+        export_dir = f"{export_dir}/{EXPORTS[config]}"
         ptq.export(model, res, export_dir, dtype="float32")
         np.save(f"{export_dir}/fake_logprobs.npy", np.asarray(logprobs(*nnx.split(model), tokens)))
         print("RESULT " + json.dumps(out))
@@ -120,25 +124,36 @@ trim()
 graph, state = nnx.split(model)
 out["param_bytes"] = int(sum(a.nbytes for a in jax.tree.leaves(state)))
 out["rss_model"] = status("VmRSS")
-if config == "nvfp4-load":  # the loaded packed model against the exporting process's fake-quant model (after the
-    fake = np.load(f"{export_dir}/fake_logprobs.npy")  # RSS: this compiles the forward, as the phases below do)
-    out["max_logprob_diff"] = float(np.max(np.abs(np.asarray(logprobs(graph, state, tokens)) - fake)))
 for phase in ("forward", "generate"):
     for warm in (False, True):
         trim()
         reset_peak()
         t0 = time.perf_counter()
         if phase == "forward":
-            jax.block_until_ready(logprobs(graph, state, tokens))
+            lp = jax.block_until_ready(logprobs(graph, state, tokens))
         else:
             new = generate(model, [ids[:8]], max_new_tokens=128)
         dt = time.perf_counter() - t0
         out[f"peak_{phase}{'' if warm else '_compile'}"] = status("VmHWM")
+        out[f"s_{phase}{'' if warm else '_compile'}"] = dt
+    if phase == "forward":
+        out["prefill_tok_s"] = tokens.shape[1] / dt
+        if config in LOADS:  # the loaded packed model against the exporting process's fake-quant model
+            fake = np.load(f"{export_dir}/fake_logprobs.npy")
+            out["max_logprob_diff"] = float(np.max(np.abs(np.asarray(lp) - fake)))
+        del lp
     if phase == "generate":
         out["decode_tok_s"] = len(new[0]) / dt
+mem = logprobs.lower(graph, state, tokens).compile().memory_analysis()
+out["xla_temp"] = int(mem.temp_size_in_bytes)
 out["maxrss"] = __import__("resource").getrusage(__import__("resource").RUSAGE_SELF).ru_maxrss * 1024
 print("RESULT " + json.dumps(out))
 """
+
+
+CONFIGS = ("float32", "bfloat16", "nvfp4-a16-load", "nvfp4-load", "hif8", "nvfp4")
+DEFAULT_CONFIGS = CONFIGS[:5]
+LOAD_EXPORTS = {"nvfp4-load": ("export", "w4a4"), "nvfp4-a16-load": ("export-a16", "w4a16")}
 
 
 def run_child(name: str, config: str, export_dir: str = "") -> dict:
@@ -220,7 +235,12 @@ def render(results: list[dict], tiny: dict[str, float], model: str, loads: tuple
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--configs", nargs="+", default=["float32", "bfloat16", "nvfp4", "nvfp4-load", "hif8"])
+    ap.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS),
+                    help=f"rows, each a fresh process, of {', '.join(CONFIGS)} (default: %(default)s)")
+    ap.add_argument("--export-dir", default=None,
+                    help="keep the exports the *-load rows read here, and reuse those already there (default: a "
+                         "temporary folder)")
+    ap.add_argument("--no-tiny", action="store_true", help="skip the tiny Llama's log-prob differences")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT / "bench"))
@@ -228,16 +248,21 @@ def main(argv: list[str] | None = None) -> int:
 
     import tempfile
 
+    bad = [c for c in args.configs if c not in CONFIGS]
+    if bad:
+        ap.error(f"--configs: unknown {bad}; allowed: {', '.join(CONFIGS)}")
     load0 = os.getloadavg()[0]
     results = []
-    with tempfile.TemporaryDirectory() as export_dir:
-        if "nvfp4-load" in args.configs:
-            run_child(args.model, "export", export_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        export_dir = args.export_dir or tmp
+        for load, (export, sub) in LOAD_EXPORTS.items():
+            if load in args.configs and not (Path(export_dir) / sub / "fake_logprobs.npy").is_file():
+                run_child(args.model, export, export_dir)
         for c in args.configs:
             r = run_child(args.model, c, export_dir)
             print(json.dumps(r), flush=True)
             results.append(r)
-    tiny = tiny_llama_diffs()
+    tiny = {} if args.no_tiny else tiny_llama_diffs()
     print(json.dumps(tiny))
     text = render(results, tiny, args.model, (load0, os.getloadavg()[0]))
     print(text)
