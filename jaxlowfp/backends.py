@@ -90,9 +90,9 @@ NATIVE_GEMV_ROWS = 8
 SCALED_MATMUL_MIN_CC = 100  # cuDNN's block-scaled GEMM: Blackwell (sm_100)
 FP8_MIN_CC = 89  # cuBLASLt FP8: Ada (sm_89) and Hopper (sm_90)
 SCALED_KINDS = ("nvfp4", "mxfp4", "mxfp8")
-# run-time activation quantizers of packed layers go through one shared program on a one-device CPU process
-# (shared_quantizer); False: compiled into each layer, as on other devices
-SHARED_QUANTIZER = True
+# run-time activation quantizers of packed layers go through one shared program (shared_quantizer): None (auto) on a
+# one-device CPU process, True on any CPU, False never (compiled into each layer, as on other devices)
+SHARED_QUANTIZER: bool | None = None
 _log = logging.getLogger(__name__)
 _LOGGED: set = set()
 
@@ -339,8 +339,10 @@ def _fake_quantizer(act: Format) -> Callable[[jax.Array], jax.Array]:
 
 
 def share_quantizer(device: Any = None) -> bool:
-    """Whether :func:`shared_quantizer` calls one shared program (a one-device CPU process) or computes inline."""
-    return SHARED_QUANTIZER and jax.device_count() == 1 and _device(device).platform == "cpu"
+    """Whether :func:`shared_quantizer` calls one shared program (`SHARED_QUANTIZER`) or computes inline."""
+    if SHARED_QUANTIZER is False or _device(device).platform != "cpu":
+        return False
+    return SHARED_QUANTIZER is True or jax.device_count() == 1
 
 
 def shared_quantizer(fn: Callable[..., jax.Array], x: jax.Array, *operands: Any, device: Any = None) -> jax.Array:
@@ -350,7 +352,8 @@ def shared_quantizer(fn: Callable[..., jax.Array], x: jax.Array, *operands: Any,
     resident: an NVFP4 4/6 quantizer is ~7 MiB of it, 120 of them in a W4A4 SmolLM2-135M forward, more than the
     packed model's 165 MiB of parameters (bench/packed_memory.py). The call goes through ``jax.pure_callback``
     (the values are the inline program's; tests/test_packed_memory.py); the gradient is `fn`'s own (its VJP, inline).
-    Elsewhere, or with ``SHARED_QUANTIZER = False``, `fn` runs inline."""
+    Elsewhere (several devices, unless ``SHARED_QUANTIZER = True``; or ``SHARED_QUANTIZER = False``) `fn` runs
+    inline."""
     if not share_quantizer(device):
         return fn(x, *operands)
     return _shared_vjp(fn, x, operands)
