@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -190,7 +191,8 @@ def mb(b: float) -> str:
     return f"{b / 2**20:.0f}"
 
 
-def render(results: list[dict], tiny: dict[str, float], model: str, loads: tuple[float, float]) -> str:
+def render(results: list[dict], tiny: dict[str, float], model: str, loads: tuple[float, float],
+           command: str = "") -> str:
     """The RESULTS.md section from the children's results and the tiny Llama's differences."""
     import jax
 
@@ -198,38 +200,50 @@ def render(results: list[dict], tiny: dict[str, float], model: str, loads: tuple
     from _results import markdown_table
 
     base = next((r for r in results if r["config"] == "float32"), None)
+
+    def vs(r: dict, key: str) -> str:
+        return f"{r[key]:.1f}" + (f" ({r[key] / base[key]:.2f}x)" if base else "")
+
     rows = []
     for r in results:
-        speed = f"{r['decode_tok_s']:.1f}" + (f" ({r['decode_tok_s'] / base['decode_tok_s']:.2f}x)" if base else "")
         rows.append([r["config"], mb(r["param_bytes"]), f"{r['bits']:.3f}" if "bits" in r else "-",
                      mb(r["rss_model"]), mb(r["peak_forward"]), mb(r["peak_forward_compile"]),
-                     mb(r["peak_generate"]), mb(r["peak_generate_compile"]), speed,
+                     mb(r["peak_generate"]), mb(r["peak_generate_compile"]), f"{r['xla_temp'] / 2**20:.1f}",
+                     vs(r, "prefill_tok_s"), vs(r, "decode_tok_s"),
+                     f"{r['s_forward_compile'] - r['s_forward']:.1f}",
+                     f"{r['s_generate_compile'] - r['s_generate']:.1f}",
                      f"{r['max_logprob_diff']:.1e}" if "max_logprob_diff" in r else "-",
                      (f"{mb(r['disk_bytes'])} ({'bitwise' if r['orbax_bitwise'] else 'DIFFERS'})"
                       if "disk_bytes" in r else "-")])
     body = markdown_table(["model", "param MiB", "bits / quantized param", "RSS MiB", "peak forward MiB",
                            "peak forward incl. compile", "peak generate MiB", "peak generate incl. compile",
-                           "decode tok/s (vs float32)", "max \\|Δ log-prob\\| vs fake-quant",
-                           "orbax MiB (restore)"], rows)
+                           "XLA temp MiB (forward)", "prefill tok/s (vs float32)", "decode tok/s (vs float32)",
+                           "compile s (forward)", "compile s (generate)",
+                           "max \\|Δ log-prob\\| vs fake-quant", "orbax MiB (restore)"], rows)
     tiny_rows = markdown_table(["tiny Llama (4 blocks), scheme (backend)",
                                 "max \\|Δ log-prob\\| packed vs fake-quant"],
                                [[k, f"{v:.1e}"] for k, v in tiny.items()])
-    return (f"`.venv/bin/python bench/packed_memory.py` ({model}, jax {jax.__version__}, CPU; each row a fresh "
-            "process). nvfp4 = RTN W4A4 NVFP4 4/6 (mse) of every projection, hif8 = RTN W8A8 HiF8, both "
-            "packed by `ptq.pack_model` (gemm auto: dequantize + dot on a CPU); embeddings (tied with the head) and "
-            "norms stay "
-            "float32. RSS is VmRSS with the model built (after gc and malloc_trim); the nvfp4 and hif8 rows' "
-            "processes also ran PTQ and the fake-quant forward for the log-prob check and keep those compiled "
-            "programs, so their RSS and peaks are not the packed model's alone (param MiB is); nvfp4-load is the "
-            "nvfp4 model's export loaded packed (`ptq.load(abstract model, export, packed=True)`) in a process that "
-            "never held a float kernel, PTQ or a fake-quant program: its RSS and peaks are the packed model's "
-            "(log-prob difference against the exporting process's fake-quant model). Peaks are VmHWM (reset through "
-            "/proc/self/clear_refs) of a warm call, 'incl. compile' of the first call (W4A4 compiles an NVFP4 4/6 "
-            "activation quantizer into every projection, so its first generation, which compiles prefill and decode, "
-            "has the largest peak); decode of "
-            f"a 128-token greedy generation. Load average {loads[0]:.1f} at the start and {loads[1]:.1f} at the end "
-            f"on {os.cpu_count()} cores (shared with other jobs): tokens/s are indicative only.\n\n"
-            + body + "\n\n" + tiny_rows)
+    return (f"`{command or '.venv/bin/python bench/packed_memory.py'}` ({model}, jax {jax.__version__}, "
+            f"{platform.machine()} CPU; each row a fresh process). Rows: float32 and bfloat16 are "
+            "`models.load(dtype=..., param_dtype=...)`; nvfp4-load (W4A4: NVFP4 4/6 mse weights, NVFP4 4/6 "
+            "per-token activations) and nvfp4-a16-load (W4A16: the same weights, float32 activations) are RTN PTQ "
+            "of every projection, exported (`ptq.export`, by a process of its own) and loaded packed "
+            "(`ptq.load(abstract model, export, packed=True)`) in a process that never held a float kernel, PTQ or "
+            "a fake-quant program, so their RSS and peaks are the packed model's own (log-prob difference against "
+            "the exporting process's fake-quant model); hif8 is RTN W8A8 HiF8 packed by `ptq.pack_model` in the "
+            "process that ran PTQ and the fake-quant forward (its RSS and peaks include those programs; param MiB "
+            "does not). Packed products: gemm auto (the dequant backend: the native CPU GEMV at M <= 8, decode and "
+            "dot above); the run-time activation quantizer is one shared program per shape "
+            "(`backends.shared_quantizer`). Embeddings (tied with the head) and norms stay float32 (bfloat16 in "
+            "the bfloat16 row). RSS is VmRSS with the model built (after gc and malloc_trim). Peaks are VmHWM "
+            "(reset through /proc/self/clear_refs) of a warm call, 'incl. compile' of the first call: a jitted "
+            "log-softmax forward over 128 tokens, and a 128-token greedy generation from an 8-token prompt "
+            "(`models.llama.generate`). Prefill tok/s: 128 / the warm forward's seconds; decode tok/s: 128 / the "
+            "warm generation's seconds; compile s: first call's seconds minus the warm call's. XLA temp: "
+            "`compile().memory_analysis().temp_size_in_bytes` of the forward. Load average "
+            f"{loads[0]:.1f} at the start and {loads[1]:.1f} at the end on {os.cpu_count()} cores (shared with other "
+            "jobs): seconds and tokens/s are indicative only; memory is not load-dependent.\n\n"
+            + body + ("\n\n" + tiny_rows if tiny else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,8 +255,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="keep the exports the *-load rows read here, and reuse those already there (default: a "
                          "temporary folder)")
     ap.add_argument("--no-tiny", action="store_true", help="skip the tiny Llama's log-prob differences")
+    ap.add_argument("--results", default=None,
+                    help="append each row's raw result (JSON lines) to this file as it completes")
+    ap.add_argument("--render", default=None,
+                    help="no runs: render the section from a --results file (rows in its order)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args(argv)
+    command = "nice -n 19 .venv/bin/python bench/packed_memory.py" + "".join(
+        f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
     sys.path.insert(0, str(ROOT / "bench"))
     from _results import write_section
 
@@ -251,6 +271,15 @@ def main(argv: list[str] | None = None) -> int:
     bad = [c for c in args.configs if c not in CONFIGS]
     if bad:
         ap.error(f"--configs: unknown {bad}; allowed: {', '.join(CONFIGS)}")
+    if args.render:
+        lines = [json.loads(ln) for ln in Path(args.render).read_text().splitlines() if ln.strip()]
+        meta = next((ln for ln in lines if "command" in ln), {})
+        text = render([ln for ln in lines if "config" in ln], meta.get("tiny", {}), args.model,
+                      tuple(meta.get("loads", (float("nan"), float("nan")))), meta.get("command", ""))
+        print(text)
+        if not args.no_write:
+            write_section(SECTION, text)
+        return 0
     load0 = os.getloadavg()[0]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -262,9 +291,16 @@ def main(argv: list[str] | None = None) -> int:
             r = run_child(args.model, c, export_dir)
             print(json.dumps(r), flush=True)
             results.append(r)
+            if args.results:
+                with open(args.results, "a") as f:
+                    f.write(json.dumps(r) + "\n")
     tiny = {} if args.no_tiny else tiny_llama_diffs()
     print(json.dumps(tiny))
-    text = render(results, tiny, args.model, (load0, os.getloadavg()[0]))
+    loads = (load0, os.getloadavg()[0])
+    if args.results:
+        with open(args.results, "a") as f:
+            f.write(json.dumps({"command": command, "tiny": tiny, "loads": loads}) + "\n")
+    text = render(results, tiny, args.model, loads, command)
     print(text)
     if not args.no_write:
         write_section(SECTION, text)
