@@ -182,6 +182,30 @@ __attribute__((target("avx2,fma"))) void decoded_rows(const Problem& p, const fl
   for (int r = 0; r < MR; ++r) p.y[(m0 + r) * p.n + n] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
 }
 
+// decode_row with gemv_avx2_rows's in-register decode (the same values), stored.
+__attribute__((target("avx2,fma"))) void decode_row_avx2(const Problem& p, int64_t n, float* w) {
+  const int64_t kb = p.k / 16;
+  const __m256 lut = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+  const __m256 gv = _mm256_set1_ps(p.g);
+  const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  const __m128i low4 = _mm_set1_epi8(0x0f);
+  const uint8_t* crow = p.codes + n * (p.k / 2);
+  const uint8_t* srow = p.scales + (n / p.tile_rows) * kb;
+  for (int64_t b = 0; b < kb; ++b) {
+    const __m256 t = _mm256_mul_ps(_mm256_mul_ps(lut, _mm256_set1_ps(kE4M3.v[srow[b]])), gv);
+    uint64_t raw;
+    std::memcpy(&raw, crow + b * 8, 8);
+    const __m128i v = _mm_cvtsi64_si128(static_cast<long long>(raw));
+    const __m128i e = _mm_unpacklo_epi8(_mm_and_si128(v, low4), _mm_and_si128(_mm_srli_epi16(v, 4), low4));
+    const __m256i c0 = _mm256_cvtepu8_epi32(e);
+    const __m256i c1 = _mm256_cvtepu8_epi32(_mm_srli_si128(e, 8));
+    _mm256_storeu_ps(w + b * 16, _mm256_xor_ps(_mm256_permutevar8x32_ps(t, c0),
+                                               _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(c0, 28), sign))));
+    _mm256_storeu_ps(w + b * 16 + 8, _mm256_xor_ps(_mm256_permutevar8x32_ps(t, c1),
+                                                   _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(c1, 28), sign))));
+  }
+}
+
 void gemv_avx2(const Problem& p, int64_t n0, int64_t n1) {
   if (p.m <= 4) {  // one step: decode in registers
     by_four_rows(p.m, [&](auto r, int64_t m0) { gemv_avx2_rows<decltype(r)::value>(p, m0, n0, n1); });
@@ -190,7 +214,7 @@ void gemv_avx2(const Problem& p, int64_t n0, int64_t n1) {
   // M > 4: each weight row decoded once (the same values), then every 4-row step reads it from L1
   std::vector<float> w(static_cast<size_t>(p.k));
   for (int64_t n = n0; n < n1; ++n) {
-    decode_row(p, n, w.data());
+    decode_row_avx2(p, n, w.data());
     by_four_rows(p.m, [&](auto r, int64_t m0) { decoded_rows<decltype(r)::value>(p, w.data(), m0, n); });
   }
 }
