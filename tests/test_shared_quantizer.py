@@ -61,7 +61,7 @@ def test_shared_quantizer_gradient_and_vmap_are_the_inline_functions(monkeypatch
     fn = backends._fake_quantizer(as_format("nvfp4-mse"))
     assert backends._fake_quantizer(as_format("nvfp4-mse")) is fn  # one function object: one shared program
     x = jax.random.normal(jax.random.key(0), (3, 4, 32), jnp.float32)
-    w = jax.random.normal(jax.random.key(1), (32,), jnp.float32)
+    w = jax.random.normal(jax.random.key(1), (3, 4, 32), jnp.float32)
 
     def loss(f):
         return lambda x: jnp.sum(jnp.sin(f(x)) * w)
@@ -69,6 +69,7 @@ def test_shared_quantizer_gradient_and_vmap_are_the_inline_functions(monkeypatch
     shared = jax.jit(jax.value_and_grad(loss(lambda x: backends.shared_quantizer(fn, x))))(x)
     inline = jax.jit(jax.value_and_grad(loss(fn)))(x)
     np.testing.assert_allclose(shared[0], inline[0], rtol=1e-6)
+    assert float(jnp.max(jnp.abs(inline[1]))) > 0.1  # a gradient that a zero cotangent would not match
     np.testing.assert_allclose(shared[1], inline[1], rtol=0, atol=1e-6)
     # vmap: each slice quantized on its own (one tensor amax per slice), as the inline function under vmap
     v_shared = jax.jit(jax.vmap(lambda x: backends.shared_quantizer(fn, x)))(x)
