@@ -80,6 +80,10 @@ else:
     model, tok = models.load(name, dtype=dtype, param_dtype=dtype)
 ids = tok.encode(text)[:128]
 tokens = jnp.asarray([ids], jnp.int32)
+if config == "qwix":  # Qwix's PTQ of every projection, NVFP4 weights in tiles of 16, as its docs configure nvfp4
+    import qwix
+    rules = [qwix.QtRule(module_path=r".*_proj", weight_qtype="nvfp4", tile_size=16)]
+    model = qwix.quantize_model(model, qwix.PtqProvider(rules), tokens)
 
 @jax.jit
 def logprobs(g, s, t):
@@ -152,8 +156,8 @@ print("RESULT " + json.dumps(out))
 """
 
 
-CONFIGS = ("float32", "bfloat16", "nvfp4-a16-load", "nvfp4-load", "hif8", "nvfp4")
-DEFAULT_CONFIGS = CONFIGS[:5]
+CONFIGS = ("float32", "bfloat16", "nvfp4-a16-load", "nvfp4-load", "hif8", "qwix", "nvfp4")
+DEFAULT_CONFIGS = CONFIGS[:6]
 IN_PROCESS = ("hif8", "nvfp4")  # packed after PTQ in the row's process: its log-prob check compiled the forward
 LOAD_EXPORTS = {"nvfp4-load": ("export", "w4a4"), "nvfp4-a16-load": ("export-a16", "w4a16")}
 
@@ -234,7 +238,9 @@ def render(results: list[dict], tiny: dict[str, float], model: str, loads: tuple
             "a fake-quant program, so their RSS and peaks are the packed model's own (log-prob difference against "
             "the exporting process's fake-quant model); hif8 is RTN W8A8 HiF8 packed by `ptq.pack_model` in the "
             "process that ran PTQ and the fake-quant forward (its RSS and peaks include those programs; param MiB "
-            "does not; the log-prob check compiled its forward, so its forward's first call is warm). Packed "
+            "does not; the log-prob check compiled its forward, so its forward's first call is warm); qwix is "
+            "Qwix's PTQ of every projection (`qwix.PtqProvider`, `weight_qtype=\"nvfp4\"`, `tile_size=16`, as "
+            "its docs configure nvfp4: W4A16) of the float32 model, the float model dropped. Packed "
             "products: gemm auto (the dequant backend: the native CPU GEMV at M <= 8, decode and "
             "dot above); the run-time activation quantizer is one shared program per shape "
             "(`backends.shared_quantizer`). Embeddings (tied with the head) and norms stay float32 (bfloat16 in "
