@@ -357,7 +357,7 @@ def shared_quantizer(fn: Callable[..., jax.Array], x: jax.Array, *operands: Any,
     of a copy compiled into each projection of the caller's program. XLA:CPU keeps each compiled copy's machine code
     resident: an NVFP4 4/6 quantizer is ~7 MiB of it, 120 of them in a W4A4 SmolLM2-135M forward, more than the
     packed model's 165 MiB of parameters (bench/packed_memory.py). The call goes through ``jax.pure_callback``
-    (the values are the inline program's; tests/test_packed_memory.py); the gradient is `fn`'s own (its VJP, inline).
+    (the values are the inline program's; tests/test_shared_quantizer.py); the gradient is `fn`'s own (its VJP, inline).
     Elsewhere (several devices, unless ``SHARED_QUANTIZER = True``; or ``SHARED_QUANTIZER = False``) `fn` runs
     inline."""
     if not share_quantizer(device):
