@@ -32,6 +32,12 @@ it the decode depends only on the parameters, and XLA is free to schedule every 
 matmul: the whole float32 model alive at once (SmolLM2-135M: 435 MB of XLA temp against float32's 15 MB). With it,
 only the weights of the layers sharing one input (q/k/v, gate/up) are decoded together.
 
+Compiled code (``tests/test_shared_quantizer.py``): a packed layer's run-time activation quantizer (W4A4 / W8A8)
+runs through :func:`shared_quantizer`: on a one-device CPU process, one compiled program per (quantizer, shape) that
+every layer calls, not a copy compiled into each projection of the caller's program. XLA:CPU keeps each copy's
+machine code resident (an NVFP4 4/6 quantizer, its two candidates' unrolled per-block errors: ~7 MiB), so a W4A4
+SmolLM2-135M forward held ~870 MiB of compiled code, five times its packed weights, and took 5.7 GB to compile.
+
 Decode (``tests/test_native_gemv.py``): a product of M <= `NATIVE_GEMV_ROWS` rows (decode, short prompts) of an NVFP4
 weight in jaxlowfp's arithmetic (or FP8 / HiF8: ``w = value(q) s``), float32 activations, on CPU, runs
 ``jaxlowfp._core.native_gemv`` (form
@@ -52,8 +58,12 @@ from jaxlowfp._core.deprecation import renamed_kwarg
 from jaxlowfp._core.surface import public_dir as _public_dir
 
 import dataclasses
+import functools
 import logging
+from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 import jax
 import jax.numpy as jnp
@@ -70,7 +80,8 @@ from jaxlowfp.packed import PER_TENSOR, PackedWeight, per_tensor_scale, as_forma
 __all__ = ["BACKENDS", "BackendUnavailableError", "Plan", "plan", "packed_dot_general", "packed_matmul",
            "SCALED_MATMUL_MIN_CC", "FP8_MIN_CC", "scaled_matmul_rows",
            "block_scaled_product", "block_scaled_rows", "fp8_product", "fp8_rows", "after_input",
-           "DECODE_THEN_DOT_ROWS", "NATIVE_GEMV_ROWS", "dequant_form", "native_gemv_problem", "decode_weight"]
+           "DECODE_THEN_DOT_ROWS", "NATIVE_GEMV_ROWS", "dequant_form", "native_gemv_problem", "decode_weight",
+           "shared_quantizer", "share_quantizer", "SHARED_QUANTIZER"]
 
 BACKENDS = ("auto", "scaled_matmul", "fp8", "dequant")
 # "dequant" products of at most this many rows (decode: M = batch) decode the weight into a buffer, then dot. Left to
@@ -85,6 +96,9 @@ NATIVE_GEMV_ROWS = 8
 SCALED_MATMUL_MIN_CC = 100  # cuDNN's block-scaled GEMM: Blackwell (sm_100)
 FP8_MIN_CC = 89  # cuBLASLt FP8: Ada (sm_89) and Hopper (sm_90)
 SCALED_KINDS = ("nvfp4", "mxfp4", "mxfp8")
+# run-time activation quantizers of packed layers go through one shared program (shared_quantizer): None (auto) on a
+# one-device CPU process, True on any CPU, False never (compiled into each layer, as on other devices)
+SHARED_QUANTIZER: bool | None = None
 _log = logging.getLogger(__name__)
 _LOGGED: set = set()
 
@@ -307,6 +321,50 @@ def _scaled_matmul(x2: jax.Array, w: PackedWeight, act: Format) -> jax.Array:
     return block_scaled_product(xa, w.array)
 
 
+@functools.lru_cache(maxsize=None)
+def _host_program(fn: Callable[..., jax.Array]) -> Callable[..., Any]:
+    """The one jitted program of `fn` (jax.jit caches one executable per shape), called from the host."""
+    jitted = jax.jit(fn)
+    return lambda *args: np.asarray(jitted(*args))
+
+
+def _shared(fn: Callable[..., jax.Array], x: jax.Array, operands: tuple) -> jax.Array:
+    return jax.pure_callback(_host_program(fn), jax.ShapeDtypeStruct(x.shape, x.dtype), x, *operands,
+                             vmap_method="sequential")
+
+
+_shared_vjp = jax.custom_vjp(_shared, nondiff_argnums=(0,))
+_shared_vjp.defvjp(lambda fn, x, operands: (_shared(fn, x, operands), (x, operands)),
+                   lambda fn, res, g: jax.vjp(lambda x, ops: fn(x, *ops), *res)[1](g))
+
+
+@functools.lru_cache(maxsize=None)
+def _fake_quantizer(act: Format) -> Callable[[jax.Array], jax.Array]:
+    """One function object per activation format (so that :func:`shared_quantizer` shares its program)."""
+    return functools.partial(fake_quantize, format=act)
+
+
+def share_quantizer(device: Any = None) -> bool:
+    """Whether :func:`shared_quantizer` calls one shared program (`SHARED_QUANTIZER`) or computes inline."""
+    if SHARED_QUANTIZER is False or _device(device).platform != "cpu":
+        return False
+    return SHARED_QUANTIZER is True or jax.device_count() == 1
+
+
+def shared_quantizer(fn: Callable[..., jax.Array], x: jax.Array, *operands: Any, device: Any = None) -> jax.Array:
+    """``fn(x, *operands)`` (an activation quantizer: `fn` hashable, its output shaped and typed like `x`), on a
+    one-device CPU process through ONE compiled program per (fn, shapes), shared by every layer that calls it, instead
+    of a copy compiled into each projection of the caller's program. XLA:CPU keeps each compiled copy's machine code
+    resident: an NVFP4 4/6 quantizer is ~7 MiB of it, 120 of them in a W4A4 SmolLM2-135M forward, more than the
+    packed model's 165 MiB of parameters (bench/packed_memory.py). The call goes through ``jax.pure_callback``
+    (the values are the inline program's; tests/test_shared_quantizer.py); the gradient is `fn`'s own (its VJP, inline).
+    Elsewhere (several devices, unless ``SHARED_QUANTIZER = True``; or ``SHARED_QUANTIZER = False``) `fn` runs
+    inline."""
+    if not share_quantizer(device):
+        return fn(x, *operands)
+    return _shared_vjp(fn, x, operands)
+
+
 def after_input(x: Any, w: Any) -> tuple[Any, Any]:
     """``(x, w)`` through one ``lax.optimization_barrier`` (values unchanged): whatever is computed from the returned
     `w` (a packed weight's decode) depends on `x`, so XLA cannot schedule it before `x` exists (module docstring)."""
@@ -386,7 +444,7 @@ def decode_weight(w: PackedWeight, device: Any = None) -> jax.Array:
 
 def _dequant(x2: jax.Array, w: PackedWeight, act: Format | None, weight_dtype: Any, device: Any = None,
              form: str = "") -> jax.Array:
-    xq = x2 if act is None else fake_quantize(x2, act)
+    xq = x2 if act is None else shared_quantizer(_fake_quantizer(act), x2, device=device)
     if form == "native-gemv":  # the packed codes straight into the C++ GEMV (float32 in and out)
         from jaxlowfp._core import native_gemv
 

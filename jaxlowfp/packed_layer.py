@@ -8,6 +8,7 @@ from __future__ import annotations
 from jaxlowfp._core.deprecation import renamed_kwarg
 from jaxlowfp._core.surface import public_dir as _public_dir
 
+import functools
 from collections.abc import Mapping, MutableMapping, MutableSequence
 from typing import Any
 
@@ -101,7 +102,8 @@ class PackedLinear(nnx.Module):
         if self.act_quant is not None:  # per-token / static activation scales: the op layer's quantizer
             spec = self.act_quant.recipe.activation
             st = self.act_quant.recipe_state()  # a calibrated amax is the quantizer's state
-            x = qat.fake_quant(x, spec.init() if st is None else st.activation, spec)[0]
+            # one program per spec and shape for all layers on a CPU (backends.shared_quantizer)
+            x = backends.shared_quantizer(_spec_quantizer(spec), x, spec.init() if st is None else st.activation)
         elif self.act_fn is not None:
             x = self.act_fn(x)
         y = backends.packed_dot_general(x, self.kernel.get_value(), (((x.ndim - 1,), (0,)), ((), ())),
@@ -112,6 +114,16 @@ class PackedLinear(nnx.Module):
         return y  # type: ignore[return-value]
 
 
+
+
+def _quantize_with(spec: Any, x: jax.Array, state: Any) -> jax.Array:
+    return qat.fake_quant(x, state, spec)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _spec_quantizer(spec: Any) -> Any:
+    """One function object per activation QuantSpec (so that `backends.shared_quantizer` shares its program)."""
+    return functools.partial(_quantize_with, spec)
 
 
 def _parents(model: nnx.Module) -> dict[int, tuple[Any, Any]]:

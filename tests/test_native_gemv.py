@@ -100,6 +100,29 @@ def test_products_match_dequantize_then_dot_and_numpy(bases, isa):
 
 
 @pytest.mark.parametrize("isa", ["auto", "generic"])
+def test_a_rows_result_does_not_depend_on_m(bases, isa):
+    # M = 5..8 (past one 4-row step) decodes each weight row once and runs the 1..4-row steps' FMAs on it in their
+    # order; the 8-bit kernel takes up to 8 rows a step, one accumulator a row: either way row r of an M-row product
+    # is row r computed alone, bit for bit (one deterministic kernel and summation order, not two XLA programs)
+    rng = np.random.default_rng(3)
+    p = bases["nvfp4-mse"][0]
+    k, n = 592, 48
+    x = rng.standard_normal((8, k)).astype(np.float32)
+    f = _gemv(1, isa)
+    alone = np.concatenate([np.asarray(f(jnp.asarray(x[r:r + 1]), *_slice(p, k, n))) for r in range(8)])
+    h = packed.pack(jnp.asarray(rng.standard_normal((101, 37)).astype(np.float32)), "hif8")
+    g = jax.jit(lambda x, c, s: native_gemv.lut8_gemv(x, c, s, kind="hif8", isa=isa))
+    xh = rng.standard_normal((8, 101)).astype(np.float32)
+    alone8 = np.concatenate([np.asarray(g(jnp.asarray(xh[r:r + 1]), h.array.codes, h.array.global_scale))
+                             for r in range(8)])
+    for m in range(2, 9):
+        y = np.asarray(f(jnp.asarray(x[:m]), *_slice(p, k, n)))
+        np.testing.assert_array_equal(y.view(np.uint32), alone[:m].view(np.uint32), err_msg=f"nvfp4 M={m}")
+        y8 = np.asarray(g(jnp.asarray(xh[:m]), h.array.codes, h.array.global_scale))
+        np.testing.assert_array_equal(y8.view(np.uint32), alone8[:m].view(np.uint32), err_msg=f"hif8 M={m}")
+
+
+@pytest.mark.parametrize("isa", ["auto", "generic"])
 @pytest.mark.parametrize("kind", ["fp8", "hif8"])
 def test_the_8bit_kernel_decodes_exactly_and_matches_the_products(kind, isa):
     # FP8 E4M3 / HiF8 codes with one tensor scale: w = value(q) * s. The decode value for value (identity rows)

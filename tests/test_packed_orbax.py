@@ -169,3 +169,61 @@ def test_refusals(tmp_path):
     into = nnx.eval_shape(lambda: Llama(preset("tiny", n_layers=1), rngs=nnx.Rngs(0)))
     assert ptq.restore_packed(d, into) is into and len(packed_layers(into)) == 2
     assert jnp.array_equal(_logprobs(*nnx.split(into), TOKENS), _logprobs(*nnx.split(model), TOKENS))
+
+
+_MOE_CHILD = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    from flax import nnx
+    from jaxlowfp import ptq
+    sys.path.insert(0, sys.argv[2])
+    from test_packed_orbax import _leaves, _logprobs
+    root = sys.argv[1]
+    model = ptq.restore_packed(f"{root}/moe")
+    lp = np.asarray(_logprobs(*nnx.split(model), np.load(f"{root}/tokens.npy")))
+    json.dump({"leaves": _leaves(model), "max_dlogp": float(np.max(np.abs(lp - np.load(f"{root}/moe.npy"))))},
+              open(f"{root}/child.json", "w"))
+""")
+
+
+def test_packed_experts_come_back_from_orbax_in_a_fresh_process(tmp_path):
+    # a mixture-of-experts decoder: experts packed (PackedExperts) with their per-token activation quantizer
+    # (RaggedActQuant at quant_<name>), attention projections packed (PackedLinear), router float
+    from jaxlowfp.models.moe import MoEConfig, MoEDecoder
+    from jaxlowfp.ptq.experts import RaggedActQuant
+    from jaxlowfp.ptq.packing import PackedExperts
+
+    cfg = MoEConfig(vocab=256, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=32,
+                    n_experts=4, n_experts_per_tok=2, d_expert=64)
+    model = MoEDecoder(cfg, rngs=nnx.Rngs(0))
+    res = ptq.quantize_model(model, [ptq.Rule(path=r".*router", scheme=None),
+                                     ptq.Rule(path=r".*(_proj|experts/.*)", scheme=ptq.scheme("nvfp4-mse"))],
+                             progress=False, activation_scale="token")
+    ptq.pack_model(model, res)
+    experts = model.blocks[0].mlp.experts
+    assert isinstance(experts.gate_proj, PackedExperts) and isinstance(experts.quant_gate_proj, RaggedActQuant)
+    plan = plan_of(model)
+    assert sorted(e["type"] for e in plan["layers"]).count("experts") == 3
+    ptq.save_packed(model, tmp_path / "moe")
+    np.save(tmp_path / "moe.npy", np.asarray(_logprobs(*nnx.split(model), TOKENS)))
+    np.save(tmp_path / "tokens.npy", TOKENS)
+    tests_dir = str(__import__("pathlib").Path(__file__).parent)
+    proc = subprocess.run([sys.executable, "-c", _MOE_CHILD, str(tmp_path), tests_dir], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads((tmp_path / "child.json").read_text())
+    leaves = _leaves(model)
+    assert got["leaves"].keys() == leaves.keys()
+    assert any("gate_proj" in p and "codes" in p for p in leaves)  # the experts' codes are leaves of the state
+    bad = [p for p in leaves if tuple(got["leaves"][p]) != leaves[p]]
+    assert not bad, bad[:4]
+    assert got["max_dlogp"] <= 1e-6, got["max_dlogp"]
+    # an expert weight left fake-quantized is refused before anything is written
+    fq = MoEDecoder(cfg, rngs=nnx.Rngs(0))
+    r = ptq.quantize_model(fq, [ptq.Rule(path=r".*router", scheme=None),
+                                ptq.Rule(path=r".*(_proj|experts/.*)", scheme=ptq.scheme("nvfp4-mse"))],
+                           progress=False)
+    ptq.pack_model(fq, r, paths=[p for p in r.schemes])
+    with pytest.raises(ValueError, match="fake-quantized, not packed"):
+        ptq.save_packed(fq, tmp_path / "part")
+    assert not (tmp_path / "part").exists()

@@ -17,9 +17,11 @@ for leaf (paths, shapes, dtypes), and restores the arrays into it with orbax, bi
     model2 = ptq.restore_packed("ckpt/")          # in another process: same class, config and packed layers
 
 orbax-checkpoint is the ``train`` extra (imported only by these two functions). Models: the ``jaxlowfp.models``
-decoders (``Llama(config, rngs=...)``, with ``model.config``) with packed ``nnx.Linear`` layers (`PackedLinear`).
-Packed mixture-of-experts weights (`PackedExperts`), packed ``nnx.LinearGeneral`` / ``nnx.Einsum`` kernels
-(`PackedKernel`) and fake-quantized layers left unpacked are refused by `save_packed`, before anything is written.
+decoders (``Llama(config, rngs=...)``, ``MoEDecoder``, with ``model.config``) with packed ``nnx.Linear`` layers
+(`PackedLinear`) and packed mixture-of-experts weights (`PackedExperts`, with their PTQ activation quantizer
+``quant_<name>``, a `RaggedActQuant`). Packed ``nnx.LinearGeneral`` / ``nnx.Einsum`` kernels (`PackedKernel`: no
+``jaxlowfp.models`` decoder has such a layer, so none could be rebuilt) and fake-quantized layers left unpacked are
+refused by `save_packed`, before anything is written.
 """
 from __future__ import annotations
 
@@ -39,7 +41,9 @@ from jaxlowfp._core.format import Format
 from jaxlowfp._core.qarray import QArray
 from jaxlowfp.packed_layer import PackedLinear, replace_modules
 from jaxlowfp.ptq.layers import ActQuant, act_quant, quantizable_modules
+from jaxlowfp.ptq.experts import RaggedActQuant
 from jaxlowfp.ptq.packing import PackedExperts, PackedKernel
+from jaxlowfp.rules import grouped_weights
 
 __all__ = ["save_packed", "restore_packed", "plan_of", "PLAN_FILE", "PLAN_VERSION"]
 
@@ -154,9 +158,6 @@ def plan_of(model: nnx.Module) -> dict[str, Any]:
     own_hooks: set[int] = set()
     for p, m in nnx.iter_graph(model):
         path = "/".join(map(str, p))
-        if isinstance(m, PackedExperts):
-            raise ValueError(f"{path}: save_packed does not record packed mixture-of-experts weights yet "
-                             f"(PackedExperts); save the experts unpacked or use ptq.export")
         if isinstance(m, PackedLinear):
             if m.act_fn is not None:
                 raise ValueError(f"{path}: this layer quantizes its activations with a foreign checkpoint's "
@@ -168,10 +169,24 @@ def plan_of(model: nnx.Module) -> dict[str, Any]:
                            "bias": m.bias is not None, "activation": _fmt(m.activation, path),
                            "act_quant": _hook(m.act_quant, path), "gemm": m.backend, "dtype": _dtype(m.dtype),
                            "param_dtype": _dtype(m.param_dtype)})
+    for path, mod, wname in grouped_weights(model):  # mixture-of-experts weights [E, K, N]
+        var, hook = getattr(mod, wname), getattr(mod, "quant_" + wname, None)
+        if hook is not None and not isinstance(hook, RaggedActQuant):
+            raise ValueError(f"{path}: this expert weight is quantized by a {type(hook).__name__} (QAT); "
+                             f"save_packed records PTQ'd and packed expert weights only")
+        if not isinstance(var, PackedExperts):
+            if hook is not None:
+                raise ValueError(f"{path}: this expert weight is fake-quantized, not packed; save_packed records "
+                                 f"packed layers only: pack it too (ptq.pack_model without paths=)")
+            continue
+        layers.append({"path": path, "type": "experts", "weight": _weight(var.get_value(), path),
+                       "kernel_dtype": _dtype(var.kernel_dtype), "act_quant": _hook(hook, path)})
     for path, mod in quantizable_modules(model).items():
-        if isinstance(getattr(mod, "kernel", None), PackedKernel):  # no jaxlowfp.models decoder has one yet
+        if isinstance(getattr(mod, "kernel", None), PackedKernel):
             raise ValueError(f"{path}: save_packed does not record packed nnx.LinearGeneral / nnx.Einsum kernels "
-                             f"(PackedKernel) yet")
+                             f"(PackedKernel): restore_packed builds jaxlowfp.models decoders, none of which has "
+                             f"such a layer; save this model with orbax against a model built the same way, or "
+                             f"use ptq.export")
     if not layers:
         raise ValueError("save_packed: this model has no packed layer (run jaxlowfp.ptq.pack_model first; a float "
                          "or fake-quant model is saved with orbax directly)")
@@ -206,9 +221,24 @@ def _build(plan: dict[str, Any], model: nnx.Module | None) -> nnx.Module:
     else:
         _same_config(plan, model)
     mods = quantizable_modules(model)
+    grouped = {p: (m, n) for p, m, n in grouped_weights(model)}
+    for e in plan["layers"]:
+        if e["type"] != "experts":
+            continue
+        if e["path"] not in grouped:
+            raise ValueError(f"restore_packed: the checkpoint's packed expert weight {e['path']!r} is not an expert "
+                             f"weight of this {plan['model']}")
+        gmod, name = grouped[e["path"]]
+        aq = e["act_quant"]
+        setattr(gmod, name, PackedExperts(_unweight(e["weight"]), kernel_dtype=jnp.dtype(e["kernel_dtype"])))
+        if aq is not None:
+            setattr(gmod, "quant_" + name, nnx.data(RaggedActQuant(_unfmt(aq["fmt"]), aq["activation_scale"],
+                                                                   _unamax(aq), aq["path"])))
     new: dict[str, tuple[nnx.Module, nnx.Module]] = {}
     for e in plan["layers"]:
         path, w = e["path"], _unweight(e["weight"])
+        if e["type"] == "experts":
+            continue
         mod = mods.get(path)
         if mod is None:
             raise ValueError(f"restore_packed: the checkpoint's packed layer {path!r} is not a layer of this "
