@@ -81,7 +81,7 @@ __all__ = ["BACKENDS", "BackendUnavailableError", "Plan", "plan", "packed_dot_ge
            "SCALED_MATMUL_MIN_CC", "FP8_MIN_CC", "scaled_matmul_rows",
            "block_scaled_product", "block_scaled_rows", "fp8_product", "fp8_rows", "after_input",
            "DECODE_THEN_DOT_ROWS", "NATIVE_GEMV_ROWS", "dequant_form", "native_gemv_problem", "decode_weight",
-           "shared_quantizer", "share_quantizer", "SHARED_QUANTIZER"]
+           "shared_quantizer", "SHARED_QUANTIZER"]
 
 BACKENDS = ("auto", "scaled_matmul", "fp8", "dequant")
 # "dequant" products of at most this many rows (decode: M = batch) decode the weight into a buffer, then dot. Left to
@@ -344,7 +344,7 @@ def _fake_quantizer(act: Format) -> Callable[[jax.Array], jax.Array]:
     return functools.partial(fake_quantize, format=act)
 
 
-def share_quantizer(device: Any = None) -> bool:
+def _share_quantizer(device: Any = None) -> bool:
     """Whether :func:`shared_quantizer` calls one shared program (`SHARED_QUANTIZER`) or computes inline."""
     if SHARED_QUANTIZER is False or _device(device).platform != "cpu":
         return False
@@ -360,7 +360,7 @@ def shared_quantizer(fn: Callable[..., jax.Array], x: jax.Array, *operands: Any,
     (the values are the inline program's; tests/test_shared_quantizer.py); the gradient is `fn`'s own (its VJP, inline).
     Elsewhere (several devices, unless ``SHARED_QUANTIZER = True``; or ``SHARED_QUANTIZER = False``) `fn` runs
     inline."""
-    if not share_quantizer(device):
+    if not _share_quantizer(device):
         return fn(x, *operands)
     return _shared_vjp(fn, x, operands)
 

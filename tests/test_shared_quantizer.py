@@ -46,7 +46,7 @@ def test_packed_forward_shares_one_quantizer_program(monkeypatch, scheme, kw, ra
     monkeypatch.setattr(backends, "SHARED_QUANTIZER", False)
     inline_hlo, inline = _compiled(model)
     monkeypatch.setattr(backends, "SHARED_QUANTIZER", True)
-    assert backends.share_quantizer()  # on any CPU (auto: a one-device process; this suite has several)
+    assert backends._share_quantizer()  # on any CPU (auto: a one-device process; this suite has several)
     shared_hlo, shared = _compiled(model)
     assert "callback" in shared_hlo and "callback" not in inline_hlo
     # 14 projections, 8 distinct inputs: 8 quantizers compiled in; then none
