@@ -169,6 +169,8 @@ class Attention(nnx.Module):
         self.v_proj = linear_layer(cfg.d_model, kv, cfg, dtype, rngs, cfg.qkv_bias)
         self.o_proj = linear_layer(q, cfg.d_model, cfg, dtype, rngs)
         self.qk_norm_all_heads = cfg.qk_norm_all_heads
+        self.q_norm: nnx.RMSNorm | None
+        self.k_norm: nnx.RMSNorm | None
         if cfg.qk_norm:
             self.q_norm = _rmsnorm(cfg, rngs, q if cfg.qk_norm_all_heads else cfg.head_dim)
             self.k_norm = _rmsnorm(cfg, rngs, kv if cfg.qk_norm_all_heads else cfg.head_dim)
@@ -189,13 +191,14 @@ class Attention(nnx.Module):
         """
         b, t, _ = x.shape
         if self.qk_norm_all_heads:  # OLMoE: one norm over all heads, before the split into heads
+            assert self.q_norm is not None and self.k_norm is not None  # qk_norm_all_heads implies qk_norm
             q = self.q_norm(self.q_proj(x)).reshape(b, t, self.n_heads, self.head_dim)
             k = self.k_norm(self.k_proj(x)).reshape(b, t, self.n_kv_heads, self.head_dim)
         else:
             q = self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim)
             k = self.k_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None and not self.qk_norm_all_heads:
+        if self.q_norm is not None and self.k_norm is not None and not self.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         q = _rope(q, self.rope_theta, positions, self.rope_freq_factors)
         k = _rope(k, self.rope_theta, positions, self.rope_freq_factors)
