@@ -490,7 +490,7 @@ def generate(
     stop: Callable[[int, list[int]], bool] | None = None,
     pad_to: int | None = None,
     mesh: jax.sharding.Mesh | None = None,
-    blockwise: bool | None = None,
+    blockwise: bool | None = True,
 ) -> list[list[int]]:
     """Continue each prompt (a list of token ids) by up to ``max_new_tokens`` tokens with a `KVCache`.
 
@@ -502,9 +502,9 @@ def generate(
     different prompt lengths share one compiled shape. Returns the new tokens of every prompt. Never changes the
     model (block by block, its ops' execution records are written: `jaxlowfp.execution`).
     ``mesh``: the model's parameters are on it (`jaxlowfp.models.load(..., mesh=...)`); the prompt rows and
-    the KV cache are sharded (`cache_shardings`). ``blockwise``: run each step block by block, one compiled program
-    shared by identical blocks (bounded compile memory for fake-quantized models), or as one program; default:
-    block by block when the model has quantized ops (`jaxlowfp.execution.quantized_ops`).
+    the KV cache are sharded (`cache_shardings`). ``blockwise`` (default; None means the same): run each step block
+    by block, one compiled program per token count shared by identical blocks, so compile time and compile memory
+    do not grow with depth; False: each step as one whole-model program (the same tokens, more compilation).
     """
     check_int(max_new_tokens, "max_new_tokens")
     if pad_to is not None:
@@ -541,9 +541,7 @@ def generate(
     keys = jax.random.split(jax.random.key(seed), max_new_tokens)
     temp = jnp.float32(temperature)
     if blockwise is None:
-        from jaxlowfp.execution import quantized_ops
-
-        blockwise = bool(quantized_ops(model))
+        blockwise = True
     elif not isinstance(blockwise, bool):
         raise TypeError(f"blockwise must be True, False or None (auto); got {blockwise!r}")
     step_fn = _BlockwiseStep(model) if blockwise else functools.partial(_generate_step, graphdef, state)
