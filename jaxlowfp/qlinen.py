@@ -118,6 +118,9 @@ def contract_in(
     _check_recipe(recipe)
     one_of(carry, CARRIES, "carry")
     scope = module.scope
+    if scope is None:
+        raise ValueError(f"{type(module).__name__}: a quantized Linen layer runs inside init / apply (it has no "
+                         f"scope when called unbound)")
     key = module.make_rng(RNG_STREAM) if recipe.needs_key else None
     if carry == "gradient":
         carried_var = scope.variable(owg.COLLECTION, names[0], lambda: owg.init_carried(recipe, observe_only))
@@ -204,7 +207,9 @@ class QuantEinsum(nn.Einsum):
         if self.use_bias:
             bias_shape, broadcasted_bias_shape = self._get_bias_shape(einsum_str, inputs, kernel)
             bias = self.param("bias", self.bias_init, bias_shape, self.param_dtype)
-        inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        promoted_in, promoted_kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        assert promoted_in is not None and promoted_kernel is not None  # Linen's promote_dtype keeps non-None as such
+        inputs, kernel = promoted_in, promoted_kernel
         e = parse_einsum(einsum_str, inputs, kernel)
         y = contract_in(self, ("recipe_state", "observe_only", "stats"), self.recipe, inputs, kernel,
                         e.dimension_numbers, observe_only=self.observe_only, carry=self.carry,

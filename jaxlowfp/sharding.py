@@ -342,12 +342,12 @@ def partition_specs(shapes: Mapping[str, Sequence[int]], rules: ShardRule | Sequ
     used: set[int] = set()
     for path, shape in shapes.items():
         shape = tuple(int(n) for n in shape)
-        i = next((i for i, r in enumerate(rules) if r.matches(path)), None)
-        if i is None:
+        hit = next((i for i, r in enumerate(rules) if r.matches(path)), None)
+        if hit is None:
             raise ShardingError(f"no sharding rule matches parameter {path} (shape {shape}); add one, e.g. "
                                 "ShardRule(path='.*', spec=()) last to replicate the rest")
-        used.add(i)
-        rule = rules[i]
+        used.add(hit)
+        rule = rules[hit]
         if len(rule.spec) > len(shape):
             raise ShardingError(f"parameter {path} has shape {shape}, but ShardRule(path={rule.path!r}) gives "
                                 f"{len(rule.spec)} dimensions: {rule.spec}")

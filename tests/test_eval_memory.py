@@ -100,3 +100,16 @@ def test_generation_runs_block_by_block_with_one_shared_program():
     assert generate(model, prompts, **sampled) == generate(model, prompts, blockwise=False, **sampled)
     with pytest.raises(TypeError, match="blockwise"):
         generate(model, prompts, max_new_tokens=1, blockwise="yes")
+
+
+def test_float_generation_shares_one_block_program_too():
+    """A float model generates block by block by default as well (issue 44: generation compiles one block program
+    per token count, not the whole model), with the tokens of the whole-step program."""
+    from jaxlowfp.models.llama import _gen_block, generate
+
+    model = _model(3, "none")
+    prompts = [[7, 1, 40], [11]]
+    before = _gen_block._cache_size()
+    tokens = generate(model, prompts, max_new_tokens=5)
+    assert _gen_block._cache_size() - before == 2  # prefill and decode, for all 3 blocks
+    assert generate(model, prompts, max_new_tokens=5, blockwise=False) == tokens

@@ -218,6 +218,13 @@ def _registry() -> dict[str, Format]:
 FORMATS: dict[str, Format] = _registry()  # every named format (1x16 blocks, jaxlowfp arithmetic)
 
 
+def two_level_of(fmt: Format) -> tuple[str, tuple[int, int]]:
+    """A two-level format's (NVFP4, IF) block rule and block shape, which ``__post_init__`` sets for them only."""
+    if fmt.rule is None or fmt.block_shape is None:
+        raise ValueError(f"{fmt!r} has no block rule and block shape (the two-level formats NVFP4 and IF have)")
+    return fmt.rule, fmt.block_shape
+
+
 def as_format(fmt: Any, what: str = "format") -> Format:
     """A :class:`Format` from itself or from a name (:meth:`Format.parse`)."""
     if isinstance(fmt, Format):

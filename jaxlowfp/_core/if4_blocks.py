@@ -221,6 +221,7 @@ def _errors(xb: jax.Array, xhat_of, rule: str, p: jax.Array | None = None) -> ja
         ax = jnp.abs(xb[..., i].astype(jnp.float32))
         d = xhat_of(i, ax) - ax if p is None else xhat_of(i, ax) * p - ax * p
         acc = accumulate_error(acc, d, rule)
+    assert acc is not None  # BLOCK > 0 columns
     return combine_rows(acc, rule)
 
 
@@ -296,6 +297,7 @@ def _candidate_errors(xb, s, s_dec, amax, blk, fmt: str, rule: str, enc: float, 
         return _grid_hat(int_round(ax * inv, g, col_u(i)), t_int)
 
     def fp_hat(i, ax):
+        assert t_fp is not None  # only the formats with an FP grid call it
         return _grid_hat(fp_round(ax * inv, fmt, col_u(i)), t_fp)
 
     p = error_scale(blk)[..., None, :]  # block_errors' exact power of two, for every candidate of the block
@@ -351,6 +353,7 @@ def if_blocks(
     the global scales of :func:`global_scales` and the block maxima. `u`: uniforms shaped like `xb` for the
     stochastic roundings, per block [..., nb] for "ms_eden"."""
     if rounding == "ms_eden":
+        assert u is not None, "ms_eden draws per-block uniforms"
         return if_ms_eden_blocks(xb, s_dec, blk_amax, u)
     enc, blk_div = scale_constants(fmt, rounding)
     blk = blk_amax

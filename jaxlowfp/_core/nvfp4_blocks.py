@@ -318,8 +318,13 @@ def block_errors(xb, s, s_dec, amax, blk, rule: str, enc: float, u) -> jax.Array
         acc = accumulate_error(acc, xhat * p - ax * p, rule)
         if u is not None:
             vmax = v if vmax is None else jnp.maximum(vmax, v)
+    assert acc is not None  # BLOCK > 0 columns
     err = combine_rows(acc, rule)
-    vmax = e2m1_rne(blk * inv[..., 0, :]) if u is None else _pairwise(vmax, jnp.maximum)  # RNE: monotone in |x|
+    if u is None:
+        vmax = e2m1_rne(blk * inv[..., 0, :])  # RNE: monotone in |x|
+    else:
+        assert vmax is not None
+        vmax = _pairwise(vmax, jnp.maximum)
     return jnp.where(jnp.isinf((vmax * s) * amax), jnp.inf, err)
 
 
@@ -472,6 +477,7 @@ def quantize_blocks(
     """
     blk = block_amax(xb) if blk_amax is None else blk_amax
     if rounding == "ms_eden":
+        assert u is not None, "ms_eden draws per-block uniforms"
         return ms_eden_blocks(xb, s_dec, blk, u)
     enc, blk_div = scale_constants(rule, rounding)
     base = div_const(blk, blk_div) * s_enc

@@ -76,7 +76,7 @@ class QArray:
             return if4_blocks.dequantize_blocks(self.codes, self.scales, self.global_scale, fmt=kind,
                                                 rows=self.format.rows, shape=self.shape, dtype=dtype)
         if kind in MX_ELEMENT:
-            return mx_decode(self.codes, self.scales, fmt=MX_ELEMENT[kind], shape=self.shape, dtype=dtype)
+            return mx_decode(self.codes, block_scales(self), fmt=MX_ELEMENT[kind], shape=self.shape, dtype=dtype)
         assert self.global_scale is not None  # a per-tensor format's array carries one
         return (self.values() * self.global_scale).astype(dtype)
 
@@ -121,6 +121,13 @@ class QArray:
 
 
 MX_BLOCK = 32
+
+
+def block_scales(q: QArray) -> jax.Array:
+    """The block scales of a block-scaled `q` (NVFP4, IF, MX); a ValueError for a per-tensor one (FP8, HiF8)."""
+    if q.scales is None:
+        raise ValueError(f"a {q.format.name} array has no block scales (only a per-tensor scale)")
+    return q.scales
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "shape", "dtype"))

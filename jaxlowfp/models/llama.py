@@ -169,6 +169,8 @@ class Attention(nnx.Module):
         self.v_proj = linear_layer(cfg.d_model, kv, cfg, dtype, rngs, cfg.qkv_bias)
         self.o_proj = linear_layer(q, cfg.d_model, cfg, dtype, rngs)
         self.qk_norm_all_heads = cfg.qk_norm_all_heads
+        self.q_norm: nnx.RMSNorm | None
+        self.k_norm: nnx.RMSNorm | None
         if cfg.qk_norm:
             self.q_norm = _rmsnorm(cfg, rngs, q if cfg.qk_norm_all_heads else cfg.head_dim)
             self.k_norm = _rmsnorm(cfg, rngs, kv if cfg.qk_norm_all_heads else cfg.head_dim)
@@ -189,13 +191,14 @@ class Attention(nnx.Module):
         """
         b, t, _ = x.shape
         if self.qk_norm_all_heads:  # OLMoE: one norm over all heads, before the split into heads
+            assert self.q_norm is not None and self.k_norm is not None  # qk_norm_all_heads implies qk_norm
             q = self.q_norm(self.q_proj(x)).reshape(b, t, self.n_heads, self.head_dim)
             k = self.k_norm(self.k_proj(x)).reshape(b, t, self.n_kv_heads, self.head_dim)
         else:
             q = self.q_proj(x).reshape(b, t, self.n_heads, self.head_dim)
             k = self.k_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, t, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None and not self.qk_norm_all_heads:
+        if self.q_norm is not None and self.k_norm is not None and not self.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         q = _rope(q, self.rope_theta, positions, self.rope_freq_factors)
         k = _rope(k, self.rope_theta, positions, self.rope_freq_factors)
@@ -487,7 +490,7 @@ def generate(
     stop: Callable[[int, list[int]], bool] | None = None,
     pad_to: int | None = None,
     mesh: jax.sharding.Mesh | None = None,
-    blockwise: bool | None = None,
+    blockwise: bool | None = True,
 ) -> list[list[int]]:
     """Continue each prompt (a list of token ids) by up to ``max_new_tokens`` tokens with a `KVCache`.
 
@@ -499,9 +502,9 @@ def generate(
     different prompt lengths share one compiled shape. Returns the new tokens of every prompt. Never changes the
     model (block by block, its ops' execution records are written: `jaxlowfp.execution`).
     ``mesh``: the model's parameters are on it (`jaxlowfp.models.load(..., mesh=...)`); the prompt rows and
-    the KV cache are sharded (`cache_shardings`). ``blockwise``: run each step block by block, one compiled program
-    shared by identical blocks (bounded compile memory for fake-quantized models), or as one program; default:
-    block by block when the model has quantized ops (`jaxlowfp.execution.quantized_ops`).
+    the KV cache are sharded (`cache_shardings`). ``blockwise`` (default; None means the same): run each step block
+    by block, one compiled program per token count shared by identical blocks, so compile time and compile memory
+    do not grow with depth; False: each step as one whole-model program (the same tokens, more compilation).
     """
     check_int(max_new_tokens, "max_new_tokens")
     if pad_to is not None:
@@ -538,9 +541,7 @@ def generate(
     keys = jax.random.split(jax.random.key(seed), max_new_tokens)
     temp = jnp.float32(temperature)
     if blockwise is None:
-        from jaxlowfp.execution import quantized_ops
-
-        blockwise = bool(quantized_ops(model))
+        blockwise = True
     elif not isinstance(blockwise, bool):
         raise TypeError(f"blockwise must be True, False or None (auto); got {blockwise!r}")
     step_fn = _BlockwiseStep(model) if blockwise else functools.partial(_generate_step, graphdef, state)

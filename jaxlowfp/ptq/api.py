@@ -351,6 +351,7 @@ def _quantize(
     if batches is not None and (isinstance(m, AWQ) or (isinstance(m, SmoothQuant) and m.alphas is not None)):
         samples = max(1, -(-m.samples // len(batches)))
     if pipe == "sequential":
+        assert batches is not None  # _pipeline chooses "sequential" for a calibration set only
         blocks = sequential.model_blocks(model, mods)
         for f in folds:
             if len({sequential.owner(p, blocks) for p in (f.prev, *f.layers)}) != 1:
@@ -547,7 +548,7 @@ def smooth_model(model: nnx.Module, method: SmoothQuant | AWQ, folds: Sequence[F
             if st.samples is None:
                 raise ValueError(f"{method.name} needs calibration samples of {first}")
             if isinstance(method, SmoothQuant):  # the small alpha search
-                cands = np.stack([smooth.smoothquant_scales(st.amax, kernels, a) for a in method.alphas])
+                cands = np.stack([smooth.smoothquant_scales(st.amax, kernels, a) for a in method.alphas or ()])
             else:
                 w_mean = smooth.awq_w_mean(kernels, schemes[first].weight.group)
                 cands = smooth.awq_candidates(st.abs_mean, w_mean, method.grid_params())

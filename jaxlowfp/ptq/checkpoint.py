@@ -220,7 +220,7 @@ def _expert_names(model: nnx.Module) -> dict[str, list[str]]:
     tensors, _ = require_exportable(model, "hf", "export", with_config=False)
     out: dict[str, dict[int, str]] = {}
     for t in tensors:
-        if t.expert is not None:
+        if t.expert is not None and t.path is not None:
             out.setdefault(t.path, {})[t.expert] = t.name
     bad = [p for p, d in out.items() if sorted(d) != list(range(len(d)))]
     if bad:
@@ -266,7 +266,7 @@ def _write_experts(path: str, var: Any, names: list[str], result: PTQResult, ten
         checks.check_packed_nvfp4(where, arr, s_enc)
         if view is not None:
             arr, s_enc = same_packed_nvfp4(where, jax.tree.map(lambda x, e=e: x[e], view.packed), arr, s_enc)
-        elif not np.array_equal(np.asarray(serving.decode(arr, s_enc, conv)).T, w[e]):
+        elif w is not None and not np.array_equal(np.asarray(serving.decode(arr, s_enc, conv)).T, w[e]):
             raise ValueError(f"{where}: the model's weight is not the packed NVFP4 weight (was the model changed "
                              f"after quantize?)")
         if other is not None and other.packed and float(other.packed[e][1]) != float(s_enc):

@@ -183,8 +183,8 @@ def _shared_amax(tg: Mapping[str, tuple[nnx.Module, str, Scheme]]) -> dict[str, 
     for path, (mod, name, sch) in tg.items():
         own = np.max(np.abs(np.asarray(getattr(mod, name)[...], np.float32)), axis=(1, 2))
         pair = {"gate_proj": "up_proj", "up_proj": "gate_proj"}.get(name)
-        other = path.rsplit("/", 1)[0] + "/" + pair if pair else None
-        if other in tg and sch.weight.kind == "nvfp4" and tg[other][2].weight == sch.weight:
+        other = path.rsplit("/", 1)[0] + "/" + pair if pair else ""
+        if pair and other in tg and sch.weight.kind == "nvfp4" and tg[other][2].weight == sch.weight:
             own = np.maximum(own, np.max(np.abs(np.asarray(getattr(mod, pair)[...], np.float32)), axis=(1, 2)))
         out[path] = own
     return out
@@ -236,6 +236,9 @@ def quantize_experts(model: nnx.Module, tg: Mapping[str, tuple[nnx.Module, str, 
         for e in range(n_exp):
             ga = jnp.float32(shared[path][e])
             if gptq and e not in low:
+                if st is None or st.hessian is None:
+                    raise ValueError(f"{path}[expert {e}]: GPTQ needs the expert's Hessian statistics; collect them "
+                                     f"with hessian=True (or pass calibration batches)")
                 h = st.hessian[e] * np.float32(2.0 / max(int(tokens[e]), 1))
                 qw = gptq_weight(w[e], h, sch.weight, method, where=f"{path}[expert {e}]", global_amax=ga)
             else:

@@ -169,6 +169,7 @@ def same_packed_nvfp4(where: str, w: packing.PackedWeight, arr: QArray, s_enc: A
             and np.array_equal(stream.fetch(a.codes), stream.fetch(arr.codes))
             and np.array_equal(np.asarray(stream.fetch(a.scales)).view(np.uint8),
                                np.asarray(stream.fetch(arr.scales)).view(np.uint8))
+            and a.global_scale is not None and arr.global_scale is not None
             and float(a.global_scale) == float(arr.global_scale)
             and (w.s_enc is None or s_enc is None or float(w.s_enc) == float(s_enc)))
     if not same:

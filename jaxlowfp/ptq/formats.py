@@ -26,8 +26,8 @@ import numpy as np
 
 from jaxlowfp import formats, if4, mx, nvfp4, qat, registry
 from jaxlowfp._core.deprecation import deprecated_getattr
-from jaxlowfp._core.format import PER_TENSOR, TWO_LEVEL, Format
-from jaxlowfp._core.qarray import QArray
+from jaxlowfp._core.format import PER_TENSOR, TWO_LEVEL, Format, two_level_of
+from jaxlowfp._core.qarray import QArray, block_scales
 from jaxlowfp.scaling import CurrentScaling, StaticScaling
 
 KINDS = registry.PTQ_KINDS
@@ -52,9 +52,11 @@ def fake_quantize(x: jax.Array, fmt: Format) -> jax.Array:
     """Quantize-dequantize `x` (blocks along the last axis) to `fmt` with the current per-tensor amax, in x's
     dtype: the activation quantizer of the PTQ'd model, and RTN's weight quantizer."""
     if fmt.kind == "nvfp4":
-        return nvfp4.fake_quantize(x, rule=cast(nvfp4.NVFP4Rule, fmt.rule), block_shape=fmt.block_shape)
+        rule, block = two_level_of(fmt)
+        return nvfp4.fake_quantize(x, rule=cast(nvfp4.NVFP4Rule, rule), block_shape=block)
     if fmt.kind == "if4":
-        return if4.fake_quantize(x, rule=cast(if4.IFRule, fmt.rule), block_shape=fmt.block_shape)
+        rule, block = two_level_of(fmt)
+        return if4.fake_quantize(x, rule=cast(if4.IFRule, rule), block_shape=block)
     if fmt.kind in MX_ELEMENTS:
         return mx.fake_quantize(x, format=MX_ELEMENTS[fmt.kind], rule=fmt.rule)  # type: ignore[arg-type]
     return per_tensor_fake_quantize(x, fmt.kind)
@@ -220,8 +222,9 @@ def _rtn(kernel: jax.Array, fmt: Format, global_amax: jax.Array | None = None):
     if fmt.kind != "nvfp4":
         return fake_quantize(wt, fmt).T, None, None
     amax = jnp.max(jnp.abs(wt)) if global_amax is None else global_amax
-    arr = nvfp4.quantize(wt, rule=cast(nvfp4.NVFP4Rule, fmt.rule), block_shape=fmt.block_shape, global_amax=amax)
-    s_enc = nvfp4.global_scales(amax, fmt.rule)[0]
+    rule, block = two_level_of(fmt)
+    arr = nvfp4.quantize(wt, rule=cast(nvfp4.NVFP4Rule, rule), block_shape=block, global_amax=amax)
+    s_enc = nvfp4.global_scales(amax, rule)[0]
     return arr.dequantize(jnp.float32).T, arr, s_enc
 
 
@@ -259,9 +262,9 @@ def rtn_weight(kernel: jax.Array, fmt: Format, global_amax: jax.Array | None = N
 def nvfp4_fix(cols: jax.Array, fmt: Format, global_amax: jax.Array) -> jax.Array:
     """E4M3 block scales (float32 values, one per row [out]) of the 16 columns `cols` [out, 16] as they stand,
     with the tensor's global amax: the block scale and the 4-or-6 choice of `nvfp4.quantize`."""
-    arr = nvfp4.quantize(cols, rule=cast(nvfp4.NVFP4Rule, fmt.rule), block_shape=fmt.block_shape,
-                         global_amax=global_amax)
-    s = arr.scales.astype(jnp.float32).reshape(-1)  # [out] (1x16) or [out / 16] (16x16 tiles)
+    rule, block = two_level_of(fmt)
+    arr = nvfp4.quantize(cols, rule=cast(nvfp4.NVFP4Rule, rule), block_shape=block, global_amax=global_amax)
+    s = block_scales(arr).astype(jnp.float32).reshape(-1)  # [out] (1x16) or [out / 16] (16x16 tiles)
     return jnp.repeat(s, fmt.rows) if fmt.rows > 1 else s
 
 
@@ -276,14 +279,15 @@ def nvfp4_column(col: jax.Array, s: jax.Array, s_dec: jax.Array) -> tuple[jax.Ar
 
 def block_global_scales(fmt: Format, amax: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(S_enc, S_dec) of a two-level format (NVFP4 by its rule, IF4: M*448 / amax)."""
-    return if4.global_scales(amax, "if4") if fmt.kind == "if4" else nvfp4.global_scales(amax, fmt.rule)
+    return if4.global_scales(amax, "if4") if fmt.kind == "if4" else nvfp4.global_scales(amax, two_level_of(fmt)[0])
 
 
 def if4_fix(cols: jax.Array, fmt: Format, global_amax: jax.Array) -> jax.Array:
     """IF4's block scale and grid choice (float32 per row [out]) of the 16 columns `cols` [out, 16] as they stand:
     the E4M3 scale value, negated for an INT block (fouroversix's sign-bit flag, as a float)."""
-    arr = if4.quantize(cols, rule=cast(if4.IFRule, fmt.rule), block_shape=fmt.block_shape, global_amax=global_amax)
-    s = arr.scales.astype(jnp.float32).reshape(-1)
+    rule, block = two_level_of(fmt)
+    arr = if4.quantize(cols, rule=cast(if4.IFRule, rule), block_shape=block, global_amax=global_amax)
+    s = block_scales(arr).astype(jnp.float32).reshape(-1)
     return jnp.repeat(s, fmt.rows) if fmt.rows > 1 else s
 
 
@@ -305,7 +309,8 @@ def if4_column(col: jax.Array, p: jax.Array, s_dec: jax.Array) -> tuple[jax.Arra
 
 def mx_fix(cols: jax.Array, kind: str = "mxfp4") -> jax.Array:
     """The E8M0 block scale 2^e (float32, per row [out]) of 32 columns `cols` [out, 32] as they stand."""
-    return mx.quantize(cols, format=MX_ELEMENTS[kind]).scales.astype(jnp.float32).reshape(-1)  # type: ignore[arg-type]
+    return block_scales(mx.quantize(cols, format=MX_ELEMENTS[kind])).astype(  # type: ignore[arg-type]
+        jnp.float32).reshape(-1)
 
 
 def mx_column(col: jax.Array, x: jax.Array, kind: str = "mxfp4") -> tuple[jax.Array, jax.Array]:

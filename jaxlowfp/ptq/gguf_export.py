@@ -340,8 +340,13 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
         # a packed NVFP4 layer is written from its codes and scales, never decoded
         direct = (isinstance(view, PackedView) and sch is not None and sch.weight.kind == "nvfp4"
                   and t.expert is None and t.transform is None and len(view.shape) == 2)
-        w = None if direct else t.array(host)
-        shape = (tuple(view.shape[::-1]) if t.transpose else tuple(view.shape)) if direct else tuple(w.shape)
+        w: Any = None
+        if direct:
+            assert isinstance(view, PackedView)
+            shape = tuple(view.shape[::-1]) if t.transpose else tuple(view.shape)
+        else:
+            w = t.array(host)
+            shape = tuple(w.shape)
         shapes[t.name] = shape
         if (mod is not None and sch is not None and sch.weight.kind == "nvfp4" and len(shape) == 2
                 and shape[1] % NVFP4_BLOCK == 0):
@@ -349,6 +354,7 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
             arr, s_enc = packed[mod]
             checks.check_packed_nvfp4(mod, arr, s_enc)
             if direct:  # the packed model's own codes and scales, checked to be the result's
+                assert isinstance(view, PackedView)
                 arr, s_enc = same_packed_nvfp4(mod, view.packed, arr, s_enc)
             # host copies of this layer's codes and scales (gathered when they span processes: a collective)
             arr = jax.tree.map(stream.fetch, arr)

@@ -48,7 +48,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxlowfp import nvfp4, sharding
-from jaxlowfp._core.format import Format
+from jaxlowfp._core.format import Format, two_level_of
 from jaxlowfp.ptq.formats import (MX_ELEMENTS, TWO_LEVEL, QuantizedWeight, block_global_scales,
                                   if4_column, if4_fix, mx_column, mx_fix, nvfp4_column, nvfp4_fix, pack_nvfp4,
                                   per_tensor_fake_quantize, per_tensor_scale)
@@ -303,6 +303,6 @@ def _finish(qv, deq, params, pos, amax, *, fmt: Format):
     qv, deq = qv[:, pos], deq[:, pos]
     if fmt.kind != "nvfp4":
         return deq.T, None, None
-    s_enc, s_dec = nvfp4.global_scales(amax, fmt.rule)
+    s_enc, s_dec = nvfp4.global_scales(amax, two_level_of(fmt)[0])
     arr = pack_nvfp4(qv, params.T, s_dec, fmt)
     return arr.dequantize(jnp.float32).T, arr, s_enc

@@ -284,6 +284,8 @@ def clip_weight(kernel: jax.Array, samples: jax.Array, fmt: Format, *, clip_grid
 def _clip(w: jax.Array, x: jax.Array, ratios: jax.Array, *, fmt: Format, chunk: int) -> jax.Array:
     out, n = w.shape
     g = fmt.group
+    if g is None:
+        raise ValueError(f"the clip search runs per block; {fmt.name} has one scale per tensor")
     amax = jnp.max(jnp.abs(w))  # the global scale stays that of the unclipped weights during the search
     xb = x.reshape(x.shape[0], n // g, g)  # [t, blocks, g]
     bmax = jnp.max(jnp.abs(w.reshape(out, n // g, g)), axis=2)  # [out, blocks]

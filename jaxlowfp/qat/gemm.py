@@ -38,7 +38,7 @@ from jaxlowfp import backends, mx, nvfp4
 from jaxlowfp._core.reduce import abs_max
 from jaxlowfp._core.format import Format
 from jaxlowfp.qat.scaled_quant import fixed_estimate, per_token
-from jaxlowfp.qat.spec import GEMMS, MX_ELEMENTS, QuantSpec, Recipe
+from jaxlowfp.qat.spec import GEMMS, MX_ELEMENTS, QuantSpec, Recipe, two_level
 
 __all__ = ["GEMMS", "plan", "check", "Operands", "forward", "product", "grouped_plan", "GroupedOperands",
            "grouped_product"]
@@ -50,7 +50,8 @@ def _format(spec: QuantSpec | None) -> Format | None:
     if spec is None:
         return None
     if spec.format == "nvfp4":
-        return Format(kind="nvfp4", rule=spec.rule, block_shape=spec.block_shape)
+        rule, block = two_level(spec)
+        return Format(kind="nvfp4", rule=rule, block_shape=block)
     if spec.format in MX_ELEMENTS:
         return Format(kind=spec.format)
     if spec.format == "e4m3":
@@ -131,7 +132,8 @@ def _block_quantize(x: jax.Array, spec: QuantSpec, est: jax.Array | None) -> Any
     """The codes of ``x [R, K]`` (blocks along K) that `round_with` fake-quantized it to."""
     if spec.is_mx:
         return mx.quantize(x, format=MX_ELEMENTS[spec.format])  # type: ignore[arg-type]
-    return nvfp4.quantize(x, rule=spec.rule, block_shape=spec.block_shape,  # type: ignore[arg-type]
+    rule, block = two_level(spec)
+    return nvfp4.quantize(x, rule=rule, block_shape=block,
                           global_amax=est if fixed_estimate(spec) else None, impl=spec.impl,
                           pallas_backend=spec.pallas_backend)
 
@@ -154,7 +156,8 @@ def forward(backend: str, recipe: Recipe, dn: tuple, ops: Operands, out_dtype: A
     x2 = ops.lhs.reshape(-1, ops.lhs.shape[-1])
     wa = _block_quantize(ops.rhs.T, recipe.weight, ops.est_r)  # type: ignore[arg-type]  # W'^T [M, K]
     if per_token(recipe.activation):  # type: ignore[arg-type]  # each row with its own amax, as _quantize_per_token
-        out = backends.block_scaled_rows(x2, wa, recipe.activation.rule, abs_max(x2, axis=-1).astype(jnp.float32))  # type: ignore[union-attr]
+        act_rule = two_level(recipe.activation)[0]  # type: ignore[arg-type]
+        out = backends.block_scaled_rows(x2, wa, act_rule, abs_max(x2, axis=-1).astype(jnp.float32))
     else:
         out = backends.block_scaled_product(_block_quantize(x2, recipe.activation, ops.est_l), wa)  # type: ignore[arg-type]
     return out.reshape(*ops.lhs.shape[:-1], ops.rhs.shape[-1]).astype(out_dtype)

@@ -22,7 +22,7 @@ from jaxlowfp.qat import gemm
 from jaxlowfp.qat.scaled_quant import (fixed_estimate, keep_mask, need_key, nvfp4_fake_quant, quantize,
                                        reverse_mode_only, round_with,
                                      select, straight_through)
-from jaxlowfp.qat.spec import QuantSpec, Recipe, RecipeState, RecipeStats, check_size, convention
+from jaxlowfp.qat.spec import QuantSpec, Recipe, RecipeState, RecipeStats, check_size, convention, two_level
 from jaxlowfp.scaling import AmaxHistory, CurrentScaling, PendingAmax, record_pending
 
 # ((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch)), as lax.dot_general takes it
@@ -74,11 +74,20 @@ class _Ctx(NamedTuple):
     scale_r: jax.Array | None = None
 
 
+def _history(h: AmaxHistory | None, role: str, where: str) -> AmaxHistory:
+    """The amax history of a quantized operand, or a clear error for a state built for another recipe."""
+    if h is None:
+        raise ValueError(f"{where}: the recipe quantizes the {role} but the state has no {role} history (None); "
+                         f"build the state with recipe.init()")
+    return h
+
+
 def _requantize(x: jax.Array, spec: QuantSpec | None, est: jax.Array | None, key: jax.Array | None, axis: int,
                 observe: bool | jax.Array) -> tuple[jax.Array, jax.Array | None]:
     """The forward's quantized operand and masked-STE mask, recomputed from high precision (bit for bit)."""
     if spec is None:
         return x, None
+    assert est is not None, "a quantized operand's forward estimate travels with it"
     r = round_with(x, spec, est, key, axis)
     keep = keep_mask(r.sat, observe, x.shape) if spec.ste == "masked" and observe is not True else None
     return select(observe, x, r.y), keep
@@ -115,9 +124,9 @@ def _token_block(recipe: Recipe) -> int:
     if gs.hadamard:
         sizes.append(16)
     if gs.is_nvfp4:
-        sizes.append(int(gs.block_shape[-1]))
+        sizes.append(int(two_level(gs)[1][-1]))
     if act is not None and act.is_nvfp4:
-        sizes.append(int(act.block_shape[-1]))
+        sizes.append(int(two_level(act)[1][-1]))
     return math.lcm(*sizes)
 
 
@@ -126,7 +135,8 @@ def _check_tokens(cfg: _DotConfig, lhs: jax.Array) -> None:
     block = _token_block(cfg.recipe)
     n = math.prod(lhs.shape[:-1])
     if n % block:
-        what = "blocks (NVFP4/IF4 scales per 16 elements) and rotates (16-point Hadamard)" if cfg.recipe.grad.hadamard \
+        rotates = cfg.recipe.grad is not None and cfg.recipe.grad.hadamard
+        what = "blocks (NVFP4/IF4 scales per 16 elements) and rotates (16-point Hadamard)" if rotates \
             else "blocks (NVFP4/IF4 scales per 16 elements)"
         raise ValueError(
             f"{cfg.where}: recipe {cfg.recipe.name!r} {what} the weight gradient's operands along the token axis, so "
@@ -162,6 +172,7 @@ def _qdot_bwd(cfg, res, ct):
     if r.delayed_grad:  # scale from the history; this gradient's amax leaves as the gradient of `pending`
         a_g = abs_max(g).astype(jnp.float32)
         g_d = round_with(g, gs, gs.scaling.amax_estimate(ctx.grad_hist, a_g), k_d, axis=-1).y
+        assert ct_pending is not None  # delayed gradient scaling: the pending amax is a primal input
         pending_ct = PendingAmax(seen=jnp.ones((), jnp.float32), amax=jnp.maximum(a_g, ct_pending.amax))
     else:
         g_d = _quantize_grad(g, gs, k_d, axis=-1)
@@ -273,13 +284,17 @@ def dot_general(
         raise ValueError(f"{where}: recipe {recipe.name!r} scales the output gradient with delayed scaling, but "
                          f"the state has no gradient history (grad={type(state.grad).__name__}, grad_pending="
                          f"{type(state.grad_pending).__name__}); build the state with recipe.init()")
+    st_a: AmaxHistory | None
+    st_w: AmaxHistory | None
     if recipe.activation is not None:
-        qa = quantize(lhs, state.activation, recipe.activation, observe, keys[0], axis=-1)
+        qa = quantize(lhs, _history(state.activation, "activation", where), recipe.activation, observe, keys[0],
+                      axis=-1)
         lhs_q, keep_l, st_a, stats_a, est_l = qa
     else:
         lhs_q, keep_l, st_a, stats_a, est_l = lax.stop_gradient(lhs), None, state.activation, None, None
     if recipe.weight is not None:
-        qw = quantize(rhs, state.weight, recipe.weight, observe, keys[1], axis=0)  # rhs [K, M]: blocks along K
+        qw = quantize(rhs, _history(state.weight, "weight", where), recipe.weight, observe, keys[1],
+                      axis=0)  # rhs [K, M]: blocks along K
         rhs_q, keep_r, st_w, stats_w, est_r = qw
     else:
         rhs_q, keep_r, st_w, stats_w, est_r = lax.stop_gradient(rhs), None, state.weight, None, None
@@ -308,7 +323,8 @@ def dot_general(
         ctx = _Ctx(est_l, est_r, keys[0], keys[1], keys[2], cast(jax.Array | None, traced_obs), None, scale_l,
                    scale_r)
         if recipe.delayed_grad:  # record the amax the last backward pass reported, then hand the history over
-            grad_hist = record_pending(recipe.grad.scaling, state.grad, lax.stop_gradient(pending))
+            grad_hist = record_pending(recipe.grad.scaling, cast(AmaxHistory, state.grad),  # checked above
+                                       lax.stop_gradient(cast(PendingAmax, pending)))
             out, pending = reverse_mode_only(
                 _qdot, cfg, lhs, rhs, lhs_q, rhs_q, ctx._replace(grad_hist=lax.stop_gradient(grad_hist)), pending,
                 where=where, what=what)

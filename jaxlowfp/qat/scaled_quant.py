@@ -27,7 +27,7 @@ from jaxlowfp._core.checks import bool_flag, float_input, number
 from jaxlowfp._core.nvfp4_blocks import global_scales
 from jaxlowfp._core.reduce import abs_max
 from jaxlowfp._core.scaled import saturation_bound, scaled_round_mask
-from jaxlowfp.qat.spec import KERNELS, MX_ELEMENTS, QuantSpec, QuantStats, check_size, convention
+from jaxlowfp.qat.spec import KERNELS, MX_ELEMENTS, QuantSpec, QuantStats, check_size, convention, two_level
 from jaxlowfp.scaling import AmaxHistory, CurrentScaling, DelayedScaling
 
 T = TypeVar("T")
@@ -71,11 +71,12 @@ def nvfp4_fake_quant(x: jax.Array, spec: QuantSpec, global_amax: jax.Array | Non
     / :func:`jaxlowfp.if4.fake_quantize`)."""
     xt = jnp.moveaxis(x, axis, -1)
     k = key if spec.rounding != "nearest" else None
+    rule, block = two_level(spec)
     if spec.format == "if4":
-        yt = if4.fake_quantize(xt, rule=cast(if4.IFRule, spec.rule), block_shape=spec.block_shape,
+        yt = if4.fake_quantize(xt, rule=cast(if4.IFRule, rule), block_shape=block,
                                global_amax=global_amax, rounding=spec.rounding, key=k)
     else:
-        yt = nvfp4.fake_quantize(xt, rule=spec.rule, block_shape=spec.block_shape, global_amax=global_amax,
+        yt = nvfp4.fake_quantize(xt, rule=rule, block_shape=block, global_amax=global_amax,
                                  rounding=spec.rounding, key=k, impl=spec.impl, pallas_backend=spec.pallas_backend)
     return jnp.moveaxis(yt.astype(x.dtype), -1, axis)
 
@@ -132,7 +133,7 @@ def round_with(xs: jax.Array, spec: QuantSpec, est: jax.Array, key: jax.Array | 
         yq = nvfp4_fake_quant(xs, spec, est if delayed else None, key, axis)
         sat = (jnp.abs(xs).astype(jnp.float32) > est) if delayed else None  # exact upcast: strict promotion
         gs = if4.global_scales(est, "if4", spec.rounding) if spec.format == "if4" else global_scales(
-            est, spec.rule, spec.rounding)
+            est, two_level(spec)[0], spec.rounding)
         scale, counts = gs[1], None  # S_dec = 1 / S_enc
     else:
         sc, conv, c = spec.scaling, convention(spec), spec.clip_bound

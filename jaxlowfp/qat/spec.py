@@ -37,6 +37,13 @@ def convention(spec: QuantSpec) -> str:
     return getattr(spec.scaling, "convention", "default")
 
 
+def two_level(spec: QuantSpec) -> tuple[NVFP4Rule, tuple[int, int]]:
+    """An NVFP4 / IF4 spec's block rule and block shape (``__post_init__`` sets both for these formats only)."""
+    if spec.rule is None or spec.block_shape is None:
+        raise ValueError(f"format={spec.format!r} has no block rule or block shape (NVFP4 and IF4 have them)")
+    return spec.rule, spec.block_shape
+
+
 def check_size(shape: tuple, what: str) -> None:
     """Refuse tensors whose element count the int32 counters cannot hold (a trace-time check of the shape)."""
     n = 1
@@ -86,8 +93,9 @@ class QuantSpec:
     """
 
     format: Literal["hif8", "e4m3", "e5m2", "nvfp4", "if4", "mxfp4", "mxfp8"] = "hif8"  # or a Format: see above
-    scaling: Scaling | None = None
-    target_max: float | None = None
+    # None is accepted and replaced in __post_init__ (the format's default), so a built spec always holds a value
+    scaling: Scaling = None  # type: ignore[assignment]
+    target_max: float = None  # type: ignore[assignment]
     clip: Literal["target", "format"] = "target"
     ste: Literal["identity", "masked"] = "identity"
     rule: NVFP4Rule | None = None  # NVFP4's rules; IF4 takes the 4/6 ones (IFRule)
