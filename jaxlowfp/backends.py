@@ -74,7 +74,7 @@ from jaxlowfp._core.capability import compute_capability
 from jaxlowfp._core.checks import one_of
 from jaxlowfp._core.pytree import pytree_dataclass
 from jaxlowfp._core.format import MX_ELEMENT, Format
-from jaxlowfp._core.qarray import QArray
+from jaxlowfp._core.qarray import QArray, block_scales
 from jaxlowfp.packed import PER_TENSOR, PackedWeight, per_tensor_scale, as_format, fake_quantize
 
 __all__ = ["BACKENDS", "BackendUnavailableError", "Plan", "plan", "packed_dot_general", "packed_matmul",
@@ -388,7 +388,7 @@ def block_scaled_rows(x2: jax.Array, wa: QArray, rule: str, amax: Any) -> jax.Ar
     a = jnp.broadcast_to(jnp.asarray(amax, jnp.float32).reshape(-1), (x2.shape[0],))
     rows = jax.vmap(lambda r, m: nvfp4.quantize(r[None], rule=rule, global_amax=m))(x2, a)  # type: ignore[arg-type]
     k = x2.shape[-1]
-    xq, xs = _e2m1_operand(rows.codes[:, 0], k), rows.scales[:, 0]
+    xq, xs = _e2m1_operand(rows.codes[:, 0], k), block_scales(rows)[:, 0]
     wq, ws = _nvfp4_operand(wa, k)
     out = jax.nn.scaled_matmul(xq[None], wq[None], xs[None], ws[None], preferred_element_type=jnp.float32)[0]
     return out * (rows.global_scale.reshape(-1, 1) * wa.global_scale)  # type: ignore[union-attr, operator]
@@ -481,6 +481,7 @@ def packed_matmul(x2: jax.Array, w: PackedWeight, *, gemm: str = "auto", activat
     p = plan(w, act, backend, device=device, where=where, rows=x2.shape[0], dtype=x2.dtype, weight_dtype=weight_dtype)
     x2, w = after_input(x2, w)  # the weight is decoded after its input exists, just before its product
     if p.backend == "scaled_matmul":
+        assert act is not None  # plan() takes scaled_matmul for a product with quantized activations only
         return _scaled_matmul(x2, w, act), p
     if p.backend == "fp8":
         return _fp8(x2, w), p

@@ -201,7 +201,7 @@ def _per_token_state(op: Any) -> None:
 
     var = getattr(op, "amax", None)
     old = var.get_value() if isinstance(var, nnx.Variable) else None
-    if not isinstance(old, RecipeState) or old.activation is None:
+    if not isinstance(old, RecipeState) or old.activation is None or not isinstance(var, nnx.Variable):
         return
     fresh = op.recipe.activation.init()
     o, f = jax.tree.leaves(old.activation)[0], jax.tree.leaves(fresh)[0]

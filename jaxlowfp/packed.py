@@ -47,7 +47,7 @@ from jaxlowfp._core.checks import float_dtype, float_input, one_of
 from jaxlowfp._core.deprecation import deprecated_getattr, renamed_kwarg
 from jaxlowfp._core.format import ARITHMETICS, IF_KINDS, KINDS, MX_ELEMENT, PER_TENSOR, TWO_LEVEL, Format, as_format
 from jaxlowfp._core.pytree import pytree_dataclass
-from jaxlowfp._core.qarray import QArray
+from jaxlowfp._core.qarray import QArray, block_scales
 from jaxlowfp._core.qarray import ScaledArray as _ScaledArray
 from jaxlowfp._core.scaled import scaled_round_mask
 from jaxlowfp.scaling import CurrentScaling
@@ -216,7 +216,9 @@ def _dequantize_t(w: PackedWeight) -> jax.Array:
     a, fmt = w.array, w.format
     if fmt.kind == "nvfp4" and fmt.arithmetic == "compressed-tensors":  # q * (s / g), jaxlowfp.ptq.serving.decode
         q = formats.E2M1.decode(nvfp4.unpack_nibbles(a.codes))
-        s = a.scales.astype(jnp.float32)
+        s = block_scales(a).astype(jnp.float32)
+        if w.s_enc is None:
+            raise ValueError("a compressed-tensors NVFP4 weight decodes with its encode scale s_enc; it has none")
         return ct_nvfp4.dequantize(q.reshape(w.n, w.k // 16, 16), s, w.s_enc).reshape(w.n, w.k)
     return a.dequantize(jnp.float32)
 

@@ -94,10 +94,14 @@ def _weight(w: packed.PackedWeight, where: str) -> dict[str, Any]:
 def _unweight(d: dict[str, Any]) -> packed.PackedWeight:
     """The abstract `PackedWeight` (`jax.ShapeDtypeStruct` leaves) that `_weight` describes."""
     a = d["array"]
+    arr_fmt, w_fmt = _unfmt(a["format"]), _unfmt(d["format"])
+    if arr_fmt is None or w_fmt is None or a["shape"] is None:
+        raise ValueError(f"the checkpoint's packed-model metadata describes a packed weight without its format or "
+                         f"shape ({d!r}); it was not written by save_packed, or it was damaged")
     arr = QArray(codes=_unleaf(a["codes"]), scales=_unleaf(a["scales"]), global_scale=_unleaf(a["global_scale"]),
-                 format=_unfmt(a["format"]), dtype=None if a["dtype"] is None else jnp.dtype(a["dtype"]),
-                 shape=None if a["shape"] is None else tuple(a["shape"]))
-    return packed.PackedWeight(array=arr, s_enc=_unleaf(d["s_enc"]), format=_unfmt(d["format"]), k=d["k"], n=d["n"])
+                 format=arr_fmt, dtype=None if a["dtype"] is None else jnp.dtype(a["dtype"]),
+                 shape=tuple(a["shape"]))
+    return packed.PackedWeight(array=arr, s_enc=_unleaf(d["s_enc"]), format=w_fmt, k=d["k"], n=d["n"])
 
 
 def _hook(aq: Any, where: str) -> dict[str, Any] | None:
