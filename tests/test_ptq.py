@@ -99,13 +99,6 @@ def _model() -> Llama:
     return Llama(PRESETS["tiny"], rngs=nnx.Rngs(0))
 
 
-@nnx.jit
-def _logits(model, tokens):
-    """The model's forward as one program (compiled once per model structure: the float model's is shared by the
-    tests below), not op by op (eagerly: ~170 one-op compilations for a quantized model)."""
-    return model(tokens)
-
-
 @pytest.fixture(scope="module")
 def tokens():
     return jnp.asarray(np.random.default_rng(1).integers(0, 256, (4, 32)), jnp.int32)
@@ -117,7 +110,7 @@ def test_smoothing_without_quantization_keeps_outputs(tokens, method):
     for block in model.blocks:  # outlier channels, as real models have, so that the scales are not all 1
         for norm in (block.attn_norm, block.mlp_norm):
             norm.scale.set_value(norm.scale[...].at[:3].multiply(30.0))
-    ref = _logits(model, tokens)
+    ref = model(tokens)
     layers = [p for p in calibrate.linear_modules(model) if p != "lm_head"]
     stats = ptq.collect(model, layers, [tokens], samples_per_batch=64, progress=False)
     pairs, skipped = model.smoothing_folds()  # the model family says which op precedes which projections
@@ -128,7 +121,7 @@ def test_smoothing_without_quantization_keeps_outputs(tokens, method):
     ptq.smooth_model(model, method, folds, {p: ptq.scheme("nvfp4-mse") for p in layers}, stats)
     assert not np.allclose(np.asarray(model.blocks[0].mlp_norm.scale[...]), before)  # the outliers did move
     # float32 rounding only (scales up to ~30 change the rounding; quantization would move logits by ~1e-1)
-    np.testing.assert_allclose(np.asarray(_logits(model, tokens)), np.asarray(ref), rtol=1e-4, atol=2e-4)
+    np.testing.assert_allclose(np.asarray(model(tokens)), np.asarray(ref), rtol=1e-4, atol=2e-4)
 
 
 def test_v_to_o_fold_without_grouped_query(tokens):
@@ -139,18 +132,18 @@ def test_v_to_o_fold_without_grouped_query(tokens):
     pairs, skipped = model.smoothing_folds()
     folds = [ptq.Fold(prev=prev, layers=layers) for prev, layers in pairs]
     assert not skipped and ptq.Fold(prev="blocks/0/attn/v_proj", layers=("blocks/0/attn/o_proj",)) in folds
-    ref = _logits(model, tokens)
+    ref = model(tokens)
     layers = [p for p in calibrate.linear_modules(model) if p != "lm_head"]
     stats = ptq.collect(model, layers, [tokens], progress=False)
     ptq.smooth_model(model, ptq.SmoothQuant(), folds, {p: ptq.scheme("hif8") for p in layers}, stats)
-    np.testing.assert_allclose(np.asarray(_logits(model, tokens)), np.asarray(ref), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(model(tokens)), np.asarray(ref), rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("method", ptq.METHODS)
 def test_methods_quantize_the_model(tokens, method):
     """Every method quantizes every matched layer onto the format's grid and moves the logits a little."""
     model = _model()
-    ref = _logits(model, tokens)
+    ref = model(tokens)
     res = ptq.quantize_model(model, [ptq.Rule(path=r"blocks/(1|2)/mlp/\w+_proj", scheme=ptq.scheme("nvfp4-mse"))],
                        method=method, calibration=tokens, progress=False)
     assert {p for p, _ in res.report.quantized} == {f"blocks/{i}/mlp/{n}_proj" for i in (1, 2)
@@ -164,7 +157,7 @@ def test_methods_quantize_the_model(tokens, method):
     if method in ("smoothquant", "awq"):
         assert {f.prev for f in res.folds} == {"blocks/1/mlp_norm", "blocks/1/mlp/up_proj", "blocks/2/mlp_norm",
                                                "blocks/2/mlp/up_proj"}
-    out = np.asarray(_logits(model, tokens))
+    out = np.asarray(model(tokens))
     rel = np.linalg.norm(out - np.asarray(ref)) / np.linalg.norm(np.asarray(ref))
     assert 1e-4 < rel < 0.5, rel
 
