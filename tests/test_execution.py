@@ -86,7 +86,7 @@ def test_linen_layer_read_directly_is_named(via):
         provider = qwix_provider.RecipeProvider(
             [qwix_provider.RecipeRule(module_path="qkv|mlp", recipe=qat.hif8_w8a8())])
         model = qwix.quantize_model(LinenDirectRead(), provider)
-    variables = model.init(jax.random.key(0), _x())
+    variables = jax.jit(model.init)(jax.random.key(0), _x())  # one program (eagerly: 140-180 one-op compiles)
     ops = execution.quantized_ops(variables)
     names = {op.path.split("/")[0] for op in ops}
     assert names == {"qkv", "mlp"} and not any(op.executed for op in ops)  # init does not count
@@ -184,7 +184,8 @@ def test_per_token_quantizer_equals_each_row_alone():
         rows = np.concatenate([np.asarray(f(x[i:i + 1])) for i in range(x.shape[0])])
         np.testing.assert_array_equal(whole.view(np.uint32), rows.view(np.uint32))
         per_tensor = ptq.activation_spec(jaxlowfp.Format.parse(fmt), "tensor")
-        assert not np.array_equal(whole, np.asarray(qat.fake_quant(x, per_tensor.init(), per_tensor)[0]))
+        assert not np.array_equal(whole, np.asarray(jax.jit(lambda v: qat.fake_quant(  # one program, not op by op
+            v, per_tensor.init(), per_tensor)[0])(x)))
 
 
 def test_static_scale_is_the_calibrated_amax():

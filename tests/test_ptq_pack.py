@@ -45,6 +45,13 @@ def _lp(model):
     return _logprobs(graph, state, TOKENS)
 
 
+@nnx.jit
+def _run(model, x):
+    """The model's forward as one program per model structure (eagerly, a fake-quant and a packed MLP cost a few
+    hundred one-op compilations)."""
+    return model(x)
+
+
 class _MLP(nnx.Module):
     def __init__(self, rngs):
         self.up_proj = nnx.Linear(64, 128, rngs=rngs)
@@ -107,10 +114,10 @@ def test_other_formats_and_conventions(name, kw):
     model = _MLP(nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (4, 64), jnp.float32)
     res = ptq.quantize_model(model, [ptq.Rule(path=r".*_proj", scheme=ptq.scheme(name))], progress=False, **kw)
-    fake = model(x)
+    fake = _run(model, x)
     report = ptq.pack_model(model, res)  # auto: dequant on CPU
     assert {b for _, _, b, _ in report.layers} == {"dequant"} and len(packed_layers(model)) == 2
-    np.testing.assert_allclose(model(x), fake, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(_run(model, x), fake, rtol=1e-5, atol=1e-5)
     bits = {"hif8": 8.0, "fp8": 8.0, "mxfp4": 4.25, "mxfp8": 8.25}.get(name, 4.5)
     assert report.bits_per_param == pytest.approx(bits, abs=0.01)
 
@@ -192,4 +199,4 @@ def test_pack_for_a_device_without_the_backend_is_refused_before_any_change():
     assert packed_layers(model) == {} and isinstance(model.up_proj.kernel, nnx.Param)
     rep = ptq.pack_model(model, res, gemm="scaled_matmul", device=gpu("NVIDIA B200", "10.0"))
     assert {r[2:] for r in rep.layers} == {("scaled_matmul", True)}
-    assert np.isfinite(np.asarray(model(jnp.ones((2, 64), jnp.float32)))).all()
+    assert np.isfinite(np.asarray(_run(model, jnp.ones((2, 64), jnp.float32)))).all()

@@ -36,11 +36,11 @@ def _bits(a) -> np.ndarray:
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_every_kind_dequantizes_to_fake_quantize_bit_for_bit_under_jit(fmt, dtype):
     x = _x(dtype=dtype)
-    q = jaxlowfp.quantize(x, fmt)
+    # one program: quantize, dequantize and fake_quantize under one jit (no comparison across XLA programs); the
+    # QArray comes out of the same program (the eager call, another compilation, is test_layout_of_each_kind's)
+    q, got, want = jax.jit(lambda v: (q := jaxlowfp.quantize(v, fmt), jaxlowfp.dequantize(q),
+                                      jaxlowfp.fake_quantize(v, fmt)))(x)
     assert isinstance(q, jaxlowfp.QArray) and q.format == fmt and q.shape == x.shape and q.dtype == x.dtype
-    # one program: quantize, dequantize and fake_quantize under one jit (no comparison across XLA programs)
-    got, want = jax.jit(lambda v: (jaxlowfp.dequantize(jaxlowfp.quantize(v, fmt)),
-                                   jaxlowfp.fake_quantize(v, fmt)))(x)
     assert got.dtype == want.dtype == dtype
     np.testing.assert_array_equal(_bits(got), _bits(want))
     assert np.abs(np.asarray(got, np.float32) - np.asarray(x, np.float32)).max() > 0  # it did quantize

@@ -62,12 +62,23 @@ CASES = {
 }
 
 
-def _step(recipe: qat.Recipe, x, w, g, state, observe=False):
-    def loss(x, w, state):
-        y, st, _ = qat.linear(x, w, recipe=recipe, state=state, key=jax.random.key(3), observe_only=observe)
-        return jnp.sum(y.astype(jnp.float32) * g), (y, st)
+_STEPS: dict = {}
 
-    (_, (y, st)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w, state)
+
+def _step(recipe: qat.Recipe, x, w, g, state, observe=False):
+    """One forward and backward of ``qat.linear`` under ``jax.jit``: jitted once per recipe (and static observe flag,
+    or traced one), so the steps that differ only in values (the second step, the other warmup flag) reuse the
+    compiled program instead of tracing and compiling it again."""
+    traced = isinstance(observe, jax.Array)
+    key = (recipe, "traced" if traced else bool(observe))
+    if key not in _STEPS:
+        def loss(x, w, state, g, obs):
+            y, st, _ = qat.linear(x, w, recipe=recipe, state=state, key=jax.random.key(3),
+                                  observe_only=obs if traced else bool(observe))
+            return jnp.sum(y.astype(jnp.float32) * g), (y, st)
+
+        _STEPS[key] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    (_, (y, st)), grads = _STEPS[key](x, w, state, g, observe if traced else None)
     return y, st, grads
 
 
