@@ -372,8 +372,9 @@ def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size
     memory, grew with every fake-quantized layer). When a batch's longest continuation pads (`_bucket`) to fewer
     positions than its rows, the head and the log-softmax run on the scored positions only (`_head_sums_at`: a
     multiple-choice batch computes the vocabulary's log-softmax at its continuations' tokens, not at every
-    position); not for a model whose activation scales span the batch (`batch_scaled_ops`). Stats: ``tokens`` (model inputs, padding
-    excluded), ``scored`` tokens, ``seconds`` and ``tokens_per_s`` (inputs per wall second, compilation included).
+    position); not for a model whose activation scales span the batch (`batch_scaled_ops`). Stats: ``tokens``
+    (model inputs, padding excluded), ``scored`` tokens, ``seconds`` and ``tokens_per_s`` (inputs per wall second,
+    compilation included).
     ``greedy=True`` returns ``(ll, is_greedy, stats)``: ``is_greedy`` (bool [n]) says whether greedy decoding
     would produce every scored token (lm-eval's ``is_greedy``: ``argmax logits[t-1] == tokens[t]`` for each).
     The model is not changed (state written by the forward pass, e.g. amax histories, is dropped).
