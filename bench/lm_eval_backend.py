@@ -177,7 +177,7 @@ def vs_forward(args) -> str:
     prepare(tmp, tasks=["arc_easy", "piqa"], limits={"arc_easy": n // 2, "piqa": n - n // 2}, seed=0)
     rows, notes = [], []
     for label, quant in (("float32", None), ("NVFP4 W4A4 static_6, per-token scales, MLPs of blocks 3..27",
-                                             "nvfp4-static_6")):
+                                             "nvfp4")):
         model, tok = load("smollm2-135m")
         if quant:
             fake_quantize_model(model, quant, act_scale="token")
