@@ -358,7 +358,7 @@ class JaxLowFPLM(TemplateLM):
                                     "source": self.source, "jaxlowfp": jaxlowfp.__version__,
                                     "lm_eval": LM_EVAL_VERSION, "jax": jax.__version__,
                                     "device": f"{dev.platform} ({getattr(dev, 'device_kind', '?')})",
-                                    "arguments": _arguments_record(a)}
+                                    "arguments": _arguments_record(dict(a, batch_size=self._batch_size))}
         self._warned_truncation = False
         self.calls: list[dict[str, Any]] = []
         log.info("jaxlowfp backend: %s (%s), max_length %d, batch %d; quantization: %s", self.source,
