@@ -141,6 +141,37 @@ def _head_sums(fn: Any, graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, 
     return _sums(fn(model, x), targets, weights), records(model, written=True)
 
 
+# Scored positions only (issue 46, item 5): a multiple-choice request scores its continuation, a few tokens of a
+# padded row of tens, yet the log-softmax over the vocabulary (49,152 columns for SmolLM2) at every position of the
+# batch cost more than the head's matrix product. When a batch's longest continuation pads to fewer positions than
+# the row (`_gather_len`), the programs below take the final hidden states (block by block: before the head) or the
+# logits (a whole-forward model) at the scored positions ``pos`` [B, K] only, and the head and the sums run on
+# [B, K] instead of [B, T]. A row's values are its own either way (the head is per token; models whose activation
+# scales span the batch keep the full path, `_Forward`).
+@functools.partial(jax.jit, static_argnums=0)
+def _ll_sums_at(graphdef: nnx.GraphDef, state: nnx.State, inputs: jax.Array, pos: jax.Array, targets: jax.Array,
+                weights: jax.Array) -> tuple[tuple[jax.Array, jax.Array], nnx.State]:
+    """`_ll_sums` with the logits taken at the positions ``pos`` [B, K] (targets and weights [B, K])."""
+    model = nnx.merge(graphdef, state)
+    logits = jnp.take_along_axis(model(inputs), pos[..., None], axis=1)
+    return _sums(logits, targets, weights), records(model, written=True)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _head_sums_at(fn: Any, graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, pos: jax.Array,
+                  targets: jax.Array, weights: jax.Array) -> tuple[tuple[jax.Array, jax.Array], nnx.State]:
+    """`_head_sums` of the hidden states at the positions ``pos`` [B, K] only (targets and weights [B, K])."""
+    model = nnx.merge(graphdef, state)
+    return _sums(fn(model, jnp.take_along_axis(x, pos[..., None], axis=1)), targets, weights), \
+        records(model, written=True)
+
+
+def _gather_len(n_pred: int, length: int) -> int:
+    """How many positions a batch whose longest continuation scores ``n_pred`` tokens keeps (padded as lengths
+    are, `_bucket`); ``length`` (no gathering) when that is not fewer than the row's."""
+    return min(_bucket(n_pred), length)
+
+
 BATCH_SCALES = ("warn", "error", "token")
 
 
@@ -256,6 +287,9 @@ class _Forward:
         self.model = model  # its execution records are written back after the first call
         self.recorded = False
         model = model if run is None else run
+        # scored positions only (`_head_sums_at`) unless an activation scale spans the batch: gathering rows would
+        # change which values such a scale sees
+        self.gather = not batch_scaled_ops(model)
         self.graphdef, self.state = nnx.split(model)
         self.blocks = None
         own = getattr(model, "ptq_blocks", None)
@@ -270,10 +304,15 @@ class _Forward:
             self.blocks = [(call, g, s) for (_, call), (g, s) in zip(blocks, self.programs.split)]
             self.embed, self.head = embed, head
 
-    def __call__(self, inputs: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, inputs: jax.Array, targets: jax.Array, weights: jax.Array,
+                 pos: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """``targets`` and ``weights`` [B, T], or with ``pos`` [B, K] (the scored positions) [B, K]."""
         recs = []
         if self.blocks is None:
-            out, r = _ll_sums(self.graphdef, self.state, inputs, targets, weights)
+            if pos is None:
+                out, r = _ll_sums(self.graphdef, self.state, inputs, targets, weights)
+            else:
+                out, r = _ll_sums_at(self.graphdef, self.state, inputs, pos, targets, weights)
             recs.append(r)
         else:
             x, r = _embed(self.embed, self.graphdef, self.state, inputs)
@@ -284,7 +323,10 @@ class _Forward:
             for i, (call, g, s) in enumerate(self.blocks):
                 x, r = _block(call, g, s, x)
                 self.programs.record(i, r)
-            out, r = _head_sums(self.head, self.graphdef, self.state, x, targets, weights)
+            if pos is None:
+                out, r = _head_sums(self.head, self.graphdef, self.state, x, targets, weights)
+            else:
+                out, r = _head_sums_at(self.head, self.graphdef, self.state, x, pos, targets, weights)
             recs.append(r)
         if not self.recorded:  # a program's records are the same at every call
             for r in recs:
@@ -327,8 +369,12 @@ def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size
     forward pass compiles once per padded length. A model with ``ptq_blocks()`` (`jaxlowfp.models.Llama`) runs
     block by block, one compiled program per distinct block structure shared by the identical blocks (the
     log-likelihoods are bitwise those of the whole forward pass as one program, whose size, and XLA's compilation
-    memory, grew with every fake-quantized layer). Stats: ``tokens`` (model inputs, padding
-    excluded), ``scored`` tokens, ``seconds`` and ``tokens_per_s`` (inputs per wall second, compilation included).
+    memory, grew with every fake-quantized layer). When a batch's longest continuation pads (`_bucket`) to fewer
+    positions than its rows, the head and the log-softmax run on the scored positions only (`_head_sums_at`: a
+    multiple-choice batch computes the vocabulary's log-softmax at its continuations' tokens, not at every
+    position); not for a model whose activation scales span the batch (`batch_scaled_ops`). Stats: ``tokens``
+    (model inputs, padding excluded), ``scored`` tokens, ``seconds`` and ``tokens_per_s`` (inputs per wall second,
+    compilation included).
     ``greedy=True`` returns ``(ll, is_greedy, stats)``: ``is_greedy`` (bool [n]) says whether greedy decoding
     would produce every scored token (lm-eval's ``is_greedy``: ``argmax logits[t-1] == tokens[t]`` for each).
     The model is not changed (state written by the forward pass, e.g. amax histories, is dropped).
@@ -371,22 +417,33 @@ def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size
     while start < len(order):  # longest first: a batch's first request sets its padded length and its rows
         length = min(_bucket(len(requests[order[start]].tokens) - 1), max_len)
         rows = batch_size if max_batch_tokens is None else max(1, min(batch_size, max_batch_tokens // length))
-        batches.append((order[start:start + rows], length, rows))
+        idx = order[start:start + rows]
+        keep = _gather_len(max(requests[i].n_pred for i in idx), length) if forward.gather else length
+        batches.append((idx, length, rows, keep))
         start += rows
     t0 = time.perf_counter()
     bar = progress_bar(total=n_in, desc=desc, unit="tok", enabled=progress)
-    for idx, length, rows in batches:
+    for idx, length, rows, keep in batches:
         inputs = np.zeros((rows, length), np.int32)
         targets = np.zeros((rows, length), np.int32)
         weights = np.zeros((rows, length), bool)
+        # keep < length: the scored positions only, right-aligned as the rows' predictions are ([rows, keep])
+        pos = np.zeros((rows, keep), np.int32) if keep < length else None
         for row, i in enumerate(idx):
             t = np.asarray(requests[i].tokens, np.int64)
             if t.min() < 0 or t.max() >= vocab:
                 raise ValueError(f"token ids must be in [0, {vocab}); request {i} has {t.min()}..{t.max()}")
-            n = len(t) - 1
+            n, p = len(t) - 1, requests[i].n_pred
             inputs[row, :n], targets[row, :n] = t[:-1], t[1:]
-            weights[row, n - requests[i].n_pred: n] = True
-        sums, top = forward(*(sharding.put_batch(a, mesh) for a in (inputs, targets, weights)))
+            weights[row, n - p: n] = True
+            if pos is not None:
+                pos[row, :p] = np.arange(n - p, n)
+        if pos is not None:
+            targets, weights = np.take_along_axis(targets, pos, 1), np.take_along_axis(weights, pos, 1)
+            weights[:, :] &= np.arange(keep)[None, :] < np.array(
+                [requests[i].n_pred for i in idx] + [0] * (rows - len(idx)))[:, None]
+        arrays = (inputs, targets, weights) if pos is None else (inputs, targets, weights, pos)
+        sums, top = forward(*(sharding.put_batch(a, mesh) for a in arrays))
         if idx is batches[0][0]:  # traced once: a layer reported quantized whose op never ran is named now
             check_executed(model)
         out[idx] = sharding.to_host(sums)[: len(idx)]

@@ -30,7 +30,7 @@ Model arguments (``--model_args k=v,...``; `ARGUMENTS` lists them):
                    packed layers holding the file's codes and scales (`jaxlowfp.ptq.load` / `jaxlowfp.models.load`
                    with ``packed=True``); the backend each layer ran is in ``quantization``
   quantize         fake quantization (`jaxlowfp.eval_quantize.fake_quantize_model`): ``none``, ``hif8`` (HiF8
-                   W8A8, the Max-Window recipe), ``nvfp4`` (NVFP4 W4A4 with Four Over Six, MSE rule),
+                   W8A8, the Max-Window recipe), ``nvfp4`` (standard NVFP4 W4A4, static_6),
                    ``nvfp4-<rule>`` (static_6, static_4, abs_max, mae, mse), ``fp8`` (E4M3/E5M2 delayed scaling)
   layers           which Linear layers ``quantize`` takes: ``paper`` (default: the MLPs of blocks keep_first ..
                    n - keep_last - 1, `jaxlowfp.qnnx.paper_rules`), ``all`` (every attention and MLP projection)
@@ -61,7 +61,8 @@ Model arguments (``--model_args k=v,...``; `ARGUMENTS` lists them):
 
 The results lm-eval returns (and its ``--output_path`` JSON) hold ``config.quantization``, a record of what was
 evaluated (`JaxLowFPLM.get_model_info`): kind, scheme, PTQ method, layers, activation scale, forward GEMM backend,
-dtype and the jaxlowfp and lm-eval versions.
+dtype, the jaxlowfp, lm-eval and jax versions, the device and the non-default model arguments (an in-process model
+quantized by its caller: what its quantized ops say).
 
 In-process (what ``python -m train eval`` does): ``JaxLowFPLM(model=model, tokenizer=tok)`` wraps a loaded (and
 possibly quantized: `jaxlowfp.eval_quantize`) model, then ``lm_eval.simple_evaluate(model=lm, tasks=[...])`` or
@@ -129,6 +130,42 @@ def _layers_record(selection: Any, paths: Any, **extra: Any) -> dict[str, Any]:
     out = {"pattern": selection, "quantized": len(paths), "paths": paths}
     if selection == "paper":
         out.update(extra)
+    return out
+
+
+def _given_model_record(model: Any) -> dict[str, Any]:
+    """The quantization record of an in-process ``model=`` (quantized, or not, by its caller): what its quantized
+    ops say they are (`jaxlowfp.execution.quantized_ops`): recipe names, activation scales and GEMM backends; kind
+    ``given`` with them, ``none`` without. (A weights-only quantization that left no op behind is invisible here.)"""
+    from jaxlowfp.execution import _ops
+
+    ops = _ops(model)
+    if not ops:
+        return {}
+    schemes, scales, gemms = set(), set(), set()
+    for _, op in ops:
+        recipe = op.recipe
+        schemes.add(str(getattr(recipe, "name", type(recipe).__name__)))
+        gemms.add(str(getattr(recipe, "gemm", "dequant")))
+        if hasattr(op, "activation_scale"):  # a PTQ activation quantizer
+            scales.add(str(op.activation_scale))
+        elif getattr(recipe, "activation", None) is None:
+            scales.add("none (weights only)")
+        else:
+            sc = recipe.activation.scaling
+            scales.add(str(getattr(sc, "granularity", None) or f"delayed ({getattr(sc, 'algorithm', '?')})"))
+    return {"kind": ["given"], "scheme": ", ".join(sorted(schemes)), "activation_scale": ", ".join(sorted(scales)),
+            "gemm": ", ".join(sorted(gemms)), "layers": _layers_record(None, [p for p, _ in ops])}
+
+
+def _arguments_record(a: dict[str, Any]) -> dict[str, Any]:
+    """The model arguments that differ from their defaults (`ARGUMENTS`), as JSON values: the run can be repeated
+    from them (an in-process object is named by its type)."""
+    out = {}
+    for k, v in a.items():
+        if k in ("device", "max_batch_size", "trust_remote_code") or v == ARGUMENTS.get(k):
+            continue
+        out[k] = v if v is None or isinstance(v, (str, int, float, bool)) else type(v).__name__
     return out
 
 
@@ -244,6 +281,8 @@ class JaxLowFPLM(TemplateLM):
         notes = []
         record: dict[str, Any] = {"kind": [], "scheme": None, "method": None, "layers": None,
                                   "activation_scale": None, "gemm": None}
+        if a["model"] is not None:  # quantized (or not) by the caller: what its ops say
+            record.update(_given_model_record(self.model))
         if a["ptq_export"] is not None:
             from jaxlowfp import ptq
 
@@ -310,9 +349,16 @@ class JaxLowFPLM(TemplateLM):
         import jaxlowfp
 
         record["kind"] = "+".join(record["kind"]) or "none"
+        import jax
+
+        if record["kind"] == "given":
+            self.quantization = f"given model: {record['scheme']} ({record['layers']['quantized']} quantized ops)"
+        dev = jax.devices()[0]
         self.quantization_record = {**record, "summary": self.quantization, "dtype": a["dtype"],
                                     "source": self.source, "jaxlowfp": jaxlowfp.__version__,
-                                    "lm_eval": LM_EVAL_VERSION}
+                                    "lm_eval": LM_EVAL_VERSION, "jax": jax.__version__,
+                                    "device": f"{dev.platform} ({getattr(dev, 'device_kind', '?')})",
+                                    "arguments": _arguments_record(dict(a, batch_size=self._batch_size))}
         self._warned_truncation = False
         self.calls: list[dict[str, Any]] = []
         log.info("jaxlowfp backend: %s (%s), max_length %d, batch %d; quantization: %s", self.source,
@@ -323,8 +369,10 @@ class JaxLowFPLM(TemplateLM):
         """What lm-eval adds to its results' ``config`` (``simple_evaluate`` calls it): ``quantization``, the record
         of what this model is: ``kind`` (``none``, ``fake``, ``ptq``, ``ptq_export``, ``packed``, joined by ``+``),
         ``scheme``, ``method`` (PTQ), ``layers`` (the selection, how many and which were quantized),
-        ``activation_scale``, ``gemm`` (the forward GEMM backend that ran), ``dtype``, ``source``, and the
-        ``jaxlowfp`` and ``lm_eval`` versions."""
+        ``activation_scale``, ``gemm`` (the forward GEMM backend that ran), ``dtype``, ``source``, the
+        ``jaxlowfp``, ``lm_eval`` and ``jax`` versions, the ``device`` and the model ``arguments`` that differ from
+        their defaults. An in-process ``model=`` that holds quantized ops is kind ``given``, with their recipes,
+        activation scales, GEMM backends and paths."""
         return {"quantization": dict(self.quantization_record)}
 
     # -- lm-eval's TemplateLM interface -------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the local tasks must load without the Hugging Face hub
@@ -227,6 +228,92 @@ def test_a_ptq_export_from_model_arguments(tiny, tmp_path):
     lm = JaxLowFPLM(pretrained=str(path), ptq_export=str(tmp_path / "export"), batch_size=1)
     assert lm.quantization.endswith("1 quantized layers (nvfp4-mse)")
     assert lm.loglikelihood(req) == want  # the exported weights reload bit for bit (jaxlowfp.ptq.load)
+
+
+def _mc_requests(seed=0, n=12):
+    """Multiple-choice-like requests: contexts of 8..60 tokens, continuations of 1..6 (scored positions only)."""
+    rng = np.random.default_rng(seed)
+    return [ev.Request(tuple(int(t) for t in rng.integers(3, CFG["vocab"], c + k)), k)
+            for c, k in zip(rng.integers(8, 58, n), rng.integers(1, 7, n))]
+
+
+def test_scoring_the_continuations_only_equals_scoring_every_position(tiny, monkeypatch):
+    """The backend's head and log-softmax run at the scored positions only (`evaluation._head_sums_at`) when a
+    batch's continuations pad to fewer positions than its rows: the same log-likelihoods and greedy flags as the
+    head at every position (another XLA program: float32 rounding), and against the numpy oracle; the shortcut
+    is taken (its program compiled) and not for a batch whose continuations fill the row."""
+    _, model, _, oracle = tiny
+    assert ev._gather_len(13, 16) == 16 and ev._gather_len(3, 64) == 16 and ev._gather_len(17, 64) == 24
+    reqs = _mc_requests()
+    before = ev._head_sums_at._cache_size()
+    ll, top, _ = ev.score_requests(model, reqs, batch_size=4, greedy=True)
+    assert ev._head_sums_at._cache_size() > before  # the gathered program ran
+    for r, v, g in zip(reqs, ll, top):
+        want, want_greedy = _oracle_ll(oracle, r)
+        assert v == pytest.approx(want, abs=2e-4) and g == want_greedy
+    monkeypatch.setattr(ev, "_gather_len", lambda n_pred, length: length)  # the head at every position
+    full, full_top, _ = ev.score_requests(model, reqs, batch_size=4, greedy=True)
+    np.testing.assert_allclose(ll, full, rtol=2e-6, atol=2e-5)
+    np.testing.assert_array_equal(top, full_top)
+
+
+def test_quantized_continuation_scores_do_not_depend_on_the_batch(tiny):
+    """NVFP4 W4A4 with per-token activation scales, scored at the continuations only: each request alone (its
+    batch filled with zero rows) and batched with the others, to float32 rounding (other padded lengths and
+    gathered widths are other programs). The control: per-tensor (the batch's amax) scales move by far more."""
+    path, _, _, _ = tiny
+    from jaxlowfp.harness import fake_quantize_model
+
+    reqs = _mc_requests(seed=1, n=8)
+    for act, close in (("token", True), ("tensor", False)):
+        model, _ = load(path)
+        fake_quantize_model(model, "nvfp4", layers="all", act_scale=act)
+        scales = "token" if act == "token" else "warn"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the per-tensor control warns that it is batch-dependent
+            batched = ev.score_requests(model, reqs, batch_size=8, batch_scales=scales)[0]
+            alone = np.array([ev.score_requests(model, [r], batch_size=8, batch_scales=scales)[0][0] for r in reqs])
+        if close:
+            np.testing.assert_allclose(batched, alone, rtol=2e-6, atol=2e-5)
+        else:
+            assert np.max(np.abs(batched - alone)) > 1e-3
+
+
+def test_the_results_json_records_the_quantization(tiny, tmp_path):
+    """``jaxlowfp-lm-eval --output_path``: lm-eval's results JSON holds ``config.quantization``: scheme, layers,
+    activation scale, GEMM backend, the library's (and lm-eval's, jax's) version, the device and the model
+    arguments; an in-process model quantized by its caller is recorded from its quantized ops."""
+    import json
+
+    import jax
+
+    import jaxlowfp
+    from jaxlowfp.harness import fake_quantize_model
+    from jaxlowfp.lm_eval_cli import main as lm_eval_main
+
+    path, _, tok, _ = tiny
+    layers = r"blocks/1/mlp/\w+_proj"
+    lm_eval_main(["--model", "jaxlowfp", "--model_args",
+                  f"pretrained={path},quantize=nvfp4-mse,layers={layers},act_scale=token,max_length=32",
+                  "--tasks", str(TASKS / f"{MC}.yaml"), "--limit", "2", "--batch_size", "2",
+                  "--output_path", str(tmp_path / "out")])
+    (res,) = (tmp_path / "out").rglob("results_*.json")
+    rec = json.loads(res.read_text())["config"]["quantization"]
+    assert (rec["kind"], rec["scheme"], rec["activation_scale"], rec["gemm"]) == ("fake", "nvfp4-mse", "token",
+                                                                                   "dequant")
+    assert rec["layers"] == {"pattern": layers, "quantized": 3,
+                             "paths": [f"blocks/1/mlp/{p}_proj" for p in ("down", "gate", "up")]}
+    assert (rec["jaxlowfp"], rec["lm_eval"], rec["jax"]) == (jaxlowfp.__version__, lm_eval.__version__,
+                                                              jax.__version__)
+    assert rec["device"].startswith(jax.default_backend())
+    assert rec["arguments"] == {"pretrained": str(path), "quantize": "nvfp4-mse", "layers": layers,
+                                "act_scale": "token", "max_length": 32, "batch_size": 2}
+    model, _ = load(path)
+    assert JaxLowFPLM(model=model, tokenizer=tok).get_model_info()["quantization"]["kind"] == "none"
+    fake_quantize_model(model, "hif8", layers=layers, act_scale="token")
+    given = JaxLowFPLM(model=model, tokenizer=tok).get_model_info()["quantization"]
+    assert (given["kind"], given["activation_scale"], given["gemm"]) == ("given", "token", "dequant")
+    assert "hif8" in given["scheme"] and given["layers"]["paths"] == rec["layers"]["paths"]
 
 
 @pytest.mark.parametrize("module", ["jaxlowfp.harness", "jaxlowfp.lm_eval_cli"])  # python -m; jaxlowfp-lm-eval
