@@ -30,7 +30,6 @@ import functools
 import math
 import re
 import time
-import warnings
 from typing import Any, Iterable, Literal, Sequence, cast, overload
 
 import jax
@@ -39,7 +38,8 @@ import numpy as np
 from flax import nnx
 
 from jaxlowfp import sharding
-from jaxlowfp.execution import SharedPrograms, check_executed, records, update_records
+from jaxlowfp.execution import (SharedPrograms, batch_scaled_ops, check_executed, per_request_model, records,
+                                update_records)
 from jaxlowfp._core.progress import progress_bar
 
 __all__ = [
@@ -172,116 +172,10 @@ def _gather_len(n_pred: int, length: int) -> int:
     return min(_bucket(n_pred), length)
 
 
-BATCH_SCALES = ("warn", "error", "token")
-
-
-def batch_scaled_ops(model: nnx.Module) -> list[tuple[str, str]]:
-    """``(path, why)`` of every quantized op of `model` whose activation scale spans the whole batch, so that a
-    request's score depends on the other requests batched with it and on the padding: an activation quantized with
-    current per-tensor scaling (``CurrentScaling(granularity="tensor")``, the ``qat.nvfp4_w4a4()`` default and
-    ``ptq`` with ``activation_scale="tensor"``: ``amax = max |x|`` over every row of the batch), or with delayed
-    scaling whose history is still empty (its first estimate is the batch's amax). MX activations (block scales
-    only), per-token, static and warmed-up delayed scales are per request. The ops found are the modules holding a
-    `jaxlowfp.qat.Recipe` (``recipe``): `jaxlowfp.qnnx` layers, PTQ'd layers' activation quantizers and the Qwix
-    provider's NNX ops."""
-    from jaxlowfp.qat.spec import Recipe
-    from jaxlowfp.scaling import CurrentScaling, DelayedScaling
-
-    out = []
-    for path, m in nnx.iter_modules(model):
-        recipe = getattr(m, "recipe", None)
-        if not isinstance(recipe, Recipe) or recipe.activation is None or recipe.activation.is_mx:
-            continue
-        sc, name = recipe.activation.scaling, _op_name(path, m)
-        if isinstance(sc, CurrentScaling) and sc.granularity == "tensor":
-            out.append((name, f"recipe {recipe.name!r}: the activation's amax is the whole batch's (current "
-                              f"per-tensor scaling)"))
-        elif isinstance(sc, DelayedScaling) and sc.convention == "default":
-            try:
-                # any history still empty (an expert op holds one per expert: count [E])
-                empty = bool((np.asarray(m.amax.get_value().activation.count) == 0).any())  # type: ignore[attr-defined]
-            except (AttributeError, TypeError, ValueError):
-                empty = False  # no readable history (not a QAT op): nothing to say
-            if empty:
-                out.append((name, f"recipe {recipe.name!r}: delayed scaling with an empty amax history (the first "
-                                  f"estimate is the batch's amax)"))
-    return out
-
-
-def _op_name(path: Any, module: Any) -> str:
-    return "/".join(map(str, path)) or type(module).__name__
-
-
-def _per_token(recipe: Any) -> Any:
-    """`recipe` with its activation scaled per token (current scaling, one amax per vector along the contraction
-    axis), as `jaxlowfp.harness.eval_recipe` builds it; the gradient quantizer dropped (evaluation has no backward)."""
-    from jaxlowfp.scaling import CurrentScaling
-
-    a = recipe.activation
-    act = dataclasses.replace(a, scaling=CurrentScaling(target_max=a.scaling.target_max, granularity="token"),
-                              target_max=None)
-    return dataclasses.replace(recipe, activation=act, grad=None)
-
-
-def _per_token_state(op: Any) -> None:
-    """Give a QAT op whose recipe `_per_token` replaced the state that recipe expects (in the copy: `op`'s variables
-    are its own): the activation's amax history a fresh per-token one (a delayed history of 1024 amaxes, say, is not
-    a current-scaling state of 1; an expert op's keeps its leading expert axis), the weight's kept, and no gradient
-    slots (the per-token recipe has no gradient quantizer). Evaluation drops what the forward pass writes there."""
-    from jaxlowfp.qat.spec import RecipeState
-
-    var = getattr(op, "amax", None)
-    old = var.get_value() if isinstance(var, nnx.Variable) else None
-    if not isinstance(old, RecipeState) or old.activation is None or not isinstance(var, nnx.Variable):
-        return
-    fresh = op.recipe.activation.init()
-    o, f = jax.tree.leaves(old.activation)[0], jax.tree.leaves(fresh)[0]
-    lead = tuple(o.shape[: o.ndim - f.ndim])  # the expert axis of a per-expert state, else ()
-    act = jax.tree.map(lambda leaf: jnp.broadcast_to(leaf, (*lead, *leaf.shape)), fresh)
-    setattr(op, "amax", type(var)(RecipeState(weight=old.weight, activation=act)))  # a new Variable: never `model`'s
-
-
-def _batch_scales(model: nnx.Module, batch_scales: str) -> nnx.Module:
-    """The model that `score_requests` runs: `model` itself, or (``batch_scales="token"``) a copy sharing its arrays
-    whose batch-spanning activation scales (`batch_scaled_ops`) are per token; "error" refuses such a model and
-    "warn" warns, naming the ops."""
-    if batch_scales not in BATCH_SCALES:
-        raise ValueError(f"batch_scales={batch_scales!r}; allowed: {', '.join(BATCH_SCALES)}")
-    found = batch_scaled_ops(model)
-    if not found:
-        return model
-    names = "; ".join(f"{p} ({why})" for p, why in found[:4]) + (f"; and {len(found) - 4} more" if len(found) > 4
-                                                                  else "")
-    if batch_scales == "token":
-        qwix = [p for p, _ in found if p.rsplit("/", 1)[-1].startswith("jaxlowfp_")]  # qwix_provider.NNX_PREFIX
-        if qwix:
-            raise ValueError(f"batch_scales='token': the Qwix provider's ops {qwix[:3]} take their recipe from the "
-                             f"provider's rule at every call, so evaluation cannot rescale them; quantize with a "
-                             f"per-token recipe (jaxlowfp.harness.eval_recipe(recipe, 'token')) instead")
-        graphdef, state = nnx.split(model)
-        run = nnx.merge(graphdef, state)  # new modules, the same arrays: `model` keeps its recipes
-        mods = {_op_name(p, m): m for p, m in nnx.iter_modules(run)}
-        for p, _ in found:
-            m = mods[p]
-            m.recipe = _per_token(m.recipe)  # type: ignore[attr-defined]  # a recipe-holding op (batch_scaled_ops)
-            _per_token_state(m)
-            if hasattr(m, "activation_scale"):  # a PTQ ActQuant: its description follows its recipe
-                m.activation_scale = "token"
-        return run
-    msg = (f"{len(found)} quantized op(s) scale their activations over the whole batch, so each request's score "
-           f"depends on the requests batched with it and on the padding: {names}. Pass batch_scales='token' to "
-           f"score every request with per-token activation scales, or quantize with per-token or static activation "
-           f"scales (jaxlowfp.harness.eval_recipe(recipe, 'token'); ptq activation_scale='token' or 'static')")
-    if batch_scales == "error":
-        raise ValueError(msg)
-    warnings.warn(msg, UserWarning, stacklevel=3)
-    return model
-
-
 class _Forward:
     """``(sums, greedy)`` of a batch: block by block for a model with ``ptq_blocks()``, else `_ll_sums`. ``run``: the
-    module that runs (default `model`; a copy of it with the same structure, `_batch_scales`), whose execution
-    records are written into `model`."""
+    module that runs (default `model`; a copy of it with the same structure, `execution.per_request_model`), whose
+    execution records are written into `model`."""
 
     def __init__(self, model: nnx.Module, run: nnx.Module | None = None):
         self.model = model  # its execution records are written back after the first call
@@ -408,7 +302,7 @@ def score_requests(model: nnx.Module, requests: Sequence[Request], *, batch_size
                              f"{t.min()}..{t.max()}")
     order = sorted(range(len(requests)), key=lambda i: -len(requests[i].tokens))
     sharding.check_on_mesh(nnx.state(model), mesh)
-    forward = _Forward(model, _batch_scales(model, batch_scales))
+    forward = _Forward(model, per_request_model(model, batch_scales))
     out = np.zeros(len(requests), np.float64)
     is_greedy = np.zeros(len(requests), bool)
     n_in = sum(len(r.tokens) - 1 for r in requests)

@@ -37,11 +37,13 @@ from __future__ import annotations
 
 from jaxlowfp._core.surface import public_dir as _public_dir
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from flax import nnx
@@ -50,8 +52,9 @@ from jaxlowfp._core import executed as _record
 from jaxlowfp._core.executed import ExecutionRecord
 from jaxlowfp.rules import not_executed_message
 
-__all__ = ["ExecutionRecord", "QuantizedOp", "quantized_ops", "check_executed", "records",
-           "update_records", "checked_call", "SharedPrograms"]
+__all__ = ["ExecutionRecord", "QuantizedOp", "quantized_ops", "op_modules", "check_executed", "records",
+           "update_records", "checked_call", "SharedPrograms", "BATCH_SCALES", "batch_scaled_ops",
+           "per_request_model"]
 
 _WARNED: set[tuple[int, frozenset[str]]] = set()  # (id of the model, paths) already warned about
 
@@ -108,7 +111,7 @@ def _linen_ops(variables: Mapping[str, Any]) -> list[QuantizedOp]:
 _HOOKS = ("dot_general", "einsum_op")  # a layer's hook attributes; "quant_<name>": a grouped weight's
 
 
-def _ops(model: nnx.Module) -> list[tuple[str, Any]]:
+def op_modules(model: nnx.Module) -> list[tuple[str, Any]]:
     """(report path, op) of every module of `model` that owns an execution record: QuantOps at their graph path,
     PTQ hooks at their layer's path (``dot_general`` / ``einsum_op``) or ``<module>/<weight>`` (``quant_<weight>``);
     a record held elsewhere (a packed layer's copy of the hook, which it never calls) is not an op of the model."""
@@ -135,7 +138,7 @@ def quantized_ops(model: Any) -> list[QuantizedOp]:
     if isinstance(model, Mapping):
         return _linen_ops(model)
     out = []
-    for path, op in _ops(model):
+    for path, op in op_modules(model):
         ran, backend = _record.read(op.record.get_value())
         out.append(QuantizedOp(path, _describe(op, bool(ran)), op.record, bool(ran), backend))
     return out
@@ -192,7 +195,7 @@ def checked_call(model: nnx.Module, fn: Callable[..., Any], *args: Any, strict: 
     Every record starts the call at 0 (concrete), so an op counts as executed when this call wrote it (a record
     written inside a nested transform, ``nnx.remat`` or ``nnx.scan``, comes back traced: it counts as run); the
     records of the ops that did not run are then restored. Used by `jaxlowfp.training.make_step` at trace time."""
-    ops = _ops(model)
+    ops = op_modules(model)
     before = [op.record.get_value() for _, op in ops]
     for _, op in ops:
         op.record.set_value(np.zeros((), np.int32))
@@ -254,6 +257,114 @@ class SharedPrograms:
 
     def mark_shared(self) -> None:
         """Deprecated, does nothing: the records come back with each block's own state (:meth:`record`)."""
+
+
+# Batch-spanning activation scales (used by jaxlowfp.evaluation: a request's score must not depend on its batch)
+BATCH_SCALES = ("warn", "error", "token")
+
+
+def batch_scaled_ops(model: nnx.Module) -> list[tuple[str, str]]:
+    """``(path, why)`` of every quantized op of `model` whose activation scale spans the whole batch, so that a
+    request's score depends on the other requests batched with it and on the padding: an activation quantized with
+    current per-tensor scaling (``CurrentScaling(granularity="tensor")``, the ``qat.nvfp4_w4a4()`` default and
+    ``ptq`` with ``activation_scale="tensor"``: ``amax = max |x|`` over every row of the batch), or with delayed
+    scaling whose history is still empty (its first estimate is the batch's amax). MX activations (block scales
+    only), per-token, static and warmed-up delayed scales are per request. The ops found are the modules holding a
+    `jaxlowfp.qat.Recipe` (``recipe``): `jaxlowfp.qnnx` layers, PTQ'd layers' activation quantizers and the Qwix
+    provider's NNX ops."""
+    from jaxlowfp.qat.spec import Recipe
+    from jaxlowfp.scaling import CurrentScaling, DelayedScaling
+
+    out = []
+    for path, m in nnx.iter_modules(model):
+        recipe = getattr(m, "recipe", None)
+        if not isinstance(recipe, Recipe) or recipe.activation is None or recipe.activation.is_mx:
+            continue
+        sc, name = recipe.activation.scaling, _op_name(path, m)
+        if isinstance(sc, CurrentScaling) and sc.granularity == "tensor":
+            out.append((name, f"recipe {recipe.name!r}: the activation's amax is the whole batch's (current "
+                              f"per-tensor scaling)"))
+        elif isinstance(sc, DelayedScaling) and sc.convention == "default":
+            try:
+                # any history still empty (an expert op holds one per expert: count [E])
+                empty = bool((np.asarray(m.amax.get_value().activation.count) == 0).any())  # type: ignore[attr-defined]
+            except (AttributeError, TypeError, ValueError):
+                empty = False  # no readable history (not a QAT op): nothing to say
+            if empty:
+                out.append((name, f"recipe {recipe.name!r}: delayed scaling with an empty amax history (the first "
+                                  f"estimate is the batch's amax)"))
+    return out
+
+
+def _op_name(path: Any, module: Any) -> str:
+    return "/".join(map(str, path)) or type(module).__name__
+
+
+def _per_token(recipe: Any) -> Any:
+    """`recipe` with its activation scaled per token (current scaling, one amax per vector along the contraction
+    axis), as `jaxlowfp.harness.eval_recipe` builds it; the gradient quantizer dropped (evaluation has no backward)."""
+    from jaxlowfp.scaling import CurrentScaling
+
+    a = recipe.activation
+    act = dataclasses.replace(a, scaling=CurrentScaling(target_max=a.scaling.target_max, granularity="token"),
+                              target_max=None)
+    return dataclasses.replace(recipe, activation=act, grad=None)
+
+
+def _per_token_state(op: Any) -> None:
+    """Give a QAT op whose recipe `_per_token` replaced the state that recipe expects (in the copy: `op`'s variables
+    are its own): the activation's amax history a fresh per-token one (a delayed history of 1024 amaxes, say, is not
+    a current-scaling state of 1; an expert op's keeps its leading expert axis), the weight's kept, and no gradient
+    slots (the per-token recipe has no gradient quantizer). Evaluation drops what the forward pass writes there."""
+    from jaxlowfp.qat.spec import RecipeState
+
+    var = getattr(op, "amax", None)
+    old = var.get_value() if isinstance(var, nnx.Variable) else None
+    if not isinstance(old, RecipeState) or old.activation is None or not isinstance(var, nnx.Variable):
+        return
+    fresh = op.recipe.activation.init()
+    o, f = jax.tree.leaves(old.activation)[0], jax.tree.leaves(fresh)[0]
+    lead = tuple(o.shape[: o.ndim - f.ndim])  # the expert axis of a per-expert state, else ()
+    act = jax.tree.map(lambda leaf: jnp.broadcast_to(leaf, (*lead, *leaf.shape)), fresh)
+    setattr(op, "amax", type(var)(RecipeState(weight=old.weight, activation=act)))  # a new Variable: never `model`'s
+
+
+def per_request_model(model: nnx.Module, batch_scales: str) -> nnx.Module:
+    """The model that `jaxlowfp.evaluation.score_requests` runs: `model` itself, or (``batch_scales="token"``) a
+    copy sharing its arrays whose batch-spanning activation scales (`batch_scaled_ops`) are per token; "error"
+    refuses such a model and "warn" warns, naming the ops."""
+    if batch_scales not in BATCH_SCALES:
+        raise ValueError(f"batch_scales={batch_scales!r}; allowed: {', '.join(BATCH_SCALES)}")
+    found = batch_scaled_ops(model)
+    if not found:
+        return model
+    names = "; ".join(f"{p} ({why})" for p, why in found[:4]) + (f"; and {len(found) - 4} more" if len(found) > 4
+                                                                  else "")
+    if batch_scales == "token":
+        qwix = [p for p, _ in found if p.rsplit("/", 1)[-1].startswith("jaxlowfp_")]  # qwix_provider.NNX_PREFIX
+        if qwix:
+            raise ValueError(f"batch_scales='token': the Qwix provider's ops {qwix[:3]} take their recipe from the "
+                             f"provider's rule at every call, so evaluation cannot rescale them; quantize with a "
+                             f"per-token recipe (jaxlowfp.harness.eval_recipe(recipe, 'token')) instead")
+        graphdef, state = nnx.split(model)
+        run = nnx.merge(graphdef, state)  # new modules, the same arrays: `model` keeps its recipes
+        mods = {_op_name(p, m): m for p, m in nnx.iter_modules(run)}
+        for p, _ in found:
+            m = mods[p]
+            m.recipe = _per_token(m.recipe)  # type: ignore[attr-defined]  # a recipe-holding op (batch_scaled_ops)
+            _per_token_state(m)
+            if hasattr(m, "activation_scale"):  # a PTQ ActQuant: its description follows its recipe
+                m.activation_scale = "token"
+        return run
+    msg = (f"{len(found)} quantized op(s) scale their activations over the whole batch, so each request's score "
+           f"depends on the requests batched with it and on the padding: {names}. Pass batch_scales='token' to "
+           f"score every request with per-token activation scales, or quantize with per-token or static activation "
+           f"scales (jaxlowfp.harness.eval_recipe(recipe, 'token'); ptq activation_scale='token' or 'static')")
+    if batch_scales == "error":
+        raise ValueError(msg)
+    warnings.warn(msg, UserWarning, stacklevel=3)
+    return model
+
 
 
 __dir__ = _public_dir(__all__)  # dir() shows the API only (jaxlowfp._core.surface)

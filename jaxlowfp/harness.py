@@ -137,9 +137,9 @@ def _given_model_record(model: Any) -> dict[str, Any]:
     """The quantization record of an in-process ``model=`` (quantized, or not, by its caller): what its quantized
     ops say they are (`jaxlowfp.execution.quantized_ops`): recipe names, activation scales and GEMM backends; kind
     ``given`` with them, ``none`` without. (A weights-only quantization that left no op behind is invisible here.)"""
-    from jaxlowfp.execution import _ops
+    from jaxlowfp.execution import op_modules
 
-    ops = _ops(model)
+    ops = op_modules(model)
     if not ops:
         return {}
     schemes, scales, gemms = set(), set(), set()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxlowfp import evaluation, ptq, qat, qnnx
+from jaxlowfp import evaluation, execution, ptq, qat, qnnx
 from jaxlowfp.evaluation import Request, batch_scaled_ops, score_requests
 from jaxlowfp.models.llama import PRESETS, Llama
 
@@ -132,7 +132,7 @@ def test_qwix_ops_are_named_and_token_refuses_them():
     nnx.jit(lambda m, x: m(x))(model, jnp.ones((2, 32), jnp.float32))
     assert [p for p, _ in batch_scaled_ops(model)] == ["up/jaxlowfp_dot_general0"]
     with pytest.raises(ValueError, match=r"Qwix provider's ops \['up/jaxlowfp_dot_general0'\]"):
-        evaluation._batch_scales(model, "token")
+        execution.per_request_model(model, "token")
 
 
 def _same_bucket_requests():
