@@ -17,6 +17,7 @@ round a multiply-add of two different programs differently (seen once: an EMA 1 
 two different programs are compared within float32 rounding, never bitwise, unless their result is integer-exact.
 ``XLA_FLAGS=--xla_backend_optimization_level=2`` runs the suite as users' programs are compiled.
 """
+import gc
 import os
 import shutil
 import tempfile
@@ -26,9 +27,9 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
-# Off unless JAXLOWFP_TEST_XLA_CACHE=1 (or JAX_COMPILATION_CACHE_DIR is set): in stop 49 three clean runs of the suite
-# each lost an xdist worker to a segfault inside XLA's executable.serialize() while writing the cache (a large vmapped
-# stochastic-rounding program, a different test each time); without the cache that call never happens.
+# Off unless JAXLOWFP_TEST_XLA_CACHE=1 (or JAX_COMPILATION_CACHE_DIR is set): on CI's 2 cores the suite took as long
+# without it (stop 49: pytest 1482 s without, 1445-1515 s with), and every cache write maps and serializes one more
+# copy of the program (see pytest_runtest_teardown below on the mapping limit).
 _OWN_CACHE = os.environ.get("JAXLOWFP_TEST_XLA_CACHE") == "1" and "JAX_COMPILATION_CACHE_DIR" not in os.environ
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", "")
 if _OWN_CACHE:
@@ -83,3 +84,39 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if {"smollm2_shared", "smollm2"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+def _mapped_regions() -> int:
+    """This process's memory mappings (lines of /proc/self/maps; 0 where there is no procfs)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:
+        return 0
+
+
+def _map_budget() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read()) // 3
+    except (OSError, ValueError):
+        return 20_000
+
+
+_MAP_BUDGET = _map_budget()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """At a test-module boundary, drop JAX's compiled programs once this worker holds more than a third of the
+    kernel's mapping limit (``vm.max_map_count``, 65530 by default). XLA:CPU maps each compiled object's code, read-only
+    data and data as three regions, and jit caches keep every executable alive: an xdist worker running ~750 tests
+    reached ~18,000 regions in its first 8 minutes, and stop 49's clean runs each lost a worker to a segfault late in
+    the run (74-92 %), inside the compilation or serialization of a large program, when mmap failed at the limit.
+    ``jax.clear_caches()`` unmaps them; programs a later module needs are compiled again. Results are unchanged."""
+    if nextitem is not None and nextitem.module is item.module:
+        return
+    if _mapped_regions() > _MAP_BUDGET:
+        import jax
+        jax.clear_caches()
+        gc.collect()
