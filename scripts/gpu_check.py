@@ -365,7 +365,7 @@ def build_train_steps(preset: str, *, batch: int, seq: int, backends: tuple[str,
     schedule = optax.constant_schedule(1e-4)
     tx = optax.adamw(schedule)
     variants = {"hp": None, "qat (jnp)": {"impl": "xla"}}
-    variants.update({f"qat (pallas, {b})": {"impl": "pallas", "backend": b} for b in backends})
+    variants.update({f"qat (pallas, {b})": {"impl": "pallas", "pallas_backend": b} for b in backends})
     variants.update(recipes or {})
     steps = {}
     for name, how in variants.items():
