@@ -24,6 +24,7 @@
 #include <memory>
 #include <algorithm>
 #include <mutex>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -67,31 +68,36 @@ struct Problem {
   float* y;
 };
 
-// Rows [n0, n1) of the output, every m, plain C++.
+// Weight row n decoded into w[0, K): (q * s) * g, q * s exact in float32, one rounding by g.
+void decode_row(const Problem& p, int64_t n, float* w) {
+  const int64_t kb = p.k / 16;
+  const uint8_t* crow = p.codes + n * (p.k / 2);
+  const uint8_t* srow = p.scales + (n / p.tile_rows) * kb;
+  for (int64_t b = 0; b < kb; ++b) {
+    const float s = kE4M3.v[srow[b]];
+    for (int j = 0; j < 8; ++j) {
+      const uint8_t c = crow[b * 8 + j];
+      w[b * 16 + 2 * j] = (kE2M1[c & 15] * s) * p.g;
+      w[b * 16 + 2 * j + 1] = (kE2M1[c >> 4] * s) * p.g;
+    }
+  }
+}
+
+// Rows [n0, n1) of the output, every m, plain C++: each weight row decoded once, whatever M.
 void gemv_generic(const Problem& p, int64_t n0, int64_t n1) {
-  const int64_t kb = p.k / 16, half = p.k / 2;
-  float w[16];
+  const int64_t kb = p.k / 16;
+  std::vector<float> w(static_cast<size_t>(p.k));
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* crow = p.codes + n * half;
-    const uint8_t* srow = p.scales + (n / p.tile_rows) * kb;
-    for (int64_t m0 = 0; m0 < p.m; m0 += 4) {
-      const int64_t mr = p.m - m0 < 4 ? p.m - m0 : 4;
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    decode_row(p, n, w.data());
+    for (int64_t r = 0; r < p.m; ++r) {
+      const float* xr = p.x + r * p.k;
+      float acc = 0.f;
       for (int64_t b = 0; b < kb; ++b) {
-        const float s = kE4M3.v[srow[b]];
-        for (int j = 0; j < 8; ++j) {
-          const uint8_t c = crow[b * 8 + j];
-          w[2 * j] = (kE2M1[c & 15] * s) * p.g;
-          w[2 * j + 1] = (kE2M1[c >> 4] * s) * p.g;
-        }
-        for (int64_t r = 0; r < mr; ++r) {
-          const float* xr = p.x + (m0 + r) * p.k + b * 16;
-          float a = 0.f;
-          for (int i = 0; i < 16; ++i) a += xr[i] * w[i];
-          acc[r] += a;
-        }
+        float a = 0.f;
+        for (int i = 0; i < 16; ++i) a += xr[b * 16 + i] * w[b * 16 + i];
+        acc += a;
       }
-      for (int64_t r = 0; r < mr; ++r) p.y[(m0 + r) * p.n + n] = acc[r];
+      p.y[r * p.n + n] = acc;
     }
   }
 }
@@ -144,7 +150,8 @@ __attribute__((target("avx2,fma"))) void gemv_avx2_rows(const Problem& p, int64_
   }
 }
 
-// Calls rows(R, m0) over an M-row problem 4 rows at a time (R, the rows of this step, 1..4, a compile-time int).
+// Calls rows(R, m0) over an M-row problem 4 rows at a time (R, the rows of this step, 1..4, a compile-time int):
+// the NVFP4 kernel's two accumulators a row fill the 16 vector registers at 4 rows.
 template <typename F>
 void by_four_rows(int64_t m, F&& rows) {
   for (int64_t m0 = 0; m0 < m; m0 += 4) {
@@ -157,8 +164,59 @@ void by_four_rows(int64_t m, F&& rows) {
   }
 }
 
+// MR rows of x against weight row n, already decoded in w: the FMAs of gemv_avx2_rows in its order, so a row's
+// result does not depend on M.
+template <int MR>
+__attribute__((target("avx2,fma"))) void decoded_rows(const Problem& p, const float* w, int64_t m0, int64_t n) {
+  const int64_t kb = p.k / 16;
+  __m256 acc0[MR], acc1[MR];
+  for (int r = 0; r < MR; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < kb; ++b) {
+    const __m256 w0 = _mm256_loadu_ps(w + b * 16), w1 = _mm256_loadu_ps(w + b * 16 + 8);
+    for (int r = 0; r < MR; ++r) {
+      const float* xr = p.x + (m0 + r) * p.k + b * 16;
+      acc0[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), acc1[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) p.y[(m0 + r) * p.n + n] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
+}
+
+// decode_row with gemv_avx2_rows's in-register decode (the same values), stored.
+__attribute__((target("avx2,fma"))) void decode_row_avx2(const Problem& p, int64_t n, float* w) {
+  const int64_t kb = p.k / 16;
+  const __m256 lut = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+  const __m256 gv = _mm256_set1_ps(p.g);
+  const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  const __m128i low4 = _mm_set1_epi8(0x0f);
+  const uint8_t* crow = p.codes + n * (p.k / 2);
+  const uint8_t* srow = p.scales + (n / p.tile_rows) * kb;
+  for (int64_t b = 0; b < kb; ++b) {
+    const __m256 t = _mm256_mul_ps(_mm256_mul_ps(lut, _mm256_set1_ps(kE4M3.v[srow[b]])), gv);
+    uint64_t raw;
+    std::memcpy(&raw, crow + b * 8, 8);
+    const __m128i v = _mm_cvtsi64_si128(static_cast<long long>(raw));
+    const __m128i e = _mm_unpacklo_epi8(_mm_and_si128(v, low4), _mm_and_si128(_mm_srli_epi16(v, 4), low4));
+    const __m256i c0 = _mm256_cvtepu8_epi32(e);
+    const __m256i c1 = _mm256_cvtepu8_epi32(_mm_srli_si128(e, 8));
+    _mm256_storeu_ps(w + b * 16, _mm256_xor_ps(_mm256_permutevar8x32_ps(t, c0),
+                                               _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(c0, 28), sign))));
+    _mm256_storeu_ps(w + b * 16 + 8, _mm256_xor_ps(_mm256_permutevar8x32_ps(t, c1),
+                                                   _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(c1, 28), sign))));
+  }
+}
+
 void gemv_avx2(const Problem& p, int64_t n0, int64_t n1) {
-  by_four_rows(p.m, [&](auto r, int64_t m0) { gemv_avx2_rows<decltype(r)::value>(p, m0, n0, n1); });
+  if (p.m <= 4) {  // one step: decode in registers
+    by_four_rows(p.m, [&](auto r, int64_t m0) { gemv_avx2_rows<decltype(r)::value>(p, m0, n0, n1); });
+    return;
+  }
+  // M > 4: each weight row decoded once (the same values), then every 4-row step reads it from L1
+  std::vector<float> w(static_cast<size_t>(p.k));
+  for (int64_t n = n0; n < n1; ++n) {
+    decode_row_avx2(p, n, w.data());
+    by_four_rows(p.m, [&](auto r, int64_t m0) { decoded_rows<decltype(r)::value>(p, w.data(), m0, n); });
+  }
 }
 
 bool has_avx2() {
@@ -292,7 +350,19 @@ __attribute__((target("avx2,fma"))) void lut8_avx2_rows(const Lut8Problem& p, in
 }
 
 void lut8_avx2(const Lut8Problem& p, int64_t n0, int64_t n1) {
-  by_four_rows(p.m, [&](auto r, int64_t m0) { lut8_avx2_rows<decltype(r)::value>(p, m0, n0, n1); });
+  // one accumulator a row: up to 8 rows a step (M <= 8, decode, reads each weight once), a row's sum in one order
+  for (int64_t m0 = 0; m0 < p.m; m0 += 8) {
+    switch (p.m - m0 < 8 ? p.m - m0 : 8) {
+      case 1: lut8_avx2_rows<1>(p, m0, n0, n1); break;
+      case 2: lut8_avx2_rows<2>(p, m0, n0, n1); break;
+      case 3: lut8_avx2_rows<3>(p, m0, n0, n1); break;
+      case 4: lut8_avx2_rows<4>(p, m0, n0, n1); break;
+      case 5: lut8_avx2_rows<5>(p, m0, n0, n1); break;
+      case 6: lut8_avx2_rows<6>(p, m0, n0, n1); break;
+      case 7: lut8_avx2_rows<7>(p, m0, n0, n1); break;
+      default: lut8_avx2_rows<8>(p, m0, n0, n1); break;
+    }
+  }
 }
 #endif
 
