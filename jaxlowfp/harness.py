@@ -175,17 +175,17 @@ def _executed_record(model: Any) -> dict[str, Any]:
     import jaxlowfp
     from jaxlowfp.execution import op_modules, quantized_ops
 
-    ran = {q.path: (q.executed, q.backend) for q in quantized_ops(model)}
     per_op: dict[str, str] = {}
-    for path, op in op_modules(model):
+    ran = 0
+    for (path, op), q in zip(op_modules(model), quantized_ops(model)):  # the same ops, in the same order
         scheme, scale, _ = _op_kind(op)
-        executed, backend = ran.get(path, (False, None))
-        per_op[path] = f"{scheme} | {scale} | {(backend or '?') if executed else 'not run'}"
+        ran += bool(q.executed)
+        key = path if path not in per_op else f"{path}#{sum(k.split('#')[0] == path for k in per_op) + 1}"
+        per_op[key] = f"{scheme} | {scale} | {(q.backend or '?') if q.executed else 'not run'}"
     by_kind: dict[str, int] = {}
     for v in per_op.values():
         by_kind[v] = by_kind.get(v, 0) + 1
-    return {"ops": len(per_op), "ran": sum(bool(e) for e, _ in ran.values()), "by_kind": by_kind, "per_op": per_op,
-            "jaxlowfp": jaxlowfp.__version__}
+    return {"ops": len(per_op), "ran": ran, "by_kind": by_kind, "per_op": per_op, "jaxlowfp": jaxlowfp.__version__}
 
 
 def _arguments_record(a: dict[str, Any]) -> dict[str, Any]:
