@@ -62,7 +62,9 @@ Model arguments (``--model_args k=v,...``; `ARGUMENTS` lists them):
 The results lm-eval returns (and its ``--output_path`` JSON) hold ``config.quantization``, a record of what was
 evaluated (`JaxLowFPLM.get_model_info`): kind, scheme, PTQ method, layers, activation scale, forward GEMM backend,
 dtype, the jaxlowfp, lm-eval and jax versions, the device and the non-default model arguments (an in-process model
-quantized by its caller: what its quantized ops say).
+quantized by its caller: what its quantized ops say), and ``executed``: what the model held and ran, read from it after
+the run (the quantized op modules, their count, how many executed, per op its scheme, activation scale and GEMM
+backend, and the jaxlowfp version).
 
 In-process (what ``python -m train eval`` does): ``JaxLowFPLM(model=model, tokenizer=tok)`` wraps a loaded (and
 possibly quantized: `jaxlowfp.eval_quantize`) model, then ``lm_eval.simple_evaluate(model=lm, tasks=[...])`` or
@@ -133,6 +135,21 @@ def _layers_record(selection: Any, paths: Any, **extra: Any) -> dict[str, Any]:
     return out
 
 
+def _op_kind(op: Any) -> tuple[str, str, str]:
+    """(scheme, activation scale, configured GEMM backend) of one quantized op (`jaxlowfp.execution.op_modules`):
+    its recipe's name, where its activations get their amax (a PTQ quantizer's ``activation_scale``, a recipe's
+    scaling granularity, ``delayed (<algorithm>)``, or none for weights only) and its recipe's ``gemm``."""
+    recipe = op.recipe
+    scheme = str(getattr(recipe, "name", None) or type(recipe).__name__)
+    gemm = str(getattr(recipe, "gemm", "dequant"))
+    if hasattr(op, "activation_scale"):  # a PTQ activation quantizer
+        return scheme, str(op.activation_scale), gemm
+    if getattr(recipe, "activation", None) is None:
+        return scheme, "none (weights only)", gemm
+    sc = recipe.activation.scaling
+    return scheme, str(getattr(sc, "granularity", None) or f"delayed ({getattr(sc, 'algorithm', '?')})"), gemm
+
+
 def _given_model_record(model: Any) -> dict[str, Any]:
     """The quantization record of an in-process ``model=`` (quantized, or not, by its caller): what its quantized
     ops say they are (`jaxlowfp.execution.quantized_ops`): recipe names, activation scales and GEMM backends; kind
@@ -142,20 +159,33 @@ def _given_model_record(model: Any) -> dict[str, Any]:
     ops = op_modules(model)
     if not ops:
         return {}
-    schemes, scales, gemms = set(), set(), set()
-    for _, op in ops:
-        recipe = op.recipe
-        schemes.add(str(getattr(recipe, "name", type(recipe).__name__)))
-        gemms.add(str(getattr(recipe, "gemm", "dequant")))
-        if hasattr(op, "activation_scale"):  # a PTQ activation quantizer
-            scales.add(str(op.activation_scale))
-        elif getattr(recipe, "activation", None) is None:
-            scales.add("none (weights only)")
-        else:
-            sc = recipe.activation.scaling
-            scales.add(str(getattr(sc, "granularity", None) or f"delayed ({getattr(sc, 'algorithm', '?')})"))
-    return {"kind": ["given"], "scheme": ", ".join(sorted(schemes)), "activation_scale": ", ".join(sorted(scales)),
-            "gemm": ", ".join(sorted(gemms)), "layers": _layers_record(None, [p for p, _ in ops])}
+    kinds = [_op_kind(op) for _, op in ops]
+    return {"kind": ["given"], "scheme": ", ".join(sorted({k[0] for k in kinds})),
+            "activation_scale": ", ".join(sorted({k[1] for k in kinds})),
+            "gemm": ", ".join(sorted({k[2] for k in kinds})), "layers": _layers_record(None, [p for p, _ in ops])}
+
+
+def _executed_record(model: Any) -> dict[str, Any]:
+    """What the model holds and ran, read from it (not from the arguments): the quantized op modules present
+    (`jaxlowfp.execution.op_modules`), how many, how many have executed (their execution record is set), and per
+    op ``"<scheme> | <activation scale> | <GEMM backend>"``, the backend being the one its last forward ran on
+    (``not run`` for an op that never executed); ``by_kind`` counts the ops per such string, and ``jaxlowfp`` is
+    the library version. Flat and JSON-serializable: `JaxLowFPLM.get_model_info` puts it in the results JSON as
+    ``config.quantization.executed``, after lm-eval's run."""
+    import jaxlowfp
+    from jaxlowfp.execution import op_modules, quantized_ops
+
+    per_op: dict[str, str] = {}
+    ran = 0
+    for (path, op), q in zip(op_modules(model), quantized_ops(model)):  # the same ops, in the same order
+        scheme, scale, _ = _op_kind(op)
+        ran += bool(q.executed)
+        key = path if path not in per_op else f"{path}#{sum(k.split('#')[0] == path for k in per_op) + 1}"
+        per_op[key] = f"{scheme} | {scale} | {(q.backend or '?') if q.executed else 'not run'}"
+    by_kind: dict[str, int] = {}
+    for v in per_op.values():
+        by_kind[v] = by_kind.get(v, 0) + 1
+    return {"ops": len(per_op), "ran": ran, "by_kind": by_kind, "per_op": per_op, "jaxlowfp": jaxlowfp.__version__}
 
 
 def _arguments_record(a: dict[str, Any]) -> dict[str, Any]:
@@ -372,8 +402,11 @@ class JaxLowFPLM(TemplateLM):
         ``activation_scale``, ``gemm`` (the forward GEMM backend that ran), ``dtype``, ``source``, the
         ``jaxlowfp``, ``lm_eval`` and ``jax`` versions, the ``device`` and the model ``arguments`` that differ from
         their defaults. An in-process ``model=`` that holds quantized ops is kind ``given``, with their recipes,
-        activation scales, GEMM backends and paths."""
-        return {"quantization": dict(self.quantization_record)}
+        activation scales, GEMM backends and paths. ``executed`` is read from the model when this is called (lm-eval
+        calls it after the run): the quantized ops it holds and what each ran (`_executed_record`); it differs from
+        the configured record where a rule's layer holds no op or an op never ran. (Packed layers are not ops:
+        their backends are in ``gemm``.)"""
+        return {"quantization": {**self.quantization_record, "executed": _executed_record(self.model)}}
 
     # -- lm-eval's TemplateLM interface -------------------------------------------------------------------------
 

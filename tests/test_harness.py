@@ -306,6 +306,7 @@ def test_the_results_json_records_the_quantization(tiny, tmp_path):
     assert (rec["jaxlowfp"], rec["lm_eval"], rec["jax"]) == (jaxlowfp.__version__, lm_eval.__version__,
                                                               jax.__version__)
     assert rec["device"].startswith(jax.default_backend())
+    assert (rec["executed"]["ops"], rec["executed"]["ran"]) == (3, 3)  # read after lm-eval's run: the ops ran
     assert rec["arguments"] == {"pretrained": str(path), "quantize": "nvfp4-mse", "layers": layers,
                                 "act_scale": "token", "max_length": 32, "batch_size": 2}
     model, _ = load(path)
@@ -314,6 +315,36 @@ def test_the_results_json_records_the_quantization(tiny, tmp_path):
     given = JaxLowFPLM(model=model, tokenizer=tok).get_model_info()["quantization"]
     assert (given["kind"], given["activation_scale"], given["gemm"]) == ("given", "token", "dequant")
     assert "hif8" in given["scheme"] and given["layers"]["paths"] == rec["layers"]["paths"]
+
+
+def test_the_record_holds_what_the_model_executed(tiny):
+    """``config.quantization.executed`` is read from the model when lm-eval asks (after the run), not copied from
+    the arguments: the quantized op modules present, how many ran, per op scheme | activation scale | the GEMM
+    backend it ran on, and the version. Before any request nothing has run; a model that holds no quantized op
+    records 0 ops, while the configured record still says what the arguments asked for."""
+    import json
+
+    import jaxlowfp
+
+    path, _, _, _ = tiny
+    req = [_inst("loglikelihood", "the thin cat sat", " on the mat")]
+    lm = JaxLowFPLM(pretrained=str(path), ptq="rtn", ptq_scheme="nvfp4-mse", act_scale="token", batch_size=1)
+    ex = lm.get_model_info()["quantization"]["executed"]
+    assert (ex["ops"], ex["ran"], ex["by_kind"]) == (14, 0, {"nvfp4-mse | token | not run": 14})
+    lm.loglikelihood(req)
+    rec = lm.get_model_info()["quantization"]
+    ex = rec["executed"]
+    assert ex["ops"] == ex["ran"] == rec["layers"]["quantized"] == 14  # 2 blocks x 7 projections
+    assert sorted(ex["per_op"]) == rec["layers"]["paths"]
+    assert ex["by_kind"] == {"nvfp4-mse | token | dequant": 14} and ex["jaxlowfp"] == jaxlowfp.__version__
+    assert json.loads(json.dumps(ex)) == ex  # flat, JSON-serializable
+    lm.model, _ = load(path)  # the same configuration, a model where nothing got quantized
+    after = lm.get_model_info()["quantization"]
+    assert after["executed"] == {"ops": 0, "ran": 0, "by_kind": {}, "per_op": {}, "jaxlowfp": jaxlowfp.__version__}
+    assert after["layers"]["quantized"] == 14 and after["executed"]["ops"] != after["layers"]["quantized"]
+    fake = JaxLowFPLM(pretrained=str(path), quantize="nvfp4", layers=r"blocks/1/mlp/\w+_proj", batch_size=1)
+    fake.loglikelihood(req)
+    assert fake.get_model_info()["quantization"]["executed"]["by_kind"] == {"nvfp4_w4a4_static_6 | token | dequant": 3}
 
 
 @pytest.mark.parametrize("module", ["jaxlowfp.harness", "jaxlowfp.lm_eval_cli"])  # python -m; jaxlowfp-lm-eval
