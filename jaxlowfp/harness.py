@@ -83,6 +83,7 @@ from __future__ import annotations
 
 from jaxlowfp._core.surface import public_dir as _public_dir
 
+import collections
 import dataclasses
 import json
 import logging
@@ -182,9 +183,7 @@ def _executed_record(model: Any) -> dict[str, Any]:
         ran += bool(q.executed)
         key = path if path not in per_op else f"{path}#{sum(k.split('#')[0] == path for k in per_op) + 1}"
         per_op[key] = f"{scheme} | {scale} | {(q.backend or '?') if q.executed else 'not run'}"
-    by_kind: dict[str, int] = {}
-    for v in per_op.values():
-        by_kind[v] = by_kind.get(v, 0) + 1
+    by_kind = dict(collections.Counter(per_op.values()))
     return {"ops": len(per_op), "ran": ran, "by_kind": by_kind, "per_op": per_op, "jaxlowfp": jaxlowfp.__version__}
 
 

@@ -117,6 +117,5 @@ def pytest_runtest_teardown(item, nextitem):
     if nextitem is not None and nextitem.module is item.module:
         return
     if _mapped_regions() > _MAP_BUDGET:
-        import jax
         jax.clear_caches()
         gc.collect()
