@@ -64,7 +64,7 @@ evaluated (`JaxLowFPLM.get_model_info`): kind, scheme, PTQ method, layers, activ
 dtype, the jaxlowfp, lm-eval and jax versions, the device and the non-default model arguments (an in-process model
 quantized by its caller: what its quantized ops say), and ``executed``: what the model held and ran, read from it after
 the run (the quantized op modules, their count, how many executed, per op its scheme, activation scale and GEMM
-backend, and the jaxlowfp version).
+backend; the packed weights, per weight its format, activation scale and backend; and the jaxlowfp version).
 
 In-process (what ``python -m train eval`` does): ``JaxLowFPLM(model=model, tokenizer=tok)`` wraps a loaded (and
 possibly quantized: `jaxlowfp.eval_quantize`) model, then ``lm_eval.simple_evaluate(model=lm, tasks=[...])`` or
@@ -184,7 +184,32 @@ def _executed_record(model: Any) -> dict[str, Any]:
         key = path if path not in per_op else f"{path}#{sum(k.split('#')[0] == path for k in per_op) + 1}"
         per_op[key] = f"{scheme} | {scale} | {(q.backend or '?') if q.executed else 'not run'}"
     by_kind = dict(collections.Counter(per_op.values()))
-    return {"ops": len(per_op), "ran": ran, "by_kind": by_kind, "per_op": per_op, "jaxlowfp": jaxlowfp.__version__}
+    return {"ops": len(per_op), "ran": ran, "by_kind": by_kind, "per_op": per_op, "packed": _packed_record(model),
+            "jaxlowfp": jaxlowfp.__version__}
+
+
+def _packed_activation(layer: Any) -> str:
+    """Where a `PackedLinear`'s activations are quantized: its PTQ quantizer's scale, its own format (one tensor
+    scale), a foreign checkpoint's quantizer, or not at all."""
+    if layer.act_quant is not None:
+        return str(layer.act_quant.activation_scale)
+    if layer.activation is not None:
+        return f"tensor ({layer.activation.name})"
+    return "checkpoint's" if layer.act_fn is not None else "none (weights only)"
+
+
+def _packed_record(model: Any) -> dict[str, Any]:
+    """The packed weights a model holds (`jaxlowfp.ptq.packing.report_of`; they are parameters, not ops, so
+    ``ops`` does not count them): how many, and per weight ``"<weight format> | <activation scale> | <backend>"``,
+    the backend being the one its layer plans on this device (``(native)``: the native GEMV), and their counts."""
+    from jaxlowfp.ptq.packing import packed_layers, report_of
+
+    layers = packed_layers(model)
+    per: dict[str, str] = {}
+    for path, fmt, backend, native in report_of(model).layers:
+        act = _packed_activation(layers[path]) if path in layers else "as its layer's op"
+        per[path] = f"{fmt} | {act} | {backend}{' (native)' if native else ''}"
+    return {"weights": len(per), "by_kind": dict(collections.Counter(per.values())), "per_weight": per}
 
 
 def _arguments_record(a: dict[str, Any]) -> dict[str, Any]:
@@ -403,8 +428,8 @@ class JaxLowFPLM(TemplateLM):
         their defaults. An in-process ``model=`` that holds quantized ops is kind ``given``, with their recipes,
         activation scales, GEMM backends and paths. ``executed`` is read from the model when this is called (lm-eval
         calls it after the run): the quantized ops it holds and what each ran (`_executed_record`); it differs from
-        the configured record where a rule's layer holds no op or an op never ran. (Packed layers are not ops:
-        their backends are in ``gemm``.)"""
+        the configured record where a rule's layer holds no op or an op never ran. Packed weights are not ops:
+        ``executed.packed`` lists them, with their activation scales and the backends their layers plan."""
         return {"quantization": {**self.quantization_record, "executed": _executed_record(self.model)}}
 
     # -- lm-eval's TemplateLM interface -------------------------------------------------------------------------

@@ -340,7 +340,8 @@ def test_the_record_holds_what_the_model_executed(tiny):
     assert json.loads(json.dumps(ex)) == ex  # flat, JSON-serializable
     lm.model, _ = load(path)  # the same configuration, a model where nothing got quantized
     after = lm.get_model_info()["quantization"]
-    assert after["executed"] == {"ops": 0, "ran": 0, "by_kind": {}, "per_op": {}, "jaxlowfp": jaxlowfp.__version__}
+    assert after["executed"] == {"ops": 0, "ran": 0, "by_kind": {}, "per_op": {}, "jaxlowfp": jaxlowfp.__version__,
+                                 "packed": {"weights": 0, "by_kind": {}, "per_weight": {}}}
     assert after["layers"]["quantized"] == 14 and after["executed"]["ops"] != after["layers"]["quantized"]
     fake = JaxLowFPLM(pretrained=str(path), quantize="nvfp4", layers=r"blocks/1/mlp/\w+_proj", batch_size=1)
     fake.loglikelihood(req)
