@@ -279,7 +279,16 @@ def test_quantized_continuation_scores_do_not_depend_on_the_batch(tiny):
             assert np.max(np.abs(batched - alone)) > 1e-3
 
 
-def test_the_results_json_records_the_quantization(tiny, tmp_path):
+class _LocalTaskManager(TaskManager):
+    """lm-eval's TaskManager without its own task library (``include_defaults=False``): the command line builds one
+    whatever is asked, and indexing lm-eval's ~14,000 task files (10-15 s on 2 cores) is most of an in-process run
+    of one local YAML task. The command line's own index is `test_command_line_prints_lm_evals_table`'s."""
+
+    def __init__(self, *args, include_defaults=False, **kw):
+        super().__init__(*args, include_defaults=include_defaults, **kw)
+
+
+def test_the_results_json_records_the_quantization(tiny, tmp_path, monkeypatch):
     """``jaxlowfp-lm-eval --output_path``: lm-eval's results JSON holds ``config.quantization``: scheme, layers,
     activation scale, GEMM backend, the library's (and lm-eval's, jax's) version, the device and the model
     arguments; an in-process model quantized by its caller is recorded from its quantized ops."""
@@ -293,6 +302,7 @@ def test_the_results_json_records_the_quantization(tiny, tmp_path):
 
     path, _, tok, _ = tiny
     layers = r"blocks/1/mlp/\w+_proj"
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", _LocalTaskManager)  # read by the command line at each run
     lm_eval_main(["--model", "jaxlowfp", "--model_args",
                   f"pretrained={path},quantize=nvfp4-mse,layers={layers},act_scale=token,max_length=32",
                   "--tasks", str(TASKS / f"{MC}.yaml"), "--limit", "2", "--batch_size", "2",

@@ -70,19 +70,20 @@ def test_packed_forward_temp_is_bounded_by_float32s(float_temp, name, weights_on
     np.testing.assert_allclose(logits, fake, rtol=0, atol=2e-5)
 
 
-def _moe(n_layers):
+def _moe(n_layers, judges=True):
     """(float32 temp, two largest weights' float32 bytes, packed temp, packed logits, fake-quant logits) of a small
-    Qwen3-MoE-like decoder with NVFP4 W4A16 attention and experts."""
+    Qwen3-MoE-like decoder with NVFP4 W4A16 attention and experts. ``judges=False``: the float32 temp and the
+    fake-quant logits are None (those two whole-model programs are not compiled; the packed model is the same)."""
     cfg = MoEConfig(vocab=256, d_model=128, n_layers=n_layers, n_heads=4, n_kv_heads=2, d_ff=512, max_seq_len=64,
                     n_experts=8, n_experts_per_tok=2, d_expert=128)
-    float_temp = _forward(MoEDecoder(cfg, rngs=nnx.Rngs(0)))[0]
+    float_temp = _forward(MoEDecoder(cfg, rngs=nnx.Rngs(0)))[0] if judges else None
     model = MoEDecoder(cfg, rngs=nnx.Rngs(0))
     scheme = ptq.scheme("nvfp4-mse", weights_only=True)
     res = ptq.quantize_model(model, [ptq.Rule(path=r".*router", scheme=None),
                                      ptq.Rule(path=r".*(_proj|experts/.*)", scheme=scheme)], progress=False)
     assert len(res.experts) == 3 * n_layers
     two = _two_largest(model, [*res.schemes, *res.experts])
-    _, fake = _forward(model)
+    fake = _forward(model)[1] if judges else None
     ptq.pack_model(model, res)
     temp, logits = _forward(model)
     return float_temp, two, temp, logits, fake
@@ -94,7 +95,7 @@ def test_packed_experts_forward_temp_is_bounded_and_does_not_grow_with_depth():
     float_temp, two, temp, logits, fake = _moe(3)
     assert temp <= float_temp + two, f"packed temp {temp} B > float32 temp {float_temp} B + two weights {two} B"
     np.testing.assert_allclose(logits, fake, rtol=0, atol=2e-5)
-    deeper = _moe(6)[2]
+    deeper = _moe(6, judges=False)[2]  # only its packed temp is compared
     assert deeper - temp <= two // 2, f"packed temp grows with depth: {temp} B at 3 layers, {deeper} B at 6"
 
 
