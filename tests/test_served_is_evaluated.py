@@ -18,7 +18,7 @@ from jaxlowfp.models.llama import PRESETS, Llama
 
 import moe_export_common as moe
 
-CFG = dataclasses.replace(PRESETS["tiny"], n_layers=2)
+CFG = dataclasses.replace(PRESETS["tiny"], n_layers=2, dtype="float32")  # as load_export records it: one graphdef
 TOKENS = np.random.default_rng(5).integers(0, 256, (2, 24)).astype(np.int32)
 pytestmark = pytest.mark.filterwarnings("ignore:export. compressed-tensors")
 
@@ -49,6 +49,7 @@ def test_dense_export_reloads_as_evaluated_by_default(tmp_path, scheme, method):
     rep = ptq.export(model, res, tmp_path / "out")
     assert rep.dtype == "float32" and rep.rounded[0] == 0
     loaded, _ = models.load_export(tmp_path / "out", tokenizer=None)
+    assert nnx.split(loaded)[0] == nnx.split(model)[0]  # one graphdef: `_log_probs` runs one program on both
     np.testing.assert_array_equal(_lp(loaded), _lp(model))
 
 
