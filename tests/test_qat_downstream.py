@@ -148,3 +148,25 @@ def test_bad_downstream_input_is_refused_before_anything_loads(tiny_dir, tasks, 
     assert not (tmp_path / "r").exists()
     with pytest.raises(ValueError, match="need a real checkpoint"):
         TrainConfig(downstream=str(tasks))
+
+
+def test_relocate_rewrites_a_carried_task_directory_for_this_machine(tasks, tmp_path):
+    """What scripts/gpu_grid.py carries (rows and manifest, no YAML) becomes a prepared directory again, with YAMLs
+    that name the new place of the rows and that lm-eval's include and the task's settings are kept."""
+    import shutil
+
+    moved = tmp_path / "carried"
+    moved.mkdir()
+    for f in ("manifest.json", "arc_easy.jsonl", "piqa.jsonl"):
+        shutil.copy(tasks / f, moved / f)
+    with pytest.raises(ValueError, match=r"lacks \['arc_easy.yaml', 'piqa.yaml'\]"):
+        dt.prepared(moved)
+    m = dt.relocate(moved)
+    assert set(m["tasks"]) == {"arc_easy", "piqa"}
+    for t in ("arc_easy", "piqa"):
+        y = (moved / f"{t}.yaml").read_text()
+        assert json.dumps(str((moved / f"{t}.jsonl").resolve())) in y and str(tasks) not in y
+        assert y.replace(str(moved.resolve()), "X") == (tasks / f"{t}.yaml").read_text().replace(str(tasks), "X")
+    (moved / "piqa.jsonl").unlink()
+    with pytest.raises(ValueError, match=r"lacks \['piqa.jsonl'\]"):
+        dt.relocate(moved)
