@@ -130,7 +130,7 @@ def bundle(dest: Path, downstream: Path | None = None) -> None:
     manifest = {"model": model.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
                 "prose": prose.name}
     (a / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    if manifest_ds is not None:
+    if manifest_ds is not None and downstream is not None:
         (a / "tasks").mkdir()
         shutil.copy(Path(downstream) / "manifest.json", a / "tasks" / "manifest.json")
         for t in manifest_ds["tasks"]:

@@ -227,7 +227,7 @@ def downstream_rows(arms: list[dict[str, Any]], rows: list[dict[str, Any]], star
             continue
         ref_name = a.get("baseline")
         ref = by_name.get(ref_name, {}).get("downstream") if ref_name else None
-        ref_label = by_name[ref_name]["label"] if ref is not None else None
+        ref_label = str(by_name[ref_name]["label"]) if ref is not None else None
         if ref is None and a.get("baseline") is None:
             ref, ref_label = start, "pretrained (start)"
         row: dict[str, Any] = {"arm": a["label"], "name": a["name"], "lr": a.get("lr"), "vs": ref_label,
@@ -236,7 +236,8 @@ def downstream_rows(arms: list[dict[str, Any]], rows: list[dict[str, Any]], star
             pr = paired(ref["dir"], ds["dir"])
             for score, r in overall(pr).items():
                 row |= {f"d_{score}": r.diff, f"se_{score}": r.se, "n": r.n}
-            sections += [f"## {a['label']} vs {ref_label}", "", markdown(pr, name_a=ref_label, name_b=a["name"]), ""]
+            sections += [f"## {a['label']} vs {ref_label}", "", markdown(pr, name_a=str(ref_label), name_b=a["name"]),
+                         ""]
         out.append(row)
     return out, sections
 
@@ -252,7 +253,7 @@ def _pooled_acc(ds: dict[str, Any]) -> float | None:
 
 def _pm(row: dict[str, Any], score: str, scale: float, unit: str) -> str:
     d, se = row.get(f"d_{score}"), row.get(f"se_{score}")
-    if d is None:
+    if d is None or se is None:
         return "-"
     return f"{scale * d:+.2f} +- {scale * se:.2f}{unit}" if math.isfinite(se) else f"{scale * d:+.2f}{unit}"
 
@@ -292,7 +293,7 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     from .text_eval import CHOICE_TASK, lm_eval_note, load_texts, text_task
 
     t0 = time.perf_counter()
-    tasks_key = None
+    tasks_key, tasks_dir = None, str(cfg.downstream)
     if cfg.downstream is not None:
         from .downstream_tasks import prepared
         from .tasks_cli import offline_env
@@ -338,7 +339,7 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
         ident = {"model": cfg.model, "dtype": cfg.dtype}
         start_ds = _done_downstream(run_dir / START / DOWNSTREAM, tasks_key, ident)
         if start_ds is None:
-            start_ds = downstream_eval(model, tok, cfg.downstream, run_dir / START / DOWNSTREAM, key=tasks_key,
+            start_ds = downstream_eval(model, tok, tasks_dir, run_dir / START / DOWNSTREAM, key=tasks_key,
                                        ident=ident)
         log.info("loaded model on %s: acc %s (%.0f s)", cfg.downstream, start_ds["acc"], start_ds["wall_s"])
     del model
@@ -369,13 +370,13 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
         metrics = evaluate_model(m, tok, texts, task, cfg)
         ds = None
         if tasks_key is not None:
-            ds = downstream_eval(m, tok, cfg.downstream, run_dir / arm.name / DOWNSTREAM, key=tasks_key)
+            ds = downstream_eval(m, tok, tasks_dir, run_dir / arm.name / DOWNSTREAM, key=tasks_key)
             log.info("arm %s on %s: acc %s (%.0f s)", arm.name, cfg.downstream, ds["acc"], ds["wall_s"])
         wall = time.perf_counter() - t_arm
         log.info("arm %s done in %.0f s (training %.0f s, %d skipped steps): %s", arm.name, wall, res.wall_s,
                  int(res.state.skipped), ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith("ppl_")))
-        entry = {"name": arm.name, "label": arm.label, "dir": str(run_dir / arm.name), **metrics, "wall_s": wall,
-                 "lr": arm.lr, "baseline": arm.baseline, "role": arm.role}
+        entry: dict[str, Any] = {"name": arm.name, "label": arm.label, "dir": str(run_dir / arm.name), **metrics,
+                                 "wall_s": wall, "lr": arm.lr, "baseline": arm.baseline, "role": arm.role}
         if ds is not None:
             entry["downstream"] = ds
         record_arm(run_dir / arm.name, cfg, entry)
@@ -418,7 +419,7 @@ def _append_downstream(report: Path, run_dir: Path, cfg: TrainConfig, ds_rows: l
     """The downstream table at the end of ``report.md``; every pair per task in ``downstream.md``."""
     from .downstream_tasks import prepared
 
-    manifest = prepared(cfg.downstream)
+    manifest = prepared(str(cfg.downstream))
     items = ", ".join(f"{t} {v['kept']} of {v['rows']}" for t, v in manifest["tasks"].items())
     text = [
         "", "## Downstream tasks, paired with the baseline at the same learning rate", "",
