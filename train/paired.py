@@ -37,7 +37,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["PairedRow", "item_scores", "load_samples", "markdown", "paired", "paired_se"]
+__all__ = ["PairedRow", "item_scores", "load_samples", "markdown", "overall", "paired", "paired_se"]
 
 SCORES = ("acc", "acc_norm", "gold_ll")
 _SAMPLES = re.compile(r"samples_(?P<task>.+)_(?P<date>\d{4}-\d{2}-\d{2}T[\d\-.]+)\.jsonl$")
@@ -237,6 +237,15 @@ def paired(a: Any, b: Any, *, scores: Sequence[str] | None = None) -> list[Paire
                               sum(r.b_only for r in per) if binary else None,
                               sum(r.a_only for r in per) if binary else None))
     return rows
+
+
+def overall(rows: Sequence[PairedRow]) -> dict[str, PairedRow]:
+    """Per score, the row over every item: ``pooled`` where `paired` pooled several tasks, else the one task's."""
+    out: dict[str, PairedRow] = {}
+    for r in rows:
+        if r.task == "pooled" or r.score not in out:
+            out[r.score] = r
+    return out
 
 
 def markdown(rows: Sequence[PairedRow], *, name_a: str = "A", name_b: str = "B") -> str:

@@ -14,6 +14,17 @@
    `jaxlowfp.harness`): adaptation is the word perplexity of held-out
    Python, retention the word perplexity of held-out Shakespeare and English prose and the multiple-choice task on
    held-out Shakespeare; print the table and write ``<run_dir>/report.md``.
+5. With ``--downstream DIR`` (a ``python -m train tasks prepare`` directory, checked before anything loads): the
+   loaded model and every arm, as trained, on DIR's lm-eval tasks (`downstream_eval`: the same
+   `train.tasks_cli.evaluate_arm` as ``tasks run``, with the in-process model), lm-eval's per-sample logs in
+   ``<run_dir>/<arm>/downstream/``; then each quantized arm paired item by item (`train.paired`) with its
+   high-precision baseline at the same learning rate, each baseline with the loaded model: accuracy, acc_norm and
+   the gold answer's log-likelihood differences with paired s.e., next to the loss APE (`downstream_rows`), in the
+   printed table, ``report.md`` (and ``downstream.md``: every pair per task) and ``results.json``. A quantized
+   arm is scored with the scales it serves with: HiF8 W8A8 on its MLP projections, weights and activations each
+   scaled per tensor by its delayed-scaling state as training left it (`most_recent`: the last step's amax,
+   `max_window`: the max over the last 64 steps' amaxes), frozen during evaluation (the scorer drops state
+   the forward writes), so every request's score is independent of the batch it is in.
 
 The defaults are a CPU smoke run (8 steps of 4 x 128 tokens per arm); ``scripts/gpu_grid.py`` runs GPU sizes.
 """
@@ -37,13 +48,16 @@ from .config import TrainConfig, arm_specs
 from .data import DOC_SEP, BatchStream, DataError, eval_batches, load_domain
 from .report import REAL_COLUMNS, format_table, grid_notes, summary_rows, write_report
 
-__all__ = ["TokenStream", "token_eval_batches", "tokenize_domain", "load_model", "evaluate_model", "run"]
+__all__ = ["TokenStream", "token_eval_batches", "tokenize_domain", "load_model", "evaluate_model", "downstream_eval",
+           "downstream_rows", "run"]
 
 log = logging.getLogger(__package__)
 
 RETENTION = ("shakespeare", "prose")
 ADAPTATION = "python"
 EVAL_BATCH = 8  # sequences per evaluation forward pass (one shape per window length: few compilations)
+DOWNSTREAM = "downstream"  # <run_dir>/<arm>/downstream/: lm-eval's per-sample logs and results of the tasks
+START = "start"  # <run_dir>/start/downstream/: the loaded model's
 
 
 class TokenStream:
@@ -152,6 +166,112 @@ def evaluate_model(model: nnx.Module, tokenizer: Any, texts: dict[str, list[str]
     return out
 
 
+def _tasks_key(manifest: dict[str, Any]) -> str:
+    """What identifies a prepared task set: the hash of its manifest (wheel, seed, kept rows per task)."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _done_downstream(out: Path, key: str, ident: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    marker = out / "done.json"
+    if not marker.is_file():
+        return None
+    done = json.loads(marker.read_text())
+    return done if done.get("tasks") == key and all(done.get(k) == v for k, v in (ident or {}).items()) else None
+
+
+def downstream_eval(model: nnx.Module, tokenizer: Any, tasks_dir: str | Path, out: str | Path, *, key: str,
+                    ident: dict[str, Any] | None = None, batch_size: int = EVAL_BATCH) -> dict[str, Any]:
+    """Evaluate ``model`` as it is (quantized ops and their amax states as training left them) on the lm-eval
+    tasks of a prepared directory, through `train.tasks_cli.evaluate_arm` (what ``tasks run`` runs per arm) with an
+    in-process `jaxlowfp.harness.JaxLowFPLM`; per-sample logs and ``results.json`` in ``out`` (cleared first), then
+    ``done.json``: the summary returned (per-task acc, wall time, quantization record) with the task set's ``key``
+    and ``ident``."""
+    import shutil
+
+    from jaxlowfp.harness import JaxLowFPLM
+    from jaxlowfp.qnnx import set_observe_only
+    from .tasks_cli import evaluate_arm
+
+    out = Path(out)
+    if jax.process_index() == 0 and out.exists():
+        shutil.rmtree(out)
+    set_observe_only(model, False)  # served quantized, also when an arm ended inside its warmup
+    lm = JaxLowFPLM(model=model, tokenizer=tokenizer, batch_size=batch_size)
+    res = evaluate_arm(lm, [str(tasks_dir)], out)
+    q = res.get("config", {}).get("quantization", {})
+    summary = {"tasks": key, **(ident or {}), "dir": str(out), "wall_s": res["wall_seconds"],
+               "acc": {t: r.get("acc,none") for t, r in res["results"].items()},
+               "quantization": {k: q.get(k) for k in ("kind", "scheme", "activation_scale", "gemm")}
+               | {"ops": q.get("executed", {}).get("ops"), "ran": q.get("executed", {}).get("ran")}}
+    if jax.process_index() == 0:
+        (out / "done.json").write_text(json.dumps(summary, indent=1, default=str))
+    return summary
+
+
+def downstream_rows(arms: list[dict[str, Any]], rows: list[dict[str, Any]], start: dict[str, Any] | None
+                    ) -> tuple[list[dict[str, Any]], list[str]]:
+    """Per arm with downstream results, its paired comparison (`train.paired`, over every item of every task) with
+    its reference: a quantized arm's baseline (the high-precision arm at its learning rate), a high-precision arm's
+    the loaded model (``start``). ``rows``: the summary rows of the arms (their loss APE). Returns the table rows
+    and, per pair, the full per-task markdown table (for ``downstream.md``)."""
+    from .paired import markdown, overall, paired
+
+    by_name = {a["name"]: a for a in arms}
+    ape = {r["arm"]: r.get("loss_ape") for r in rows}
+    out, sections = [], []
+    for a in arms:
+        ds = a.get("downstream")
+        if ds is None:
+            continue
+        ref_name = a.get("baseline")
+        ref = by_name.get(ref_name, {}).get("downstream") if ref_name else None
+        ref_label = str(by_name[ref_name]["label"]) if ref is not None else None
+        if ref is None and a.get("baseline") is None:
+            ref, ref_label = start, "pretrained (start)"
+        row: dict[str, Any] = {"arm": a["label"], "name": a["name"], "lr": a.get("lr"), "vs": ref_label,
+                               "loss_ape": ape.get(a["label"]), "acc": _pooled_acc(ds)}
+        if ref is not None:
+            pr = paired(ref["dir"], ds["dir"])
+            for score, r in overall(pr).items():
+                row |= {f"d_{score}": r.diff, f"se_{score}": r.se, "n": r.n}
+            sections += [f"## {a['label']} vs {ref_label}", "", markdown(pr, name_a=str(ref_label), name_b=a["name"]),
+                         ""]
+        out.append(row)
+    return out, sections
+
+
+def _pooled_acc(ds: dict[str, Any]) -> float | None:
+    """Item-weighted accuracy over the tasks of a downstream summary (per-task acc weighted by items)."""
+    from .paired import load_samples
+
+    samples = load_samples(ds["dir"])
+    right = [float(s["acc"]) for v in samples.values() for s in v if "acc" in s]
+    return sum(right) / len(right) if right else None
+
+
+def _pm(row: dict[str, Any], score: str, scale: float, unit: str) -> str:
+    d, se = row.get(f"d_{score}"), row.get(f"se_{score}")
+    if d is None or se is None:
+        return "-"
+    return f"{scale * d:+.2f} +- {scale * se:.2f}{unit}" if math.isfinite(se) else f"{scale * d:+.2f}{unit}"
+
+
+def downstream_table(rows: list[dict[str, Any]]) -> str:
+    """The markdown table of `downstream_rows`: loss APE and the paired differences (B - reference) with s.e."""
+    head = ["arm", "LR", "vs", "loss APE %", "acc", "d acc (pp)", "d acc_norm (pp)", "d gold LL (nats)", "n"]
+    lines = ["| " + " | ".join(head) + " |", "|:---|---:|:---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ape = "-" if r.get("loss_ape") is None else f"{r['loss_ape']:.3f}"
+        acc = "-" if r.get("acc") is None else f"{r['acc']:.3f}"
+        lr = "-" if r.get("lr") is None else f"{r['lr']:.0e}"
+        lines.append("| " + " | ".join([r["arm"], lr, r.get("vs") or "-", ape, acc, _pm(r, "acc", 100, ""),
+                                        _pm(r, "acc_norm", 100, ""), _pm(r, "gold_ll", 1, ""),
+                                        str(r.get("n", "-"))]) + " |")
+    return "\n".join(lines)
+
+
 def _preflight(cfg: TrainConfig, graphdef: nnx.GraphDef, state: nnx.State, specs: list[Any]) -> None:
     """Quantize a view of the model for every distinct quantized arm before any training: an incompatible rule
     set fails here, with its reason, and not after the high-precision arm has run."""
@@ -173,6 +293,16 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     from .text_eval import CHOICE_TASK, lm_eval_note, load_texts, text_task
 
     t0 = time.perf_counter()
+    tasks_key, tasks_dir = None, str(cfg.downstream)
+    if cfg.downstream is not None:
+        from .downstream_tasks import prepared
+        from .tasks_cli import offline_env
+
+        try:
+            tasks_key = _tasks_key(prepared(cfg.downstream))
+        except ValueError as e:
+            raise SystemExit(f"error: --downstream: {e}") from e
+        offline_env()
     mesh = mesh_lib.make_mesh(cfg.mesh)
     if cfg.batch_size % (mesh.shape["data"] * mesh.shape["fsdp"]):
         raise SystemExit(f"--batch-size {cfg.batch_size} is not divisible by the {mesh.size} devices of the mesh")
@@ -204,10 +334,22 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
     start_row = {"arm": "pretrained (start)", **evaluate_model(model, tok, texts, task, cfg),
                  "wall_s": time.perf_counter() - t_eval}
     log.info("loaded model: %s", ", ".join(f"{k} {v:.3f}" for k, v in start_row.items() if k.startswith("ppl_")))
+    start_ds = None
+    if tasks_key is not None:
+        ident = {"model": cfg.model, "dtype": cfg.dtype}
+        start_ds = _done_downstream(run_dir / START / DOWNSTREAM, tasks_key, ident)
+        if start_ds is None:
+            start_ds = downstream_eval(model, tok, tasks_dir, run_dir / START / DOWNSTREAM, key=tasks_key,
+                                       ident=ident)
+        log.info("loaded model on %s: acc %s (%.0f s)", cfg.downstream, start_ds["acc"], start_ds["wall_s"])
     del model
     arms = []
     for arm in specs:
         done = finished_arm(run_dir / arm.name, cfg) if cfg.resume else None
+        if done is not None and tasks_key is not None:  # reused only with its downstream results for these tasks
+            ds = _done_downstream(run_dir / arm.name / DOWNSTREAM, tasks_key)
+            done = None if ds is None or done.get("downstream", {}).get("tasks") != tasks_key else done | {
+                "downstream": ds}
         if done is not None:
             log.info("arm %s finished earlier: reused (%s)", arm.name, run_dir / arm.name)
             arms.append(done)
@@ -226,17 +368,27 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
                         out_dir=run_dir / arm.name, mesh=mesh, stats=stats_layer(arm, cfg.keep_first),
                         meta={"config": cfg.to_json()}, cached_optimizer=True)
         metrics = evaluate_model(m, tok, texts, task, cfg)
+        ds = None
+        if tasks_key is not None:
+            ds = downstream_eval(m, tok, tasks_dir, run_dir / arm.name / DOWNSTREAM, key=tasks_key)
+            log.info("arm %s on %s: acc %s (%.0f s)", arm.name, cfg.downstream, ds["acc"], ds["wall_s"])
         wall = time.perf_counter() - t_arm
         log.info("arm %s done in %.0f s (training %.0f s, %d skipped steps): %s", arm.name, wall, res.wall_s,
                  int(res.state.skipped), ", ".join(f"{k} {v:.3f}" for k, v in metrics.items() if k.startswith("ppl_")))
-        entry = {"name": arm.name, "label": arm.label, "dir": str(run_dir / arm.name), **metrics, "wall_s": wall,
-                 "lr": arm.lr, "baseline": arm.baseline, "role": arm.role}
+        entry: dict[str, Any] = {"name": arm.name, "label": arm.label, "dir": str(run_dir / arm.name), **metrics,
+                                 "wall_s": wall, "lr": arm.lr, "baseline": arm.baseline, "role": arm.role}
+        if ds is not None:
+            entry["downstream"] = ds
         record_arm(run_dir / arm.name, cfg, entry)
         arms.append(entry)
         del m, res
     rows = [start_row, *summary_rows(arms, baseline="hp" if "hp" in cfg.arms else None)]
+    ds_rows, ds_sections = downstream_rows(arms, rows, start_ds) if tasks_key is not None else ([], [])
     total = time.perf_counter() - t0
     print(format_table(rows, columns=REAL_COLUMNS))
+    if ds_rows:
+        print(f"\ndownstream ({cfg.downstream}; paired differences arm - reference, with paired s.e.)")
+        print(downstream_table(ds_rows))
     print(f"total wall time {total:.0f} s (loading {load_s:.0f} s)")
     if jax.process_index() == 0:
         notes = [f"Model `{cfg.model}` ({n_params / 1e6:.1f} M parameters), {cfg.steps} steps of "
@@ -252,9 +404,35 @@ def run(cfg: TrainConfig) -> list[dict[str, Any]]:
                             columns=REAL_COLUMNS, notes=notes, loss_ylabel="training loss (nats/token)",
                             loss_title=f"continued pretraining of {cfg.model} on Python",
                             title=f"HiF8 W8A8 QAT of {cfg.model}: continued pretraining on Python")
-        (run_dir / "results.json").write_text(json.dumps({"rows": rows, "total_wall_s": total}, indent=1))
+        result: dict[str, Any] = {"rows": rows, "total_wall_s": total}
+        if ds_rows:
+            result["downstream"] = {"tasks_dir": str(cfg.downstream), "tasks": tasks_key, "start": start_ds,
+                                    "rows": ds_rows}
+            _append_downstream(Path(path), run_dir, cfg, ds_rows, ds_sections)
+        (run_dir / "results.json").write_text(json.dumps(result, indent=1, default=str))
         print(f"report: {path}")
     return rows
+
+
+def _append_downstream(report: Path, run_dir: Path, cfg: TrainConfig, ds_rows: list[dict[str, Any]],
+                       sections: list[str]) -> None:
+    """The downstream table at the end of ``report.md``; every pair per task in ``downstream.md``."""
+    from .downstream_tasks import prepared
+
+    manifest = prepared(str(cfg.downstream))
+    items = ", ".join(f"{t} {v['kept']} of {v['rows']}" for t, v in manifest["tasks"].items())
+    text = [
+        "", "## Downstream tasks, paired with the baseline at the same learning rate", "",
+        f"lm-eval tasks of `{cfg.downstream}` ({items} validation items, seed {manifest.get('seed')}, "
+        f"{manifest.get('source')}), zero-shot, each arm as trained (quantized arms with their HiF8 W8A8 ops and "
+        f"delayed-scaling states as training left them), batch size {EVAL_BATCH}. `d` = arm - reference, item by "
+        "item, over every item of every task, with its paired s.e. (`train.paired`); a quantized arm's reference is "
+        "its high-precision baseline at the same LR, a baseline's the loaded model. Per task: `downstream.md`; "
+        "per-sample logs: `<arm>/downstream/`.", "", downstream_table(ds_rows), ""]
+    with open(report, "a", encoding="utf-8") as f:
+        f.write("\n".join(text))
+    (run_dir / "downstream.md").write_text("\n".join(["# Paired comparisons per task", "", *sections]),
+                                           encoding="utf-8")
 
 
 # (key, header) of the grid notes: adaptation first, then retention; the forgetting measure is the first retention key

@@ -31,12 +31,12 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from .downstream_tasks import DEFAULT_TASKS, GROUPS, TASKS, expand_tasks, parse_limits, prepare
 from .paired import markdown, paired
 
-__all__ = ["main"]
+__all__ = ["evaluate_arm", "main", "offline_env"]
 
 
 def _prepare(argv: Sequence[str]) -> int:
@@ -74,6 +74,41 @@ def _model_args(text: str) -> dict[str, str]:
     return out
 
 
+def offline_env() -> None:
+    """lm-eval on local task files: no Hugging Face hub access, and no process pool for its bootstrap (a fork of
+    this multithreaded JAX process)."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("DISABLE_MULTIPROC", "1")
+
+
+def evaluate_arm(lm: Any, tasks: Sequence[str], out: str | Path, *, limit: int | None = None,
+                 bootstrap_iters: int = 1000, t0: float | None = None) -> dict[str, Any]:
+    """Evaluate one arm (``lm``: a `jaxlowfp.harness.JaxLowFPLM`, from model arguments or an in-process
+    ``model=``) on ``tasks`` with lm-eval's per-sample logs, and write them to ``out``: ``samples_<task>_<date>.jsonl``
+    (what `train.paired` reads) and ``results.json`` (lm-eval's results with its ``config.quantization`` record, the
+    wall time from ``t0`` (default: now), the load average and the backend's call records). Returns the results
+    without the samples. What ``tasks run`` does per arm, and ``python -m train --model ... --downstream`` per
+    trained arm."""
+    from jaxlowfp.harness import evaluate
+
+    offline_env()
+    t0 = time.time() if t0 is None else t0
+    d = Path(out)
+    d.mkdir(parents=True, exist_ok=True)
+    res = evaluate(lm, list(tasks), limit=limit, log_samples=True, bootstrap_iters=bootstrap_iters)
+    date = datetime.datetime.now().strftime("%Y-%m-%dT%H-%M-%S.%f")
+    for task, samples in res.pop("samples").items():
+        with open(d / f"samples_{task}_{date}.jsonl", "w", encoding="utf-8") as f:
+            for s in samples:
+                f.write(json.dumps(s, default=str, ensure_ascii=False) + "\n")
+    res["wall_seconds"] = time.time() - t0
+    res["load_average"] = os.getloadavg()
+    res["calls"] = lm.calls
+    (d / "results.json").write_text(json.dumps(res, indent=1, default=str) + "\n", encoding="utf-8")
+    return res
+
+
 def _run(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m train tasks run", description="evaluate arms on the same tasks, "
                                 "with per-sample logs, and compare them item by item")
@@ -91,10 +126,7 @@ def _run(argv: Sequence[str]) -> int:
     a = p.parse_args(list(argv))
     if a.bootstrap_iters < 0:
         p.error(f"--bootstrap-iters must be >= 0; got {a.bootstrap_iters}")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    # lm-eval's bootstrap forks a process pool unless this is set: a fork of this (multithreaded) JAX process
-    os.environ.setdefault("DISABLE_MULTIPROC", "1")
+    offline_env()  # before lm-eval and datasets are imported: they read it then
     arms = []
     for spec in a.arm:
         name, sep, args = spec.partition("=")
@@ -113,7 +145,7 @@ def _run(argv: Sequence[str]) -> int:
         if x not in names or y not in names:
             p.error(f"--pairs {pr!r}: arm names are {names}")
         pairs.append((x, y))
-    from jaxlowfp.harness import JaxLowFPLM, evaluate
+    from jaxlowfp.harness import JaxLowFPLM
 
     out = Path(a.out)
     tasks = [t for t in a.tasks.split(",") if t]
@@ -122,22 +154,11 @@ def _run(argv: Sequence[str]) -> int:
         if a.skip_done and (d / "results.json").is_file():
             print(f"{name}: reusing {d}", flush=True)
             continue
-        d.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
         lm = JaxLowFPLM(batch_size=a.batch_size, **margs)
-        res = evaluate(lm, tasks, limit=a.limit, log_samples=True, bootstrap_iters=a.bootstrap_iters)
-        wall = time.time() - t0
-        date = datetime.datetime.now().strftime("%Y-%m-%dT%H-%M-%S.%f")
-        for task, samples in res.pop("samples").items():
-            with open(d / f"samples_{task}_{date}.jsonl", "w", encoding="utf-8") as f:
-                for s in samples:
-                    f.write(json.dumps(s, default=str, ensure_ascii=False) + "\n")
-        res["wall_seconds"] = wall
-        res["load_average"] = os.getloadavg()
-        res["calls"] = lm.calls
-        (d / "results.json").write_text(json.dumps(res, indent=1, default=str) + "\n", encoding="utf-8")
+        res = evaluate_arm(lm, tasks, d, limit=a.limit, bootstrap_iters=a.bootstrap_iters, t0=t0)
         acc = {t: round(r.get("acc,none", float("nan")), 4) for t, r in res["results"].items()}
-        print(f"{name}: {acc} in {wall:.0f} s", flush=True)
+        print(f"{name}: {acc} in {res['wall_seconds']:.0f} s", flush=True)
     report = [f"# Paired comparisons ({', '.join(names)})", ""]
     for x, y in pairs:
         table = markdown(paired(out / x, out / y), name_a=x, name_b=y)
