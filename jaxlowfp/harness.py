@@ -83,7 +83,6 @@ from __future__ import annotations
 
 from jaxlowfp._core.surface import public_dir as _public_dir
 
-import collections
 import dataclasses
 import json
 import logging
@@ -105,6 +104,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from jaxlowfp._core.format import Format
 from jaxlowfp._core.checks import positive_int
 from jaxlowfp._core.deprecation import deprecated_getattr
+from jaxlowfp.eval_record import executed_record, given_model_record, layers_record
 from jaxlowfp.eval_quantize import ACT_SCALES, PTQ_LAYERS, QUANTIZE, eval_recipe, fake_quantize_model, ptq_model
 from jaxlowfp.evaluation import pair_request, rolling_requests, score_requests
 from jaxlowfp.lm_eval_cli import main
@@ -125,91 +125,6 @@ _GEN_KEYS = ("until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_
 def _bucket(n: int, cap: int) -> int:
     """Padded length: a power of two >= 16, at most ``cap``."""
     return min(max(16, 1 << (max(n, 1) - 1).bit_length()), cap)
-
-
-def _layers_record(selection: Any, paths: Any, **extra: Any) -> dict[str, Any]:
-    """The ``layers`` entry of the quantization record: the selection asked for, how many layers and which."""
-    paths = sorted(paths)
-    out = {"pattern": selection, "quantized": len(paths), "paths": paths}
-    if selection == "paper":
-        out.update(extra)
-    return out
-
-
-def _op_kind(op: Any) -> tuple[str, str, str]:
-    """(scheme, activation scale, configured GEMM backend) of one quantized op (`jaxlowfp.execution.op_modules`):
-    its recipe's name, where its activations get their amax (a PTQ quantizer's ``activation_scale``, a recipe's
-    scaling granularity, ``delayed (<algorithm>)``, or none for weights only) and its recipe's ``gemm``."""
-    recipe = op.recipe
-    scheme = str(getattr(recipe, "name", None) or type(recipe).__name__)
-    gemm = str(getattr(recipe, "gemm", "dequant"))
-    if hasattr(op, "activation_scale"):  # a PTQ activation quantizer
-        return scheme, str(op.activation_scale), gemm
-    if getattr(recipe, "activation", None) is None:
-        return scheme, "none (weights only)", gemm
-    sc = recipe.activation.scaling
-    return scheme, str(getattr(sc, "granularity", None) or f"delayed ({getattr(sc, 'algorithm', '?')})"), gemm
-
-
-def _given_model_record(model: Any) -> dict[str, Any]:
-    """The quantization record of an in-process ``model=`` (quantized, or not, by its caller): what its quantized
-    ops say they are (`jaxlowfp.execution.quantized_ops`): recipe names, activation scales and GEMM backends; kind
-    ``given`` with them, ``none`` without. (A weights-only quantization that left no op behind is invisible here.)"""
-    from jaxlowfp.execution import op_modules
-
-    ops = op_modules(model)
-    if not ops:
-        return {}
-    kinds = [_op_kind(op) for _, op in ops]
-    return {"kind": ["given"], "scheme": ", ".join(sorted({k[0] for k in kinds})),
-            "activation_scale": ", ".join(sorted({k[1] for k in kinds})),
-            "gemm": ", ".join(sorted({k[2] for k in kinds})), "layers": _layers_record(None, [p for p, _ in ops])}
-
-
-def _executed_record(model: Any) -> dict[str, Any]:
-    """What the model holds and ran, read from it (not from the arguments): the quantized op modules present
-    (`jaxlowfp.execution.op_modules`), how many, how many have executed (their execution record is set), and per
-    op ``"<scheme> | <activation scale> | <GEMM backend>"``, the backend being the one its last forward ran on
-    (``not run`` for an op that never executed); ``by_kind`` counts the ops per such string, and ``jaxlowfp`` is
-    the library version. Flat and JSON-serializable: `JaxLowFPLM.get_model_info` puts it in the results JSON as
-    ``config.quantization.executed``, after lm-eval's run."""
-    import jaxlowfp
-    from jaxlowfp.execution import op_modules, quantized_ops
-
-    per_op: dict[str, str] = {}
-    ran = 0
-    for (path, op), q in zip(op_modules(model), quantized_ops(model)):  # the same ops, in the same order
-        scheme, scale, _ = _op_kind(op)
-        ran += bool(q.executed)
-        key = path if path not in per_op else f"{path}#{sum(k.split('#')[0] == path for k in per_op) + 1}"
-        per_op[key] = f"{scheme} | {scale} | {(q.backend or '?') if q.executed else 'not run'}"
-    by_kind = dict(collections.Counter(per_op.values()))
-    return {"ops": len(per_op), "ran": ran, "by_kind": by_kind, "per_op": per_op, "packed": _packed_record(model),
-            "jaxlowfp": jaxlowfp.__version__}
-
-
-def _packed_activation(layer: Any) -> str:
-    """Where a `PackedLinear`'s activations are quantized: its PTQ quantizer's scale, its own format (one tensor
-    scale), a foreign checkpoint's quantizer, or not at all."""
-    if layer.act_quant is not None:
-        return str(layer.act_quant.activation_scale)
-    if layer.activation is not None:
-        return f"tensor ({layer.activation.name})"
-    return "checkpoint's" if layer.act_fn is not None else "none (weights only)"
-
-
-def _packed_record(model: Any) -> dict[str, Any]:
-    """The packed weights a model holds (`jaxlowfp.ptq.packing.report_of`; they are parameters, not ops, so
-    ``ops`` does not count them): how many, and per weight ``"<weight format> | <activation scale> | <backend>"``,
-    the backend being the one its layer plans on this device (``(native)``: the native GEMV), and their counts."""
-    from jaxlowfp.ptq.packing import packed_layers, report_of
-
-    layers = packed_layers(model)
-    per: dict[str, str] = {}
-    for path, fmt, backend, native in report_of(model).layers:
-        act = _packed_activation(layers[path]) if path in layers else "as its layer's op"
-        per[path] = f"{fmt} | {act} | {backend}{' (native)' if native else ''}"
-    return {"weights": len(per), "by_kind": dict(collections.Counter(per.values())), "per_weight": per}
 
 
 def _arguments_record(a: dict[str, Any]) -> dict[str, Any]:
@@ -336,7 +251,7 @@ class JaxLowFPLM(TemplateLM):
         record: dict[str, Any] = {"kind": [], "scheme": None, "method": None, "layers": None,
                                   "activation_scale": None, "gemm": None}
         if a["model"] is not None:  # quantized (or not) by the caller: what its ops say
-            record.update(_given_model_record(self.model))
+            record.update(given_model_record(self.model))
         if a["ptq_export"] is not None:
             from jaxlowfp import ptq
 
@@ -345,7 +260,7 @@ class JaxLowFPLM(TemplateLM):
             notes.append(f"PTQ export {a['ptq_export']}: {len(schemes)} quantized layers "
                          f"({', '.join(names)})")
             record.update(kind=["ptq_export"], scheme=", ".join(names), export=str(a["ptq_export"]),
-                          layers=_layers_record(None, schemes), activation_scale="as exported (static)",
+                          layers=layers_record(None, schemes), activation_scale="as exported (static)",
                           gemm="dequant")
         elif packed and a["model"] is not None:
             raise ValueError("packed= loads a checkpoint packed; with model= pack it first (jaxlowfp.ptq.pack_model)")
@@ -360,7 +275,7 @@ class JaxLowFPLM(TemplateLM):
             record["kind"].append("packed")
             record["gemm"] = ", ".join(f"{b}{' (native)' if n else ''}" for b, n in ran)
             if record["layers"] is None:
-                record["layers"] = _layers_record(None, self.backends)
+                record["layers"] = layers_record(None, self.backends)
         else:
             self.backends = {}
         if a["quantize"] != "none":
@@ -378,7 +293,7 @@ class JaxLowFPLM(TemplateLM):
                          + (" (native)" if gemm_plan.native else ""))
             record.update(kind=["fake"], scheme=a["quantize"], activation_scale=act,
                           gemm=gemm_plan.backend + (" (native)" if gemm_plan.native else ""),
-                          layers=_layers_record(a["layers"], [p for p, _ in report.quantized],
+                          layers=layers_record(a["layers"], [p for p, _ in report.quantized],
                                                 keep_first=int(a["keep_first"]), keep_last=int(a["keep_last"])))
         if a["ptq"] != "none":
             res = ptq_model(self.model, self.tokenizer, a["ptq"], scheme=a["ptq_scheme"], layers=a["ptq_layers"],
@@ -390,7 +305,7 @@ class JaxLowFPLM(TemplateLM):
                          f"{res.activation_scale or 'none (weights only)'}")
             record.update(kind=["ptq"], scheme=a["ptq_scheme"] + (" (weights only)" if a["weights_only"] else ""),
                           method=res.method, activation_scale=res.activation_scale or "none (weights only)",
-                          gemm="dequant", layers=_layers_record(a["ptq_layers"], res.schemes),
+                          gemm="dequant", layers=layers_record(a["ptq_layers"], res.schemes),
                           calibration=None if a["calibration"] is None else {
                               "file": str(a["calibration"]), "seqs": int(a["calib_seqs"]),
                               "len": int(a["calib_len"])})
@@ -427,10 +342,10 @@ class JaxLowFPLM(TemplateLM):
         ``jaxlowfp``, ``lm_eval`` and ``jax`` versions, the ``device`` and the model ``arguments`` that differ from
         their defaults. An in-process ``model=`` that holds quantized ops is kind ``given``, with their recipes,
         activation scales, GEMM backends and paths. ``executed`` is read from the model when this is called (lm-eval
-        calls it after the run): the quantized ops it holds and what each ran (`_executed_record`); it differs from
+        calls it after the run): the quantized ops it holds and what each ran (`executed_record`); it differs from
         the configured record where a rule's layer holds no op or an op never ran. Packed weights are not ops:
         ``executed.packed`` lists them, with their activation scales and the backends their layers plan."""
-        return {"quantization": {**self.quantization_record, "executed": _executed_record(self.model)}}
+        return {"quantization": {**self.quantization_record, "executed": executed_record(self.model)}}
 
     # -- lm-eval's TemplateLM interface -------------------------------------------------------------------------
 

@@ -46,6 +46,7 @@ FLOORS = {
     "jaxlowfp.evaluation": 7,
     "jaxlowfp.harness": 7,  # the lm-eval backend (jaxlowfp[lm-eval])
     "jaxlowfp.eval_quantize": 7,  # how the backend quantizes the model it evaluates (fake quantization, PTQ)
+    "jaxlowfp.eval_record": 7,  # what the backend records about the model it evaluated (results JSON)
     "jaxlowfp.lm_eval_tasks": 7,  # in-memory lm-eval tasks and evaluate()
     "jaxlowfp.lm_eval_cli": 7,  # the jaxlowfp-lm-eval command line
     "jaxlowfp": 8,  # the package's own __init__ (lazy: imports nothing of its own)

@@ -26,8 +26,8 @@ PUBLIC_MODULES = [
     "jaxlowfp", "jaxlowfp.formats", "jaxlowfp.hif8", "jaxlowfp.nvfp4", "jaxlowfp.mx", "jaxlowfp.if4",
     "jaxlowfp.hadamard", "jaxlowfp.scaling", "jaxlowfp.dispatch", "jaxlowfp.rules", "jaxlowfp.registry",
     "jaxlowfp.training", "jaxlowfp.qat", "jaxlowfp.qnnx", "jaxlowfp.qlinen", "jaxlowfp.owg", "jaxlowfp.qwix_provider",
-    "jaxlowfp.harness", "jaxlowfp.eval_quantize", "jaxlowfp.lm_eval_tasks", "jaxlowfp.lm_eval_cli",
-    "jaxlowfp.evaluation", "jaxlowfp.models", "jaxlowfp.ptq", "jaxlowfp.packed",
+    "jaxlowfp.harness", "jaxlowfp.eval_quantize", "jaxlowfp.eval_record", "jaxlowfp.lm_eval_tasks",
+    "jaxlowfp.lm_eval_cli", "jaxlowfp.evaluation", "jaxlowfp.models", "jaxlowfp.ptq", "jaxlowfp.packed",
     "jaxlowfp.backends", "jaxlowfp.ops", "jaxlowfp.execution", "jaxlowfp.sharding", "jaxlowfp.packed_layer",
 ]
 
