@@ -19,6 +19,9 @@ from jaxlowfp.models.llama import loss_fn
 
 FIX = Path(__file__).parent / "fixtures" / "moe"
 EXPERTS = r"blocks/\d+/mlp/experts/(gate|up|down)_proj"
+# one jitted forward for the file: models of the same structure (the float Qwen3-MoE of two parametrizations) reuse
+# its compiled program instead of compiling an identical one again
+_FWD = jax.jit(lambda m, x: m(x))
 
 
 @pytest.mark.parametrize("family,recipe,path", [
@@ -27,7 +30,7 @@ EXPERTS = r"blocks/\d+/mlp/experts/(gate|up|down)_proj"
     ids=lambda v: getattr(v, "name", v if isinstance(v, str) and "/" not in v else ""))
 def test_short_qat_run_on_a_tiny_moe(family, recipe, path):
     model, _ = load(FIX / family)
-    ref = np.asarray(jax.jit(lambda m, x: m(x))(model, jnp.arange(12, dtype=jnp.int32)[None] % 100))
+    ref = np.asarray(_FWD(model, jnp.arange(12, dtype=jnp.int32)[None] % 100))
     report = qnnx.quantize_model(model, [qnnx.Rule(path=path, recipe=recipe)])
     n_sparse = sum(1 for p, _ in report.quantized)
     assert n_sparse >= 3 and all(p.rsplit("/", 1)[1] in ("gate_proj", "up_proj", "down_proj")
@@ -51,8 +54,8 @@ def test_short_qat_run_on_a_tiny_moe(family, recipe, path):
         assert np.all(np.asarray(st.weight.count) == 3) and np.all(np.asarray(st.activation.count) <= 3)
         assert np.all(np.isfinite(np.asarray(st.activation.history)))
     # the quantized forward stays close to the float one (the same model, quantization noise only)
-    got = np.asarray(jax.jit(lambda m, x: m(x))(nnx.merge(graphdef, state.params, state.qstate, state.rest),
-                                               jnp.arange(12, dtype=jnp.int32)[None] % 100))
+    got = np.asarray(_FWD(nnx.merge(graphdef, state.params, state.qstate, state.rest),
+                          jnp.arange(12, dtype=jnp.int32)[None] % 100))
     assert np.isfinite(got).all() and np.abs(got - ref).max() < 5.0
 
 
@@ -88,8 +91,7 @@ def test_qwix_provider_trains_a_tiny_moe(family, recipe):
     qnnx.quantize_model(by_rules, [qnnx.Rule(path=EXPERTS, recipe=recipe)])
     if isinstance(recipe.activation.scaling, jaxlowfp.DelayedScaling):  # qwix's example call recorded one amax
         nnx.jit(lambda m, x: m(x))(by_rules, tokens[:, :-1])  # the same one-entry history here
-    fwd = jax.jit(lambda m, x: m(x))
-    np.testing.assert_allclose(np.asarray(fwd(qm, tokens)), np.asarray(fwd(by_rules, tokens)), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(_FWD(qm, tokens)), np.asarray(_FWD(by_rules, tokens)), atol=1e-4, rtol=0)
     tx = optax.adam(1e-4)
     graphdef, state = training.init(qm, tx)
     step = jax.jit(training.make_step(graphdef, tx, loss_fn))

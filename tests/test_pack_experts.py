@@ -26,8 +26,13 @@ CALIB = np.random.default_rng(0).integers(0, 100, (4, 16)).astype(np.int32)
 TOL = 1e-5
 
 
+# one jitted function for the file: a model of the same structure (the packed model and its split / merge, the
+# same fixture loaded twice) reuses the compiled program instead of compiling an identical one again
+_LOGP = jax.jit(lambda m, x: jax.nn.log_softmax(m(x), -1))
+
+
 def _logp(model):
-    return np.asarray(jax.jit(lambda m, x: jax.nn.log_softmax(m(x), -1))(model, TOKENS))
+    return np.asarray(_LOGP(model, TOKENS))
 
 
 def _experts(model):

@@ -85,7 +85,7 @@ def test_a_mesh_axis_that_divides_no_expert_count_is_a_clear_error():
         load(FIX / "qwen3_moe", mesh=mesh)
 
 
-def test_pack_on_a_mesh_keeps_each_weight_where_its_kernel_was():
+def test_pack_on_a_mesh_keeps_each_weight_where_its_kernel_was(pair):
     """`ptq.pack_model` of a sharded MoE model: each packed expert stack is placed as its float weight was (codes and
     block scales ``P('expert', n_axes, k_axes)`` of ``W'^T``, the per-expert global scales over 'expert'), the packed
     dense layers as their kernels (`sharding.packed_shardings`); the log-probs equal the one-device packed model's
@@ -104,7 +104,7 @@ def test_pack_on_a_mesh_keeps_each_weight_where_its_kernel_was():
     assert w.array.scales.sharding.spec == P("expert", "tensor", "fsdp")
     assert w.array.global_scale.sharding.spec == P("expert")
     q = model.blocks[0].attn.q_proj.kernel.get_value()
-    loaded = load(FIX / "qwen3_moe", mesh=sharding.make_mesh(MESH))[0]
+    loaded = pair[1]  # the same file loaded on the same mesh, unquantized (the module's fixture)
     kernel_spec = loaded.blocks[0].attn.q_proj.kernel[...].sharding.spec
     assert q.array.codes.sharding.spec == P(kernel_spec[1], kernel_spec[0])
     f = jax.jit(lambda m, x: jax.nn.log_softmax(m(x), -1))
