@@ -56,9 +56,10 @@ def executed_record(model: Any) -> dict[str, Any]:
     """What the model holds and ran, read from it (not from the arguments): the quantized op modules present
     (`jaxlowfp.execution.op_modules`), how many, how many have executed (their execution record is set), and per
     op ``"<scheme> | <activation scale> | <GEMM backend>"``, the backend being the one its last forward ran on
-    (``not run`` for an op that never executed); ``by_kind`` counts the ops per such string, and ``jaxlowfp`` is
-    the library version. Flat and JSON-serializable: `JaxLowFPLM.get_model_info` puts it in the results JSON as
-    ``config.quantization.executed``, after lm-eval's run."""
+    (``not run`` for an op that never executed); ``by_kind`` counts the ops per such string, ``packed`` lists the
+    packed weights (`packed_record`), and ``jaxlowfp`` is the library version. Flat and JSON-serializable:
+    `JaxLowFPLM.get_model_info` puts it in the results JSON as ``config.quantization.executed``, after lm-eval's
+    run."""
     import jaxlowfp
     from jaxlowfp.execution import op_modules, quantized_ops
 
