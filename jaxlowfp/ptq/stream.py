@@ -46,9 +46,9 @@ def fetch(x: Any) -> np.ndarray:
     ``np.asarray`` of a `jax.Array` that had to be copied to the host (a sharded one, or any on an accelerator)
     keeps that copy cached on the array (``jax.Array._value``), so converting every parameter would leave the whole
     model on the host; here each shard is copied from a temporary device copy of it (which goes with its cache)
-    into one host array, so the host holds the tensor and one shard."""
+    into one host array, so the host holds the tensor and one shard. The temporary copy is a transfer
+    (``jax.device_put(..., may_alias=False)``), not a jitted copy, so nothing compiles per shard shape."""
     import jax
-    import jax.numpy as jnp
 
     from jaxlowfp.sharding import to_host
 
@@ -59,7 +59,7 @@ def fetch(x: Any) -> np.ndarray:
     out = np.empty(x.shape, x.dtype)
     for s in x.addressable_shards:
         if s.replica_id == 0:  # each distinct slice once
-            out[s.index] = np.asarray(jnp.array(s.data, copy=True))
+            out[s.index] = np.asarray(jax.device_put(s.data, may_alias=False))
     return out
 
 
