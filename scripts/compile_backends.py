@@ -116,7 +116,8 @@ def compile_cases(names: list[str]) -> dict[str, dict]:
         if backend.startswith(("qat:", "qat_experts:")):
             out[name] = _compile_qat(name, qat, jax, jnp, mesh, rep, device)
             continue
-        w = packed.pack(jnp.zeros((K, N), jnp.float32), wf)  # only the shapes and static metadata are used
+        # only the shapes, dtypes and static metadata are used: traced, not run (no CPU compile of the quantizer)
+        w = jax.eval_shape(lambda: packed.pack(jnp.zeros((K, N), jnp.float32), wf))
         abstract_w = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), w)
         x = jax.ShapeDtypeStruct((M, K), jnp.bfloat16, sharding=rep)
         plan = backends.plan(w, af, {ROWS: "scaled_matmul", FP8_ROWS: "fp8"}.get(backend, backend), device=device)
