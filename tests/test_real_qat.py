@@ -201,8 +201,12 @@ def test_python_m_train_model_runs_end_to_end(tiny_dir, tmp_path):
     argv = [sys.executable, "-m", "train", "--model", str(tiny_dir), "--steps", "2", "--warmup-steps", "1",
             "--batch-size", "2", "--seq-len", "16", "--eval-tokens", "64", "--eval-length", "32", "--mc-items", "4",
             "--max-bytes", "100000", "--keep-first", "1", "--keep-last", "1", "--out", str(out), "--no-progress"]
-    p = subprocess.run(argv, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
-                       timeout=900)
+    # one persistent compilation cache for both runs: the --resume run's evaluation of the loaded model is the same
+    # XLA programs as the first run's, and loads them instead of compiling again (a loaded executable is the same
+    # compiled program, so the reused rows compared below are unchanged)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla-cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    p = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]
     for needle in ("Python ppl", "Shakespeare ppl", "prose ppl", "MC acc", "loss APE %", "pretrained (start)",
                    "high precision", "hif8 most_recent, no warmup", "hif8 max_window 64, warmup 1", "report:"):
@@ -213,8 +217,7 @@ def test_python_m_train_model_runs_end_to_end(tiny_dir, tmp_path):
     paper = [json.loads(line) for line in (out / "paper" / "metrics.jsonl").read_text().splitlines()]
     assert [r["observe_only"] for r in paper] == [True, False] and "amax_estimate" in paper[1]
     # --resume reuses the finished arms (a grid cut by a time limit goes on where it stopped)
-    again = subprocess.run(argv + ["--resume"], cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"},
-                           capture_output=True, text=True, timeout=900)
+    again = subprocess.run(argv + ["--resume"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stderr[-4000:]
     assert again.stderr.count("finished earlier: reused") == 3
     assert json.loads((out / "results.json").read_text())["rows"][1:] == rows[1:]
