@@ -13,10 +13,11 @@ and a restore into processes that have never seen the state.
 
 The processes run tests/_multiprocess_worker.py (`train.loop.train`, `train.mesh.initialize_distributed`,
 `train.checkpoint`). Most of the time is compiling the step: the reference, and each process of the first pair.
-The workers share this run's persistent compilation cache (conftest): the first pair's process 0 writes its step
-there (only process 0 of a job writes), and the second pair, the same program over the same global devices, loads
-it instead of compiling (seen: after a run the cache holds two step programs, the reference's and the first pair's;
-a second pair that compiled would have written a third). A loaded executable is the same compiled program, so the
+The workers share this run's persistent compilation cache (conftest), or without one (the default) the pairs share
+one of this test's own: the first pair's process 0 writes its step there (only process 0 of a job writes), and the
+second pair, the same program over the same global devices, loads it instead of compiling (seen: after a run the
+run-wide cache holds two step programs, the reference's and the first pair's; a second pair that compiled would
+have written a third). A loaded executable is the same compiled program, so the
 bit-for-bit comparisons below are unchanged."""
 from __future__ import annotations
 
@@ -53,6 +54,9 @@ def _launch(tmp: Path, name: str, *, n_proc: int, devices: int, steps: int, out:
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # this run's persistent cache (conftest): the second pair
         env.update({k: os.environ[k] for k in ("JAX_COMPILATION_CACHE_DIR",  # loads the first pair's step
                                                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS") if k in os.environ})
+    elif n_proc > 1:  # no run-wide cache (conftest's default): the pairs share one of this test's own
+        env.update(JAX_COMPILATION_CACHE_DIR=str(tmp / "xla-cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     procs = []
     for i in range(n_proc):
         result, log = tmp / f"{name}-{i}.npz", tmp / f"{name}-{i}.log"
