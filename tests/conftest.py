@@ -54,6 +54,13 @@ def child_xla_flags() -> str:
                     if not f.startswith("--xla_force_host_platform_device_count"))
 
 
+def child_cache_env(directory) -> dict[str, str]:
+    """Environment for subprocesses of one test that share a persistent compilation cache in `directory` (every
+    program cached, however small or quick to compile): a later process loads what an earlier one compiled."""
+    return {"JAX_COMPILATION_CACHE_DIR": str(directory), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
 def pytest_unconfigure(config):
     """The controlling process (not an xdist worker) deletes the cache it made."""
     if _OWN_CACHE and not hasattr(config, "workerinput"):

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import child_xla_flags
+from conftest import child_cache_env, child_xla_flags
 
 WORKER = Path(__file__).with_name("_multiprocess_worker.py")
 ROOT = WORKER.parents[1]
@@ -55,8 +55,7 @@ def _launch(tmp: Path, name: str, *, n_proc: int, devices: int, steps: int, out:
         env.update({k: os.environ[k] for k in ("JAX_COMPILATION_CACHE_DIR",  # loads the first pair's step
                                                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS") if k in os.environ})
     elif n_proc > 1:  # no run-wide cache (conftest's default): the pairs share one of this test's own
-        env.update(JAX_COMPILATION_CACHE_DIR=str(tmp / "xla-cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+        env.update(child_cache_env(tmp / "xla-cache"))
     procs = []
     for i in range(n_proc):
         result, log = tmp / f"{name}-{i}.npz", tmp / f"{name}-{i}.log"

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import child_cache_env
 from test_models_hf import write_hf
 from test_models_oracle import random_weights
 from train.arms import RuleError, quantize_arm, train_arm
@@ -204,8 +205,7 @@ def test_python_m_train_model_runs_end_to_end(tiny_dir, tmp_path):
     # one persistent compilation cache for both runs: the --resume run's evaluation of the loaded model is the same
     # XLA programs as the first run's, and loads them instead of compiling again (a loaded executable is the same
     # compiled program, so the reused rows compared below are unchanged)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla-cache"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **child_cache_env(tmp_path / "xla-cache")}
     p = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]
     for needle in ("Python ppl", "Shakespeare ppl", "prose ppl", "MC acc", "loss APE %", "pretrained (start)",

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import child_cache_env
 from train.config import TrainConfig, arm_specs, parse_args, pretrain_key
 from train.mesh import make_mesh, param_spec, parse_mesh
 
@@ -108,8 +109,7 @@ def test_python_m_train_runs_end_to_end_and_the_paper_grid_reuses_the_pretrained
             "--no-progress"]
     # one persistent compilation cache for both runs: the grid run's high-precision and most_recent arms and every
     # evaluation are the same XLA programs as the first run's, and load instead of compiling again
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla-cache"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **child_cache_env(tmp_path / "xla-cache")}
     p = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]
     for needle in ("B val loss", "A val loss", "MC acc_norm", "loss APE %", "max sat", "pretrained (start)",
