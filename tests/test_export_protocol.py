@@ -14,12 +14,11 @@ import gguf
 import ml_dtypes
 import numpy as np
 import pytest
+import mamba2_jax.modeling as mamba  # the test extra installs it: a missing one fails, never skips
 from flax import nnx
 
 from jaxlowfp import ptq
 from jaxlowfp.ptq.protocol import ExportTensor
-
-mamba = pytest.importorskip("mamba2_jax.modeling")
 
 FIX = Path(__file__).parent / "fixtures" / "interop"
 E2M1 = np.asarray([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)  # OCP MX spec, FP4 E2M1 magnitudes
