@@ -102,7 +102,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
                       "pip install 'jaxlowfp[lm-eval]'") from e
 
 from jaxlowfp._core.format import Format
-from jaxlowfp._core.checks import positive_int
+from jaxlowfp._core.checks import flag, positive_int
 from jaxlowfp._core.deprecation import deprecated_getattr
 from jaxlowfp.eval_record import executed_record, given_model_record, layers_record
 from jaxlowfp.eval_quantize import ACT_SCALES, PTQ_LAYERS, QUANTIZE, eval_recipe, fake_quantize_model, ptq_model
@@ -202,7 +202,7 @@ class JaxLowFPLM(TemplateLM):
         self._batch_size = positive_int(a["batch_size"], "batch_size")
         self._max_gen_toks = positive_int(a["max_gen_toks"], "max_gen_toks")
         self.seed = int(a["seed"])
-        self.progress = bool(a["progress"])
+        self.progress = flag(a["progress"], "progress")
         from jaxlowfp import sharding
 
         self.mesh = sharding.make_mesh(a["mesh"]) if isinstance(a["mesh"], str) else a["mesh"]
@@ -297,7 +297,7 @@ class JaxLowFPLM(TemplateLM):
                                                 keep_first=int(a["keep_first"]), keep_last=int(a["keep_last"])))
         if a["ptq"] != "none":
             res = ptq_model(self.model, self.tokenizer, a["ptq"], scheme=a["ptq_scheme"], layers=a["ptq_layers"],
-                       weights_only=bool(a["weights_only"]), calibration=a["calibration"],
+                       weights_only=flag(a["weights_only"], "weights_only"), calibration=a["calibration"],
                        calib_seqs=positive_int(a["calib_seqs"], "calib_seqs"),
                        calib_len=positive_int(a["calib_len"], "calib_len"), act_scale=a["act_scale"],
                        mesh=self.mesh)

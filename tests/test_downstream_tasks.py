@@ -141,6 +141,9 @@ def test_run_compares_two_arms_and_records_the_quantization(wheel, tiny, tmp_pat
     assert main(["run", "--tasks", str(tasks), "--out", str(out), "--batch-size", "4",
                  "--arm", f"f32=pretrained={tiny},max_gen_toks=4",
                  "--arm", f"q=pretrained={tiny},quantize=nvfp4,layers={layers},max_gen_toks=4"]) == 0
+    io = capsys.readouterr()  # each arm says it started, and its scoring shows a bar in tokens (on by default)
+    assert "f32: loading and scoring" in io.out and "q: loading and scoring" in io.out
+    assert io.err.count("loglikelihood:") >= 2 and "tok/s" in io.err, io.err[-2000:]
     report = (out / "report.md").read_text()
     assert "## q vs f32" in report and "| arc_easy | acc | 3 |" in report and "| piqa | gold_ll | 4 |" in report
     assert "| winogrande | gold_ll | 3 |" in report and "| mmlu_anatomy | acc | 3 |" in report

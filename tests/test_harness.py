@@ -165,9 +165,14 @@ def test_bad_input_is_a_clear_error(tiny, caplog):
                     (dict(layers="nothing/here", quantize="hif8"), "selects no Linear layer"),
                     (dict(max_length=128), "max_length=128 exceeds the model's max_seq_len=64"),
                     (dict(dtype="float16"), "dtype='float16'; allowed: float32, bfloat16"),
-                    (dict(ptq="rtn", ptq_scheme="nvfp4-bogus"), r"ptq_scheme='nvfp4-bogus'; allowed: nvfp4, ")]:
+                    (dict(ptq="rtn", ptq_scheme="nvfp4-bogus"), r"ptq_scheme='nvfp4-bogus'; allowed: nvfp4, "),
+                    (dict(progress="yes"), "progress must be true or false; got 'yes'"),
+                    (dict(ptq="rtn", weights_only="0"), "weights_only must be true or false; got '0'")]:
         with pytest.raises(ValueError, match=msg):
             JaxLowFPLM(pretrained=str(path), **kw)
+    # a command line's strings (``python -m train tasks run --arm a=...,progress=false``): "false" is False
+    assert [JaxLowFPLM(pretrained=str(path), progress=v).progress for v in ("false", "True", False)] == [
+        False, True, False]
     with pytest.raises(ValueError, match="name a checkpoint with pretrained="):
         JaxLowFPLM(model="smollm2-135m")
     with pytest.raises(ValueError, match="needs pretrained="):
@@ -230,11 +235,13 @@ def test_a_ptq_export_from_model_arguments(tiny, tmp_path):
     assert lm.loglikelihood(req) == want  # the exported weights reload bit for bit (jaxlowfp.ptq.load)
 
 
-def _mc_requests(seed=0, n=12):
-    """Multiple-choice-like requests: contexts of 8..60 tokens, continuations of 1..6 (scored positions only)."""
+def _mc_requests(seed=0, n=12, contexts=None):
+    """Multiple-choice-like requests: contexts of 8..60 tokens (or the lengths `contexts`), continuations of 1..6
+    (scored positions only)."""
     rng = np.random.default_rng(seed)
+    contexts = rng.integers(8, 58, n) if contexts is None else contexts
     return [ev.Request(tuple(int(t) for t in rng.integers(3, CFG["vocab"], c + k)), k)
-            for c, k in zip(rng.integers(8, 58, n), rng.integers(1, 7, n))]
+            for c, k in zip(contexts, rng.integers(1, 7, len(contexts)))]
 
 
 def test_scoring_the_continuations_only_equals_scoring_every_position(tiny, monkeypatch):
@@ -264,7 +271,9 @@ def test_quantized_continuation_scores_do_not_depend_on_the_batch(tiny):
     path, _, _, _ = tiny
     from jaxlowfp.harness import fake_quantize_model
 
-    reqs = _mc_requests(seed=1, n=8)
+    # contexts in two length buckets (`evaluation._bucket`: 16 and 56), one compiled program each per batch shape
+    reqs = _mc_requests(seed=1, contexts=(8, 9, 10, 11, 50, 51, 50, 51))
+    assert {ev._bucket(len(r.tokens) - 1) for r in reqs} == {16, 56}
     for act, close in (("token", True), ("tensor", False)):
         model, _ = load(path)
         fake_quantize_model(model, "nvfp4", layers="all", act_scale=act)

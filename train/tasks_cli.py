@@ -120,6 +120,9 @@ def _run(argv: Sequence[str]) -> int:
     p.add_argument("--limit", type=int, default=None, help="lm-eval's --limit (the first N documents per task)")
     p.add_argument("--pairs", default="", help="more comparisons: a:b,c:d (arm names)")
     p.add_argument("--skip-done", action="store_true", help="reuse an arm whose results.json exists")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no scoring progress bar (default: one bar per request kind, in tokens, unless an arm sets "
+                        "progress=)")
     p.add_argument("--bootstrap-iters", type=int, default=1000,
                    help="lm-eval's bootstrap resamples for the s.e. of non-mean metrics (f1, mcc); its default "
                         "100000 takes minutes per metric, and the paired s.e. does not use it (default: %(default)s)")
@@ -155,7 +158,8 @@ def _run(argv: Sequence[str]) -> int:
             print(f"{name}: reusing {d}", flush=True)
             continue
         t0 = time.time()
-        lm = JaxLowFPLM(batch_size=a.batch_size, **margs)
+        print(f"{name}: loading and scoring", flush=True)
+        lm = JaxLowFPLM(batch_size=a.batch_size, **({"progress": not a.no_progress} | margs))
         res = evaluate_arm(lm, tasks, d, limit=a.limit, bootstrap_iters=a.bootstrap_iters, t0=t0)
         acc = {t: round(r.get("acc,none", float("nan")), 4) for t, r in res["results"].items()}
         print(f"{name}: {acc} in {res['wall_seconds']:.0f} s", flush=True)

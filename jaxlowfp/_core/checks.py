@@ -103,6 +103,16 @@ def positive_int(value: Any, what: str) -> int:
     return int(value)
 
 
+def flag(value: Any, what: str) -> bool:
+    """`value` as a bool: a bool, or the strings true / false (any case) that a command line passes (``--model_args
+    progress=false``: ``bool("false")`` would be True); a ValueError naming `what` and the value otherwise."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise ValueError(f"{what} must be true or false; got {value!r}")
+
+
 def dimension_numbers_of(dn: Any) -> tuple:
     """``dot_general`` dimension numbers ``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))`` as tuples of
     ints (hashable: usable as static configuration); a ValueError naming what was given otherwise."""
