@@ -29,8 +29,8 @@ from jaxlowfp.models import load
 from train.real_qat import TokenStream, token_eval_batches, tokenize_domain
 
 REPO = Path(__file__).resolve().parents[1]
-# a Llama-family model with SmolLM2's features (tied embedding, grouped-query attention), 4 blocks
-TINY = dict(vocab=272, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=96, tied=True,
+# a Llama-family model with SmolLM2's features (tied embedding, grouped-query attention), 3 blocks (block 1 quantized)
+TINY = dict(vocab=272, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=96, tied=True,
             theta=10_000.0, eps=1e-5)
 
 
@@ -180,7 +180,7 @@ def test_a_bad_model_path_is_a_clear_error(tmp_path, capsys):
 def test_incompatible_rules_are_clear_errors(tiny_dir, tmp_path, capsys):
     msg = _main(["--model", str(tiny_dir), "--keep-first", "3", "--keep-last", "1", "--out", str(tmp_path),
                  "--no-progress"], capsys)
-    assert "the quantization rules do not fit the model (4 blocks)" in msg and "leaves no block" in msg
+    assert "the quantization rules do not fit the model (3 blocks)" in msg and "leaves no block" in msg
     # NVFP4 blocks of 16 along a 40-wide input: the layer is named
     odd = dict(TINY, d_model=40, head_dim=10)
     write_hf(tmp_path / "odd", random_weights(odd), odd, shards=1)
