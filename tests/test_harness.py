@@ -167,12 +167,13 @@ def test_bad_input_is_a_clear_error(tiny, caplog):
                     (dict(dtype="float16"), "dtype='float16'; allowed: float32, bfloat16"),
                     (dict(ptq="rtn", ptq_scheme="nvfp4-bogus"), r"ptq_scheme='nvfp4-bogus'; allowed: nvfp4, "),
                     (dict(progress="yes"), "progress must be true or false; got 'yes'"),
-                    (dict(ptq="rtn", weights_only="0"), "weights_only must be true or false; got '0'")]:
+                    (dict(ptq="rtn", weights_only="no"), "weights_only must be true or false; got 'no'"),
+                    (dict(progress=2), "progress must be true or false; got 2")]:
         with pytest.raises(ValueError, match=msg):
             JaxLowFPLM(pretrained=str(path), **kw)
     # a command line's strings (``python -m train tasks run --arm a=...,progress=false``): "false" is False
-    assert [JaxLowFPLM(pretrained=str(path), progress=v).progress for v in ("false", "True", False)] == [
-        False, True, False]
+    assert [JaxLowFPLM(pretrained=str(path), progress=v).progress for v in ("false", "True", "0", 1, False)] == [
+        False, True, False, True, False]
     with pytest.raises(ValueError, match="name a checkpoint with pretrained="):
         JaxLowFPLM(model="smollm2-135m")
     with pytest.raises(ValueError, match="needs pretrained="):

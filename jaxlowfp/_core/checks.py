@@ -104,12 +104,15 @@ def positive_int(value: Any, what: str) -> int:
 
 
 def flag(value: Any, what: str) -> bool:
-    """`value` as a bool: a bool, or the strings true / false (any case) that a command line passes (``--model_args
-    progress=false``: ``bool("false")`` would be True); a ValueError naming `what` and the value otherwise."""
+    """`value` as a bool: a bool, the int 0 or 1, or the strings true / false / 1 / 0 (any case) that a command line
+    passes (``--model_args progress=false``: ``bool("false")`` would be True); a ValueError naming `what` and the
+    value otherwise."""
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
-    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-        return value.strip().lower() == "true"
+    if isinstance(value, (int, np.integer)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+        return value.strip().lower() in ("true", "1")
     raise ValueError(f"{what} must be true or false; got {value!r}")
 
 
