@@ -42,7 +42,8 @@ class RecordSink(Protocol):
 def new_record() -> ExecutionRecord:
     """A fresh record: not executed. A NumPy value, as every value `write` sets: it lives on no device, so a model
     placed on a mesh after (or before) its ops were made is still all on the mesh (`jaxlowfp.sharding`); a jitted
-    call takes it as any input and returns it on the call's devices."""
+    call takes it as any input and returns it on the call's devices. `quantize_model` and `pack_model` then put it
+    where the model's arrays are (`jaxlowfp._core.placement`), so the first call compiles what later calls run."""
     return ExecutionRecord(np.zeros((), np.int32))
 
 

@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jaxlowfp import sharding
+from jaxlowfp._core.placement import commit_state
 from jaxlowfp._core.qarray import QArray
 from jaxlowfp._core.deprecation import renamed_kwarg, warn
 from jaxlowfp._core.progress import progress_bar
@@ -169,11 +170,14 @@ def quantize(model: nnx.Module, rules: Sequence[Rule] | Rule, **kwargs: Any) -> 
     before the error propagates."""
     snapshot = _snapshot(model) if isinstance(model, nnx.Module) else None
     try:
-        return _quantize(model, rules, **kwargs)
+        result = _quantize(model, rules, **kwargs)
     except BaseException:
         if snapshot is not None:
             _restore(snapshot)
         raise
+    if isinstance(model, nnx.Module):
+        commit_state(model)  # the first jitted call compiles what every later one runs
+    return result
 
 
 def _quantize(

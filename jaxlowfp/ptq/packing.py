@@ -34,6 +34,7 @@ from flax import nnx
 
 from jaxlowfp._core.deprecation import renamed_kwarg
 from jaxlowfp import backends, packed, sharding
+from jaxlowfp._core.placement import commit_state
 from jaxlowfp._core.qarray import QArray
 from jaxlowfp.packed_layer import PackedLinear, replace_modules
 from jaxlowfp.ptq.api import PTQResult
@@ -311,6 +312,7 @@ def pack(model: nnx.Module, result: PTQResult, *, gemm: str = "auto", paths: Seq
         setattr(mods[path], "kernel", kern)  # the float kernel is dropped; the layer reads the packed one
     for path, (mod, name, var) in experts.items():
         setattr(mod, name, var)
+    commit_state(model)  # the first jitted call compiles what every later one runs
     return PackReport(layers=tuple(rows), params=params, float_bytes=float_bytes, packed_bytes=packed_bytes)
 
 

@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 
 from jaxlowfp import qat
+from jaxlowfp._core.placement import commit_state
 from jaxlowfp.qnnx.layer import GROUPED_PREFIX, QuantEinsum, QuantLinear, QuantLinearGeneral, QuantOp, QuantRaggedOp
 from jaxlowfp.rules import QuantizeReport, Rule, check_rules, grouped_weights, select
 
@@ -177,6 +178,7 @@ def quantize(model: nnx.Module, rules: Sequence[Rule], *, rngs: nnx.Rngs | None 
             parent[key] = new
     for module, attr, op in attach:
         setattr(module, attr, op)
+    commit_state(model)  # the first jitted call compiles what every later one runs
 
     return QuantizeReport(
         quantized=tuple(quantized),

@@ -1,0 +1,52 @@
+"""Where a model's arrays live: committed to the devices they are on, so that a jitted call sees the same inputs the
+first time as every time after.
+
+``jax.jit`` lowers an uncommitted argument (a NumPy value, or an array made by ``jnp.asarray`` or an eager op and
+never placed) with an unspecified sharding and a committed one with its own, so the two compile apart. A quantized
+op writes state in its forward (its execution record; a QAT op its amax history), and ``nnx.jit`` then hands back
+the model's state as the call's outputs, which are committed: without this, the second call of a freshly quantized
+model compiles the same program again (a SmolLM2-135M forward at ``-O0`` on 2 CPU cores: 7 s more with standard
+NVFP4 on every projection, 57 s more with Four Over Six).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+__all__ = ["commit_state"]
+
+
+def commit_state(model: nnx.Module) -> None:
+    """Commit `model`'s state in place: an uncommitted array to the device it is on
+    (``jax.device_put(x, x.sharding)``, the same buffer), a NumPy value (an execution record) to where the model's
+    committed arrays are (one device; replicated on their mesh). Tracers are left as they are, and NumPy values too
+    when the committed arrays are on several meshes (or none is committed and the arrays are on several devices)."""
+    state = nnx.state(model)
+    leaves = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)]
+    home = _home([x.sharding for x in leaves if x.committed] or [x.sharding for x in leaves])
+
+    def commit(x: Any) -> Any:
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and not x.committed:
+            return jax.device_put(x, x.sharding)
+        if isinstance(x, np.ndarray) and home is not None:
+            return jax.device_put(x, home)
+        return x
+
+    nnx.update(model, jax.tree.map(commit, state))
+
+
+def _home(shardings: list[jax.sharding.Sharding]) -> jax.sharding.Sharding | None:
+    """Where a value that belongs to no device goes: the one device all `shardings` are on, or their mesh,
+    replicated; None when they differ (or there are none)."""
+    devices = {frozenset(s.device_set) for s in shardings}
+    if len(devices) != 1:
+        return None
+    (only,) = devices
+    if len(only) == 1:
+        return jax.sharding.SingleDeviceSharding(next(iter(only)))
+    meshes = {s.mesh for s in shardings if isinstance(s, NamedSharding)}
+    return NamedSharding(meshes.pop(), PartitionSpec()) if len(meshes) == 1 else None
