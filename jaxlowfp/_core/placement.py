@@ -5,8 +5,8 @@ first time as every time after.
 never placed) with an unspecified sharding and a committed one with its own, so the two compile apart. A quantized
 op writes state in its forward (its execution record; a QAT op its amax history), and ``nnx.jit`` then hands back
 the model's state as the call's outputs, which are committed: without this, the second call of a freshly quantized
-model compiles the same program again (a SmolLM2-135M forward at ``-O0`` on 2 CPU cores: 7 s more with standard
-NVFP4 on every projection, 57 s more with Four Over Six).
+model compiles the same program again (a SmolLM2-135M forward at ``-O0`` on 2 CPU cores shared with a training run:
+7 s more with standard NVFP4 on every projection, 57 s more with Four Over Six).
 """
 from __future__ import annotations
 
