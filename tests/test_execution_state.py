@@ -68,7 +68,7 @@ def test_a_quantized_models_second_nnx_jit_call_compiles_nothing(how, caplog):
     """A quantized op writes its record (a QAT op its amax history) in the forward, so ``nnx.jit`` hands back the
     model's whole state committed to its device; `quantize_model` and `pack_model` leave the state committed, so the
     first call lowers with the shardings of every later one and XLA compiles the program once (it compiled it again
-    at the second call: a SmolLM2 forward with Four Over Six on every projection, 57 s at -O0)."""
+    at the second call: a SmolLM2 forward with Four Over Six on every projection, 57 s at -O0 beside a training run)."""
     import logging
 
     if how == "packed":

@@ -26,17 +26,21 @@ def commit_state(model: nnx.Module) -> None:
     committed arrays are (one device; replicated on their mesh). Tracers are left as they are, and NumPy values too
     when the committed arrays are on several meshes (or none is committed and the arrays are on several devices)."""
     state = nnx.state(model)
-    leaves = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)]
+    leaves = [x for x in jax.tree.leaves(state) if _concrete(x)]
     home = _home([x.sharding for x in leaves if x.committed] or [x.sharding for x in leaves])
 
     def commit(x: Any) -> Any:
-        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and not x.committed:
+        if _concrete(x) and not x.committed:
             return jax.device_put(x, x.sharding)
         if isinstance(x, np.ndarray) and home is not None:
             return jax.device_put(x, home)
         return x
 
     nnx.update(model, jax.tree.map(commit, state))
+
+
+def _concrete(x: Any) -> bool:
+    return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
 
 
 def _home(shardings: list[jax.sharding.Sharding]) -> jax.sharding.Sharding | None:
