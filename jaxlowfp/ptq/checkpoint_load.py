@@ -19,6 +19,7 @@ from jax import lax
 from jaxlowfp import packed as packing
 from jaxlowfp._core.deprecation import renamed_kwarg
 from jaxlowfp._core.format import Format
+from jaxlowfp._core.placement import commit_state
 from jaxlowfp._core.qarray import QArray
 from jaxlowfp.ptq import serving
 from jaxlowfp.ptq.calibrate import linear_modules
@@ -241,4 +242,5 @@ def load(model: nnx.Module, directory: str | Path, *, packed: bool = False, gemm
             raise ValueError(f"{name}: shape {value.shape} does not fit {path} {var.shape}")
         var.set_value(jnp.asarray(value, var.dtype))
     replace_modules(model, replaced)
+    commit_state(model)  # the first jitted call compiles what every later one runs
     return schemes
