@@ -87,6 +87,20 @@ def test_a_quantized_models_second_nnx_jit_call_compiles_nothing(how, caplog):
     assert sum("jit(<lambda>)" in m for m in compiled) == 1, compiled
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_loaded_model_is_committed_where_it_is(family):
+    """`models.load` hands back committed arrays, so a jitted forward of the loaded model is the program the same
+    model runs after its state comes back from a jitted call (an evaluation, a step): one compile, not two."""
+    from pathlib import Path
+
+    from jaxlowfp.models import load
+
+    model, _ = load(Path(__file__).parent / "fixtures" / "moe" / family)
+    leaves = [x for x in jax.tree.leaves(nnx.state(model)) if isinstance(x, jax.Array)]
+    assert leaves and all(x.committed for x in leaves)
+    assert {d for x in leaves for d in x.devices()} == {jax.devices()[0]}
+
+
 def _recipe(model, path):
     mod = getattr(model, path)
     return mod.recipe if isinstance(mod, qnnx.QuantOp) else mod.dot_general.recipe
