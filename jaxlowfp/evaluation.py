@@ -40,6 +40,7 @@ from flax import nnx
 from jaxlowfp import sharding
 from jaxlowfp.execution import (SharedPrograms, batch_scaled_ops, check_executed, per_request_model, records,
                                 update_records)
+from jaxlowfp._core.placement import commit_tree
 from jaxlowfp._core.progress import progress_bar
 
 __all__ = [
@@ -195,7 +196,10 @@ class _Forward:
                 raise TypeError(f"{type(model).__name__}.ptq_blocks() must give callables embed and head and the paths "
                                 f"of blocks; got embed={embed!r}, head={head!r}, no module at {bad[:3]}")
             self.programs = SharedPrograms([mods[path] for path, _ in blocks])
-            self.blocks = [(call, g, s) for (_, call), (g, s) in zip(blocks, self.programs.split)]
+            # committed where the model is (`placement.commit_tree`): a block program is shared by the blocks of
+            # every model of its structure, and an uncommitted model's would be lowered (compiled) apart
+            self.state, states = commit_tree((self.state, [s for _, s in self.programs.split]))
+            self.blocks = [(call, g, s) for (_, call), (g, _), s in zip(blocks, self.programs.split, states)]
             self.embed, self.head = embed, head
 
     def __call__(self, inputs: jax.Array, targets: jax.Array, weights: jax.Array,

@@ -101,6 +101,23 @@ def test_a_loaded_model_is_committed_where_it_is(family):
     assert {d for x in leaves for d in x.devices()} == {jax.devices()[0]}
 
 
+def test_calibration_compiles_one_step_for_uncommitted_and_committed_inputs(caplog):
+    """`ptq.calibrate.collect` commits the model and each batch together: a batch made by `jnp.asarray` and one
+    already on the device (as a block's output is, in sequential PTQ) run one compiled step."""
+    import logging
+
+    from jaxlowfp.ptq import calibrate
+
+    model = MLP(nnx.Rngs(0))
+    batches = [_x(), jax.device_put(_x() + 1.0, jax.devices()[0])]
+    assert [b.committed for b in batches] == [False, True]
+    with caplog.at_level(logging.DEBUG), jax.log_compiles(True):
+        stats = calibrate.collect(model, ["up", "down"], batches, hessian=True)
+    assert stats["up"].tokens == 8
+    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Finished XLA compilation of")]
+    assert sum("jit(_step)" in m for m in compiled) == 1, compiled
+
+
 def _recipe(model, path):
     mod = getattr(model, path)
     return mod.recipe if isinstance(mod, qnnx.QuantOp) else mod.dot_general.recipe

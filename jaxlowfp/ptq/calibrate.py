@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from jaxlowfp._core.placement import commit_tree
 from jaxlowfp._core.progress import progress_bar
 from jaxlowfp.sharding import to_host
 from jaxlowfp.ptq.layers import contracted_axes, hook_name, input_rows, quantizable_modules
@@ -99,6 +100,9 @@ def collect(model: nnx.Module, paths: Sequence[str], batches: Iterable[Any], *,
     for batch in bar:
         # the statistics, reduced on the devices (a sharded batch: by XLA's collectives), to the host; on a mesh
         # spanning processes every process takes the whole reduced value (`sharding.to_host`, a collective)
+        # committed where the model is (`placement.commit_tree`), so every block of a structure and every batch
+        # run one compiled step, whichever of their arrays came uncommitted
+        state, batch = commit_tree((state, batch))
         res = jax.tree.map(to_host, _step(graphdef, state, batch, paths, forward, hessian, samples_per_batch))
         for p, st in res.items():
             acc = total.setdefault(p, {"tokens": 0, "amax": None, "abs_sum": None, "hessian": None, "samples": []})

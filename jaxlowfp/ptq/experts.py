@@ -39,6 +39,7 @@ from flax import nnx
 from jax import lax
 
 from jaxlowfp import ops, sharding
+from jaxlowfp._core.placement import commit_tree
 from jaxlowfp._core.reduce import group_ids, segment_amax
 from jaxlowfp.ptq.formats import Scheme, rtn_weight
 from jaxlowfp.ptq.layers import ActQuantBase
@@ -166,6 +167,7 @@ def collect(model: nnx.Module, paths: Sequence[str], batches: Sequence[Any], *, 
     graphdef, state = nnx.split(model)
     acc: dict[str, dict] = {}
     for batch in batches:
+        state, batch = commit_tree((state, batch))  # one compiled step, as in `jaxlowfp.ptq.calibrate.collect`
         res = jax.device_get(_step(graphdef, state, batch, tuple(paths), forward, hessian))
         for p, st in res.items():
             a = acc.setdefault(p, {"tokens": 0, "amax": None, "hessian": None})

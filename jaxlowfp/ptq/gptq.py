@@ -48,6 +48,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxlowfp import nvfp4, sharding
+from jaxlowfp._core.placement import commit_tree
 from jaxlowfp._core.format import Format, two_level_of
 from jaxlowfp.ptq.formats import (MX_ELEMENTS, TWO_LEVEL, QuantizedWeight, block_global_scales,
                                   if4_column, if4_fix, mx_column, mx_fix, nvfp4_column, nvfp4_fix, pack_nvfp4,
@@ -275,7 +276,9 @@ def gptq_weight(kernel: jax.Array, hessian: jax.Array, fmt: Format, cfg: GPTQ = 
                                                                                 np.float32))
     w = _prepare(kernel, put(dead), put(perm.astype(np.int32)))
     u = u if isinstance(u, jax.Array) else put(u)  # the device factorization's U is already in place
-    qv, deq, params = loop(w, u, put(group_of.astype(np.int32)), put(first), put(group_cols.astype(np.int32)), amax)
+    # committed together (`placement.commit_tree`): one compiled loop whichever of them came uncommitted
+    args = commit_tree((w, u, put(group_of.astype(np.int32)), put(first), put(group_cols.astype(np.int32)), amax))
+    qv, deq, params = loop(*args)
     return QuantizedWeight(*_finish(qv, deq, params, put(pos.astype(np.int32)), amax, fmt=fmt))
 
 

@@ -43,6 +43,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxlowfp._core.placement import commit_tree
 from jaxlowfp._core.progress import progress_bar
 from jaxlowfp.ptq import calibrate
 from jaxlowfp.ptq.experts import RaggedActQuant, grouped_weights
@@ -184,7 +185,7 @@ def run(model: nnx.Module, mods: Mapping[str, Any], blocks: Blocks, batches: Seq
             del stats
         if i < last:
             g, s = nnx.split(block)
-            xs = [rows(_propagate(g, s, x, call, propagate == "quantized")) for x in xs]
+            xs = [rows(_propagate(g, *commit_tree((s, x)), call, propagate == "quantized")) for x in xs]
             del g, s
     rest = by_block.get(None, [])
     if rest:
