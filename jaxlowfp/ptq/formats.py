@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxlowfp import formats, if4, mx, nvfp4, qat, registry
 from jaxlowfp._core.deprecation import deprecated_getattr
+from jaxlowfp._core.placement import commit_tree
 from jaxlowfp._core.format import PER_TENSOR, TWO_LEVEL, Format, two_level_of
 from jaxlowfp._core.qarray import QArray, block_scales
 from jaxlowfp.scaling import CurrentScaling, StaticScaling
@@ -247,11 +248,13 @@ def rtn_weight(kernel: jax.Array, fmt: Format, global_amax: jax.Array | None = N
     """Round-to-nearest quantization of a kernel [in, out] (blocks along `in`), with its own amax or, for NVFP4,
     `global_amax` (a fused group's shared amax: every block's scale and 4/6 choice made under that global scale).
     A kernel on a mesh is quantized where it lives (`whole_blocks`: K gathered only where shards split blocks)."""
-    kernel = whole_blocks(jnp.asarray(kernel), fmt.group)
+    # committed (`placement.commit_tree`): one compiled function per shape, whether the kernel came committed
+    kernel = commit_tree(whole_blocks(jnp.asarray(kernel), fmt.group))
     if fmt.kind != "nvfp4":
         return QuantizedWeight(*_rtn(kernel, fmt, None))
-    # the amax passed in either way (the same value _rtn would take): one compiled function per shape
+    # the amax passed in either way (the same value _rtn would take), committed with the kernel
     g = jnp.max(jnp.abs(kernel.astype(jnp.float32))) if global_amax is None else jnp.asarray(global_amax, jnp.float32)
+    kernel, g = commit_tree((kernel, g))
     return QuantizedWeight(*_rtn(kernel, fmt, g))
 
 
