@@ -98,11 +98,11 @@ def collect(model: nnx.Module, paths: Sequence[str], batches: Iterable[Any], *,
     total: dict[str, dict[str, Any]] = {}
     bar = progress_bar(batches, desc="calibrate", enabled=progress)
     for batch in bar:
-        # the statistics, reduced on the devices (a sharded batch: by XLA's collectives), to the host; on a mesh
-        # spanning processes every process takes the whole reduced value (`sharding.to_host`, a collective)
         # committed where the model is (`placement.commit_tree`), so every block of a structure and every batch
         # run one compiled step, whichever of their arrays came uncommitted
         state, batch = commit_tree((state, batch))
+        # the statistics, reduced on the devices (a sharded batch: by XLA's collectives), to the host; on a mesh
+        # spanning processes every process takes the whole reduced value (`sharding.to_host`, a collective)
         res = jax.tree.map(to_host, _step(graphdef, state, batch, paths, forward, hessian, samples_per_batch))
         for p, st in res.items():
             acc = total.setdefault(p, {"tokens": 0, "amax": None, "abs_sum": None, "hessian": None, "samples": []})
