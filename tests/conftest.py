@@ -47,6 +47,13 @@ if os.environ["JAX_COMPILATION_CACHE_DIR"]:
                       float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 
 
+def compiled(caplog, fun_name: str) -> list[str]:
+    """XLA's "Finished XLA compilation of <fun_name> ..." messages among `caplog`'s records (the test runs its code
+    under ``caplog.at_level(logging.DEBUG)`` and ``jax.log_compiles(True)``): one per compilation of that program."""
+    return [m for m in (r.getMessage() for r in caplog.records)
+            if m.startswith("Finished XLA compilation of") and fun_name in m]
+
+
 def child_xla_flags() -> str:
     """XLA_FLAGS for a test's subprocess that sets its own device count: this run's flags without a forced host
     device count."""

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import compiled
 from flax import nnx
 
 from jaxlowfp import execution, ptq, qat, qnnx, training
@@ -83,8 +84,7 @@ def test_a_quantized_models_second_nnx_jit_call_compiles_nothing(how, caplog):
     with caplog.at_level(logging.DEBUG), jax.log_compiles(True):
         for _ in range(3):
             jax.block_until_ready(forward(model, _x()))
-    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Finished XLA compilation of")]
-    assert sum("jit(<lambda>)" in m for m in compiled) == 1, compiled
+    assert len(runs := compiled(caplog, "jit(<lambda>)")) == 1, runs
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -114,8 +114,7 @@ def test_calibration_compiles_one_step_for_uncommitted_and_committed_inputs(capl
     with caplog.at_level(logging.DEBUG), jax.log_compiles(True):
         stats = calibrate.collect(model, ["up", "down"], batches, hessian=True)
     assert stats["up"].tokens == 8
-    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Finished XLA compilation of")]
-    assert sum("jit(_step)" in m for m in compiled) == 1, compiled
+    assert len(runs := compiled(caplog, "jit(_step)")) == 1, runs
 
 
 def _recipe(model, path):
@@ -233,5 +232,4 @@ def test_block_by_block_scoring_compiles_each_block_program_once(caplog, scale):
     requests = [Request(tuple(range(1, 12)), n_pred=10)]
     with caplog.at_level(logging.DEBUG), jax.log_compiles(True):
         score_requests(model, requests, batch_size=2)
-    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Finished XLA compilation of")]
-    assert sum("jit(_block)" in m for m in compiled) == 1, compiled
+    assert len(runs := compiled(caplog, "jit(_block)")) == 1, runs

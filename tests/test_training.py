@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from conftest import compiled
 from flax import nnx
 
 from jaxlowfp import qat, qnnx, training
@@ -64,8 +65,7 @@ def test_a_jitted_step_compiles_once(caplog):
         for _ in range(3):
             state, _ = step(state, batch)
         jax.block_until_ready(state)
-    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Finished XLA compilation of")]
-    assert sum("jit(step_fn)" in m for m in compiled) == 1, compiled
+    assert len(runs := compiled(caplog, "jit(step_fn)")) == 1, runs
 
 
 def test_an_empty_history_step_scales_each_microbatch_by_its_own_amax():
