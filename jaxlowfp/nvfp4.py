@@ -150,8 +150,9 @@ def _run(x: jax.Array, global_amax: jax.Array | None, key: jax.Array | None, *, 
     """The whole quantizer under one jit. `out`: "q" -> (codes, scales, S_dec), "fake" -> x̂ in x.dtype,
     "map4" -> the per-block 4/6 choice.
 
-    Passes over the tensor: one reduction (block maxima; the tensor max is taken from them), one more for the 4/6
-    errors (a loop over blocks, both candidates at once), and the element-wise pass; nothing full-size in between.
+    Passes over the tensor: one reduction (block maxima; the tensor max is taken from them), for 4/6 a copy with
+    the columns in front of the blocks and a rolled loop over its 16 columns (both candidates at once), and the
+    element-wise pass.
     """
     xb = to_blocks(x, cfg.rows)  # in x's dtype: converted to float32 inside each pass
     blk = block_amax(xb)

@@ -45,12 +45,12 @@ from jaxlowfp._core.bits import FLT_MAX, SIGN, div_const, from_bits, ieee_div, m
 from jaxlowfp._core.checks import one_of
 from jaxlowfp._core.minifloat import E2M1, E4M3, MiniFloat
 from jaxlowfp._core.nvfp4_blocks import (
-    BLOCK,
     ROUNDINGS,
     UNBIASED_FACTOR,
     Rounding,
     check_block_shape,
     block_errors,
+    column_loop,
     inverse_scale,
     accumulate_error,
     combine_rows,
@@ -211,18 +211,17 @@ def _fp_code(v: jax.Array, fmt: str) -> jax.Array:
     return (E2M3 if fmt == "if6_e2m3" else E3M2).encode(v).astype(jnp.int32)
 
 
-def _errors(xb: jax.Array, xhat_of, rule: str, p: jax.Array | None = None) -> jax.Array:
-    """Block errors [..., nb]: ``xhat_of(i, |x_i|)`` is the magnitude of x̂ in column i (sums in column order,
-    then rows pairwise: :func:`~jaxlowfp._core.nvfp4_blocks.accumulate_error`); with `p` [..., 1, nb] the
-    differences are taken of x̂ * p and |x| * p (:func:`~jaxlowfp._core.nvfp4_blocks.error_scale`, as
+def _errors(xb: jax.Array, aux: jax.Array | None, xhat_of, rule: str, p: jax.Array | None = None) -> jax.Array:
+    """Block errors [..., nb]: ``xhat_of(|x_i|, aux_i)`` is the magnitude of x̂ in column i (sums in column order,
+    then rows pairwise: :func:`~jaxlowfp._core.nvfp4_blocks.accumulate_error` folded by
+    :func:`~jaxlowfp._core.nvfp4_blocks.column_loop`); with `p` [..., 1, nb] the differences are taken of x̂ * p
+    and |x| * p (:func:`~jaxlowfp._core.nvfp4_blocks.error_scale`, as
     :func:`~jaxlowfp._core.nvfp4_blocks.block_errors` does, so the FP and INT errors stay comparable)."""
-    acc = None
-    for i in range(BLOCK):
-        ax = jnp.abs(xb[..., i].astype(jnp.float32))
-        d = xhat_of(i, ax) - ax if p is None else xhat_of(i, ax) * p - ax * p
-        acc = accumulate_error(acc, d, rule)
-    assert acc is not None  # BLOCK > 0 columns
-    return combine_rows(acc, rule)
+    def column(ax, ai, carry):
+        xhat = xhat_of(ax, ai)
+        return accumulate_error(carry[0], xhat - ax if p is None else xhat * p - ax * p, rule), None
+
+    return combine_rows(column_loop(xb, aux, column)[0], rule)
 
 
 # odd parts c of the grid magnitudes (every value is c * 2^j): INT: the odd integers up to N; FP6 / FP3 from their
@@ -289,20 +288,22 @@ def _candidate_errors(xb, s, s_dec, amax, blk, fmt: str, rule: str, enc: float, 
     """(err_fp, err_int) per block for the scales `s` (uniforms `u`: the stochastic candidates, shared)."""
     g = GRIDS[fmt]
     inv = inverse_scale(s, s_dec)[..., None, :]
-    col_u = (lambda i: None) if u is None else (lambda i: u[..., i])
     t_int = _hat_table(s, amax, g.step, enc, tuple(range(1, g.int_max + 1, 2)))
     t_fp = None if fmt == "if4" else _hat_table(s, amax, None, enc, _ODD_FP[fmt])
 
-    def int_hat(i, ax):
-        return _grid_hat(int_round(ax * inv, g, col_u(i)), t_int)
+    def int_hat(ax, ui):
+        return _grid_hat(int_round(ax * inv, g, ui), t_int)
 
-    def fp_hat(i, ax):
+    def fp_hat(ax, ui):
         assert t_fp is not None  # only the formats with an FP grid call it
-        return _grid_hat(fp_round(ax * inv, fmt, col_u(i)), t_fp)
+        return _grid_hat(fp_round(ax * inv, fmt, ui), t_fp)
 
     p = error_scale(blk)[..., None, :]  # block_errors' exact power of two, for every candidate of the block
-    err_fp = block_errors(xb, s, s_dec, amax, blk, rule, enc, u) if fmt == "if4" else _errors(xb, fp_hat, rule, p)
-    return err_fp, _errors(xb, int_hat, rule, p)
+    if fmt == "if4":
+        err_fp = block_errors(xb, s[None], s_dec, amax, blk, rule, enc, u)[0]
+    else:
+        err_fp = _errors(xb, u, fp_hat, rule, p)
+    return err_fp, _errors(xb, u, int_hat, rule, p)
 
 
 class IFBlockResult(NamedTuple):
@@ -383,8 +384,8 @@ def if_ms_eden_blocks(xb: jax.Array, s_dec: jax.Array, blk: jax.Array, u: jax.Ar
     a_fp = e2m1_half_up(ay)
     a_int = int_round(ay, g)
     q_int = a_int * np.float32(g.step)
-    err_fp = _errors(y, lambda i, a: a_fp[..., i], "mse")
-    err_int = _errors(y, lambda i, a: q_int[..., i], "mse")
+    err_fp = _errors(y, a_fp, lambda ax, q: q, "mse")
+    err_int = _errors(y, q_int, lambda ax, q: q, "mse")
     is_int = err_int < err_fp
     s2 = eden_scale(y, jnp.where(per_element(is_int), q_int, a_fp), s, u)
     return _element_result(xb, ay, a_fp, a_int, s2, is_int, "if4")

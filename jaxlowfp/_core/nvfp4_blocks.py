@@ -256,7 +256,7 @@ def _pairwise(r: jax.Array, op) -> jax.Array:
 
 
 def accumulate_error(acc: jax.Array | None, d: jax.Array, rule: str) -> jax.Array:
-    """The running block error after one more column of differences `d` (`acc` None at the first column):
+    """The running block error after one more column of differences `d` (`acc` None or +0 at the first column):
     ``acc + d*d`` (mse; ``d*d`` through :func:`no_contract`, so no FMA), ``acc + |d|`` (mae) or ``max(acc, |d|)``."""
     if rule == "abs_max":
         t = jnp.abs(d)
@@ -286,8 +286,8 @@ def error_scale(blk: jax.Array) -> jax.Array:
 
 
 def block_errors(xb, s, s_dec, amax, blk, rule: str, enc: float, u) -> jax.Array:
-    """The 4/6 error of the candidate with block scales `s` [..., nb], in the original domain times the block's
-    exact power of two ``p`` (:func:`error_scale`, the same for every candidate of a block)::
+    """The 4/6 errors [C, ..., nb] of C candidate block scales `s` [C, ..., nb], in the original domain times the
+    block's exact power of two ``p`` (:func:`error_scale`, the same for every candidate of a block)::
 
         x̂ = ((q * s) * amax) / enc,  d = x̂*p - x*p;   mse: Σ d*d,  mae: Σ |d|   (columns 0..15 in order, then rows
         pairwise),  abs_max: max |d|
@@ -300,32 +300,53 @@ def block_errors(xb, s, s_dec, amax, blk, rule: str, enc: float, u) -> jax.Array
     (Below about 1e-30, where XLA:CPU flushes subnormal results, the two forms may differ, as before.) The
     scaling by ``p`` keeps the squared errors of tiny blocks normal (:func:`error_scale`).
 
-    The 16 columns are separate slices, so XLA emits one loop over blocks with no per-element temporaries, and
-    ``d * d`` passes :func:`no_contract` (no FMA into the sum). Blocks with a NaN scale get a NaN error.
+    The sum runs over the columns in a rolled loop (:func:`column_loop`), every candidate at once, and ``d * d``
+    passes :func:`no_contract` (no FMA into the sum). Blocks with a NaN scale get a NaN error.
     """
+    amax, s_dec, blk = (lead(a) for a in (amax, s_dec, blk))
     inv = inverse_scale(s, s_dec)[..., None, :]
     half = div_const(jnp.minimum((0.5 * s) * amax, FLT_MAX), enc)  # x̂ of q = 1/2
     lo = (2.0 * half)[..., None, :]  # x̂ = q * lo for q in {1/2, 1, 2, 4} (mantissa bit clear)
     hi = div_const(jnp.minimum((1.5 * s) * amax, FLT_MAX), enc)[..., None, :]  # x̂ = (q/1.5) * hi, q in {1.5, 3, 6}
     p = error_scale(blk)[..., None, :]
-    acc = vmax = None
-    for i in range(BLOCK):
-        ax = jnp.abs(xb[..., i].astype(jnp.float32))
-        v = e2m1_rne(ax * inv) if u is None else e2m1_stochastic(ax * inv, u[..., i])
+
+    def column(ax, ui, carry):
+        acc, vmax = carry
+        v = e2m1_rne(ax * inv) if ui is None else e2m1_stochastic(ax * inv, ui)
         vb = lax.bitcast_convert_type(v, jnp.uint32)
         xhat = from_bits(vb & u32(~_MANT & 0xFFFFFFFF)) * jnp.where((vb & u32(_MANT)) != 0, hi, lo)
         # xhat - ax = ±(x̂ - x): x̂ carries x's sign (or is 0); both scaled by p, exactly
-        acc = accumulate_error(acc, xhat * p - ax * p, rule)
-        if u is not None:
-            vmax = v if vmax is None else jnp.maximum(vmax, v)
-    assert acc is not None  # BLOCK > 0 columns
+        return accumulate_error(acc, xhat * p - ax * p, rule), (None if ui is None else jnp.maximum(vmax, v))
+
+    acc, vmax = column_loop(xb[None], None if u is None else u[None], column, inv.shape, with_max=u is not None)
     err = combine_rows(acc, rule)
-    if u is None:
-        vmax = e2m1_rne(blk * inv[..., 0, :])  # RNE: monotone in |x|
-    else:
-        assert vmax is not None
-        vmax = _pairwise(vmax, jnp.maximum)
+    vmax = e2m1_rne(blk * inv[..., 0, :]) if u is None else _pairwise(vmax, jnp.maximum)  # RNE: monotone in |x|
     return jnp.where(jnp.isinf((vmax * s) * amax), jnp.inf, err)
+
+
+def lead(a: Any) -> Any:
+    """`a` with a leading candidate axis of 1 (a scalar stays one: it broadcasts as it is, rank promotion off)."""
+    return a if jnp.ndim(a) == 0 else a[None]
+
+
+def column_loop(xb: jax.Array, aux: jax.Array | None, column, shape: tuple[int, ...] = (), *, with_max: bool = False):
+    """Fold ``column(|x_i|, aux_i, carry)`` over the 16 columns i = 0..15 of blocks `xb` [..., R, nb, 16], in
+    order: ``|x_i|`` is float32 [..., R, nb]; `aux_i` is column i of `aux` (laid out as `xb`: uniforms, say), or
+    None. The carry is (error, max), float32 of `shape` broadcast with [..., R, nb], starting at +0 (exact:
+    ``+0 + t == t`` and ``max(+0, t) == t`` for every t >= 0 or NaN); the max is None unless `with_max`.
+
+    A rolled loop over a copy with the columns swapped in front of the blocks: XLA compiles one column's work, not
+    sixteen (unrolled, the 4/6 candidates' errors were most of a Four Over Six program's compile time), for the
+    price of that copy and a pass per column (docs/limits.md)."""
+    cols = jnp.swapaxes(xb, -1, -2)  # [..., R, 16, nb]: column i is contiguous within each row
+    acols = None if aux is None else jnp.swapaxes(aux, -1, -2)
+    zero = jnp.zeros(jnp.broadcast_shapes(shape, xb.shape[:-1]), jnp.float32)
+
+    def body(i, carry):
+        ai = None if acols is None else lax.dynamic_index_in_dim(acols, i, -2, keepdims=False)
+        return column(jnp.abs(lax.dynamic_index_in_dim(cols, i, -2, keepdims=False).astype(jnp.float32)), ai, carry)
+
+    return lax.fori_loop(0, BLOCK, body, (zero, zero if with_max else None))
 
 
 def search_scales(xb, base, s6, s_dec, amax, blk, enc: float) -> tuple[jax.Array, jax.Array]:
@@ -340,12 +361,11 @@ def search_scales(xb, base, s6, s_dec, amax, blk, enc: float) -> tuple[jax.Array
     above the 4/6 ``mse`` one (same sum order). Returns (scales, moved) with `moved` = the scale is not s6."""
     lo = E4M3.encode(base * np.float32(SEARCH_RANGE[0]), saturate=True).astype(jnp.int32)
     hi = E4M3.encode(base * np.float32(SEARCH_RANGE[1]), saturate=True).astype(jnp.int32)
-    best = block_errors(xb, s6, s_dec, amax, blk, "mse", enc, None)
-    s = s6
-    for k in range(SEARCH_CODES):
-        code = lo + k
-        sk = jnp.where(jnp.isfinite(s6), E4M3.decode(code.astype(jnp.uint8)), jnp.nan)
-        ek = block_errors(xb, sk, s_dec, amax, blk, "mse", enc, None)
+    codes = [lo + k for k in range(SEARCH_CODES)]
+    cands = [jnp.where(jnp.isfinite(s6), E4M3.decode(c.astype(jnp.uint8)), jnp.nan) for c in codes]
+    errs = block_errors(xb, jnp.stack([s6, *cands]), s_dec, amax, blk, "mse", enc, None)
+    s, best = s6, errs[0]
+    for code, sk, ek in zip(codes, cands, errs[1:]):
         better = (code <= hi) & (ek < best)
         s = jnp.where(better, sk, s)
         best = jnp.where(better, ek, best)
@@ -493,8 +513,8 @@ def quantize_blocks(
     if rule in FOUR_OVER_SIX:
         s4 = e4m3(base * 1.5)
         uc = u if rounding == "stochastic" else None
-        map4 = block_errors(xb, s4, s_dec, amax, blk, rule, enc, uc) < block_errors(
-            xb, s, s_dec, amax, blk, rule, enc, uc)
+        err4, err6 = block_errors(xb, jnp.stack([s4, s]), s_dec, amax, blk, rule, enc, uc)
+        map4 = err4 < err6
         s = jnp.where(map4, s4, s)
     s = materialize(s)  # one fusion computes the scales (and 4/6 choices); the element loop reads them
     ay = jnp.abs(xb.astype(jnp.float32)) * per_element(inverse_scale(s, s_dec))
