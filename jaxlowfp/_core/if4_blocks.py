@@ -44,16 +44,14 @@ from jaxlowfp._core import names as _names
 from jaxlowfp._core.bits import FLT_MAX, SIGN, div_const, from_bits, ieee_div, materialize, pow2, u32
 from jaxlowfp._core.checks import one_of
 from jaxlowfp._core.minifloat import E2M1, E4M3, MiniFloat
+from jaxlowfp._core.reduce import accumulate_error, column_loop, combine_rows
 from jaxlowfp._core.nvfp4_blocks import (
     ROUNDINGS,
     UNBIASED_FACTOR,
     Rounding,
     check_block_shape,
     block_errors,
-    column_loop,
     inverse_scale,
-    accumulate_error,
-    combine_rows,
     e2m1_half_up,
     e2m1_index,
     e2m1_rne,
@@ -213,8 +211,8 @@ def _fp_code(v: jax.Array, fmt: str) -> jax.Array:
 
 def _errors(xb: jax.Array, aux: jax.Array | None, xhat_of, rule: str, p: jax.Array | None = None) -> jax.Array:
     """Block errors [..., nb]: ``xhat_of(|x_i|, aux_i)`` is the magnitude of x̂ in column i (sums in column order,
-    then rows pairwise: :func:`~jaxlowfp._core.nvfp4_blocks.accumulate_error` folded by
-    :func:`~jaxlowfp._core.nvfp4_blocks.column_loop`); with `p` [..., 1, nb] the differences are taken of x̂ * p
+    then rows pairwise: :func:`~jaxlowfp._core.reduce.accumulate_error` folded by
+    :func:`~jaxlowfp._core.reduce.column_loop`); with `p` [..., 1, nb] the differences are taken of x̂ * p
     and |x| * p (:func:`~jaxlowfp._core.nvfp4_blocks.error_scale`, as
     :func:`~jaxlowfp._core.nvfp4_blocks.block_errors` does, so the FP and INT errors stay comparable)."""
     def column(ax, ai, carry):

@@ -25,7 +25,7 @@ from jax import lax
 
 from jaxlowfp._core import names as _names
 from jaxlowfp._core.bits import FLT_MAX, SIGN, div_const, from_bits, ieee_div, materialize, no_contract, u32
-from jaxlowfp._core.reduce import abs_max
+from jaxlowfp._core.reduce import abs_max, accumulate_error, column_loop, combine_rows, pairwise_rows
 from jaxlowfp._core.checks import float_input, one_of
 from jaxlowfp._core.minifloat import E2M1_THRESHOLDS, E2M1, E4M3
 
@@ -246,30 +246,6 @@ def inverse_scale(s: jax.Array, s_dec: jax.Array) -> jax.Array:
     return jnp.where(s == 0, 0.0, jnp.minimum(1.0 / (s * s_dec), FLT_MAX))
 
 
-def _pairwise(r: jax.Array, op) -> jax.Array:
-    """Reduce the row axis of [..., R, nb] (R = 1 or a power of two) by halves: op(r[:R/2], r[R/2:]), repeated
-    (TE's 2D order)."""
-    while r.shape[-2] > 1:
-        h = r.shape[-2] // 2
-        r = op(r[..., :h, :], r[..., h:, :])
-    return r[..., 0, :]
-
-
-def accumulate_error(acc: jax.Array | None, d: jax.Array, rule: str) -> jax.Array:
-    """The running block error after one more column of differences `d` (`acc` None or +0 at the first column):
-    ``acc + d*d`` (mse; ``d*d`` through :func:`no_contract`, so no FMA), ``acc + |d|`` (mae) or ``max(acc, |d|)``."""
-    if rule == "abs_max":
-        t = jnp.abs(d)
-        return t if acc is None else jnp.maximum(acc, t)
-    t = no_contract(d * d) if rule == "mse" else jnp.abs(d)
-    return t if acc is None else acc + t
-
-
-def combine_rows(acc: jax.Array, rule: str) -> jax.Array:
-    """The per-row errors [..., R, nb] of a block combined pairwise over rows (TE's 2D order): sum, or max."""
-    return _pairwise(acc, jnp.maximum if rule == "abs_max" else jnp.add)
-
-
 def error_scale(blk: jax.Array) -> jax.Array:
     """The exact power of two ``p = 2^-e`` that brings a block amax ``blk`` in ``[2^e, 2^(e+1))`` with e < 0 to
     ``[1, 2)``; 1 where e >= 0 and where blk is 0, subnormal, NaN or Inf. Built from blk's exponent bits E
@@ -300,10 +276,11 @@ def block_errors(xb, s, s_dec, amax, blk, rule: str, enc: float, u) -> jax.Array
     (Below about 1e-30, where XLA:CPU flushes subnormal results, the two forms may differ, as before.) The
     scaling by ``p`` keeps the squared errors of tiny blocks normal (:func:`error_scale`).
 
-    The sum runs over the columns in a rolled loop (:func:`column_loop`), every candidate at once, and ``d * d``
-    passes :func:`no_contract` (no FMA into the sum). Blocks with a NaN scale get a NaN error.
+    The sum runs over the columns in a rolled loop (:func:`~jaxlowfp._core.reduce.column_loop`), every candidate
+    at once, and ``d * d`` passes :func:`no_contract` (no FMA into the sum). Blocks with a NaN scale get a NaN
+    error.
     """
-    amax, s_dec, blk = (lead(a) for a in (amax, s_dec, blk))
+    amax, s_dec, blk = (_lead(a) for a in (amax, s_dec, blk))
     inv = inverse_scale(s, s_dec)[..., None, :]
     half = div_const(jnp.minimum((0.5 * s) * amax, FLT_MAX), enc)  # x̂ of q = 1/2
     lo = (2.0 * half)[..., None, :]  # x̂ = q * lo for q in {1/2, 1, 2, 4} (mantissa bit clear)
@@ -320,33 +297,13 @@ def block_errors(xb, s, s_dec, amax, blk, rule: str, enc: float, u) -> jax.Array
 
     acc, vmax = column_loop(xb[None], None if u is None else u[None], column, inv.shape, with_max=u is not None)
     err = combine_rows(acc, rule)
-    vmax = e2m1_rne(blk * inv[..., 0, :]) if u is None else _pairwise(vmax, jnp.maximum)  # RNE: monotone in |x|
+    vmax = e2m1_rne(blk * inv[..., 0, :]) if u is None else pairwise_rows(vmax, jnp.maximum)  # RNE: monotone in |x|
     return jnp.where(jnp.isinf((vmax * s) * amax), jnp.inf, err)
 
 
-def lead(a: Any) -> Any:
+def _lead(a: Any) -> Any:
     """`a` with a leading candidate axis of 1 (a scalar stays one: it broadcasts as it is, rank promotion off)."""
     return a if jnp.ndim(a) == 0 else a[None]
-
-
-def column_loop(xb: jax.Array, aux: jax.Array | None, column, shape: tuple[int, ...] = (), *, with_max: bool = False):
-    """Fold ``column(|x_i|, aux_i, carry)`` over the 16 columns i = 0..15 of blocks `xb` [..., R, nb, 16], in
-    order: ``|x_i|`` is float32 [..., R, nb]; `aux_i` is column i of `aux` (laid out as `xb`: uniforms, say), or
-    None. The carry is (error, max), float32 of `shape` broadcast with [..., R, nb], starting at +0 (exact:
-    ``+0 + t == t`` and ``max(+0, t) == t`` for every t >= 0 or NaN); the max is None unless `with_max`.
-
-    A rolled loop over a copy with the columns swapped in front of the blocks: XLA compiles one column's work, not
-    sixteen (unrolled, the 4/6 candidates' errors were most of a Four Over Six program's compile time), for the
-    price of that copy and a pass per column (docs/limits.md)."""
-    cols = jnp.swapaxes(xb, -1, -2)  # [..., R, 16, nb]: column i is contiguous within each row
-    acols = None if aux is None else jnp.swapaxes(aux, -1, -2)
-    zero = jnp.zeros(jnp.broadcast_shapes(shape, xb.shape[:-1]), jnp.float32)
-
-    def body(i, carry):
-        ai = None if acols is None else lax.dynamic_index_in_dim(acols, i, -2, keepdims=False)
-        return column(jnp.abs(lax.dynamic_index_in_dim(cols, i, -2, keepdims=False).astype(jnp.float32)), ai, carry)
-
-    return lax.fori_loop(0, BLOCK, body, (zero, zero if with_max else None))
 
 
 def search_scales(xb, base, s6, s_dec, amax, blk, enc: float) -> tuple[jax.Array, jax.Array]:

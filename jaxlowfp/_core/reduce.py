@@ -1,8 +1,11 @@
-"""Reductions with the NaN semantics the quantizers promise."""
+"""Reductions with the NaN semantics the quantizers promise, and the block-error sums of the 4/6-style choices."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+
+from jaxlowfp._core.bits import no_contract
 
 
 def abs_max(x: jax.Array, axis=None, keepdims: bool = False) -> jax.Array:
@@ -31,3 +34,48 @@ def segment_amax(row_amax: jax.Array, gid: jax.Array, valid: jax.Array, g: int) 
     m = jax.ops.segment_max(jnp.where(jnp.isnan(row_amax), 0.0, row_amax), seg, num_segments=g + 1)[:g]
     nan = jax.ops.segment_max(jnp.isnan(row_amax).astype(jnp.int32), seg, num_segments=g + 1)[:g] > 0
     return jnp.where(nan, jnp.nan, jnp.maximum(m, 0.0))
+
+
+def pairwise_rows(r: jax.Array, op) -> jax.Array:
+    """Reduce the row axis of [..., R, nb] (R = 1 or a power of two) by halves: op(r[:R/2], r[R/2:]), repeated
+    (TE's 2D order)."""
+    while r.shape[-2] > 1:
+        h = r.shape[-2] // 2
+        r = op(r[..., :h, :], r[..., h:, :])
+    return r[..., 0, :]
+
+
+def accumulate_error(acc: jax.Array | None, d: jax.Array, rule: str) -> jax.Array:
+    """The running block error after one more column of differences `d` (`acc` None or +0 at the first column):
+    ``acc + d*d`` (mse; ``d*d`` through :func:`~jaxlowfp._core.bits.no_contract`, so no FMA), ``acc + |d|`` (mae)
+    or ``max(acc, |d|)``."""
+    if rule == "abs_max":
+        t = jnp.abs(d)
+        return t if acc is None else jnp.maximum(acc, t)
+    t = no_contract(d * d) if rule == "mse" else jnp.abs(d)
+    return t if acc is None else acc + t
+
+
+def combine_rows(acc: jax.Array, rule: str) -> jax.Array:
+    """The per-row errors [..., R, nb] of a block combined pairwise over rows (TE's 2D order): sum, or max."""
+    return pairwise_rows(acc, jnp.maximum if rule == "abs_max" else jnp.add)
+
+
+def column_loop(xb: jax.Array, aux: jax.Array | None, column, shape: tuple[int, ...] = (), *, with_max: bool = False):
+    """Fold ``column(|x_i|, aux_i, carry)`` over the 16 columns i = 0..15 of blocks `xb` [..., R, nb, 16], in
+    order: ``|x_i|`` is float32 [..., R, nb]; `aux_i` is column i of `aux` (laid out as `xb`: uniforms, say), or
+    None. The carry is (error, max), float32 of `shape` broadcast with [..., R, nb], starting at +0 (exact:
+    ``+0 + t == t`` and ``max(+0, t) == t`` for every t >= 0 or NaN); the max is None unless `with_max`.
+
+    A rolled loop over a copy with the columns swapped in front of the blocks: XLA compiles one column's work, not
+    sixteen (unrolled, the 4/6 candidates' errors were most of a Four Over Six program's compile time), for the
+    price of that copy and a pass per column (docs/limits.md)."""
+    cols = jnp.swapaxes(xb, -1, -2)  # [..., R, 16, nb]: column i is contiguous within each row
+    acols = None if aux is None else jnp.swapaxes(aux, -1, -2)
+    zero = jnp.zeros(jnp.broadcast_shapes(shape, xb.shape[:-1]), jnp.float32)
+
+    def body(i, carry):
+        ai = None if acols is None else lax.dynamic_index_in_dim(acols, i, -2, keepdims=False)
+        return column(jnp.abs(lax.dynamic_index_in_dim(cols, i, -2, keepdims=False).astype(jnp.float32)), ai, carry)
+
+    return lax.fori_loop(0, xb.shape[-1], body, (zero, zero if with_max else None))
