@@ -75,7 +75,7 @@ def ieee_div(a: Any, b: Any) -> jax.Array:
     behind an ``optimization_barrier`` at its full, batched shape, which blocks the reciprocal rewrite."""
     a = lax.stop_gradient(jnp.asarray(a, jnp.float32))
     b = lax.stop_gradient(jnp.asarray(b, jnp.float32))
-    return _div_barrier(a, b)
+    return _div_barrier(*jnp.broadcast_arrays(a, b))  # full shapes here: the vmap rule prepends the batch axis
 
 
 def materialize(a: jax.Array) -> jax.Array:
@@ -96,7 +96,7 @@ def no_contract(t: jax.Array) -> jax.Array:
 def div_by_3_pow2(a: jnp.ndarray, k: int) -> jnp.ndarray:
     """``a / (3 * 2**k)`` correctly rounded (IEEE round-to-nearest-even) with integer ops only, for float32 `a`
     and int `k` in [0, 30]. The NVFP4 divisors are ``6 = 3*2`` and ``6*256 = 3*2^9``; Triton lowers f32 ``/`` to
-    an approximate division, and XLA to a reciprocal multiply, so kernels and accelerator twins use this::
+    an approximate division, so the kernels use this (XLA programs use :func:`ieee_div`: one op to compile)::
 
         a = m * 2^e with m normalised to 24 bits;  n = m * 2^8 in [2^31, 2^32)
         q, r = divmod(n, 3)   ->  a / (3*2^k) = (q + r/3) * 2^(e - 8 - k),  q has 30 or 31 bits

@@ -41,7 +41,7 @@ import numpy as np
 from jax import lax
 
 from jaxlowfp._core import names as _names
-from jaxlowfp._core.bits import FLT_MAX, SIGN, div_const, from_bits, ieee_div, materialize, pow2, u32
+from jaxlowfp._core.bits import FLT_MAX, SIGN, from_bits, ieee_div, materialize, pow2, u32
 from jaxlowfp._core.checks import one_of
 from jaxlowfp._core.minifloat import E2M1, E4M3, MiniFloat
 from jaxlowfp._core.reduce import accumulate_error, column_loop, combine_rows
@@ -357,7 +357,7 @@ def if_blocks(
     enc, blk_div = scale_constants(fmt, rounding)
     blk = blk_amax
     finite = jnp.isfinite(blk)
-    s = jnp.where(finite, E4M3.round(div_const(blk, blk_div) * s_enc, saturate=True), jnp.nan)
+    s = jnp.where(finite, E4M3.round(ieee_div(blk, blk_div) * s_enc, saturate=True), jnp.nan)
     uc = u if rounding == "stochastic" else None  # "stochastic_unbiased" chooses on the round-to-nearest candidates
     err_fp, err_int = _candidate_errors(xb, s, s_dec, amax, blk, fmt, rule, enc, uc)
     is_int = materialize(err_int < err_fp)  # NaN errors keep FP; ties keep FP

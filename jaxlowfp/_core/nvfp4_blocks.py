@@ -282,9 +282,9 @@ def block_errors(xb, s, s_dec, amax, blk, rule: str, enc: float, u) -> jax.Array
     """
     amax, s_dec, blk = (_lead(a) for a in (amax, s_dec, blk))
     inv = inverse_scale(s, s_dec)[..., None, :]
-    half = div_const(jnp.minimum((0.5 * s) * amax, FLT_MAX), enc)  # x̂ of q = 1/2
+    half = ieee_div(jnp.minimum((0.5 * s) * amax, FLT_MAX), enc)  # x̂ of q = 1/2
     lo = (2.0 * half)[..., None, :]  # x̂ = q * lo for q in {1/2, 1, 2, 4} (mantissa bit clear)
-    hi = div_const(jnp.minimum((1.5 * s) * amax, FLT_MAX), enc)[..., None, :]  # x̂ = (q/1.5) * hi, q in {1.5, 3, 6}
+    hi = ieee_div(jnp.minimum((1.5 * s) * amax, FLT_MAX), enc)[..., None, :]  # x̂ = (q/1.5) * hi, q in {1.5, 3, 6}
     p = error_scale(blk)[..., None, :]
 
     def column(ax, ui, carry):
@@ -457,7 +457,7 @@ def quantize_blocks(
         assert u is not None, "ms_eden draws per-block uniforms"
         return ms_eden_blocks(xb, s_dec, blk, u)
     enc, blk_div = scale_constants(rule, rounding)
-    base = div_const(blk, blk_div) * s_enc
+    base = ieee_div(blk, blk_div) * s_enc
     finite = jnp.isfinite(blk)
 
     def e4m3(v):
