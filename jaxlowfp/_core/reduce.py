@@ -45,15 +45,13 @@ def pairwise_rows(r: jax.Array, op) -> jax.Array:
     return r[..., 0, :]
 
 
-def accumulate_error(acc: jax.Array | None, d: jax.Array, rule: str) -> jax.Array:
-    """The running block error after one more column of differences `d` (`acc` None or +0 at the first column):
+def accumulate_error(acc: jax.Array, d: jax.Array, rule: str) -> jax.Array:
+    """The running block error after one more column of differences `d` (`acc` +0 before the first column):
     ``acc + d*d`` (mse; ``d*d`` through :func:`~jaxlowfp._core.bits.no_contract`, so no FMA), ``acc + |d|`` (mae)
     or ``max(acc, |d|)``."""
     if rule == "abs_max":
-        t = jnp.abs(d)
-        return t if acc is None else jnp.maximum(acc, t)
-    t = no_contract(d * d) if rule == "mse" else jnp.abs(d)
-    return t if acc is None else acc + t
+        return jnp.maximum(acc, jnp.abs(d))
+    return acc + (no_contract(d * d) if rule == "mse" else jnp.abs(d))
 
 
 def combine_rows(acc: jax.Array, rule: str) -> jax.Array:
