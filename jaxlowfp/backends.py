@@ -35,7 +35,7 @@ only the weights of the layers sharing one input (q/k/v, gate/up) are decoded to
 Compiled code (``tests/test_shared_quantizer.py``): a packed layer's run-time activation quantizer (W4A4 / W8A8)
 runs through :func:`shared_quantizer`: on a one-device CPU process, one compiled program per (quantizer, shape) that
 every layer calls, not a copy compiled into each projection of the caller's program. XLA:CPU keeps each copy's
-machine code resident (an NVFP4 4/6 quantizer, its two candidates' unrolled per-block errors: ~7 MiB), so a W4A4
+machine code resident (an NVFP4 4/6 quantizer with its per-block errors then unrolled: ~7 MiB), so a W4A4
 SmolLM2-135M forward held ~870 MiB of compiled code, five times its packed weights, and took 5.7 GB to compile.
 
 Decode (``tests/test_native_gemv.py``): a product of M <= `NATIVE_GEMV_ROWS` rows (decode, short prompts) of an NVFP4

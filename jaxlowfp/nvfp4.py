@@ -20,12 +20,14 @@ Sums run sequentially over the 16 elements of a block row (TE's order); for 16x1
 pairwise (8+8, 4+4, 2+2, 1+1), TE's 2D order.
 
 Bit-exactness under ``jit`` on every backend (``docs/formats/nvfp4.md`` section 8: XLA turns ``a / broadcast(c)`` into
-``a * (1/c)`` and contracts ``err + d*d`` into an FMA): the divisions by M and by 6*E are integer-exact
-(``div_by_3_pow2``, the Pallas kernel's method), the 4/6 error's ``((q*s)*amax) / (6*E)`` is a per-block quotient
-times a power of two, and the squared errors pass through an integer ``min`` (a no-op on their bits) before the
-unrolled sequential sum, so no add ever sees a multiply. No full-size divisor, barrier or row chunking: one
-reduction reads the tensor for the block maxima (the tensor amax is taken from those), the 4/6 rules read it once
-more for both candidates' errors, and the element-wise pass writes the result.
+``a * (1/c)`` and contracts ``err + d*d`` into an FMA): the divisions by M and by 6*E are IEEE divisions of per-block
+arrays with the divisor behind an optimization barrier (``ieee_div``; the Pallas kernels, whose Triton ``/`` is
+approximate, divide integer-exactly with ``div_by_3_pow2``), the 4/6 error's ``((q*s)*amax) / (6*E)`` is a per-block
+quotient times a power of two, and the squared errors pass through an integer ``min`` (a no-op on their bits) before
+the sequential sum, so no add ever sees a multiply. No full-size divisor or row chunking: one reduction reads the
+tensor for the block maxima (the tensor amax is taken from those), the 4/6 rules copy it with the columns in front of
+the blocks and fold its 16 columns in a rolled loop for both candidates' errors, and the element-wise pass writes the
+result.
 
 Special values: the global amax of a tensor containing NaN or Inf is not finite, and then ``global_scale`` and every
 block scale are NaN, so the whole tensor dequantizes to NaN (TE would instead fall back to ``S_enc = 1`` for Inf or
