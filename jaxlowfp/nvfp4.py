@@ -25,9 +25,10 @@ arrays with the divisor behind an optimization barrier (``ieee_div``; the Pallas
 approximate, divide integer-exactly with ``div_by_3_pow2``), the 4/6 error's ``((q*s)*amax) / (6*E)`` is a per-block
 quotient times a power of two, and the squared errors pass through an integer ``min`` (a no-op on their bits) before
 the sequential sum, so no add ever sees a multiply. No full-size divisor or row chunking: one reduction reads the
-tensor for the block maxima (the tensor amax is taken from those), the 4/6 rules copy it with the columns in front of
-the blocks and fold its 16 columns in a rolled loop for both candidates' errors, and the element-wise pass writes the
-result.
+tensor for the block maxima (the tensor amax is taken from those), the 4/6 rules fold its 16 columns for the
+candidates' errors (a small tensor in a rolled loop over a copy with the columns in front of the blocks, both
+candidates at once, quick to compile; from 2^18 elements written out, one pass per candidate, quick to run), and the
+element-wise pass writes the result.
 
 Special values: the global amax of a tensor containing NaN or Inf is not finite, and then ``global_scale`` and every
 block scale are NaN, so the whole tensor dequantizes to NaN (TE would instead fall back to ``S_enc = 1`` for Inf or
@@ -152,9 +153,9 @@ def _run(x: jax.Array, global_amax: jax.Array | None, key: jax.Array | None, *, 
     """The whole quantizer under one jit. `out`: "q" -> (codes, scales, S_dec), "fake" -> x̂ in x.dtype,
     "map4" -> the per-block 4/6 choice.
 
-    Passes over the tensor: one reduction (block maxima; the tensor max is taken from them), for 4/6 a copy with
-    the columns in front of the blocks and a rolled loop over its 16 columns (both candidates at once), and the
-    element-wise pass.
+    Passes over the tensor: one reduction (block maxima; the tensor max is taken from them), for 4/6 the error
+    sums (below 2^18 elements a copy with the columns in front of the blocks and a rolled loop over its 16 columns,
+    both candidates at once; from 2^18 one written-out pass per candidate), and the element-wise pass.
     """
     xb = to_blocks(x, cfg.rows)  # in x's dtype: converted to float32 inside each pass
     blk = block_amax(xb)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxlowfp import nvfp4
-from jaxlowfp._core import bits
+from jaxlowfp._core import bits, reduce
 
 F32 = np.float32
 FLT_MAX = F32(np.finfo(np.float32).max)
@@ -191,7 +191,10 @@ def test_inside_jit_bit_exact_on_larger_tensors():
     """256x1024 tensors inside a user's jit: sensitive to XLA's reciprocal-multiply rewrite and FMA contraction
     (spec 8), which change ~30 % of the affected roundings, so a regression flips scales, codes or 4/6 choices.
     One large tensor per error-sum rule (mse: 1x16 float32, mae: 16x16 bfloat16 tiles), both in one program; the
-    other rule x block shape x dtype combinations run at small size in test_matches_reference_and_round_trips."""
+    other rule x block shape x dtype combinations run at small size in test_matches_reference_and_round_trips.
+    The error sums take two forms by size (``reduce.UNROLLED_FROM``): these tensors get the written-out columns, the
+    small ones the rolled loop, so the reference checks both."""
+    assert 256 * 1024 >= reduce.UNROLLED_FROM > max(np.prod(s) for c in CASES.values() for s, _ in c)
     cases = {"mse": ((1, 16), make("normal", (256, 1024), seed=11)),
              "mae": ((16, 16), make("student_t", (256, 1024), seed=11, dtype=ml_dtypes.bfloat16))}
 

@@ -59,21 +59,38 @@ def combine_rows(acc: jax.Array, rule: str) -> jax.Array:
     return pairwise_rows(acc, jnp.maximum if rule == "abs_max" else jnp.add)
 
 
+# From this many elements per candidate (xb.size), the column fold is written out (run time dominates); below it, a
+# rolled loop (compile time dominates): docs/limits.md. 256 x 1024 is the first written-out size.
+UNROLLED_FROM = 1 << 18
+
+
+def unrolled(xb: jax.Array) -> bool:
+    """Whether :func:`column_loop` writes the columns of blocks `xb` out (``xb.size >= UNROLLED_FROM``); callers
+    with several candidates then fold each candidate on its own (:func:`~jaxlowfp._core.nvfp4_blocks.block_errors`)."""
+    return xb.size >= UNROLLED_FROM
+
+
 def column_loop(xb: jax.Array, aux: jax.Array | None, column, shape: tuple[int, ...] = (), *, with_max: bool = False):
     """Fold ``column(|x_i|, aux_i, carry)`` over the 16 columns i = 0..15 of blocks `xb` [..., R, nb, 16], in
     order: ``|x_i|`` is float32 [..., R, nb]; `aux_i` is column i of `aux` (laid out as `xb`: uniforms, say), or
     None. The carry is (error, max), float32 of `shape` broadcast with [..., R, nb], starting at +0 (exact:
     ``+0 + t == t`` and ``max(+0, t) == t`` for every t >= 0 or NaN); the max is None unless `with_max`.
 
-    A rolled loop over a copy with the columns swapped in front of the blocks: XLA compiles one column's work, not
-    sixteen (unrolled, the 4/6 candidates' errors were most of a Four Over Six program's compile time), for the
-    price of that copy and a pass per column (docs/limits.md)."""
+    Two forms, the same bits. Small tensors: a rolled loop over a copy with the columns swapped in front of the
+    blocks, so XLA compiles one column's work, not sixteen. From :data:`UNROLLED_FROM` elements: the sixteen
+    columns written out, which XLA fuses into one pass over `xb` (the loop's copy and its pass per column cost
+    2-3x the run time there; docs/limits.md)."""
+    zero = jnp.zeros(jnp.broadcast_shapes(shape, xb.shape[:-1]), jnp.float32)
+    carry = (zero, zero if with_max else None)
+    if unrolled(xb):
+        for i in range(xb.shape[-1]):
+            carry = column(jnp.abs(xb[..., i].astype(jnp.float32)), None if aux is None else aux[..., i], carry)
+        return carry
     cols = jnp.swapaxes(xb, -1, -2)  # [..., R, 16, nb]: column i is contiguous within each row
     acols = None if aux is None else jnp.swapaxes(aux, -1, -2)
-    zero = jnp.zeros(jnp.broadcast_shapes(shape, xb.shape[:-1]), jnp.float32)
 
     def body(i, carry):
         ai = None if acols is None else lax.dynamic_index_in_dim(acols, i, -2, keepdims=False)
         return column(jnp.abs(lax.dynamic_index_in_dim(cols, i, -2, keepdims=False).astype(jnp.float32)), ai, carry)
 
-    return lax.fori_loop(0, xb.shape[-1], body, (zero, zero if with_max else None))
+    return lax.fori_loop(0, xb.shape[-1], body, carry)
