@@ -16,7 +16,8 @@ re-associate the rounding. float16 and bfloat16 inputs widen exactly to float32 
 """
 from __future__ import annotations
 
-from typing import Literal
+import functools
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -112,7 +113,13 @@ def round(x, *, saturate: bool = False, rounding: Rounding = "ta") -> jnp.ndarra
     NaN stays NaN, +-Inf and ``|x| >= 40960`` give +-Inf (``saturate=True``: +-32768); results that round to zero
     are +0 (HiF8 has a single zero).
     """
-    x = _check(x, rounding, "x")
+    return _round(_check(x, rounding, "x"), saturate, rounding)
+
+
+# The codec's bodies are jitted after the arguments are checked: an eager call compiles one program per shape and
+# dtype instead of each of its ~30 operations; inside a caller's jit they are inlined.
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _round(x: jax.Array, saturate: bool, rounding: str) -> jax.Array:
     sign, rounded, is_nan, overflow = _rounded_parts(x, rounding)
     ovf_bits = sign | u32(_BITS_32768 if saturate else BITS_INF)
     out = jnp.where(rounded == u32(0), u32(0), sign | rounded)
@@ -143,7 +150,11 @@ def encode(x, *, saturate: bool = False, rounding: Rounding = "ta") -> jnp.ndarr
     NaN -> 0x80; +-Inf and ``|x| >= 40960`` -> 0x6F/0xEF (``saturate=True``: 0x6E/0xEE, +-32768); any value that
     rounds to zero -> 0x00 (sign dropped).
     """
-    x = _check(x, rounding, "x")
+    return _encode(_check(x, rounding, "x"), saturate, rounding)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _encode(x: jax.Array, saturate: bool, rounding: str) -> jax.Array:
     sign, rounded, is_nan, overflow = _rounded_parts(x, rounding)
     sign8 = (sign >> 24).astype(jnp.int32)
     code = jnp.where(rounded == u32(0), 0, sign8 | _pack_codes(rounded))
@@ -154,8 +165,11 @@ def encode(x, *, saturate: bool = False, rounding: Rounding = "ta") -> jnp.ndarr
 
 def decode(codes, dtype=jnp.float32) -> jnp.ndarray:
     """Values of HiF8 `codes` (uint8) in `dtype` (float32/bfloat16/float16 hold every HiF8 value exactly)."""
-    codes = uint8_codes(codes, "HiF8 codes")
-    dtype = float_dtype(dtype)
+    return _decode(uint8_codes(codes, "HiF8 codes"), float_dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _decode(codes: jax.Array, dtype: Any) -> jax.Array:
     c = codes.astype(jnp.int32)
     s = c & 0x80
     p = c & 0x7F

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -174,7 +175,13 @@ class MiniFloat(ElementFormat):
 
     def round(self, x: Any, *, saturate: bool = False) -> jax.Array:  # noqa: A003
         """Nearest value of `x` in `x`'s dtype. NaN stays NaN (also for E2M1, whose *codes* have no NaN)."""
-        x = float_input(x, "x")
+        return self._round(float_input(x, "x"), saturate)
+
+    # The codec's bodies are jitted after the arguments are checked (the format itself static: a frozen, hashable
+    # dataclass): an eager call compiles one program per shape, not each of its operations; a caller's jit
+    # inlines them.
+    @functools.partial(jax.jit, static_argnums=(0, 2))
+    def _round(self, x: jax.Array, saturate: bool) -> jax.Array:
         sign, rounded, is_nan = self._round_parts(x)
         out = sign | f32_bits(rounded)
         out = jnp.where(rounded > self.max_finite, sign | u32(self._overflow_bits(saturate)), out)
@@ -186,7 +193,10 @@ class MiniFloat(ElementFormat):
 
     def encode(self, x: Any, *, saturate: bool = False) -> jax.Array:
         """uint8 codes of `x` (4-bit formats in the low nibble). NaN -> the format's NaN with x's sign (E2M1: 0)."""
-        x = float_input(x, "x")
+        return self._encode(float_input(x, "x"), saturate)
+
+    @functools.partial(jax.jit, static_argnums=(0, 2))
+    def _encode(self, x: jax.Array, saturate: bool) -> jax.Array:
         sign, rounded, is_nan = self._round_parts(x)
         m, top = self.mantissa_bits, self.bits - 1
         rb = f32_bits(rounded)
@@ -215,8 +225,10 @@ class MiniFloat(ElementFormat):
 
     def decode(self, codes: Any, dtype: Any = jnp.float32) -> jax.Array:
         """Values of `codes` in `dtype`. For 4-bit formats only the low nibble is read."""
-        codes = uint8_codes(codes)
-        dtype = float_dtype(dtype)
+        return self._decode(uint8_codes(codes), float_dtype(dtype))
+
+    @functools.partial(jax.jit, static_argnums=(0, 2))
+    def _decode(self, codes: jax.Array, dtype: Any) -> jax.Array:
         m, top = self.mantissa_bits, self.bits - 1
         c = codes.astype(jnp.int32) & ((1 << self.bits) - 1)
         mag = c & ((1 << top) - 1)
@@ -244,8 +256,8 @@ class _E2M1(MiniFloat):
         ay = lax.bitcast_convert_type(bits & u32(ABS), jnp.float32)
         return bits & u32(SIGN), e2m1_magnitude(ay), jnp.isnan(ay)
 
-    def encode(self, x: Any, *, saturate: bool = False) -> jax.Array:
-        x = float_input(x, "x")
+    @functools.partial(jax.jit, static_argnums=(0, 2))
+    def _encode(self, x: jax.Array, saturate: bool) -> jax.Array:
         bits = f32_bits(x)
         ay = lax.bitcast_convert_type(bits & u32(ABS), jnp.float32)
         code = (bits >> 28).astype(jnp.int32) & 8 | e2m1_index(ay)

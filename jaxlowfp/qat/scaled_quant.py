@@ -13,6 +13,7 @@ Conventions "te" and "flax" of :class:`~jaxlowfp.scaling.DelayedScaling` round `
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar, cast
 
@@ -119,9 +120,11 @@ def fused_kernel(spec: QuantSpec, x: jax.Array) -> bool:
         config={"dtype": str(x.dtype)}) == "pallas"
 
 
+@functools.partial(jax.jit, static_argnames=("spec", "axis"))
 def round_with(xs: jax.Array, spec: QuantSpec, est: jax.Array, key: jax.Array | None, axis: int = -1) -> Rounded:
     """Fake-quantize `xs` (no gradient) with the amax estimate `est`: a pure function of its arguments, so the
-    backward pass of a matmul recomputes exactly the forward's operands from high precision.
+    backward pass of a matmul recomputes exactly the forward's operands from high precision. Jitted (one program
+    per shape and spec, inlined into a caller's jit), as :func:`quantize`.
 
     Non-finite elements of `xs` come out unchanged (``y = where(isfinite(x), y_q, x)``, every format and path).
     """
@@ -157,10 +160,19 @@ def round_with(xs: jax.Array, spec: QuantSpec, est: jax.Array, key: jax.Array | 
 
 def quantize(x: jax.Array, state: AmaxHistory, spec: QuantSpec, observe: bool | jax.Array,
               key: jax.Array | None, axis: int = -1) -> _Quantized:
-    """Quantize `x` (no gradient): value, STE mask, new state and stats. NVFP4 blocks run along `axis`."""
+    """Quantize `x` (no gradient): value, STE mask, new state and stats. NVFP4 blocks run along `axis`.
+
+    One jitted program per shape and spec (`observe` static when a Python bool): called eagerly (Qwix's example
+    call, a notebook) it compiles once, not once per each of its ~50 operations; inside a jit it is inlined."""
     if x.size == 0:
         raise ValueError(f"cannot quantize an empty array (shape {x.shape})")
     check_size(x.shape, "the quantized tensor")
+    run = _quantize_static if isinstance(observe, bool) else _quantize_traced
+    return run(x, state, spec, observe, key, axis)
+
+
+def _quantize(x: jax.Array, state: AmaxHistory, spec: QuantSpec, observe: bool | jax.Array,
+              key: jax.Array | None, axis: int) -> _Quantized:
     if per_token(spec):
         return _quantize_per_token(x, state, spec, observe, key, axis)
     xs = lax.stop_gradient(x)
@@ -186,6 +198,10 @@ def quantize(x: jax.Array, state: AmaxHistory, spec: QuantSpec, observe: bool | 
     if spec.ste == "masked" and observe is not True:
         keep = keep_mask(r.sat, observe, xs.shape)
     return _Quantized(select(observe, xs, r.y), keep, new_state, stats, est)
+
+
+_quantize_static = jax.jit(_quantize, static_argnames=("spec", "observe", "axis"))
+_quantize_traced = jax.jit(_quantize, static_argnames=("spec", "axis"))
 
 
 def sat_count(sat: jax.Array | None) -> jax.Array:
