@@ -77,7 +77,7 @@ def main() -> None:
         return
     t0 = time.perf_counter()
     load = os.getloadavg()[0]
-    rows, machine_line = [], ""
+    rows = []
     for level in args.levels.split(","):
         for recipe in RECIPES:  # one fresh process each: no cache or earlier program shares the work
             env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_backend_optimization_level={level}")
@@ -88,11 +88,10 @@ def main() -> None:
             print(rows[-1], flush=True)
     from _results import machine, markdown_table, write_section
 
-    machine_line = machine()
     table = markdown_table(["LLVM level", "recipe (every *_proj)", "StableHLO ops (step)", "compile s",
                             "warm step ms (median)"], rows)
     cmd = "`.venv/bin/python bench/compile.py " + " ".join(sys.argv[1:]) + "`"
-    body = (f"{cmd.replace(' `', '`')} on {machine_line} (load average {load:.1f} at start; "
+    body = (f"{cmd.replace(' `', '`')} on {machine()} (load average {load:.1f} at start; "
             f"{time.perf_counter() - t0:.0f} s).\n\n"
             "One training step of the tiny 4-block Llama (forward, backward, Adam), every projection quantized: 56 "
             "quantized operands. Compile s: XLA's backend compile of the step, in a fresh process per row. "
