@@ -218,10 +218,15 @@ def test_scoring_pads_by_less_than_a_quarter():
     assert [_bucket(n) for n in (16, 17, 33, 63, 65, 100)] == [16, 24, 40, 64, 80, 112]
 
 
-def test_lm_eval_command_line_logs_pair_with_the_in_process_ones(wheel, tiny, tmp_path):
+def test_lm_eval_command_line_logs_pair_with_the_in_process_ones(wheel, tiny, tmp_path, monkeypatch):
     """lm-eval's command line (`jaxlowfp.lm_eval_cli`, ``--output_path --log_samples``) logs samples in another
     layout than ``simple_evaluate`` (arguments as ``{"gen_args_0": {"arg_0": ...}}``, numbers as strings): the
-    same model's items read the same from both, WinoGrande's gold log-likelihood included."""
+    same model's items read the same from both, WinoGrande's gold log-likelihood included. The command line runs
+    with the prepared tasks only in its task index (test_harness's `_LocalTaskManager`: indexing lm-eval's own
+    ~14,000 task files was 10 of this test's 12 s; the full index is `test_command_line_prints_lm_evals_table`'s)."""
+    import lm_eval.tasks
+    from test_harness import _LocalTaskManager
+
     from jaxlowfp.lm_eval_cli import main as lm_eval_main
     from train.paired import item_scores, load_samples, paired
 
@@ -230,6 +235,7 @@ def test_lm_eval_command_line_logs_pair_with_the_in_process_ones(wheel, tiny, tm
     args = f"pretrained={tiny}"
     assert main(["run", "--tasks", str(tasks), "--out", str(tmp_path / "runs"), "--batch-size", "4",
                  "--arm", f"f32={args}"]) == 0
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", _LocalTaskManager)  # read by the command line at each run
     lm_eval_main(["--model", "jaxlowfp", "--model_args", args, "--tasks", str(tasks), "--batch_size", "4",
                   "--output_path", str(tmp_path / "cli"), "--log_samples"])
     cli = load_samples(tmp_path / "cli")
