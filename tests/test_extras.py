@@ -39,7 +39,7 @@ def test_without_the_models_extra():
     assert out.returncode == 0, out.stderr[-3000:]
     lines = dict(line.split(": ", 1) for line in out.stdout.splitlines()[1:])
     assert out.stdout.startswith("model and evaluation import")
-    for key, package in (("hf", "tokenizers"), ("gguf", "tokenizers"), ("load", "tokenizers"),
+    for key, package in (("hf", "tokenizers"), ("gguf", "gguf"), ("load", "gguf"),
                          ("progress", "tqdm.auto")):
         assert f"needs the optional package {package!r}" in lines[key], (key, lines[key])
         assert "pip install 'jaxlowfp[models]'" in lines[key], (key, lines[key])

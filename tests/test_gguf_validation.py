@@ -87,8 +87,8 @@ def test_cut_anywhere_is_a_named_error(where):
 
 
 def _written(path, endianess):
-    """A small GGUF file written by gguf-py: metadata of every kind the header skips (strings, string and number
-    arrays, scalars), a non-default alignment and tensors of three types."""
+    """A small GGUF file written by gguf-py: metadata of every kind (strings, string and number arrays, scalars), a
+    non-default alignment and tensors of five types (F32, F16, I32, Q8_0, BF16)."""
     import numpy as np
 
     w = gguf.GGUFWriter(path, "llama", endianess=endianess)
@@ -101,6 +101,9 @@ def _written(path, endianess):
     w.add_tensor("a.weight", np.arange(64, dtype=np.float32).reshape(2, 32))
     w.add_tensor("b.weight", np.ones((3, 5), np.float16))
     w.add_tensor("c.weight", np.zeros((1, 7), np.int32))
+    q8 = gguf.quants.quantize(np.linspace(-1, 1, 64, dtype=np.float32).reshape(2, 32), gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("d.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("e.weight", np.arange(32, dtype=np.uint16).reshape(1, 32), raw_dtype=gguf.GGMLQuantizationType.BF16)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -108,20 +111,50 @@ def _written(path, endianess):
     return path
 
 
-def test_the_tensor_table_is_read_as_gguf_py_reads_it(tmp_path):
-    """`read_tensor_table` (the loader's own reading of the GGUF header, no gguf-py) gives every tensor's name,
-    type, dimensions and data offset, the data section's start and the alignment that gguf-py's public
-    ``GGUFReader.tensors`` / ``data_offset`` / ``alignment`` give: the fixtures, and files gguf-py writes in both
-    byte orders; the loader's reader is a plain ``gguf.GGUFReader`` (no subclass, no private hook of gguf-py)."""
-    from jaxlowfp.models import gguf_loader
+def test_the_file_is_read_as_gguf_py_reads_it(tmp_path):
+    """`GGUFFile` (the loaders' own reading of a GGUF file, no gguf-py reader) gives every metadata value (types and
+    contents), every tensor (name, type, dimensions, data offset, the mapped data's dtype, shape and bytes), the data
+    section's start and the alignment that gguf-py's ``GGUFReader`` gives: the fixtures, and files gguf-py writes in
+    both byte orders with strings, arrays, scalars, a custom alignment and float, integer and block-quantized
+    tensors. `read_tensor_table` lists the table `check_tensor_infos` validates."""
+    import numpy as np
+
+    from jaxlowfp._core.gguf_read import GGUFFile, open_reader, read_tensor_table
 
     files = [SRC, *sorted((SRC.parents[1] / "moe").glob("*.gguf"))]
     files += [_written(tmp_path / f"{e.name}.gguf", e) for e in (gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG)]
     for p in files:
-        infos, start, alignment = gguf_loader.read_tensor_table(p)
-        r = gguf.GGUFReader(p)
+        ours, theirs = GGUFFile(p), gguf.GGUFReader(p)
+        kv = {k: f for k, f in theirs.fields.items() if not k.startswith("GGUF.")}  # gguf-py's header pseudo-keys
+        assert list(ours.fields) == list(kv), p
+        for k, f in kv.items():
+            assert ours.fields[k].types == f.types, (p, k)
+            assert ours.fields[k].contents() == f.contents(), (p, k)
+            assert len(ours.fields[k]) == len(f.data), (p, k)
+        assert len(ours.tensors) == len(theirs.tensors) > 0, p
+        for a, b in zip(ours.tensors, theirs.tensors):
+            assert (a.name, a.tensor_type, [int(x) for x in a.shape], a.data_offset) == (
+                b.name, b.tensor_type, [int(x) for x in b.shape], int(b.data_offset)), (p, b.name)
+            assert (a.data.dtype, a.data.shape) == (b.data.dtype, b.data.shape), (p, b.name)
+            assert np.array_equal(a.data.view(np.uint8), b.data.view(np.uint8)), (p, b.name)
+        infos, start, alignment = read_tensor_table(p)
         assert [(n, t, d, start + o) for n, t, d, o in infos] == [
-            (t.name, int(t.tensor_type), [int(x) for x in t.shape], int(t.data_offset)) for t in r.tensors], p
-        assert (start, alignment) == (r.data_offset, r.alignment), p
-    assert alignment == 64 and len(infos) == 3
-    assert type(gguf_loader.open_reader(SRC)) is gguf.GGUFReader
+            (t.name, int(t.tensor_type), [int(x) for x in t.shape], int(t.data_offset)) for t in theirs.tensors], p
+        assert (start, alignment) == (theirs.data_offset, theirs.alignment), p
+    assert alignment == 64 and len(infos) == 5
+    assert open_reader(SRC) is open_reader(SRC)  # parsed once
+
+
+def test_a_metadata_value_that_cannot_be_decoded_is_a_named_error(tmp_path):
+    """A string that is not UTF-8 is a CheckpointError naming the file and the key when the loader reads it."""
+    from jaxlowfp.models import gguf_loader
+
+    p = _copy(tmp_path)
+    raw = bytearray(p.read_bytes())
+    at = raw.index(b"llama", raw.index(b"general.architecture") + len("general.architecture"))
+    raw[at] = 0xFF
+    p.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=f"{p}: metadata key 'general.architecture' cannot be read"):
+        load(p)
+    with pytest.raises(CheckpointError, match="general.architecture"):
+        gguf_loader.read_field(gguf_loader.open_reader(p), "general.architecture", p)

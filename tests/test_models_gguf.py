@@ -196,13 +196,13 @@ def test_load_resolution_errors(tmp_path, monkeypatch):
 
 
 def test_a_gguf_file_is_parsed_once_per_version(tmp_path, monkeypatch):
-    """`load` parses a file once (gguf-py reads every metadata array element by element: seconds for a 49k-token
-    vocabulary), and again once the file is rewritten; the reloaded weights are the new file's."""
-    from jaxlowfp.models import gguf_loader
+    """`load` reads a file's header once (the mixture-of-experts check and the loader share it), and again once the
+    file is rewritten; the reloaded weights are the new file's."""
+    from jaxlowfp._core import gguf_read
 
     parsed = []
-    real = gguf_loader._checked_reader  # gguf.GGUFReader once the tensor table is validated
-    monkeypatch.setattr(gguf_loader, "_checked_reader", lambda p, *a, **k: parsed.append(p) or real(p, *a, **k))
+    real = gguf_read._checked_reader  # a GGUFFile once the tensor table is validated
+    monkeypatch.setattr(gguf_read, "_checked_reader", lambda p, *a, **k: parsed.append(p) or real(p, *a, **k))
     path = tmp_path / "m.gguf"
     write_gguf(path, random_weights(CFG, seed=1))
     first, _ = load(path)

@@ -9,7 +9,7 @@ deterministic for one program and one XLA), against the float32 model's:
 ``temp(packed) <= temp(float32) + the two largest quantized weights in float32``. Without the barrier this tiny Llama
 (2 blocks) gives 1.98 MB against a bound of 0.95 MB (every one of its 14 projections decoded up front; 3.95-3.98 MB
 with 4 blocks); with it 0.69-0.79 MB. The packed logits are compared with the fake-quant model's within float32
-rounding (another XLA program).
+rounding (another XLA program), allowing one token whose 8-bit activation rounding flipped (`_same_model`).
 """
 from __future__ import annotations
 
@@ -44,6 +44,16 @@ def _two_largest(model, paths):
     return sum(sizes[:2])
 
 
+def _same_model(logits: np.ndarray, fake: np.ndarray) -> None:
+    """The packed logits are the fake-quant model's within float32 rounding (2e-5), except at most one token: the two
+    are different XLA programs, and where a matmul rounds one ulp apart an activation's 8-bit rounding can flip (seen
+    on an AMD EPYC with the float8 dot: one token of 64, by 4e-5); that token stays within 1e-3."""
+    off = np.abs(logits - fake) > 2e-5  # [B, T, vocab]
+    tokens = np.argwhere(off.any(axis=-1))
+    assert len(tokens) <= 1, f"{len(tokens)} tokens' logits differ by more than 2e-5: {tokens[:5].tolist()}"
+    np.testing.assert_allclose(logits, fake, rtol=0, atol=1e-3)
+
+
 @pytest.fixture(scope="module")
 def float_temp():
     return _forward(Llama(CFG, rngs=nnx.Rngs(0)))[0]
@@ -67,7 +77,7 @@ def test_packed_forward_temp_is_bounded_by_float32s(float_temp, name, weights_on
     ptq.pack_model(model, res, gemm=backend)
     temp, logits = _forward(model)
     assert temp <= bound, f"packed temp {temp} B > float32 temp {float_temp} B + two projections = {bound} B"
-    np.testing.assert_allclose(logits, fake, rtol=0, atol=2e-5)
+    _same_model(logits, fake)
 
 
 def _moe(n_layers, judges=True):

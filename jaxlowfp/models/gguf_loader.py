@@ -1,6 +1,7 @@
 """Load a Llama-family GGUF file (llama.cpp's format) into `jaxlowfp.models.llama.Llama` and its tokenizer.
 
-Weights go through ``gguf.GGUFReader`` and ``gguf.quants.dequantize`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_x and
+The file is read by `jaxlowfp._core.gguf_read.GGUFFile` (tensor table validated first, metadata decoded when
+asked for); weights go through ``gguf.quants.dequantize`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_x and
 the K-quants, ...), so a quantized file loads as its dequantized float32 values.
 
 GGUF stores tensors in PyTorch ``[out, in]`` row order, except that llama.cpp's converter permutes the rows of the
@@ -32,7 +33,6 @@ pre-tokenizer regexes llama.cpp uses for the ``pre`` type.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from jaxlowfp._core.deprecation import renamed_kwarg
 from jaxlowfp._core.pretokenizers import PRE_TOKENIZERS
 from jaxlowfp.models.common import (CheckpointError, LazyTensor, TensorSpec, Tokenizer, build_model,
                                     install_packed, tensor_specs)
+from jaxlowfp._core.gguf_read import open_reader
 from jaxlowfp.models.llama import Llama, ModelConfig
 
 tokenizers = optional_module("tokenizers", extra="models", feature="loading a GGUF checkpoint")
@@ -51,8 +52,8 @@ gguf = optional_module("gguf", extra="models", feature="loading a GGUF checkpoin
 Regex, decoders, models = tokenizers.Regex, tokenizers.decoders, tokenizers.models
 pre_tokenizers, processors = tokenizers.pre_tokenizers, tokenizers.processors
 
-__all__ = ["ARCHITECTURES", "PACKED_TYPES", "PRE_TOKENIZERS", "check_tensor_infos", "config_fields", "decode_scale",
-           "load_gguf", "packed_weight", "read_config", "read_tensor_table", "read_tokenizer", "unpermute_rope_rows"]
+__all__ = ["ARCHITECTURES", "PACKED_TYPES", "PRE_TOKENIZERS", "config_fields", "decode_scale", "load_gguf",
+           "packed_weight", "read_config", "read_tokenizer", "unpermute_rope_rows"]
 
 # architecture -> whether the converter permuted the q/k rows (llama.cpp RoPE type NORM vs NEOX)
 ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
@@ -65,168 +66,6 @@ def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def check_tensor_infos(path: Path, infos: list[tuple[str, int, list[int], int]], data_start: int, size: int,
-                       alignment: int) -> None:
-    """Validate a GGUF file's tensor table before any tensor is read, as safetensors validates its header: every
-    ``(name, ggml type, dims, offset)`` has a known type, a first dimension that is a whole number of the type's
-    blocks, an offset (from the data section's start) that is a multiple of ``general.alignment``, and its bytes
-    (``n_elements / block_size * type_size``) inside the file; no two tensors overlap. A `CheckpointError` naming the
-    file and the tensor otherwise (a truncated or corrupt file, never a tensor read from the wrong bytes)."""
-    spans = []
-    for name, raw_type, dims, offset in infos:
-        where = f"{path}: tensor {name}"
-        try:
-            ggml_type = gguf.GGMLQuantizationType(raw_type)
-            block, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
-        except (ValueError, KeyError):
-            raise CheckpointError(f"{where} has the unknown ggml type {raw_type} (a corrupt tensor table?)") from None
-        n = 1
-        for d in dims:
-            n *= int(d)
-        if dims and int(dims[0]) % block:
-            raise CheckpointError(f"{where}: its first dimension {int(dims[0])} is not a multiple of the "
-                                  f"{ggml_type.name} block of {block} values (a corrupt tensor table?)")
-        if offset % alignment:
-            raise CheckpointError(f"{where}: data offset {offset} is not a multiple of general.alignment "
-                                  f"{alignment} (a corrupt tensor table?)")
-        begin, nbytes = data_start + offset, n // block * type_size
-        if begin + nbytes > size:
-            raise CheckpointError(f"{where} ({ggml_type.name} {[int(d) for d in dims]}: {nbytes} bytes at byte "
-                                  f"{begin}) ends at byte {begin + nbytes}, past the end of the {size}-byte file: "
-                                  f"the file is truncated")
-        spans.append((begin, begin + nbytes, name))
-    spans.sort()
-    for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
-        if begin < end:
-            raise CheckpointError(f"{path}: tensor {b} starts at byte {begin}, inside tensor {a} (which ends at "
-                                  f"byte {end}): a corrupt tensor table")
-
-
-# GGUF metadata value types -> bytes of one scalar (ggml-org/ggml docs/gguf.md, "gguf_metadata_value_type"):
-# UINT8 INT8 UINT16 INT16 UINT32 INT32 FLOAT32 BOOL, then STRING = 8 and ARRAY = 9, UINT64 INT64 FLOAT64
-_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_STRING, _ARRAY, _UINT32 = 8, 9, 4
-_VERSIONS = (2, 3)  # GGUF v1 had 32-bit counts; llama.cpp and gguf-py read v2 and v3
-
-
-def read_tensor_table(path: Path) -> tuple[list[tuple[str, int, list[int], int]], int, int]:
-    """``(infos, data_start, alignment)`` of a GGUF file, read from its header as the GGUF specification lays it out
-    (ggml-org/ggml ``docs/gguf.md``): magic ``GGUF``, version, tensor and key-value counts, the key-value pairs
-    (skipped, except ``general.alignment``), then one ``(name, ggml type, dims, offset)`` per tensor; the data
-    section starts at the next multiple of the alignment (default 32). Little- or big-endian, as the version field
-    says. Nothing is trusted: a header that runs past the file's end, an unknown value type or a bad alignment is a
-    ValueError. This is what `open_reader` checks (`check_tensor_infos`) before gguf-py maps any tensor; it uses no
-    part of gguf-py, so a gguf release cannot change what is checked."""
-    import mmap
-    import struct
-
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < 24:
-            raise ValueError(f"{size} bytes: shorter than a GGUF header (24 bytes)")
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    try:
-        if buf[:4] != b"GGUF":
-            raise ValueError(f"GGUF magic invalid ({bytes(buf[:4])!r})")
-        end = "<" if struct.unpack_from("<I", buf, 4)[0] & 0xFFFF else ">"  # a swapped file reads 0 in the low half
-        version, n_tensors, n_kv = struct.unpack_from(end + "IQQ", buf, 4)
-        if version not in _VERSIONS:
-            raise ValueError(f"GGUF version {version}; readable: {', '.join(map(str, _VERSIONS))}")
-        offs = 24
-
-        def take(fmt: str) -> Any:
-            nonlocal offs
-            n = struct.calcsize(fmt)
-            if offs + n > size:
-                raise ValueError(f"the header runs past the end of the {size}-byte file (at byte {offs})")
-            out = struct.unpack_from(end + fmt, buf, offs)
-            offs += n
-            return out[0] if len(out) == 1 else out
-
-        def skip(n: int) -> None:
-            nonlocal offs
-            if n < 0 or offs + n > size:
-                raise ValueError(f"the header runs past the end of the {size}-byte file (at byte {offs})")
-            offs += n
-
-        def string() -> bytes:
-            n = take("Q")
-            skip(n)
-            return bytes(buf[offs - n:offs])
-
-        def skip_value(vtype: int) -> None:
-            if vtype in _SCALAR_BYTES:
-                skip(_SCALAR_BYTES[vtype])
-            elif vtype == _STRING:
-                skip(take("Q"))
-            elif vtype == _ARRAY:
-                item, count = take("I"), take("Q")
-                if item in _SCALAR_BYTES:
-                    skip(_SCALAR_BYTES[item] * count)
-                elif item in (_STRING, _ARRAY):
-                    for _ in range(count):
-                        skip_value(item)
-                else:
-                    raise ValueError(f"unknown GGUF array element type {item} (at byte {offs})")
-            else:
-                raise ValueError(f"unknown GGUF value type {vtype} (at byte {offs})")
-
-        alignment = 32
-        for _ in range(n_kv):
-            key, vtype = string(), take("I")
-            if key == b"general.alignment":
-                if vtype != _UINT32:
-                    raise ValueError(f"general.alignment has value type {vtype}; the specification's is UINT32")
-                alignment = take("I")
-                if alignment <= 0 or alignment & (alignment - 1):
-                    raise ValueError(f"general.alignment {alignment} is not a power of two")
-            else:
-                skip_value(vtype)
-        infos = []
-        for _ in range(n_tensors):
-            name = string().decode("utf-8", "replace")
-            n_dims = take("I")
-            if n_dims > 4:  # GGML_MAX_DIMS: llama.cpp refuses more
-                raise ValueError(f"tensor {name} has {n_dims} dimensions; GGUF tensors have at most 4")
-            dims = [take("Q") for _ in range(n_dims)]
-            infos.append((name, take("I"), dims, take("Q")))
-        return infos, offs + (-offs % alignment), alignment
-    finally:
-        buf.close()
-
-
-def _checked_reader(path: Path) -> Any:
-    """``gguf.GGUFReader(path)`` once the tensor table (`read_tensor_table`) passed `check_tensor_infos`."""
-    infos, data_start, alignment = read_tensor_table(path)
-    check_tensor_infos(path, infos, data_start, os.path.getsize(path), alignment)
-    return gguf.GGUFReader(path)
-
-
-# The last files parsed, by (path, inode, size, mtime): gguf-py parses every metadata array element by element
-# (SmolLM2's 49,152-token vocabulary and merges: seconds), and one `jaxlowfp.models.load` opened each file twice
-# (the mixture-of-experts check, then the loader). A rewritten file has another key; the readers are read-only maps.
-_READERS: dict[tuple, Any] = {}
-
-
-def open_reader(path: Path) -> Any:
-    """A ``gguf.GGUFReader`` of `path` (its tensor table validated; the last two parsed files are reused); a
-    CheckpointError for a file that is not a readable GGUF."""
-    try:
-        st = os.stat(path)
-        key = (str(Path(path).resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
-        reader = _READERS.pop(key, None)
-        if reader is None:
-            reader = _checked_reader(path)
-    except CheckpointError:
-        raise
-    except (ValueError, OSError, IndexError, KeyError) as e:
-        raise CheckpointError(f"{path}: not a readable GGUF file (truncated or corrupt?): {e}") from e
-    _READERS[key] = reader  # the most recent last
-    while len(_READERS) > 2:
-        del _READERS[next(iter(_READERS))]
-    return reader
-
-
 def read_field(reader: Any, key: str, path: Path, default: Any = ...) -> Any:
     """The value of the metadata field `key`; `default` when absent (a CheckpointError without a default)."""
     f = reader.fields.get(key)
@@ -234,7 +73,10 @@ def read_field(reader: Any, key: str, path: Path, default: Any = ...) -> Any:
         if default is ...:
             raise CheckpointError(f"{path}: metadata key {key!r} is missing")
         return default
-    return f.contents()
+    try:
+        return f.contents()
+    except ValueError as e:  # a string that is not UTF-8, an array of arrays
+        raise CheckpointError(f"{path}: metadata key {key!r} cannot be read: {e}") from e
 
 
 def read_config(reader: Any, path: Path, *, dtype: str = "float32", param_dtype: str = "float32") -> ModelConfig:

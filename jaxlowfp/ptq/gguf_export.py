@@ -54,6 +54,7 @@ from flax import nnx
 
 from jaxlowfp import mx
 from jaxlowfp._core.checks import optional_module
+from jaxlowfp._core.gguf_read import open_reader
 from jaxlowfp.ptq import checks, known_gaps, serving, stream
 from jaxlowfp.ptq.api import PTQResult
 from jaxlowfp.ptq.export_layout import PackedView, check_finite_param, export_params, same_packed_nvfp4
@@ -211,8 +212,8 @@ def _check_source(reader: Any, source: Path, arch: str, meta: Mapping[str, Any],
         raise ValueError(f"source_gguf {source} does not hold this model's tensors: missing there {missing[:3]}, "
                          f"extra there {extra[:3]}, other shapes {bad[:3]}")
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    if tokens is not None and vocab_rows is not None and len(tokens.data) != vocab_rows:
-        raise ValueError(f"source_gguf {source}: its vocabulary has {len(tokens.data)} tokens, the model's "
+    if tokens is not None and vocab_rows is not None and len(tokens) != vocab_rows:
+        raise ValueError(f"source_gguf {source}: its vocabulary has {len(tokens)} tokens, the model's "
                          f"embedding {vocab_rows} rows; llama.cpp refuses such a file")
 
 
@@ -329,7 +330,7 @@ def export_gguf(model: nnx.Module, result: PTQResult | None, path: str | Path, *
     bits = 0
     n_params = sum(int(np.prod(v.shape)) for v in params.values())
     rounded = written_hp = 0
-    reader = gguf.GGUFReader(Path(source_gguf)) if source_gguf is not None else None
+    reader = open_reader(Path(source_gguf)) if source_gguf is not None else None  # its tensor table validated
     src_tensors = {x.name: x for x in reader.tensors} if reader is not None else {}
     notes_pre: list[str] = []
     host = {p: _Host(v) for p, v in params.items()}  # what t.array reads: a host copy per tensor, none cached
