@@ -368,19 +368,28 @@ def test_the_record_holds_what_the_model_executed(tiny):
     assert fake.get_model_info()["quantization"]["executed"]["by_kind"] == {"nvfp4_w4a4_static_6 | token | dequant": 3}
 
 
-@pytest.mark.parametrize("module", ["jaxlowfp.harness", "jaxlowfp.lm_eval_cli"])  # python -m; jaxlowfp-lm-eval
-def test_command_line_prints_lm_evals_table(tiny, module):
-    path = tiny[0]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
-    # one task file (lm-eval's command line indexes its own task library first, ~10 s, whatever is asked);
-    # the three task kinds through simple_evaluate are tiny_run's
-    proc = subprocess.run(
-        [sys.executable, "-m", module, "--model", "jaxlowfp", "--model_args",
-         f"pretrained={path},max_length=32", "--tasks", str(TASKS / f"{MC}.yaml"), "--limit", "2",
-         "--batch_size", "2"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert re.search(rf"\|{MC}\s*\|\s*1\|none\s*\|\s*0\|acc\s", proc.stdout), proc.stdout  # lm-eval's table
-    assert "jaxlowfp ({'pretrained': " in proc.stdout and "'max_length': 32" in proc.stdout
+@pytest.mark.parametrize("entry", ["python -m jaxlowfp.harness", "jaxlowfp.lm_eval_cli.main"])
+def test_command_line_prints_lm_evals_table(tiny, entry, capsys, monkeypatch):
+    """``python -m jaxlowfp.harness`` in a fresh process, with lm-eval's own task index (~10 s of indexing its task
+    library, whatever is asked); `jaxlowfp.lm_eval_cli.main` (what ``jaxlowfp-lm-eval`` and ``python -m
+    jaxlowfp.lm_eval_cli`` call) in this one, with only the local tasks indexed (`_LocalTaskManager`). One task
+    file; the three task kinds through simple_evaluate are tiny_run's."""
+    args = ["--model", "jaxlowfp", "--model_args", f"pretrained={tiny[0]},max_length=32", "--tasks",
+            str(TASKS / f"{MC}.yaml"), "--limit", "2", "--batch_size", "2"]
+    if entry.startswith("python -m"):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+        proc = subprocess.run([sys.executable, "-m", entry.split()[-1], *args], capture_output=True, text=True,
+                              cwd=ROOT, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        stdout = proc.stdout
+    else:
+        from jaxlowfp.lm_eval_cli import main as lm_eval_main
+
+        monkeypatch.setattr(lm_eval.tasks, "TaskManager", _LocalTaskManager)  # read by the command line at each run
+        lm_eval_main(args)
+        stdout = capsys.readouterr().out
+    assert re.search(rf"\|{MC}\s*\|\s*1\|none\s*\|\s*0\|acc\s", stdout), stdout  # lm-eval's table
+    assert "jaxlowfp ({'pretrained': " in stdout and "'max_length': 32" in stdout
 
 
 def test_smollm2_end_to_end(smollm2_shared):
