@@ -1,7 +1,7 @@
 """`ptq.export_gguf` refuses what would change the file's meaning (issue 31): W4A4 without ``weights_only``, the
-compressed-tensors decode order, another model's ``source_gguf``, a tokenizer llama.cpp cannot represent, files a
-consumer is known to misrun; writes Llama-3 RoPE factors as ``rope_freqs.weight``; high precision in F16 / BF16 /
-F32. Judges: the ``gguf`` package's reader and dequantizers, ml_dtypes' bfloat16 rounding."""
+compressed-tensors decode order, another model's or a damaged ``source_gguf``, a tokenizer llama.cpp cannot
+represent, files a consumer is known to misrun; writes Llama-3 RoPE factors as ``rope_freqs.weight``; high precision
+in F16 / BF16 / F32. Judges: the ``gguf`` package's reader and dequantizers, ml_dtypes' bfloat16 rounding."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from jaxlowfp import ptq
-from jaxlowfp.models import Llama, ModelConfig
+from jaxlowfp.models import CheckpointError, Llama, ModelConfig
 from jaxlowfp.models.llama import llama3_rope_factors
 from jaxlowfp.ptq import gguf_export
 
@@ -82,7 +82,11 @@ def test_source_gguf_of_another_model_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"does not hold this model's tensors: missing there \[\], extra there "
                                          r"\['output.weight'\]"):
         ptq.export_gguf(Llama(tied, rngs=nnx.Rngs(0)), None, tmp_path / "d.gguf", source_gguf=src)
-    assert not any((tmp_path / f"{x}.gguf").exists() for x in "bcd")
+    cut = tmp_path / "cut.gguf"  # a damaged source is refused before anything of it is read
+    cut.write_bytes(src.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=rf"{cut}: tensor \S+ .* the file is truncated"):
+        ptq.export_gguf(Llama(CFG, rngs=nnx.Rngs(1)), None, tmp_path / "e.gguf", source_gguf=cut)
+    assert not any((tmp_path / f"{x}.gguf").exists() for x in "bcde")
 
 
 def test_qwen2_nvfp4_mlp_is_a_known_llamacpp_gap(tmp_path):
