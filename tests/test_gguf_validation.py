@@ -87,14 +87,15 @@ def test_cut_anywhere_is_a_named_error(where):
 
 
 def _written(path, endianess):
-    """A small GGUF file written by gguf-py: metadata of every kind (strings, string and number arrays, scalars), a
-    non-default alignment and tensors of five types (F32, F16, I32, Q8_0, BF16)."""
+    """A small GGUF file written by gguf-py: metadata of every kind (strings, string, number and nested arrays,
+    scalars), a non-default alignment and tensors of five types (F32, F16, I32, Q8_0, BF16)."""
     import numpy as np
 
     w = gguf.GGUFWriter(path, "llama", endianess=endianess)
     w.add_custom_alignment(64)
     w.add_array("tokenizer.ggml.tokens", ["a", "bb", "", "é"])
     w.add_array("x.numbers", [1, 2, 3])
+    w.add_array("x.nested", [[1, 2], [3]])
     w.add_string("x.name", "tiny")
     w.add_float32("x.eps", 1e-5)
     w.add_bool("x.flag", True)
@@ -129,6 +130,10 @@ def test_the_file_is_read_as_gguf_py_reads_it(tmp_path):
         assert list(ours.fields) == list(kv), p
         for k, f in kv.items():
             assert ours.fields[k].types == f.types, (p, k)
+            if f.types[:2] == [gguf.GGUFValueType.ARRAY] * 2:  # walked over (the keys after it read right), refused
+                with pytest.raises(ValueError, match=f"{k!r} is an array of arrays"):
+                    ours.fields[k].contents()
+                continue
             assert ours.fields[k].contents() == f.contents(), (p, k)
             assert len(ours.fields[k]) == len(f.data), (p, k)
         assert len(ours.tensors) == len(theirs.tensors) > 0, p

@@ -57,7 +57,7 @@ class Field:
     def contents(self) -> Any:
         """The value as Python objects: a number, bool or str; an array as a list of them."""
         f, (head, *rest) = self._file, [int(t) for t in self.types]
-        item = rest[-1] if head == _ARRAY else head
+        item = rest[0] if head == _ARRAY else head
         if item == _ARRAY:
             raise ValueError(f"metadata key {self.name!r} is an array of arrays, which this reader does not decode")
         if item == _STRING:
