@@ -72,6 +72,28 @@ def test_misaligned_offset_and_unknown_type_are_refused(tmp_path):
         load(p)
 
 
+def _rename(p, old: bytes, new: bytes) -> None:
+    """Overwrite the first `old` in the file's header with `new` (the same length)."""
+    raw = bytearray(p.read_bytes())
+    at = raw.index(old)
+    raw[at:at + len(old)] = new
+    p.write_bytes(bytes(raw))
+
+
+def test_a_name_that_appears_twice_is_refused(tmp_path):
+    """Two tensors of one name, or two metadata values of one key: a CheckpointError naming the file and the name,
+    not the last one silently winning (gguf-py's reader refuses both too)."""
+    p = _copy(tmp_path)
+    _rename(p, b"blk.0.attn_k.weight", b"blk.0.attn_q.weight")
+    with pytest.raises(CheckpointError, match=rf"{p}: tensor blk.0.attn_q.weight appears twice in the tensor table"):
+        load(p)
+    p = _copy(tmp_path)
+    _rename(p, b"llama.block_count", b"general.file_type")
+    with pytest.raises(CheckpointError, match=rf"{p}: not a readable GGUF.*metadata key 'general.file_type' appears "
+                                              rf"twice"):
+        load(p)
+
+
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(where=st.floats(0, 1, exclude_max=True))
 def test_cut_anywhere_is_a_named_error(where):

@@ -86,9 +86,9 @@ class Tensor:
 class GGUFFile:
     """A GGUF file's ``fields`` (key -> `Field`) and ``tensors`` (list of `Tensor`).
 
-    The header is walked on construction: a header that runs past the file's end, an unknown value type, a bad
-    alignment or more than four dimensions is a ValueError. ``tensors`` maps the data section on first use; check
-    ``infos`` (`check_tensor_infos`) first, as `open_reader` does."""
+    The header is walked on construction: a header that runs past the file's end, an unknown value type, a key that
+    appears twice, a bad alignment or more than four dimensions is a ValueError. ``tensors`` maps the data section
+    on first use; check ``infos`` (`check_tensor_infos`) first, as `open_reader` does."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -109,6 +109,8 @@ class GGUFFile:
         self.alignment = 32
         for _ in range(n_kv):
             key = self._string().decode("utf-8", "replace")
+            if key in self.fields:  # gguf-py refuses it too: which value would be meant?
+                raise ValueError(f"metadata key {key!r} appears twice")
             vtype = self._take("I")
             start, count, types = self._skip_value(vtype)
             self.fields[key] = Field(key, types, self, start, count)
@@ -202,11 +204,15 @@ def check_tensor_infos(path: Path, infos: list[tuple[str, int, list[int], int]],
     """Validate a GGUF file's tensor table before any tensor is read, as safetensors validates its header: every
     ``(name, ggml type, dims, offset)`` has a known type, a first dimension that is a whole number of the type's
     blocks, an offset (from the data section's start) that is a multiple of ``general.alignment``, and its bytes
-    (``n_elements / block_size * type_size``) inside the file; no two tensors overlap. A `CheckpointError` naming the
-    file and the tensor otherwise (a truncated or corrupt file, never a tensor read from the wrong bytes)."""
-    spans = []
+    (``n_elements / block_size * type_size``) inside the file; no two tensors share a name or overlap. A
+    `CheckpointError` naming the file and the tensor otherwise (a truncated or corrupt file, never a tensor read
+    from the wrong bytes)."""
+    spans, seen = [], set()
     for name, raw_type, dims, offset in infos:
         where = f"{path}: tensor {name}"
+        if name in seen:
+            raise CheckpointError(f"{where} appears twice in the tensor table (a corrupt file?)")
+        seen.add(name)
         try:
             ggml_type = gguf.GGMLQuantizationType(raw_type)
             block, type_size = gguf.GGML_QUANT_SIZES[ggml_type]

@@ -41,10 +41,10 @@ import numpy as np
 
 from jaxlowfp._core.checks import optional_module
 from jaxlowfp._core.deprecation import renamed_kwarg
+from jaxlowfp._core.gguf_read import open_reader
 from jaxlowfp._core.pretokenizers import PRE_TOKENIZERS
 from jaxlowfp.models.common import (CheckpointError, LazyTensor, TensorSpec, Tokenizer, build_model,
                                     install_packed, tensor_specs)
-from jaxlowfp._core.gguf_read import open_reader
 from jaxlowfp.models.llama import Llama, ModelConfig
 
 tokenizers = optional_module("tokenizers", extra="models", feature="loading a GGUF checkpoint")
