@@ -94,6 +94,18 @@ def test_a_name_that_appears_twice_is_refused(tmp_path):
         load(p)
 
 
+def test_arrays_nested_without_end_are_a_named_error(tmp_path):
+    """A crafted header of arrays nested 5,000 deep (12 bytes a level) is a CheckpointError, not a RecursionError."""
+    import struct
+
+    p = tmp_path / "deep.gguf"
+    level = struct.pack("<IQ", 9, 1)  # element type ARRAY, count 1
+    p.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"x" + struct.pack("<I", 9)
+                  + level * 5000 + struct.pack("<IQ", 4, 1) + b"\0" * 4)
+    with pytest.raises(CheckpointError, match=rf"{p}: not a readable GGUF.*arrays nested more than 8 deep"):
+        load(p)
+
+
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(where=st.floats(0, 1, exclude_max=True))
 def test_cut_anywhere_is_a_named_error(where):

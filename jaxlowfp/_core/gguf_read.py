@@ -37,6 +37,7 @@ _SCALARS = {0: "u1", 1: "i1", 2: "u2", 3: "i2", 4: "u4", 5: "i4", 6: "f4", 7: "?
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
 _VERSIONS = (2, 3)  # GGUF v1 had 32-bit counts; llama.cpp and gguf-py read v2 and v3
 _MAX_DIMS = 4  # GGML_MAX_DIMS: llama.cpp refuses more
+_MAX_NESTING = 8  # arrays of arrays: a crafted file could nest them until the walk's recursion overflows
 # tensor types whose data gguf-py maps as numbers; every other (block-quantized, BF16) as bytes [..., bytes per row]
 _NUMERIC = {"F32": "f4", "F16": "f2", "F64": "f8", "I8": "i1", "I16": "i2", "I32": "i4", "I64": "i8"}
 
@@ -152,8 +153,10 @@ class GGUFFile:
         self._skip(n)
         return bytes(self.buf[self._offs - n:self._offs])
 
-    def _skip_value(self, vtype: int) -> tuple[int, int, list[Any]]:
+    def _skip_value(self, vtype: int, depth: int = 0) -> tuple[int, int, list[Any]]:
         """Step over one value of type `vtype`: ``(offset of its data, element count, its types)``."""
+        if depth > _MAX_NESTING:
+            raise ValueError(f"metadata arrays nested more than {_MAX_NESTING} deep (at byte {self._offs})")
         if vtype in _SCALARS or vtype == _STRING:
             start = self._offs
             self._skip(np.dtype(_SCALARS[vtype]).itemsize if vtype in _SCALARS else self._take("Q"))
@@ -169,7 +172,7 @@ class GGUFFile:
             raise ValueError(f"unknown GGUF array element type {item} (at byte {self._offs})")
         sub = [gguf.GGUFValueType(item)]
         for _ in range(count):
-            sub = self._skip_value(item)[2]
+            sub = self._skip_value(item, depth + 1)[2]
         return start, count, [*types, *sub]
 
     @property
