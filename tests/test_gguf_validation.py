@@ -154,7 +154,8 @@ def test_the_file_is_read_as_gguf_py_reads_it(tmp_path):
     tensors. `read_tensor_table` lists the table `check_tensor_infos` validates."""
     import numpy as np
 
-    from jaxlowfp._core.gguf_read import GGUFFile, open_reader, read_tensor_table
+    from jaxlowfp._core.gguf_read import GGUFFile, open_reader
+    from jaxlowfp.models.gguf_loader import read_tensor_table  # the public name
 
     files = [SRC, *sorted((SRC.parents[1] / "moe").glob("*.gguf"))]
     files += [_written(tmp_path / f"{e.name}.gguf", e) for e in (gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG)]

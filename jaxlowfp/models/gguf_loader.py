@@ -41,7 +41,7 @@ import numpy as np
 
 from jaxlowfp._core.checks import optional_module
 from jaxlowfp._core.deprecation import renamed_kwarg
-from jaxlowfp._core.gguf_read import open_reader
+from jaxlowfp._core.gguf_read import check_tensor_infos, open_reader, read_tensor_table  # re-exported (public here)
 from jaxlowfp._core.pretokenizers import PRE_TOKENIZERS
 from jaxlowfp.models.common import (CheckpointError, LazyTensor, TensorSpec, Tokenizer, build_model,
                                     install_packed, tensor_specs)
@@ -52,8 +52,8 @@ gguf = optional_module("gguf", extra="models", feature="loading a GGUF checkpoin
 Regex, decoders, models = tokenizers.Regex, tokenizers.decoders, tokenizers.models
 pre_tokenizers, processors = tokenizers.pre_tokenizers, tokenizers.processors
 
-__all__ = ["ARCHITECTURES", "PACKED_TYPES", "PRE_TOKENIZERS", "config_fields", "decode_scale", "load_gguf",
-           "packed_weight", "read_config", "read_tokenizer", "unpermute_rope_rows"]
+__all__ = ["ARCHITECTURES", "PACKED_TYPES", "PRE_TOKENIZERS", "check_tensor_infos", "config_fields", "decode_scale",
+           "load_gguf", "packed_weight", "read_config", "read_tensor_table", "read_tokenizer", "unpermute_rope_rows"]
 
 # architecture -> whether the converter permuted the q/k rows (llama.cpp RoPE type NORM vs NEOX)
 ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
