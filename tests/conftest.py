@@ -40,6 +40,9 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 import jax  # noqa: E402
 
+from train import GC_THRESHOLD  # noqa: E402
+
+gc.set_threshold(*GC_THRESHOLD)  # train/__init__.py: fewer full collections of a heap JAX's caches keep growing
 jax.config.update("jax_num_cpu_devices", 4)
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -114,9 +117,9 @@ def _mapped_regions() -> int:
 def _map_budget() -> int:
     try:
         with open("/proc/sys/vm/max_map_count") as f:
-            return int(f.read()) // 3
+            return int(f.read()) // 2
     except (OSError, ValueError):
-        return 20_000
+        return 30_000
 
 
 _MAP_BUDGET = _map_budget()
@@ -124,12 +127,15 @@ _MAP_BUDGET = _map_budget()
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
-    """At a test-module boundary, drop JAX's compiled programs once this worker holds more than a third of the
-    kernel's mapping limit (``vm.max_map_count``, 65530 by default). XLA:CPU maps each compiled object's code, read-only
-    data and data as three regions, and jit caches keep every executable alive: an xdist worker running ~750 tests
-    reached ~18,000 regions in its first 8 minutes, and stop 49's clean runs each lost a worker to a segfault late in
-    the run (74-92 %), inside the compilation or serialization of a large program, when mmap failed at the limit.
-    ``jax.clear_caches()`` unmaps them; programs a later module needs are compiled again. Results are unchanged."""
+    """At a test-module boundary, drop JAX's compiled programs once this worker holds more than half of the kernel's
+    mapping limit (``vm.max_map_count``, 65530 by default). XLA:CPU maps each compiled object's code, read-only data
+    and data as separate regions, and jit caches keep every executable alive: stop 49's clean runs each lost a worker
+    to a segfault late in the run (74-92 %), inside the compilation or serialization of a large program, when mmap
+    failed at the limit. ``jax.clear_caches()`` unmaps them; programs a later module needs are compiled again.
+    Results are unchanged. Why half: sampled every 5 s through a whole run (stop 62), a worker gained up to 9,000
+    regions a minute and one module at most 6,800 (test_packed_load), so half the limit leaves about five times that
+    before mmap fails; at a third, each worker cleared its caches 4-5 times a run and compiled again what the next
+    modules shared."""
     if nextitem is not None and nextitem.module is item.module:
         return
     if _mapped_regions() > _MAP_BUDGET:

@@ -20,6 +20,7 @@ real validation sets, arms evaluated on them and compared item by item, `train.t
 """
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import logging
@@ -32,6 +33,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from . import GC_THRESHOLD
 from . import evaluate as ev
 from . import mesh as mesh_lib
 from .arms import RuleError, finished_arm, quantize_arm, record_arm, stats_layer, train_arm
@@ -269,6 +271,7 @@ SUBCOMMANDS: dict[str, str] = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    gc.set_threshold(*GC_THRESHOLD)
     if argv and argv[0] in SUBCOMMANDS:
         return importlib.import_module(SUBCOMMANDS[argv[0]], _PACKAGE).main(argv[1:])
     cfg = parse_args(argv)
