@@ -17,9 +17,10 @@ demo: setup
 # three failing fails the target. `--dist worksteal`: a worker that runs out of tests takes queued tests from the
 # other (`loadfile` pinned each long file to one worker, so one worker idled while the other ran a long file).
 # `--durations=25`: CI's log names the slowest tests.
-# mimalloc (the cmeel-mimalloc wheel, a test extra on Linux) is preloaded into pytest and every process it starts:
+# mimalloc (the cmeel-mimalloc wheel, a test extra on Linux) is preloaded into pytest and the processes it starts
+# (LD_PRELOAD is inherited):
 # glibc's malloc took 14 % of the CPU samples of compile-heavy tests (`perf record`: _int_malloc, malloc_consolidate),
-# and the four files of docs/performance.md ran 6-11 % faster with it, each pair side by side on the two cores.
+# and four test files (docs/performance.md) ran 7 % faster with it on average, eight pairs side by side on two cores.
 # Allocation does not change any result. Elsewhere than Linux nothing is preloaded.
 # PYTHONDONTWRITEBYTECODE emptied: where the environment sets it (this VM's does), each of the two workers and every
 # subprocess compiled jaxlowfp's and the tests' sources again (collection 9.0 s -> 5.9 s with the bytecode cached, a
