@@ -222,8 +222,8 @@ def test_lm_eval_command_line_logs_pair_with_the_in_process_ones(wheel, tiny, tm
     """lm-eval's command line (`jaxlowfp.lm_eval_cli`, ``--output_path --log_samples``) logs samples in another
     layout than ``simple_evaluate`` (arguments as ``{"gen_args_0": {"arg_0": ...}}``, numbers as strings): the
     same model's items read the same from both, WinoGrande's gold log-likelihood included. The command line runs
-    with the prepared tasks only in its task index (test_harness's `_LocalTaskManager`: indexing lm-eval's own
-    ~14,000 task files was 10 of this test's 12 s; the full index is `test_command_line_prints_lm_evals_table`'s)."""
+    with the prepared tasks only in its task index (test_harness's `_LocalTaskManager`: given a task directory the
+    command line keeps lm-eval's own ~14,000 task files, whose indexing was 10 of this test's 12 s)."""
     import lm_eval.tasks
     from test_harness import _LocalTaskManager
 

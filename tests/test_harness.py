@@ -290,15 +290,37 @@ def test_quantized_continuation_scores_do_not_depend_on_the_batch(tiny):
 
 
 class _LocalTaskManager(TaskManager):
-    """lm-eval's TaskManager without its own task library (``include_defaults=False``): the command line builds one
-    whatever is asked, and indexing lm-eval's ~14,000 task files (10-15 s on 2 cores) is most of an in-process run
-    of one local YAML task. The command line's own index is `test_command_line_prints_lm_evals_table`'s."""
+    """lm-eval's TaskManager without its own task library (``include_defaults=False``), for a command line given a
+    task directory (which keeps lm-eval's library: a registered task of the directory's name would win); indexing
+    lm-eval's ~14,000 task files takes 10-15 s on 2 cores. Given task YAML files, `jaxlowfp.lm_eval_cli` leaves the
+    library out itself (`test_the_command_line_indexes_lm_evals_library_only_for_what_needs_it`)."""
 
     def __init__(self, *args, include_defaults=False, **kw):
         super().__init__(*args, include_defaults=include_defaults, **kw)
 
 
-def test_the_results_json_records_the_quantization(tiny, tmp_path, monkeypatch):
+def test_the_command_line_indexes_lm_evals_library_only_for_what_needs_it(tmp_path):
+    """`jaxlowfp.lm_eval_cli` leaves lm-eval's own task library out only when every task asked for is an existing
+    YAML file; a task name, a directory, a glob pattern or a missing file keep lm-eval's TaskManager as it is."""
+    import lm_eval.tasks
+
+    from jaxlowfp.lm_eval_cli import _local_task_files, _without_task_library
+
+    task = str(TASKS / f"{MC}.yaml")
+    for argv in (["--tasks", task], ["-t", task], [f"--tasks={task},{task}"], ["--model", "jaxlowfp", "--tasks", task]):
+        assert _local_task_files(argv), argv
+    for argv in (["--tasks", "arc_easy"], ["--tasks", f"{task},arc_easy"], ["--tasks", str(TASKS)],
+                 ["--tasks", str(TASKS / "*.yaml")], ["--tasks", str(tmp_path / "missing.yaml")], ["--tasks"], []):
+        assert not _local_task_files(argv), argv
+    base = lm_eval.tasks.TaskManager
+    with _without_task_library():
+        local = lm_eval.tasks.TaskManager(include_path=str(TASKS))
+        assert issubclass(lm_eval.tasks.TaskManager, base) and MC in local.all_tasks
+        assert not local.match_tasks(["arc_easy"])  # lm-eval's own tasks are not indexed
+    assert lm_eval.tasks.TaskManager is base
+
+
+def test_the_results_json_records_the_quantization(tiny, tmp_path):
     """``jaxlowfp-lm-eval --output_path``: lm-eval's results JSON holds ``config.quantization``: scheme, layers,
     activation scale, GEMM backend, the library's (and lm-eval's, jax's) version, the device and the model
     arguments; an in-process model quantized by its caller is recorded from its quantized ops."""
@@ -312,7 +334,6 @@ def test_the_results_json_records_the_quantization(tiny, tmp_path, monkeypatch):
 
     path, _, tok, _ = tiny
     layers = r"blocks/1/mlp/\w+_proj"
-    monkeypatch.setattr(lm_eval.tasks, "TaskManager", _LocalTaskManager)  # read by the command line at each run
     lm_eval_main(["--model", "jaxlowfp", "--model_args",
                   f"pretrained={path},quantize=nvfp4-mse,layers={layers},act_scale=token,max_length=32",
                   "--tasks", str(TASKS / f"{MC}.yaml"), "--limit", "2", "--batch_size", "2",
@@ -369,11 +390,10 @@ def test_the_record_holds_what_the_model_executed(tiny):
 
 
 @pytest.mark.parametrize("entry", ["python -m jaxlowfp.harness", "jaxlowfp.lm_eval_cli.main"])
-def test_command_line_prints_lm_evals_table(tiny, entry, capsys, monkeypatch):
-    """``python -m jaxlowfp.harness`` in a fresh process, with lm-eval's own task index (~10 s of indexing its task
-    library, whatever is asked); `jaxlowfp.lm_eval_cli.main` (what ``jaxlowfp-lm-eval`` and ``python -m
-    jaxlowfp.lm_eval_cli`` call) in this one, with only the local tasks indexed (`_LocalTaskManager`). One task
-    file; the three task kinds through simple_evaluate are tiny_run's."""
+def test_command_line_prints_lm_evals_table(tiny, entry, capsys):
+    """``python -m jaxlowfp.harness`` in a fresh process; `jaxlowfp.lm_eval_cli.main` (what ``jaxlowfp-lm-eval``
+    and ``python -m jaxlowfp.lm_eval_cli`` call) in this one. One task file, so neither indexes lm-eval's own task
+    library; the three task kinds through simple_evaluate are tiny_run's."""
     args = ["--model", "jaxlowfp", "--model_args", f"pretrained={tiny[0]},max_length=32", "--tasks",
             str(TASKS / f"{MC}.yaml"), "--limit", "2", "--batch_size", "2"]
     if entry.startswith("python -m"):
@@ -385,7 +405,6 @@ def test_command_line_prints_lm_evals_table(tiny, entry, capsys, monkeypatch):
     else:
         from jaxlowfp.lm_eval_cli import main as lm_eval_main
 
-        monkeypatch.setattr(lm_eval.tasks, "TaskManager", _LocalTaskManager)  # read by the command line at each run
         lm_eval_main(args)
         stdout = capsys.readouterr().out
     assert re.search(rf"\|{MC}\s*\|\s*1\|none\s*\|\s*0\|acc\s", stdout), stdout  # lm-eval's table
