@@ -91,6 +91,35 @@ def test_hf_bfloat16_weights_load_as_float32(tmp_path):
     np.testing.assert_array_equal(got, weights["layers.1.mlp.up_proj.weight"].astype(np.float32).T)
 
 
+def test_loads_of_one_configuration_are_independent_models(tmp_path):
+    """Every load of a configuration fills a clone of one abstract model (`jaxlowfp.models.common._abstract_model`,
+    built once): changing a loaded model (a weight set, weights quantized in place, a module replaced by QAT
+    quantization) changes no other load."""
+    from jaxlowfp import ptq, qat, qnnx
+    from jaxlowfp.models.common import _abstract_model
+
+    weights = random_weights(CFG, seed=5)
+    write_hf(tmp_path, weights)
+    first, _ = load(tmp_path)
+    hits = _abstract_model.cache_info().hits
+    second, _ = load(tmp_path)
+    assert _abstract_model.cache_info().hits == hits + 1  # the second load reused the abstract model
+    linear = type(second.blocks[1].attn.q_proj)
+    first.blocks[0].mlp.up_proj.kernel[...] = jnp.zeros_like(first.blocks[0].mlp.up_proj.kernel[...])
+    ptq.quantize_model(first, [ptq.Rule(path=r"blocks/1/mlp/\w+_proj", scheme=ptq.scheme("nvfp4-mse"))],
+                       method="rtn", progress=False)
+    qnnx.quantize_model(first, [qnnx.Rule(path=r"blocks/1/attn/q_proj", recipe=qat.hif8_w8a8())])
+    assert type(first.blocks[1].attn.q_proj) is not linear  # QAT quantization replaced the module in `first`
+    w = "layers.1.mlp.down_proj.weight"
+    assert not np.array_equal(np.asarray(first.blocks[1].mlp.down_proj.kernel[...]), weights[w].T)  # PTQ changed it
+    for model in (second, load(tmp_path)[0]):  # and nothing else
+        assert type(model.blocks[1].attn.q_proj) is linear
+        for i, proj in ((0, "up_proj"), (1, "up_proj"), (1, "down_proj")):
+            got = np.asarray(getattr(model.blocks[i].mlp, proj).kernel[...])
+            np.testing.assert_array_equal(got, weights[f"layers.{i}.mlp.{proj}.weight"].T)
+    assert not np.asarray(first.blocks[0].mlp.up_proj.kernel[...]).any()
+
+
 def test_hf_tokenizer_round_trips(tmp_path):
     write_hf(tmp_path, random_weights(CFG))
     _, tok = load(tmp_path)

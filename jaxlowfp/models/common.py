@@ -9,6 +9,7 @@ what the devices hold."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
@@ -107,6 +108,14 @@ def _bounds(index: Any, shape: Sequence[int]) -> Index:
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=16)
+def _abstract_model(model_class: type[Llama], config: ModelConfig) -> Llama:
+    """``model_class(config)`` built abstractly (`nnx.eval_shape`: shapes and dtypes, no values), once per class and
+    configuration; `build_model` fills a clone of it (tracing the constructor took 0.4 s for SmolLM2-135M, cloning
+    the result 0.02 s)."""
+    return nnx.eval_shape(lambda: model_class(config, rngs=nnx.Rngs(0)))
+
+
 def build_model(config: ModelConfig, fetch: Callable[[TensorSpec], LazyTensor | tuple[np.ndarray, str] | None],
                 source: str | Path, *, mesh: jax.sharding.Mesh | None = None, rules: Any = None,
                 model_class: type[Llama] = Llama, specs: Sequence[TensorSpec] | None = None) -> Llama:
@@ -124,7 +133,7 @@ def build_model(config: ModelConfig, fetch: Callable[[TensorSpec], LazyTensor | 
     `jaxlowfp.sharding.llama_rules`), each device's shard read by itself (`_put_shards`), so no device and no
     host ever holds a whole sharded tensor. The values are those of the unsharded load, bit for bit.
     """
-    model = nnx.eval_shape(lambda: model_class(config, rngs=nnx.Rngs(0)))
+    model = nnx.clone(_abstract_model(model_class, config))
     variables = {"/".join(map(str, p)): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)}
     by_path = {s.path: s for s in (tensor_specs(config) if specs is None else specs)}
     if set(variables) != set(by_path):  # the name table and the model disagree: a bug here, not in the file
