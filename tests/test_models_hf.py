@@ -92,18 +92,18 @@ def test_hf_bfloat16_weights_load_as_float32(tmp_path):
 
 
 def test_loads_of_one_configuration_are_independent_models(tmp_path):
-    """Every load of a configuration fills a clone of one abstract model (`jaxlowfp.models.common._abstract_model`,
+    """Every load of a configuration fills a clone of one abstract model (`jaxlowfp.models.common.abstract_model`,
     built once): changing a loaded model (a weight set, weights quantized in place, a module replaced by QAT
     quantization) changes no other load."""
     from jaxlowfp import ptq, qat, qnnx
-    from jaxlowfp.models.common import _abstract_model
+    from jaxlowfp.models.common import _template
 
     weights = random_weights(CFG, seed=5)
     write_hf(tmp_path, weights)
     first, _ = load(tmp_path)
-    hits = _abstract_model.cache_info().hits
+    hits = _template.cache_info().hits
     second, _ = load(tmp_path)
-    assert _abstract_model.cache_info().hits == hits + 1  # the second load reused the abstract model
+    assert _template.cache_info().hits == hits + 1  # the second load reused the abstract model
     linear = type(second.blocks[1].attn.q_proj)
     first.blocks[0].mlp.up_proj.kernel[...] = jnp.zeros_like(first.blocks[0].mlp.up_proj.kernel[...])
     ptq.quantize_model(first, [ptq.Rule(path=r"blocks/1/mlp/\w+_proj", scheme=ptq.scheme("nvfp4-mse"))],

@@ -26,8 +26,8 @@ from jaxlowfp.models.tensor_names import TensorSpec, tensor_specs
 if TYPE_CHECKING:
     import tokenizers
 
-__all__ = ["CheckpointError", "LazyTensor", "TensorSpec", "Tokenizer", "build_model", "install_packed",
-           "tensor_specs"]
+__all__ = ["CheckpointError", "LazyTensor", "TensorSpec", "Tokenizer", "abstract_model", "build_model",
+           "install_packed", "tensor_specs"]
 
 
 class Tokenizer:
@@ -109,11 +109,15 @@ def _bounds(index: Any, shape: Sequence[int]) -> Index:
 
 
 @functools.lru_cache(maxsize=16)
-def _abstract_model(model_class: type[Llama], config: ModelConfig) -> Llama:
-    """``model_class(config)`` built abstractly (`nnx.eval_shape`: shapes and dtypes, no values), once per class and
-    configuration; `build_model` fills a clone of it (tracing the constructor took 0.4 s for SmolLM2-135M, cloning
-    the result 0.02 s)."""
+def _template(model_class: type[Llama], config: ModelConfig) -> Llama:
     return nnx.eval_shape(lambda: model_class(config, rngs=nnx.Rngs(0)))
+
+
+def abstract_model(model_class: type[Llama], config: ModelConfig) -> Llama:
+    """``model_class(config)`` built abstractly (`nnx.eval_shape`: shapes and dtypes, no values), a model of its own
+    to fill. The constructor is traced once per class and configuration and the result cloned (tracing took 0.4 s
+    for SmolLM2-135M, cloning 0.02 s)."""
+    return nnx.clone(_template(model_class, config))
 
 
 def build_model(config: ModelConfig, fetch: Callable[[TensorSpec], LazyTensor | tuple[np.ndarray, str] | None],
@@ -133,7 +137,7 @@ def build_model(config: ModelConfig, fetch: Callable[[TensorSpec], LazyTensor | 
     `jaxlowfp.sharding.llama_rules`), each device's shard read by itself (`_put_shards`), so no device and no
     host ever holds a whole sharded tensor. The values are those of the unsharded load, bit for bit.
     """
-    model = nnx.clone(_abstract_model(model_class, config))
+    model = abstract_model(model_class, config)
     variables = {"/".join(map(str, p)): v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)}
     by_path = {s.path: s for s in (tensor_specs(config) if specs is None else specs)}
     if set(variables) != set(by_path):  # the name table and the model disagree: a bug here, not in the file

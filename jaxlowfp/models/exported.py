@@ -13,6 +13,7 @@ from typing import Any
 from flax import nnx
 
 from jaxlowfp._core.deprecation import renamed_kwarg
+from jaxlowfp.models.common import abstract_model
 from jaxlowfp.models.llama import Llama
 from jaxlowfp.models.moe import MoEDecoder
 
@@ -41,6 +42,6 @@ def load_export(directory: str | Path, *, packed: bool = False, gemm: str = "aut
     else:
         config, make = hf_loader.read_config(directory, dtype=dtype, param_dtype=param_dtype), Llama
     tok = hf_loader.checkpoint_tokenizer(directory, tokenizer, config.vocab)
-    model = nnx.eval_shape(lambda: make(config, rngs=nnx.Rngs(0)))
+    model = abstract_model(make, config)
     load(model, directory, packed=packed, gemm=gemm)
     return model, tok
