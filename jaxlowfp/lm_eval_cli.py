@@ -10,9 +10,9 @@ lm-eval's command line with the same arguments::
 ``python -m jaxlowfp.harness`` and ``python -m jaxlowfp.lm_eval_cli`` run the same command. Needs the
 ``jaxlowfp[lm-eval]`` extra.
 
-When ``--tasks`` names only existing task YAML files, lm-eval's own task library (about 14,000 files) is not indexed:
-nothing in it is asked for, and indexing it took about 10 s of a 15 s run of one local task on 2 cores. Any task
-name, directory or glob pattern keeps lm-eval's behaviour.
+When ``--tasks`` names only existing YAML files of single tasks, lm-eval's own task library (about 14,000 files) is not
+indexed: nothing in it is asked for, and indexing it took about 10 s of a 15 s run of one local task on 2 cores. Any
+task name, directory, glob pattern or group file keeps lm-eval's behaviour.
 """
 from __future__ import annotations
 
@@ -41,7 +41,10 @@ def register() -> None:
 
 def _local_task_files(argv: Sequence[str]) -> bool:
     """Whether the command line ``argv`` asks for tasks (``--tasks`` / ``-t``, comma-separated) that are all existing
-    ``.yaml`` files: then lm-eval needs nothing from its own task library."""
+    ``.yaml`` files of single tasks: then lm-eval needs nothing from its own task library. A group file (its ``task``
+    a list, which may name lm-eval's tasks) or one lm-eval cannot read keeps lm-eval's behaviour."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
     tasks = None
     for i, a in enumerate(argv):
         if a in ("--tasks", "-t") and i + 1 < len(argv):
@@ -49,7 +52,12 @@ def _local_task_files(argv: Sequence[str]) -> bool:
         elif a.startswith("--tasks="):
             tasks = a.split("=", 1)[1]
     entries = [t for t in (tasks or "").split(",") if t]
-    return bool(entries) and all(t.endswith(".yaml") and Path(t).is_file() for t in entries)
+    if not entries or not all(t.endswith(".yaml") and Path(t).is_file() for t in entries):
+        return False
+    try:
+        return all(isinstance(load_yaml(t, resolve_func=False).get("task"), str) for t in entries)
+    except Exception:  # lm-eval reports an unreadable file itself
+        return False
 
 
 @contextlib.contextmanager

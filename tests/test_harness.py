@@ -301,16 +301,20 @@ class _LocalTaskManager(TaskManager):
 
 def test_the_command_line_indexes_lm_evals_library_only_for_what_needs_it(tmp_path):
     """`jaxlowfp.lm_eval_cli` leaves lm-eval's own task library out only when every task asked for is an existing
-    YAML file; a task name, a directory, a glob pattern or a missing file keep lm-eval's TaskManager as it is."""
+    YAML file of one task; a task name, a directory, a glob pattern, a missing file or a group file (which may list
+    lm-eval's tasks) keep lm-eval's TaskManager as it is."""
     import lm_eval.tasks
 
     from jaxlowfp.lm_eval_cli import _local_task_files, _without_task_library
 
     task = str(TASKS / f"{MC}.yaml")
+    group = tmp_path / "group.yaml"
+    group.write_text("group: mine\ntask:\n  - arc_easy\n  - jaxlowfp_local_mc\n")
     for argv in (["--tasks", task], ["-t", task], [f"--tasks={task},{task}"], ["--model", "jaxlowfp", "--tasks", task]):
         assert _local_task_files(argv), argv
     for argv in (["--tasks", "arc_easy"], ["--tasks", f"{task},arc_easy"], ["--tasks", str(TASKS)],
-                 ["--tasks", str(TASKS / "*.yaml")], ["--tasks", str(tmp_path / "missing.yaml")], ["--tasks"], []):
+                 ["--tasks", str(TASKS / "*.yaml")], ["--tasks", str(tmp_path / "missing.yaml")], ["--tasks"], [],
+                 ["--tasks", str(group)], ["--tasks", f"{task},{group}"]):
         assert not _local_task_files(argv), argv
     base = lm_eval.tasks.TaskManager
     with _without_task_library():
