@@ -79,8 +79,9 @@ def evaluate(lm: LM, tasks: Sequence[str | dict], *, include_path: str | None = 
              **kwargs: Any) -> dict[str, Any]:
     """``lm_eval.simple_evaluate`` of the backend ``lm`` on ``tasks``: lm-eval task names (their datasets come
     from the Hugging Face hub), paths of local task YAMLs or directories, or config dicts (`rolling_task`,
-    `choice_task`). Only with names does lm-eval index its own task library (about 10 s). ``kwargs`` go to
-    ``simple_evaluate`` (``limit``, ``num_fewshot``, ...); samples are logged. Returns lm-eval's results dict."""
+    `choice_task`). Only names and groups (a config whose ``task`` is a list, which may name lm-eval's tasks) make
+    lm-eval index its own task library (about 10 s). ``kwargs`` go to ``simple_evaluate`` (``limit``,
+    ``num_fewshot``, ...); samples are logged. Returns lm-eval's results dict."""
     from lm_eval.tasks import TaskManager
     from lm_eval.tasks._yaml_loader import load_yaml
 
@@ -102,8 +103,8 @@ def evaluate(lm: LM, tasks: Sequence[str | dict], *, include_path: str | None = 
             expanded.append(t)
     if not expanded:
         raise ValueError("evaluate needs at least one task")
-    names = [t for t in expanded if isinstance(t, str)]
-    manager = TaskManager(include_path=include_path, include_defaults=bool(names))
+    library = any(not isinstance(t, dict) or not isinstance(t.get("task"), str) for t in expanded)
+    manager = TaskManager(include_path=include_path, include_defaults=library)
     kwargs.setdefault("verbosity", "ERROR")
     kwargs.setdefault("log_samples", True)
     task_log = logging.getLogger("lm_eval.api.task")

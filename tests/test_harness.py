@@ -324,6 +324,37 @@ def test_the_command_line_indexes_lm_evals_library_only_for_what_needs_it(tmp_pa
     assert lm_eval.tasks.TaskManager is base
 
 
+def test_evaluate_indexes_lm_evals_library_only_for_names_and_groups(tmp_path, monkeypatch):
+    """`jaxlowfp.harness.evaluate` asks lm-eval's TaskManager for its own library exactly when a task is given by
+    name or a group (a YAML file, a file in a directory, or a dict, whose ``task`` is a list that may name lm-eval's
+    tasks) is among the tasks; single-task files, directories and dicts do without it."""
+    import lm_eval.tasks
+
+    from jaxlowfp.harness import choice_task, evaluate
+
+    asked = []
+
+    class Spy:  # records what evaluate asks for; indexes nothing
+        def __init__(self, include_path=None, include_defaults=True):
+            asked.append(include_defaults)
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", Spy)
+    monkeypatch.setattr(lm_eval, "simple_evaluate", lambda **kw: kw)
+    group = tmp_path / "groups" / "group.yaml"
+    group.parent.mkdir()
+    group.write_text("group: mine\ntask:\n  - arc_easy\n  - jaxlowfp_local_mc\n")
+    single = str(TASKS / f"{MC}.yaml")
+    inline = choice_task("mine_mc", [ev.ChoiceItem("a", (" b", " c"), 0)])
+    cases = [([single], False), ([str(TASKS)], False), ([inline], False), ([single, inline], False),
+             (["arc_easy"], True), ([single, "arc_easy"], True), ([str(group)], True), ([str(group.parent)], True),
+             ([{"group": "g", "task": ["arc_easy"]}], True), ([inline, str(group)], True)]
+    for tasks, library in cases:
+        asked.clear()
+        run = evaluate(None, tasks)
+        assert asked == [library], (tasks, asked)
+        assert isinstance(run["task_manager"], Spy) and run["tasks"], run
+
+
 def test_the_results_json_records_the_quantization(tiny, tmp_path):
     """``jaxlowfp-lm-eval --output_path``: lm-eval's results JSON holds ``config.quantization``: scheme, layers,
     activation scale, GEMM backend, the library's (and lm-eval's, jax's) version, the device and the model
