@@ -19,6 +19,7 @@ from __future__ import annotations
 from jaxlowfp._core.surface import public_dir as _public_dir
 
 import contextlib
+import io
 import sys
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -40,18 +41,23 @@ def register() -> None:
 
 
 def _local_task_files(argv: Sequence[str]) -> bool:
-    """Whether the command line ``argv`` asks for tasks (``--tasks`` / ``-t``, comma-separated) that are all existing
-    ``.yaml`` files of single tasks: then lm-eval needs nothing from its own task library. A group file (its ``task``
-    a list, which may name lm-eval's tasks) or one lm-eval cannot read keeps lm-eval's behaviour."""
+    """Whether the command line ``argv``, read by lm-eval's own parser (``--tasks`` / ``-t`` space- or
+    comma-separated, repeatable, abbreviable), runs tasks that are all existing ``.yaml`` files of single tasks: then
+    lm-eval needs nothing from its own task library. A group file (its ``task`` a list, which may name lm-eval's
+    tasks), a file lm-eval cannot read or a command line it refuses keeps lm-eval's behaviour."""
+    from lm_eval._cli.harness import HarnessCLI
     from lm_eval.tasks._yaml_loader import load_yaml
 
-    tasks = None
-    for i, a in enumerate(argv):
-        if a in ("--tasks", "-t") and i + 1 < len(argv):
-            tasks = argv[i + 1]
-        elif a.startswith("--tasks="):
-            tasks = a.split("=", 1)[1]
-    entries = [t for t in (tasks or "").split(",") if t]
+    cli = HarnessCLI()
+    argv = list(argv)
+    if argv and argv[0] not in cli._subparsers.choices:  # lm-eval inserts `run` the same way
+        argv = ["run", *argv]
+    try:  # lm-eval reports a bad command line (or prints --help) itself, when it runs
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            args = cli._parser.parse_args(argv)
+    except SystemExit:
+        return False
+    entries = (args.tasks or []) if args.command == "run" else []
     if not entries or not all(t.endswith(".yaml") and Path(t).is_file() for t in entries):
         return False
     try:

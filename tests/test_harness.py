@@ -310,9 +310,11 @@ def test_the_command_line_indexes_lm_evals_library_only_for_what_needs_it(tmp_pa
     task = str(TASKS / f"{MC}.yaml")
     group = tmp_path / "group.yaml"
     group.write_text("group: mine\ntask:\n  - arc_easy\n  - jaxlowfp_local_mc\n")
-    for argv in (["--tasks", task], ["-t", task], [f"--tasks={task},{task}"], ["--model", "jaxlowfp", "--tasks", task]):
+    for argv in (["--tasks", task], ["-t", task], [f"--tasks={task},{task}"], ["--model", "jaxlowfp", "--tasks", task],
+                 ["run", "--tasks", task, task], ["--task", task]):  # lm-eval's parser: lists, `run`, abbreviations
         assert _local_task_files(argv), argv
     for argv in (["--tasks", "arc_easy"], ["--tasks", f"{task},arc_easy"], ["--tasks", str(TASKS)],
+                 ["--tasks", task, "arc_easy"], ["--tasks", task, "-t", "arc_easy"], ["ls", "tasks"], ["--help"],
                  ["--tasks", str(TASKS / "*.yaml")], ["--tasks", str(tmp_path / "missing.yaml")], ["--tasks"], [],
                  ["--tasks", str(group)], ["--tasks", f"{task},{group}"]):
         assert not _local_task_files(argv), argv
